@@ -1,0 +1,272 @@
+"""Reading gpt-oss checkpoints in the layout users download (HF safetensors).
+
+Expert weights come in one of three forms, told apart by config.json's quantization_config:
+  mxfp4 (as published): `*_proj_blocks` uint8 [E, rows, cols/32, 16] + `*_proj_scales` uint8
+        [E, rows, cols/32], rows = output dim (gate_up rows interleave glu/linear);
+  bf16 (transformers' dequantised layout): `gate_up_proj` [E, H, 2I], `down_proj` [E, I, H];
+  fp8 (written by `pdserve convert`): `*_proj_fp8` e4m3 [E, out, in] + `*_proj_scale` float32
+        128x128 block scales, intermediate padded (kernels.fp8.pad_intermediate).
+Everything is memory-mapped and read per tensor, and only the slice a rank owns is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8_exact
+from kernels.moe import ExpertWeights
+from kernels.mxfp4 import dequantize_mxfp4
+
+from .config import ModelConfig
+from .parallel import ShardSpec
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint is missing files or tensors, or a tensor has the wrong shape or dtype."""
+
+
+class CheckpointReader:
+    """Name -> tensor over a directory of safetensors files, memory-mapped."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        self._handles: dict[str, object] = {}
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is corrupt: {e}") from None
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {self.dir}")
+            weight_map = {}
+            for f in files:
+                for name in self._open(f.name).keys():
+                    weight_map[name] = f.name
+        self.weight_map: dict[str, str] = weight_map
+
+    def _open(self, fname: str):
+        h = self._handles.get(fname)
+        if h is None:
+            path = self.dir / fname
+            if not path.is_file():
+                raise CheckpointError(f"{path} is listed in the index but missing")
+            try:
+                h = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+            self._handles[fname] = h
+        return h
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, name: str):
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} not found in {self.dir}")
+        return self._open(self.weight_map[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str, *, shape: tuple[int, ...] | None = None, slices=None) -> torch.Tensor:
+        """Read `name` (or `slices` of it, a tuple of python slices) after checking its shape."""
+        h = self._handle(name)
+        try:
+            sl = h.get_slice(name)
+            full = tuple(sl.get_shape())
+            if shape is not None and full != tuple(shape):
+                raise CheckpointError(f"tensor {name!r} has shape {full}, expected {tuple(shape)}")
+            return sl[slices] if slices is not None else h.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name!r}: {e}") from None
+
+
+@dataclass
+class AttentionWeights:
+    qkv_weight: torch.Tensor  # [(hq + 2 hkv) * D, H] local heads, fused
+    qkv_bias: torch.Tensor
+    o_weight: torch.Tensor  # [H, hq * D] local columns
+    o_bias: torch.Tensor | None  # only on TP rank 0 (added once)
+    sinks: torch.Tensor  # float32 [hq local]
+    norm: torch.Tensor  # float32 [H]
+
+
+@dataclass
+class MoEWeights:
+    router_weight: torch.Tensor  # [E, H] (all experts: routing is replicated)
+    router_bias: torch.Tensor
+    experts: ExpertWeights
+    norm: torch.Tensor  # float32 [H]
+
+
+@dataclass
+class ModelWeights:
+    embedding: torch.Tensor  # [V local, H]
+    vocab_start: int
+    layers: list[tuple[AttentionWeights, MoEWeights]]
+    norm: torch.Tensor
+    unembedding: torch.Tensor  # [V local, H]
+
+
+def _rows(a: int, b: int) -> tuple[slice]:
+    return (slice(a, b),)
+
+
+def load_weights(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    shard: ShardSpec = ShardSpec(),
+    precision: str = "bf16",
+    device: torch.device | str = "cpu",
+) -> ModelWeights:
+    """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8)."""
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"precision must be bf16 or fp8, not {precision!r}")
+    r = CheckpointReader(model_dir)
+    dev = torch.device(device)
+    H, D = cfg.hidden_size, cfg.head_dim
+    bf16 = torch.bfloat16
+
+    def put(t: torch.Tensor, dtype=bf16) -> torch.Tensor:
+        return t.to(device=dev, dtype=dtype).contiguous()
+
+    v0, v1 = shard.vocab_range(cfg.vocab_size)
+    embedding = put(r.get("model.embed_tokens.weight", shape=(cfg.vocab_size, H), slices=_rows(v0, v1)))
+    unembedding = put(r.get("lm_head.weight", shape=(cfg.vocab_size, H), slices=_rows(v0, v1)))
+    norm = put(r.get("model.norm.weight", shape=(H,)), torch.float32)
+
+    q0, q1 = shard.q_head_range(cfg.num_attention_heads)
+    k0, k1 = shard.kv_head_range(cfg.num_key_value_heads)
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        qw = r.get(a + "q_proj.weight", shape=(hq * D, H), slices=_rows(q0 * D, q1 * D))
+        kw = r.get(a + "k_proj.weight", shape=(hkv * D, H), slices=_rows(k0 * D, k1 * D))
+        vw = r.get(a + "v_proj.weight", shape=(hkv * D, H), slices=_rows(k0 * D, k1 * D))
+        qb = r.get(a + "q_proj.bias", shape=(hq * D,), slices=_rows(q0 * D, q1 * D))
+        kb = r.get(a + "k_proj.bias", shape=(hkv * D,), slices=_rows(k0 * D, k1 * D))
+        vb = r.get(a + "v_proj.bias", shape=(hkv * D,), slices=_rows(k0 * D, k1 * D))
+        ow = r.get(a + "o_proj.weight", shape=(H, hq * D), slices=(slice(None), slice(q0 * D, q1 * D)))
+        ob = r.get(a + "o_proj.bias", shape=(H,)) if shard.tp_rank == 0 else None
+        attn = AttentionWeights(
+            qkv_weight=put(torch.cat([qw, kw, vw])),
+            qkv_bias=put(torch.cat([qb, kb, vb])),
+            o_weight=put(ow),
+            o_bias=put(ob) if ob is not None else None,
+            sinks=put(r.get(a + "sinks", shape=(hq,), slices=_rows(q0, q1)), torch.float32),
+            norm=put(r.get(p + "input_layernorm.weight", shape=(H,)), torch.float32),
+        )
+        E = cfg.num_local_experts
+        moe = MoEWeights(
+            router_weight=put(r.get(p + "mlp.router.weight", shape=(E, H))),
+            router_bias=put(r.get(p + "mlp.router.bias", shape=(E,))),
+            experts=_load_experts(r, p + "mlp.experts.", cfg, shard, precision, dev),
+            norm=put(r.get(p + "post_attention_layernorm.weight", shape=(H,)), torch.float32),
+        )
+        layers.append((attn, moe))
+    return ModelWeights(embedding, v0, layers, norm, unembedding)
+
+
+def _load_experts(
+    r: CheckpointReader, p: str, cfg: ModelConfig, shard: ShardSpec, precision: str, dev
+) -> ExpertWeights:
+    """This rank's experts [e0, e1) and its slice of their intermediate dimension.
+
+    Source MXFP4/bf16 experts are split by real channels (I / moe_tp each) and, for FP8, each
+    rank pads its slice to pad_intermediate(I) / moe_tp with zero channels. A converted FP8
+    checkpoint is already padded and is split by whole 128-blocks. Both partitions compute the
+    same sum over channels.
+    """
+    E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    e0, e1 = shard.expert_range(E)
+    tp, tr = shard.moe_tp_size, shard.moe_tp_rank
+    ex = slice(e0, e1)
+    down_bias = r.get(p + "down_proj_bias", shape=(E, H), slices=(ex,)).float()
+    if tr != 0:  # added once per token, by the first rank of the expert's TP group
+        down_bias = torch.zeros_like(down_bias)
+
+    if cfg.experts_format == "fp8":
+        Ip = pad_intermediate(I)
+        i0, i1 = shard.split(Ip, tp, tr, "padded expert intermediate size")
+        if i0 % 128:
+            raise CheckpointError(f"FP8 expert shard at channel {i0} is not on a 128-block")
+        gu_rows = slice(2 * i0, 2 * i1)
+        b0, b1 = 2 * i0 // 128, 2 * i1 // 128
+        gu = r.get(p + "gate_up_proj_fp8", shape=(E, 2 * Ip, H), slices=(ex, gu_rows))
+        gus = r.get(p + "gate_up_proj_scale", slices=(ex, slice(b0, b1)))
+        dn = r.get(p + "down_proj_fp8", shape=(E, H, Ip), slices=(ex, slice(None), slice(i0, i1)))
+        dns = r.get(p + "down_proj_scale", slices=(ex, slice(None), slice(i0 // 128, i1 // 128)))
+        gub = r.get(p + "gate_up_proj_bias", shape=(E, 2 * Ip), slices=(ex, gu_rows)).float()
+        if precision == "fp8":
+            return _to_device(ExpertWeights(gu, gub, dn, down_bias, gus, dns, e0), dev)
+        gate_up = dequantize_weight_fp8(gu, gus, torch.bfloat16)
+        down = dequantize_weight_fp8(dn, dns, torch.bfloat16)
+        return _to_device(ExpertWeights(gate_up, gub, down, down_bias, first_expert=e0), dev)
+
+    i0, i1 = shard.split(I, tp, tr, "expert intermediate size")
+    gub = r.get(p + "gate_up_proj_bias", shape=(E, 2 * I), slices=(ex, slice(2 * i0, 2 * i1))).float()
+    gate_up, down = [], []
+    for e in range(e0, e1):  # one expert at a time bounds the conversion's memory
+        g, d = _read_expert_bf16(r, p, cfg, e)
+        gate_up.append(g[2 * i0 : 2 * i1])
+        down.append(d[:, i0:i1])
+    if precision == "bf16":
+        w = ExpertWeights(torch.stack(gate_up), gub, torch.stack(down), down_bias, first_expert=e0)
+        return _to_device(w, dev)
+    ip_local = pad_intermediate(I) // tp
+    gq, gs, dq, ds = [], [], [], []
+    for g, d in zip(gate_up, down):
+        q, s, _ = quantize_weight_fp8_exact(_pad_rows(g, 2 * ip_local))
+        gq.append(q)
+        gs.append(s)
+        q, s, _ = quantize_weight_fp8_exact(_pad_rows(d.T, ip_local).T)
+        dq.append(q)
+        ds.append(s)
+    gub = _pad_rows(gub.T, 2 * ip_local).T
+    w = ExpertWeights(torch.stack(gq), gub, torch.stack(dq), down_bias, torch.stack(gs), torch.stack(ds), e0)
+    return _to_device(w, dev)
+
+
+def _read_expert_bf16(r: CheckpointReader, p: str, cfg: ModelConfig, e: int):
+    """Expert e as bf16 (gate_up [2I, H], down [H, I]); MXFP4 decodes exactly."""
+    E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    one = slice(e, e + 1)
+    if cfg.experts_format == "mxfp4":
+        gu_b = r.get(p + "gate_up_proj_blocks", shape=(E, 2 * I, H // 32, 16), slices=(one,))
+        gu_s = r.get(p + "gate_up_proj_scales", shape=(E, 2 * I, H // 32), slices=(one,))
+        dn_b = r.get(p + "down_proj_blocks", shape=(E, H, I // 32, 16), slices=(one,))
+        dn_s = r.get(p + "down_proj_scales", shape=(E, H, I // 32), slices=(one,))
+        return dequantize_mxfp4(gu_b, gu_s)[0], dequantize_mxfp4(dn_b, dn_s)[0]
+    # transformers' bf16 layout is (in, out): gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    gu = r.get(p + "gate_up_proj", shape=(E, H, 2 * I), slices=(one,))[0]
+    dn = r.get(p + "down_proj", shape=(E, I, H), slices=(one,))[0]
+    return gu.T.to(torch.bfloat16).contiguous(), dn.T.to(torch.bfloat16).contiguous()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+
+
+def _to_device(w: ExpertWeights, dev) -> ExpertWeights:
+    def mv(t):
+        return None if t is None else t.to(dev).contiguous()
+
+    return ExpertWeights(
+        mv(w.gate_up), mv(w.gate_up_bias), mv(w.down), mv(w.down_bias),
+        mv(w.gate_up_scale), mv(w.down_scale), w.first_expert,
+    )

@@ -1,0 +1,105 @@
+"""A whole engine in one process: prefill at batch size 1, then continuous batched decode.
+
+This is what `pdserve generate`, `pdserve logits` and the tests run; the disaggregated workers use
+the same `ModelRunner` and `PagedKVCache` pieces split across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from .kv_cache import KVCacheFull
+from .model_runner import InvalidRequest, ModelRunner
+from .sampling import SamplingParams, sample
+from .sequence import FinishReason, Sequence
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: FinishReason
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 128):
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        self.runner.validate_prompt(prompt_ids)
+        rid = request_id or f"req-{next(self._ids)}"
+        seq = Sequence(rid, list(prompt_ids), params)
+        if seq.max_tokens > self.runner.max_context:
+            params.max_new_tokens = self.runner.max_context - len(prompt_ids)
+        cache = self.runner.cache
+        full, sliding = cache.blocks_needed(seq.max_tokens, len(prompt_ids))
+        if full > cache.num_total_blocks:
+            raise InvalidRequest(f"request needs {full} KV blocks; the cache has {cache.num_total_blocks}")
+        self.waiting.append(seq)
+        return seq
+
+    def _finish(self, seq: Sequence, on_token) -> None:
+        self.runner.cache.release(seq.blocks)
+        if on_token:
+            on_token(seq, [])
+
+    def step(self, on_token: Callable[[Sequence, list[int]], None] | None = None) -> list[Sequence]:
+        """Admit and prefill waiting requests that fit, then one decode step for the rest.
+        Returns the requests that finished in this step."""
+        finished = []
+        cfg = self.runner.cfg
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            try:
+                seq.blocks = self.runner.cache.reserve(seq.max_tokens, len(seq.prompt_ids))
+            except KVCacheFull:
+                break  # wait for running requests to free blocks
+            self.waiting.popleft()
+            logits = self.runner.prefill(seq)
+            tok = sample(logits[None], [seq.params], [0])[0]
+            done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context)
+            if on_token:
+                on_token(seq, [tok])
+            if done:
+                self._finish(seq, on_token)
+                finished.append(seq)
+            else:
+                self.running.append(seq)
+        if self.running:
+            logits = self.runner.decode(self.running)
+            toks = sample(logits, [s.params for s in self.running], [len(s.output_ids) for s in self.running])
+            still = []
+            for seq, tok in zip(self.running, toks):
+                done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context)
+                if on_token:
+                    on_token(seq, [tok])
+                if done:
+                    self._finish(seq, on_token)
+                    finished.append(seq)
+                else:
+                    still.append(seq)
+            self.running = still
+        return finished
+
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+        on_token: Callable[[Sequence, list[int]], None] | None = None,
+    ) -> list[GenerationResult]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        seqs = [self.add_request(p, dataclasses.replace(sp)) for p, sp in zip(prompts, params)]
+        while self.waiting or self.running:
+            before = (len(self.waiting), len(self.running))
+            self.step(on_token)
+            if self.waiting and not self.running and before == (len(self.waiting), 0):
+                raise KVCacheFull("a waiting request can never fit the KV cache")
+        return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]

@@ -1,0 +1,144 @@
+"""The GPT-OSS forward pass on one rank of a worker.
+
+embedding -> N x (attention block, MoE block) -> RMSNorm -> unembedding, each block pre-normed
+with a residual. The model keeps the signature `forward(input_ids, positions, step)`; `step`
+(a `StepContext`) carries what one engine step knows about its batch: where each new token's K/V
+goes in the paged cache and the planned attention backends for each layer group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import PagedBatch, make_sink_attention
+from kernels.moe import experts_forward, route
+
+from .checkpoint import ModelWeights
+from .config import ModelConfig
+from .kv_cache import PagedKVCache
+from .parallel import ShardSpec, all_gather_last, all_reduce
+from .rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    t = x.float()
+    t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+    return (t * weight).to(x.dtype)
+
+
+@dataclass
+class StepContext:
+    """One step's batch as the layers see it: KV slots per pool, planned attention per pool."""
+
+    cache: PagedKVCache
+    slots: dict[str, torch.Tensor]  # pool -> [T] flat slot of each new token
+    attention: dict[str, object]  # pool -> planned backend
+
+
+class GptOssModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        *,
+        shard: ShardSpec = ShardSpec(),
+        device: torch.device | str = "cpu",
+        page_size: int = 16,
+        attention_backend: str = "auto",
+    ):
+        self.cfg = cfg
+        self.w = weights
+        self.shard = shard
+        self.device = torch.device(device)
+        q0, q1 = shard.q_head_range(cfg.num_attention_heads)
+        k0, k1 = shard.kv_head_range(cfg.num_key_value_heads)
+        self.num_q_heads, self.num_kv_heads = q1 - q0, k1 - k0
+        self.rope = RotaryEmbedding(cfg, self.device)
+        self.page_size = page_size
+        self.attention_backend = attention_backend
+
+    def make_attention(self) -> dict[str, object]:
+        """One backend per layer group (windowed / full), planned once per step."""
+        backends = {}
+        groups = {"full": -1}
+        if self.cfg.sliding_window > 0 and any(self.cfg.is_sliding(i) for i in range(self.cfg.num_hidden_layers)):
+            groups["sliding"] = self.cfg.sliding_window - 1
+        for g, window_left in groups.items():
+            backends[g] = make_sink_attention(
+                self.device, window_left=window_left, sm_scale=self.cfg.sm_scale,
+                num_qo_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.cfg.head_dim, page_size=self.page_size, backend=self.attention_backend,
+            )
+        return backends
+
+    # -- blocks --------------------------------------------------------------------------------
+    def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        a, _ = self.w.layers[layer]
+        cfg = self.cfg
+        D = cfg.head_dim
+        t = rms_norm(x, a.norm, cfg.rms_norm_eps)
+        qkv = F.linear(t, a.qkv_weight, a.qkv_bias)
+        nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
+        q = qkv[:, :nq].view(-1, self.num_q_heads, D)
+        k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, D)
+        v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, D)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        step.cache.write(layer, step.slots, k, v)
+        group, _ = step.cache.layer_group[layer]
+        o = step.attention[group].run(q.contiguous(), step.cache.layer_cache(layer), a.sinks)
+        o = F.linear(o.reshape(-1, nq), a.o_weight, a.o_bias)
+        return x + all_reduce(o, self.shard)
+
+    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        _, m = self.w.layers[layer]
+        cfg = self.cfg
+        t = rms_norm(x, m.norm, cfg.rms_norm_eps)
+        weights, ids = route(t, m.router_weight, m.router_bias, cfg.experts_per_token)
+        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha)
+        return x + all_reduce(y, self.shard)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.world_size == 1:
+            return F.embedding(input_ids, self.w.embedding)
+        local = input_ids - self.w.vocab_start
+        mine = (local >= 0) & (local < self.w.embedding.shape[0])
+        x = F.embedding(local.clamp(0, self.w.embedding.shape[0] - 1), self.w.embedding)
+        return all_reduce(x * mine[:, None].to(x.dtype), self.shard)
+
+    # -- public --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H] (before the last norm)."""
+        x = self._embed(input_ids)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self._attention(i, x, positions, step)
+            x = self._moe(i, x)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> float32 logits [T, vocab] (gathered over vocab shards)."""
+        h = rms_norm(hidden, self.w.norm, self.cfg.rms_norm_eps)
+        out = F.linear(h, self.w.unembedding).float()
+        out = all_gather_last(out, self.shard)
+        return out[:, : self.cfg.vocab_size]
+
+
+def plan_step(
+    attention: dict[str, object],
+    cache: PagedKVCache,
+    tables: list[dict[str, tuple[list[int], int]]],
+    qo_lens: list[int],
+) -> None:
+    """Plan each pool's backend for a batch: per request, its (table, kv_len) per pool."""
+    for group, backend in attention.items():
+        pb = PagedBatch.from_tables(
+            qo_lens,
+            [t[group][1] for t in tables],
+            [t[group][0] for t in tables],
+            cache.page_size,
+        )
+        backend.plan(pb)

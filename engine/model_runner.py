@@ -1,0 +1,129 @@
+"""Runs the model on one rank: owns weights, the paged KV cache and the attention backends, and
+turns a prefill of one request or a decode step of many into forward passes."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .checkpoint import load_weights
+from .config import ModelConfig
+from .kv_cache import PagedKVCache
+from .model import GptOssModel, StepContext, plan_step
+from .parallel import ShardSpec
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """A request the model cannot run: token ids out of range, empty or over-long prompt."""
+
+
+def default_precision(device: torch.device) -> str:
+    return "fp8" if device.type == "cuda" else "bf16"
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: str | torch.device = "cpu",
+        precision: str | None = None,
+        page_size: int = 16,
+        num_kv_blocks: int | None = None,
+        num_sliding_blocks: int | None = None,
+        kv_memory_fraction: float = 0.85,
+        shard: ShardSpec = ShardSpec(),
+        attention_backend: str = "auto",
+    ):
+        self.device = torch.device(device)
+        self.cfg = ModelConfig.load(model_dir)
+        self.precision = precision or default_precision(self.device)
+        self.shard = shard
+        weights = load_weights(model_dir, self.cfg, shard=shard, precision=self.precision, device=self.device)
+        self.model = GptOssModel(
+            self.cfg, weights, shard=shard, device=self.device, page_size=page_size,
+            attention_backend=attention_backend,
+        )
+        if num_kv_blocks is None:
+            num_kv_blocks = self._size_kv_cache(page_size, kv_memory_fraction)
+        self.cache = PagedKVCache(
+            self.cfg, num_blocks=num_kv_blocks, num_sliding_blocks=num_sliding_blocks,
+            page_size=page_size, num_kv_heads=self.model.num_kv_heads, device=self.device,
+        )
+        self.attention = self.model.make_attention()
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_context
+
+    def _size_kv_cache(self, page_size: int, fraction: float) -> int:
+        """Blocks that fit: on CUDA a fraction of free memory after the weights, split so that
+        full and sliding pools hold the same number of blocks; on CPU a fixed 64k tokens."""
+        if self.device.type != "cuda":
+            return max(1, 65536 // page_size)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_block = PagedKVCache.bytes_per_block(self.cfg, page_size, self.model.num_kv_heads, self.cfg.num_hidden_layers)
+        return max(1, int(free * fraction) // per_block)
+
+    def validate_prompt(self, ids: list[int], max_new_tokens: int = 1) -> None:
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_context:
+            raise InvalidRequest(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.max_context} tokens"
+            )
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _run(self, ids: list[int], positions: list[int], seqs_tables, qo_lens, slots) -> torch.Tensor:
+        plan_step(self.attention, self.cache, seqs_tables, qo_lens)
+        step = StepContext(self.cache, {g: s.to(self.device) for g, s in slots.items()}, self.attention)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model.forward(input_ids, pos, step)
+
+    def prefill(self, seq: Sequence, all_logits: bool = False) -> torch.Tensor:
+        """Run the whole prompt (batch size 1) into the request's blocks; float32 logits of the
+        last position [V] (or of every position [L, V] with all_logits)."""
+        n = len(seq.prompt_ids)
+        slots = self.cache.prepare(seq.blocks, 0, n)
+        tables = [self.cache.tables(seq.blocks, n)]
+        hidden = self._run(seq.prompt_ids, list(range(n)), tables, [n], slots)
+        seq.num_cached = n
+        self.cache.finish_prefill(seq.blocks, n)
+        return self.model.logits(hidden) if all_logits else self.model.logits(hidden[-1:])[0]
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for each request (its last sampled one at position num_cached): [B, V]."""
+        ids, positions, tables = [], [], []
+        slot_parts: dict[str, list[torch.Tensor]] = {}
+        for s in seqs:
+            pos = s.num_cached
+            for g, t in self.cache.prepare(s.blocks, pos, 1).items():
+                slot_parts.setdefault(g, []).append(t)
+            ids.append(s.last_token)
+            positions.append(pos)
+            tables.append(self.cache.tables(s.blocks, pos + 1))
+        slots = {g: torch.cat(v) for g, v in slot_parts.items()}
+        hidden = self._run(ids, positions, tables, [1] * len(seqs), slots)
+        for s in seqs:
+            s.num_cached += 1
+        return self.model.logits(hidden)
+
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """Float32 logits of every prompt position [L, V], through the paged path."""
+        from .sampling import SamplingParams
+
+        self.validate_prompt(ids)
+        seq = Sequence("logits", list(ids), SamplingParams(max_new_tokens=1, temperature=0))
+        seq.blocks = self.cache.reserve(len(ids), local_prompt_tokens=len(ids))
+        try:
+            return self.prefill(seq, all_logits=True)
+        finally:
+            self.cache.release(seq.blocks)

@@ -1,0 +1,152 @@
+"""Paged attention with per-head sinks (gpt-oss), for prefill and batched decode.
+
+A sink is one learned logit per query head that joins the softmax denominator and carries no
+value. KV cache layout (FlashInfer "NHD", one tensor per layer):
+    kv_cache [num_blocks, 2, page_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+A batch is described FlashInfer-style by `PagedBatch`; queries of request i are the last
+`qo_len_i` positions of its `kv_len_i` keys (causal). `window_left` follows FlashInfer: a key is
+visible when q_pos - k_pos <= window_left (-1 = unbounded); gpt-oss' 128-token window is 127.
+
+`make_sink_attention` returns the FlashInfer backend on CUDA (see kernels.flashinfer_attention)
+and the torch reference elsewhere. Both follow plan() once per batch, run() once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    """Host-side description of one step's requests over one paged KV pool (int32 tensors)."""
+
+    qo_indptr: torch.Tensor  # [B + 1] query rows of request i: qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: torch.Tensor  # [B + 1] pages of request i: kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [num_pages] physical page ids, in logical order
+    kv_last_page_len: torch.Tensor  # [B] valid entries in each request's last page (1..page_size)
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return (pages - 1) * self.page_size + self.kv_last_page_len
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(((self.qo_indptr[1:] - self.qo_indptr[:-1]) == 1).all())
+
+    @classmethod
+    def from_tables(
+        cls, qo_lens: list[int], kv_lens: list[int], tables: list[list[int]], page_size: int
+    ) -> "PagedBatch":
+        if not (len(qo_lens) == len(kv_lens) == len(tables)):
+            raise ValueError("qo_lens, kv_lens and tables differ in length")
+        qo, kv, idx, last = [0], [0], [], []
+        for q, k, table in zip(qo_lens, kv_lens, tables):
+            pages = -(-k // page_size)
+            if q > k or pages > len(table) or k <= 0:
+                raise ValueError(f"bad request shape: qo_len={q} kv_len={k} pages={len(table)}")
+            qo.append(qo[-1] + q)
+            kv.append(kv[-1] + pages)
+            idx.extend(table[:pages])
+            last.append(k - (pages - 1) * page_size)
+        i32 = dict(dtype=torch.int32)
+        return cls(
+            torch.tensor(qo, **i32), torch.tensor(kv, **i32), torch.tensor(idx, **i32),
+            torch.tensor(last, **i32), page_size,
+        )
+
+
+def sink_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    sm_scale: float,
+    window_left: int = -1,
+) -> torch.Tensor:
+    """One request, contiguous: q [Tq, Hq, D], k/v [Tk, Hkv, D] (queries are the last Tq keys)
+    -> [Tq, Hq, D] in q.dtype. Float32 softmax with the sink logit in the denominator."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    rep = hq // hkv
+    qf = q.float().reshape(tq, hkv, rep, d)
+    scores = torch.einsum("qhrd,khd->hrqk", qf, k.float()) * sm_scale
+    qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+    kpos = torch.arange(tk, device=q.device)[None, :]
+    visible = kpos <= qpos
+    if window_left >= 0:
+        visible &= qpos - kpos <= window_left
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().reshape(hkv, rep, 1, 1).expand(hkv, rep, tq, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("hrqk,khd->qhrd", probs, v.float())
+    return out.reshape(tq, hq, d).to(q.dtype)
+
+
+class TorchSinkAttention:
+    """Reference backend: gathers each request's pages and runs `sink_attention_ref`."""
+
+    def __init__(self, window_left: int, sm_scale: float):
+        self.window_left = window_left
+        self.sm_scale = sm_scale
+        self._batch: PagedBatch | None = None
+
+    def plan(self, batch: PagedBatch) -> None:
+        self._batch = batch
+        self._kv_lens = batch.kv_lens.tolist()
+        self._qo = batch.qo_indptr.tolist()
+        self._kv = batch.kv_indptr.tolist()
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        b = self._batch
+        if b is None:
+            raise RuntimeError("run() before plan()")
+        if q.shape[0] != self._qo[-1]:
+            raise ValueError(f"planned for {self._qo[-1]} query rows, got {q.shape[0]}")
+        out = torch.empty_like(q)
+        pages_all = b.kv_indices.to(kv_cache.device, torch.long)
+        for i, kv_len in enumerate(self._kv_lens):
+            pages = pages_all[self._kv[i] : self._kv[i + 1]]
+            kv = kv_cache[pages]  # [P, 2, page, Hkv, D]
+            k = kv[:, 0].flatten(0, 1)[:kv_len]
+            v = kv[:, 1].flatten(0, 1)[:kv_len]
+            s, e = self._qo[i], self._qo[i + 1]
+            out[s:e] = sink_attention_ref(q[s:e], k, v, sinks, self.sm_scale, self.window_left)
+        return out
+
+
+def make_sink_attention(
+    device: torch.device,
+    *,
+    window_left: int,
+    sm_scale: float,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    backend: str = "auto",
+):
+    """The attention backend for one layer type (windowed or full) on `device`.
+
+    backend: "auto" (FlashInfer on CUDA when installed, else torch), "torch" or "flashinfer".
+    """
+    device = torch.device(device)
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TorchSinkAttention(window_left, sm_scale)
+    try:
+        from .flashinfer_attention import FlashInferSinkAttention
+    except ImportError as e:
+        if backend == "flashinfer":
+            raise RuntimeError(f"FlashInfer backend requested but unavailable: {e}") from e
+        return TorchSinkAttention(window_left, sm_scale)
+    return FlashInferSinkAttention(
+        device, window_left=window_left, sm_scale=sm_scale, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+    )

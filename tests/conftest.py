@@ -1,0 +1,54 @@
+"""Shared fixtures: small random checkpoints in the published layout, built once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with `pytest -m gpu` on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from engine.config import preset
+
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_mxfp4(tmp_path_factory, tiny_cfg):
+    from engine.checkpoint_writer import make_random_checkpoint
+
+    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-mxfp4", tiny_cfg, seed=0,
+                                  experts="mxfp4", max_shard_bytes=48 << 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory, tiny_cfg):
+    from engine.checkpoint_writer import make_random_checkpoint
+
+    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-bf16", tiny_cfg, seed=0,
+                                  experts="bf16", max_shard_bytes=48 << 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_mxfp4):
+    from engine.model_runner import ModelRunner
+
+    return ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=512)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
