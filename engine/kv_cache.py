@@ -227,15 +227,21 @@ class PagedKVCache:
             del seq.sliding_spare[len(seq.sliding_spare) - excess :]
             self.allocators["sliding"].free(give)
 
-    def adopt_transferred(self, seq: SeqBlocks, num_tokens: int) -> None:
-        """Set the sliding table to hold the pages a remote prefill of `num_tokens` positions
-        writes (see `transfer_pages`); blocks come from the reserved quota."""
+    def transfer_targets(self, seq: SeqBlocks, num_tokens: int) -> tuple[int, list[int]]:
+        """(first sliding page, its blocks) that a remote prefill of `num_tokens` positions writes
+        into on this side; `adopt_transferred` installs exactly these."""
         if not self.has_sliding or num_tokens == 0:
-            return
+            return 0, []
         first = sliding_first_page(num_tokens, self.window, self.page_size)
         n = (num_tokens - 1) // self.page_size - first + 1
-        seq.sliding_first_page = first
-        seq.sliding, seq.sliding_spare = seq.sliding_spare[:n], seq.sliding_spare[n:]
+        return first, seq.sliding_spare[:n]
+
+    def adopt_transferred(self, seq: SeqBlocks, num_tokens: int) -> None:
+        """Install the sliding table a remote prefill of `num_tokens` positions filled."""
+        first, blocks = self.transfer_targets(seq, num_tokens)
+        if blocks:
+            seq.sliding_first_page = first
+            seq.sliding, seq.sliding_spare = blocks, seq.sliding_spare[len(blocks):]
 
     def transfer_pages(self, seq: SeqBlocks, num_tokens: int) -> dict[str, list[tuple[int, int]]]:
         """(logical page, block) pairs of a request's first `num_tokens` positions that a decode

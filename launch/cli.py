@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -168,23 +167,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (divides --tp)")
     p.set_defaults(fn=cmd_logits)
 
-    for name, module in (("serve", "launch.serve"), ("router", "router.main"),
-                         ("prefill-worker", "prefill_worker.main"), ("decode-worker", "decode_worker.main")):
-        _add_lazy(sub, name, module)
+    servers = (("serve", "launch.serve", "add_args", "run"),
+               ("router", "router.main", "add_router_args", "run_router"),
+               ("prefill-worker", "prefill_worker.main", "add_args", "run"),
+               ("decode-worker", "decode_worker.main", "add_args", "run"))
+    for name, module, add, run in servers:
+        _add_server(sub, name, module, add, run)
     return ap
 
 
-def _add_lazy(sub, name: str, module: str) -> None:
-    """Server subcommands take their flags from their own package (imported only when used)."""
+def _add_server(sub, name: str, module: str, add: str, run: str) -> None:
+    """Server subcommands take their flags from their own package."""
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return  # part not installed in this build
-    p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
-    mod.add_args(p)
-    p.set_defaults(fn=mod.run)
+    mod = importlib.import_module(module)
+    doc = (mod.__doc__ or "").strip().splitlines()
+    p = sub.add_parser(name, help=doc[0] if doc else None)
+    getattr(mod, add)(p)
+    p.set_defaults(fn=getattr(mod, run))
 
 
 def main(argv: list[str] | None = None) -> int:

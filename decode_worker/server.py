@@ -1,0 +1,125 @@
+"""gRPC face of a decode worker: Reserve / Decode (token stream) / Cancel / Load / KVMetadata.
+
+Errors leave as status codes: RESOURCE_EXHAUSTED (no KV blocks), INVALID_ARGUMENT, NOT_FOUND
+(unknown request), UNAVAILABLE (draining). A Decode stream whose caller goes away cancels the
+request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import grpc
+
+from engine.kv_cache import KVCacheFull
+from engine.sampling import SamplingError, SamplingParams
+from engine.sequence import FinishReason
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.rpc import sampling_kwargs
+
+from .scheduler import DecodeScheduler, ReservationError
+
+log = logging.getLogger(__name__)
+
+FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+class DecodeService(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, scheduler: DecodeScheduler, agent, *, worker_id: str, tp_rank: int = 0, tp_size: int = 1,
+                 default_ttl_s: float = 60.0, kv_wait_s: float = 30.0):
+        self.scheduler = scheduler
+        self.agent = agent
+        self.worker_id = worker_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.default_ttl_s = default_ttl_s
+        self.kv_wait_s = kv_wait_s
+        self.draining = False
+        self._peer_info = agent.peer_info()
+
+    # -- RPCs ---------------------------------------------------------------------------------------
+    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        ttl = request.ttl_seconds if request.ttl_seconds > 0 else self.default_ttl_s
+        try:
+            r = self.scheduler.reserve(request.request_id, request.num_prompt_tokens, request.max_new_tokens, ttl)
+        except KVCacheFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        cache = self.scheduler.cache
+        first, sliding = cache.transfer_targets(r.blocks, request.num_prompt_tokens)
+        placement = pb.KVPlacement(
+            decode_worker_id=self.worker_id, kv_agent_name=self.agent.name,
+            kv_agent_metadata=self._peer_info, full_block_ids=r.blocks.full,
+            sliding_block_ids=sliding, sliding_first_page=first,
+            page_size=cache.page_size, tp_rank=self.tp_rank, tp_size=self.tp_size,
+        )
+        return pb.ReserveResponse(placements=[placement])
+
+    def Decode(self, request: pb.DecodeRequest, context):
+        try:
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            r = self.scheduler.start(request.request_id, request.first_token_id, list(request.prompt_token_ids),
+                                     params, kv_wait_s=self.kv_wait_s)
+        except ReservationError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except (ValueError, SamplingError) as e:
+            self.scheduler.cancel(request.request_id)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+        context.add_callback(lambda: self.scheduler.cancel(rid))  # caller gone -> free blocks
+        while True:
+            try:
+                ev = r.events.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    self.scheduler.cancel(rid)
+                    return
+                continue
+            tokens = list(ev.tokens)
+            while ev.finish_reason is None:  # coalesce what is already there
+                try:
+                    nxt = r.events.get_nowait()
+                except queue.Empty:
+                    break
+                tokens.extend(nxt.tokens)
+                ev = nxt
+            chunk = pb.TokenChunk(token_ids=tokens)
+            if ev.finish_reason is not None:
+                chunk.finish_reason = FINISH[ev.finish_reason]
+                chunk.error = ev.error
+                yield chunk
+                return
+            yield chunk
+
+    def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        return pb.CancelResponse(found=self.scheduler.cancel(request.request_id))
+
+    def Load(self, request, context) -> pb.LoadReport:
+        s = self.scheduler.load()
+        cache = self.scheduler.cache
+        return pb.LoadReport(
+            worker_id=self.worker_id, role="decode", queued_requests=s["queued"],
+            running_requests=s["running"], kv_blocks_total=s["blocks_total"], kv_blocks_used=s["blocks_used"],
+            kv_blocks_free=s["blocks_free"], max_batch_size=self.scheduler.max_batch_size,
+            page_size=cache.page_size, max_context=self.scheduler.runner.max_context, draining=self.draining,
+        )
+
+    def KVMetadata(self, request, context) -> pb.KVMetadataResponse:
+        return pb.KVMetadataResponse(agent_names=[self.agent.name], agent_metadata=[self._peer_info])
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuse new work, let running streams finish (up to timeout_s)."""
+        self.draining = True
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and self.scheduler.load()["reserved"]:
+            time.sleep(0.05)

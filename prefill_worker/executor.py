@@ -1,0 +1,180 @@
+"""Batch-size-1 prefill: a bounded FIFO of prompts, one executor thread, KV pushed over NIXL.
+
+Each job: take local KV blocks for the whole prompt, run it, sample the first token, write every
+page the decode worker needs straight into the blocks it reserved (full-attention pages; the
+sliding-window pages still inside the window), wait for the transfer, give the local blocks back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams, sample
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The prefill queue is at its bound (maps to RESOURCE_EXHAUSTED: try another worker)."""
+
+
+class PlacementError(ValueError):
+    """The decode worker's KV placement does not cover the prompt."""
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    kv_bytes: int
+    transfer_s: float
+    queue_s: float
+    compute_s: float
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    placements: list  # proto KVPlacement, one per decode rank
+    future: Future = field(default_factory=Future)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+class PrefillExecutor:
+    def __init__(self, runner: ModelRunner, agent, *, max_queue: int = 64, max_queued_tokens: int = 1 << 20,
+                 transfer_timeout_s: float = 30.0):
+        self.runner = runner
+        self.agent = agent
+        self.max_queue = max_queue
+        self.max_queued_tokens = max_queued_tokens
+        self.transfer_timeout_s = transfer_timeout_s
+        self._queue: deque[PrefillJob] = deque()
+        self._jobs: dict[str, PrefillJob] = {}
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._stop = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    # -- API ----------------------------------------------------------------------------------
+    def submit(self, job: PrefillJob) -> Future:
+        self.runner.validate_prompt(job.prompt_ids)  # InvalidRequest -> INVALID_ARGUMENT
+        with self._cv:
+            if self._stop:
+                raise QueueFull("prefill worker is shutting down")
+            queued = sum(len(j.prompt_ids) for j in self._queue)
+            if len(self._queue) >= self.max_queue or queued + len(job.prompt_ids) > self.max_queued_tokens:
+                raise QueueFull(f"prefill queue full ({len(self._queue)} prompts, {queued} tokens)")
+            if job.request_id in self._jobs:
+                raise ValueError(f"request {job.request_id} is already queued")
+            self._queue.append(job)
+            self._jobs[job.request_id] = job
+            self._cv.notify()
+        return job.future
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a queued prompt; a running one finishes its step but its result is discarded."""
+        with self._cv:
+            job = self._jobs.get(request_id)
+            if job is None:
+                return False
+            job.cancelled = True
+            if job in self._queue:
+                self._queue.remove(job)
+                self._jobs.pop(request_id, None)
+                job.future.cancel()
+            return True
+
+    def load(self) -> dict:
+        with self._lock:
+            return {"queued": len(self._queue) + int(self._busy),
+                    "queued_tokens": sum(len(j.prompt_ids) for j in self._queue)}
+
+    # -- executor thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                result = self._run(job)
+                if not job.future.cancelled():
+                    job.future.set_result(result)
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                if not job.future.cancelled():
+                    job.future.set_exception(e)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._jobs.pop(job.request_id, None)
+
+    def _run(self, job: PrefillJob) -> PrefillResult:
+        started = time.monotonic()
+        n = len(job.prompt_ids)
+        cache = self.runner.cache
+        seq = Sequence(job.request_id, job.prompt_ids, job.params)
+        seq.blocks = cache.reserve(n, local_prompt_tokens=n)
+        try:
+            logits = self.runner.prefill(seq)
+            first = sample(logits[None], [job.params], [0])[0]
+            computed = time.monotonic()
+            if job.cancelled:
+                raise InterruptedError(f"request {job.request_id} was cancelled")
+            nbytes = self._push_kv(job, seq.blocks, n)
+            done = time.monotonic()
+        finally:
+            cache.release(seq.blocks)
+        return PrefillResult(first, nbytes, done - computed, started - job.enqueued_at, computed - started)
+
+    def _push_kv(self, job: PrefillJob, blocks, n: int) -> int:
+        cache = self.runner.cache
+        local = cache.transfer_pages(blocks, n)
+        handles = []
+        for p in job.placements:
+            if p.page_size != cache.page_size:
+                raise PlacementError(f"decode page size {p.page_size} != prefill page size {cache.page_size}")
+            pairs = {"full": _map(local["full"], list(p.full_block_ids), 0, "full")}
+            if "sliding" in local:
+                if local["sliding"] and local["sliding"][0][0] != p.sliding_first_page:
+                    raise PlacementError(
+                        f"decode expects sliding pages from {p.sliding_first_page}, prefill has "
+                        f"{local['sliding'][0][0]}")
+                pairs["sliding"] = _map(local["sliding"], list(p.sliding_block_ids), p.sliding_first_page, "sliding")
+            peer = self.agent.add_peer(p.kv_agent_metadata)
+            handles.append(self.agent.write_pages(peer, pairs, job.request_id.encode()))
+        for h in handles:
+            h.wait(self.transfer_timeout_s)
+        return sum(h.nbytes for h in handles)
+
+
+def _map(local: list[tuple[int, int]], remote: list[int], first_page: int, pool: str) -> list[tuple[int, int]]:
+    """(logical page, local block) -> (local block, remote block) via the decode's table."""
+    out = []
+    for page, blk in local:
+        i = page - first_page
+        if not 0 <= i < len(remote):
+            raise PlacementError(f"decode placement has no {pool} block for page {page}")
+        out.append((blk, remote[i]))
+    return out

@@ -1,0 +1,76 @@
+"""Run a prefill worker (gRPC): batch-size-1 prompts, KV pushed to decode workers over NIXL."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import uuid
+
+log = logging.getLogger("prefill_worker")
+SERVICES = ["pdserve.v1.PrefillWorker"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    p.add_argument("--port", type=int, default=50061, help="gRPC port (0 = any free port)")
+    p.add_argument("--kv-host", default=None, help="address NIXL/UCX listens on (default: --host)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-queue", type=int, default=64, help="queued prompts before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queued-tokens", type=int, default=1 << 20)
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--ready-file", default=None, help="write {address, ...} here once serving")
+
+
+def run(a: argparse.Namespace) -> int:
+    from engine.kv_cache import cdiv
+    from engine.model_runner import ModelRunner
+    from kvtransfer import KVTransferAgent
+    from proto import pdserve_pb2_grpc as pb_grpc
+    from proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+
+    from .executor import PrefillExecutor
+    from .server import PrefillService
+
+    if a.tp != 1:
+        from .parallel import run_parallel
+
+        return run_parallel(a)
+    worker_id = a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig.load(a.model)
+    blocks = cdiv(cfg.max_context, a.page_size)  # one prompt at a time: the longest one fits
+    runner = ModelRunner(a.model, device=a.device, precision=a.precision, page_size=a.page_size,
+                         num_kv_blocks=blocks)
+    agent = KVTransferAgent(f"{worker_id}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
+                            head_range=(0, cfg.num_key_value_heads), listen_host=a.kv_host or a.host)
+    executor = PrefillExecutor(runner, agent, max_queue=a.max_queue, max_queued_tokens=a.max_queued_tokens,
+                               transfer_timeout_s=a.kv_transfer_timeout)
+    service = PrefillService(executor, worker_id=worker_id)
+    server = make_server(max_workers=a.max_queue + 16)
+    pb_grpc.add_PrefillWorkerServicer_to_server(service, server)
+    health = add_health(server, SERVICES)
+    port = bind(server, a.host, a.port)
+    executor.start()
+    server.start()
+    log.info("prefill worker %s serving on %s:%d", worker_id, a.host, port)
+    write_ready_file(a.ready_file, role="prefill", address=f"{a.host}:{port}", worker_id=worker_id)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("prefill worker %s draining", worker_id)
+    service.draining = True
+    set_serving(health, SERVICES, False)
+    server.stop(grace=5.0).wait()
+    executor.stop()
+    agent.close()
+    return 0

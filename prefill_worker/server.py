@@ -1,0 +1,80 @@
+"""gRPC face of a prefill worker: Prefill / Cancel / Load.
+
+A caller that goes away (router cancelled, deadline passed) cancels its queued prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import CancelledError
+
+import grpc
+
+from engine.kv_cache import KVCacheFull
+from engine.model_runner import InvalidRequest
+from engine.sampling import SamplingError, SamplingParams
+from kvtransfer import KVTransferError
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from proto.rpc import sampling_kwargs
+
+from .executor import PlacementError, PrefillExecutor, PrefillJob, QueueFull
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, executor: PrefillExecutor, *, worker_id: str):
+        self.executor = executor
+        self.worker_id = worker_id
+        self.draining = False
+
+    def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        if self.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
+        if not request.placements:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no KV placement given")
+        try:
+            job = PrefillJob(request.request_id, list(request.prompt_token_ids),
+                             SamplingParams(**sampling_kwargs(request.sampling)), list(request.placements))
+            future = self.executor.submit(job)
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (InvalidRequest, SamplingError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: self.executor.cancel(request.request_id))
+        timeout = context.time_remaining()
+        try:
+            r = future.result(timeout=timeout)
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, "prefill cancelled")
+        except TimeoutError:
+            self.executor.cancel(request.request_id)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+        except PlacementError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVCacheFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except KVTransferError as e:
+            context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {e}")
+        except InterruptedError as e:
+            context.abort(grpc.StatusCode.CANCELLED, str(e))
+        except Exception as e:  # noqa: BLE001 - one failed prompt must not take the worker down
+            log.exception("prefill of %s failed", request.request_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
+        return pb.PrefillResponse(request_id=request.request_id, first_token_id=r.first_token,
+                                  kv_bytes=r.kv_bytes, kv_transfer_seconds=r.transfer_s,
+                                  queue_seconds=r.queue_s, compute_seconds=r.compute_s)
+
+    def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        return pb.CancelResponse(found=self.executor.cancel(request.request_id))
+
+    def Load(self, request, context) -> pb.LoadReport:
+        s = self.executor.load()
+        cache = self.executor.runner.cache
+        return pb.LoadReport(
+            worker_id=self.worker_id, role="prefill", queued_requests=s["queued"],
+            queued_prompt_tokens=s["queued_tokens"], kv_blocks_total=cache.num_total_blocks,
+            kv_blocks_used=cache.allocators["full"].num_used, kv_blocks_free=cache.num_free_blocks,
+            page_size=cache.page_size, max_context=self.executor.runner.max_context, draining=self.draining,
+        )

@@ -1,0 +1,65 @@
+"""gRPC plumbing shared by the workers: a threaded server with standard health checking, bound
+to a given address (port 0 picks a free one), and the ready file launchers wait for."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+# Large enough for every in-flight stream (one handler thread each) plus control calls.
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def make_server(max_workers: int) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+
+
+def add_health(server: grpc.Server, services: list[str]) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *services]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, services: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *services]:
+        servicer.set(name, status)
+
+
+def bind(server: grpc.Server, host: str, port: int) -> int:
+    """Bind an insecure port; returns the port actually bound (port 0 = any free one)."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(target)
+    if bound == 0:
+        raise OSError(f"cannot listen on {target}")
+    return bound
+
+
+def write_ready_file(path: str | None, **info) -> None:
+    """Atomically write what a launcher needs to reach this process (address, role, pid)."""
+    if not path:
+        return
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps({**info, "pid": os.getpid()}))
+    os.replace(tmp, path)
+
+
+def sampling_kwargs(s) -> dict:
+    """pdserve.v1.SamplingParams -> keyword arguments of engine.sampling.SamplingParams."""
+    return dict(
+        temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, max_new_tokens=s.max_new_tokens,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    )
