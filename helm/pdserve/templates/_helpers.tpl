@@ -1,0 +1,175 @@
+{{/* Names ------------------------------------------------------------------------------------ */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Resource prefix; suffixes (-router, -prefill, -decode, -engine...) must still fit 63 chars. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Headless Service of a pool; the router selects its EndpointSlices by this name. */}}
+{{- define "pdserve.poolService" -}}
+{{- printf "%s-%s" (include "pdserve.fullname" .root) .role }}
+{{- end }}
+
+{{- define "pdserve.routerServiceAccount" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (printf "%s-router" (include "pdserve.fullname" .)) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Labels: call with (dict "root" $ "component" "router|prefill|decode") ------------------ */}}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/part-of: pdserve
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{/* Labels shared by every pod of the release (NetworkPolicy peers). */}}
+{{- define "pdserve.releaseLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Image ------------------------------------------------------------------------------------ */}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) .Values.image.tagSuffix }}
+{{- end }}
+
+{{/* GPUs per replica of a pool: (dict "root" $ "role" "prefill|decode"). One pod holds them all:
+the decode pool's experts are spread (EP) over the same tp GPUs as its attention (TP). */}}
+{{- define "pdserve.gpus" -}}
+{{- $pool := index .root.Values .role }}
+{{- if ne .root.Values.device "cuda" }}0{{ else }}{{ $pool.tp }}{{ end }}
+{{- end }}
+
+{{/* Configuration checks that a schema cannot express. */}}
+{{- define "pdserve.validate" -}}
+{{- $d := .Values.decode }}
+{{- if ne (mod (int $d.tp) (int $d.ep)) 0 }}
+{{- fail (printf "decode.ep (%v) must divide decode.tp (%v): experts are spread over the replica's tp GPUs (e.g. ep 4 with tp 4)" $d.ep $d.tp) }}
+{{- end }}
+{{- if eq .Values.router.discovery "static" }}
+{{- if or (empty .Values.router.staticWorkers.prefill) (empty .Values.router.staticWorkers.decode) }}
+{{- fail "router.discovery=static needs router.staticWorkers.prefill and .decode (host:port lists); use discovery=kubernetes to find this release's pools" }}
+{{- end }}
+{{- end }}
+{{- if and (eq .Values.model.volume.type "pvc") (empty .Values.model.volume.claimName) }}
+{{- fail "model.volume.claimName is required with model.volume.type=pvc (a PVC holding config.json and *.safetensors)" }}
+{{- end }}
+{{- if and (eq .Values.model.volume.type "hostPath") (empty .Values.model.volume.hostPath) }}
+{{- fail "model.volume.hostPath is required with model.volume.type=hostPath" }}
+{{- end }}
+{{- if and .Values.decode.autoscaling.enabled (empty .Values.decode.autoscaling.metrics) }}
+{{- fail "decode.autoscaling.enabled needs decode.autoscaling.metrics (custom/external metrics: CPU says nothing about decode load)" }}
+{{- end }}
+{{- end }}
+
+{{/* Pod pieces shared by the router and the pools ----------------------------------------------- */}}
+
+{{- define "pdserve.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.volume.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.volume.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ .Values.model.volume.hostPath }}
+    type: Directory
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.path }}
+  readOnly: true
+{{- with .Values.model.volume.subPath }}
+  subPath: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.podEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end }}
+
+{{- define "pdserve.envMap" -}}
+{{- range $name, $value := . }}
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Scheduling of a pool's pods: user affinity plus podAntiAffinity from spreadReplicas. */}}
+{{- define "pdserve.poolAffinity" -}}
+{{- $pool := index .root.Values .role }}
+{{- $affinity := deepCopy ($pool.affinity | default dict) }}
+{{- if and (ne $pool.spreadReplicas "none") (not (hasKey $affinity "podAntiAffinity")) }}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "pdserve.selectorLabels" (dict "root" .root "component" .role) | fromYaml)) }}
+{{- if eq $pool.spreadReplicas "required" }}
+{{- $_ := set $affinity "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+{{- else }}
+{{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) }}
+{{- end }}
+{{- end }}
+{{- if $affinity }}
+{{- toYaml $affinity }}
+{{- end }}
+{{- end }}
+
+{{/* Container resources of a pool: the user's cpu/memory plus GPUs and RDMA devices. Extended
+resources cannot be overcommitted, so requests equal limits for them. */}}
+{{- define "pdserve.poolResources" -}}
+{{- $pool := index .root.Values .role }}
+{{- $resources := deepCopy ($pool.resources | default dict) }}
+{{- $limits := $resources.limits | default dict }}
+{{- $requests := $resources.requests | default dict }}
+{{- $gpus := include "pdserve.gpus" . | int }}
+{{- if gt $gpus 0 }}
+{{- $_ := set $limits .root.Values.workers.gpuResourceName $gpus }}
+{{- $_ := set $requests .root.Values.workers.gpuResourceName $gpus }}
+{{- end }}
+{{- if .root.Values.workers.rdma.enabled }}
+{{- range $name, $count := .root.Values.workers.rdma.resources }}
+{{- $_ := set $limits $name $count }}
+{{- $_ := set $requests $name $count }}
+{{- end }}
+{{- end }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set $resources "requests" $requests }}
+{{- toYaml $resources }}
+{{- end }}

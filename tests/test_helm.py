@@ -1,0 +1,423 @@
+"""The Helm chart: lint, render and validate every manifest against Kubernetes' own schemas, then
+check the properties the deployment relies on (RBAC scope, network isolation, GPUs per replica,
+probes, discovery wiring between the router's flags and the pools' headless Services).
+
+Rendering uses helm-python-sdk (Helm's Go SDK behind ctypes, no helm binary); validation uses the
+OpenAPI-derived JSON schemas that kubernetes-validate ships, in strict mode (unknown fields fail).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "pdserve"
+RELEASE, NAMESPACE = "pd", "serving"
+FULLNAME = "pd-pdserve"
+KUBE_VERSION = kubernetes_validate.utils.latest_version()  # newest schema set it ships
+# CRDs kubernetes-validate has no schema for; each is checked by hand below.
+NO_SCHEMA_KINDS = {"ServiceMonitor"}
+
+VALUES_FILES = {
+    "default": None,
+    "cpu": "values-cpu.yaml",
+    "gpt-oss-20b": "values-gpt-oss-20b.yaml",
+    "gpt-oss-120b": "values-gpt-oss-120b.yaml",
+}
+# Every optional template switched on, on top of the default values.
+ALL_FEATURES = {
+    "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
+    "decode": {"autoscaling": {"enabled": True, "metrics": [{
+        "type": "Object",
+        "object": {"metric": {"name": "pdserve_decode_kv_usage_ratio"},
+                   "describedObject": {"apiVersion": "v1", "kind": "Service",
+                                       "name": f"{FULLNAME}-router"},
+                   "target": {"type": "Value", "value": "800m"}}}]}},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "engine": {"files": {"engine.yaml": "max_model_len: 131072\n"}},
+    "networkPolicy": {"routerIngressFrom": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "ingress-nginx"}}}]},
+    "workers": {"podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"},
+                "env": {"UCX_NET_DEVICES": "mlx5_0:1"}},
+}
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def user_values(name: str) -> dict:
+    if name == "all-features":
+        return copy.deepcopy(ALL_FEATURES)
+    if name == "static":
+        return {"router": {"discovery": "static",
+                           "staticWorkers": {"prefill": ["10.0.0.1:50061"],
+                                             "decode": ["10.0.0.2:50062", "10.0.0.3:50062"]}}}
+    file = VALUES_FILES[name]
+    return yaml.safe_load((CHART / file).read_text()) if file else {}
+
+
+@functools.cache
+def _rendered(name: str) -> tuple[str, str]:
+    values = user_values(name)
+    with helm.Chart.load(str(CHART)) as chart:
+        merged = chart.merge_values(values)
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = [doc for path, text in sorted(manifests.items()) if path.endswith((".yaml", ".yml"))
+            for doc in yaml.safe_load_all(text) if doc]
+    return json.dumps(docs), json.dumps(merged)
+
+
+def render(name: str) -> tuple[list[dict], dict]:
+    """(manifests, the values Helm used after merging the chart's defaults)."""
+    docs, merged = _rendered(name)
+    return json.loads(docs), json.loads(merged)
+
+
+def find(docs, kind, name=None):
+    hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    return hits
+
+
+def one(docs, kind, name):
+    hits = find(docs, kind, name)
+    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
+    return hits[0]
+
+
+def container(deployment):
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def flag(args, name):
+    assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
+    return args[args.index(name) + 1]
+
+
+ALL_CONFIGS = [*VALUES_FILES, "all-features", "static"]
+
+
+# -- lint and schema validation --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_lint_is_clean(name):
+    report = helm.lint(str(CHART), user_values(name), strict=True, namespace=NAMESPACE,
+                       kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems and not report["errors"], report
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_every_manifest_validates_against_kubernetes_schemas(name):
+    docs, _ = render(name)
+    assert docs
+    skipped = set()
+    for doc in docs:
+        if doc["kind"] in NO_SCHEMA_KINDS:
+            skipped.add(doc["kind"])
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {path}: {exc.message}")
+        assert doc["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+    assert skipped == ({"ServiceMonitor"} if name == "all-features" else set())
+
+
+def test_optional_resources_are_off_by_default_and_render_when_enabled():
+    default, _ = render("default")
+    assert not find(default, "HorizontalPodAutoscaler") and not find(default, "ServiceMonitor")
+    docs, _ = render("all-features")
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in find(docs, "HorizontalPodAutoscaler")}
+    assert set(hpas) == {f"{FULLNAME}-router", f"{FULLNAME}-decode"}
+    assert hpas[f"{FULLNAME}-decode"]["spec"]["metrics"] == ALL_FEATURES["decode"]["autoscaling"]["metrics"]
+    # an autoscaled Deployment must not pin replicas (Helm would fight the HPA on every upgrade)
+    for name in hpas:
+        assert "replicas" not in one(docs, "Deployment", name)["spec"]
+    monitor = one(docs, "ServiceMonitor", f"{FULLNAME}-router")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics",
+                                             "interval": "15s", "scrapeTimeout": "10s"}]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    router_service = one(docs, "Service", f"{FULLNAME}-router")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= router_service["metadata"]["labels"].items()
+    # engine files: a ConfigMap mounted in every pdserve container
+    one(docs, "ConfigMap", f"{FULLNAME}-engine-files")
+    for deployment in find(docs, "Deployment"):
+        mounts = {m["name"]: m for m in container(deployment)["volumeMounts"]}
+        assert mounts["engine-files"]["mountPath"] == "/etc/pdserve"
+
+
+# -- values schema and template checks -----------------------------------------------------------
+
+@pytest.mark.parametrize("values, message", [
+    ({"routr": {"replicas": 2}}, "additional properties 'routr' not allowed"),
+    ({"prefill": {"resurces": {}}}, "additional properties 'resurces' not allowed"),
+    ({"decode": {"tp": 3}}, "/decode/tp"),
+    ({"decode": {"replicas": "2"}}, "got string, want integer"),
+    ({"device": "rocm"}, "/device"),
+    ({"engine": {"env": {"LOG_LEVEL": "debug"}}}, "PDSERVE_"),
+    ({"router": {"probes": {"readiness": {"periodSecond": 5}}}}, "periodSecond"),
+])
+def test_schema_rejects_typos_and_wrong_types(values, message):
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmValuesError, match=message):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"decode": {"tp": 2, "ep": 4}}, "decode.ep \\(4\\) must divide decode.tp \\(2\\)"),
+    ({"router": {"discovery": "static"}}, "router.staticWorkers"),
+    ({"model": {"volume": {"type": "pvc", "claimName": ""}}}, "claimName is required"),
+    ({"model": {"volume": {"type": "hostPath"}}}, "hostPath is required"),
+    ({"decode": {"autoscaling": {"enabled": True}}}, "decode.autoscaling.metrics"),
+])
+def test_inconsistent_values_fail_with_a_message(values, message):
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmRenderError, match=message):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+# -- properties the deployment relies on -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_router_rbac_is_read_only_discovery_in_its_namespace(name):
+    docs, values = render(name)
+    assert not find(docs, "ClusterRole") and not find(docs, "ClusterRoleBinding")
+    router = one(docs, "Deployment", f"{FULLNAME}-router")
+    pod = router["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    one(docs, "ServiceAccount", account)
+    if values["router"]["discovery"] != "kubernetes":
+        assert not find(docs, "Role") and not find(docs, "RoleBinding")
+        assert pod["automountServiceAccountToken"] is False
+        return
+    assert pod["automountServiceAccountToken"] is True
+    (role,) = find(docs, "Role")
+    rules = sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"])))
+                   for r in role["rules"])
+    assert rules == [(("",), ("pods",), ("get", "list", "watch")),
+                     (("discovery.k8s.io",), ("endpointslices",), ("get", "list", "watch"))]
+    assert not any(r.get("resourceNames") for r in role["rules"])
+    (binding,) = find(docs, "RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
+                                    "namespace": NAMESPACE}]
+    # the workers get no API access at all
+    for pool in ("prefill", "decode"):
+        worker_pod = one(docs, "Deployment", f"{FULLNAME}-{pool}")["spec"]["template"]["spec"]
+        assert worker_pod["serviceAccountName"] != account
+        assert worker_pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_router_discovery_flags_match_the_headless_pool_services(name):
+    docs, values = render(name)
+    args = container(one(docs, "Deployment", f"{FULLNAME}-router"))["args"]
+    assert args[0] == "router"
+    assert flag(args, "--discovery") == values["router"]["discovery"]
+    assert flag(args, "--port") == str(values["router"]["httpPort"])
+    assert flag(args, "--grpc-port") == str(values["router"]["grpcPort"])
+    assert flag(args, "--served-model-name") == values["model"]["servedModelName"]
+    if values["router"]["discovery"] == "static":
+        assert flag(args, "--prefill") == "10.0.0.1:50061"
+        assert flag(args, "--decode") == "10.0.0.2:50062,10.0.0.3:50062"
+        return
+    assert flag(args, "--k8s-namespace") == NAMESPACE
+    port_name = flag(args, "--k8s-port-name")
+    for pool in ("prefill", "decode"):
+        key, _, service_name = flag(args, f"--k8s-{pool}-selector").partition("=")
+        assert key == "kubernetes.io/service-name"  # the label every EndpointSlice carries
+        service = one(docs, "Service", service_name)
+        assert service["spec"]["clusterIP"] == "None"
+        assert not service["spec"].get("publishNotReadyAddresses")
+        (port,) = service["spec"]["ports"]
+        assert port["name"] == port_name and port["port"] == values[pool]["port"]
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{pool}")
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        assert {"name": port_name, "containerPort": values[pool]["port"], "protocol": "TCP"} in \
+            container(deployment)["ports"]
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_one_pod_per_replica_holds_all_its_gpus(name):
+    docs, values = render(name)
+    gpu = values["workers"]["gpuResourceName"]
+    cuda = values["device"] == "cuda"
+    for pool in ("prefill", "decode"):
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{pool}")
+        pod = deployment["spec"]["template"]["spec"]
+        assert not pod.get("initContainers")
+        c = container(deployment)
+        args = c["args"]
+        assert args[0] == f"{pool}-worker"
+        assert flag(args, "--device") == values["device"]
+        tp = int(flag(args, "--tp"))
+        assert tp == values[pool]["tp"]
+        resources = c["resources"]
+        if cuda:
+            # one pod = one replica = all tp GPUs of its TP (and EP) group, on one node
+            assert resources["limits"][gpu] == tp and resources["requests"][gpu] == tp
+        else:
+            assert gpu not in resources.get("limits", {}) and gpu not in resources.get("requests", {})
+        if pool == "decode":
+            ep = int(flag(args, "--ep"))
+            assert ep == values["decode"]["ep"] and tp % ep == 0
+            assert int(flag(args, "--max-batch-size")) == values["decode"]["maxBatchSize"]
+        rdma = values["workers"]["rdma"]
+        for resource, count in rdma["resources"].items():
+            assert resources["limits"][resource] == count == resources["requests"][resource]
+        capabilities = c["securityContext"]["capabilities"]
+        assert capabilities["drop"] == ["ALL"]
+        assert capabilities.get("add", []) == (["IPC_LOCK"] if cuda and rdma["enabled"] else [])
+        if not capabilities.get("add"):
+            assert pod["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_gpu_sizing_of_the_example_values_files():
+    expected = {  # (prefill tp, decode tp, decode ep) as docs/deploy.md derives them
+        "default": (1, 1, 1), "gpt-oss-20b": (1, 2, 2), "gpt-oss-120b": (2, 4, 4),
+    }
+    for name, (prefill_tp, decode_tp, decode_ep) in expected.items():
+        docs, _ = render(name)
+        prefill = container(one(docs, "Deployment", f"{FULLNAME}-prefill"))
+        decode = container(one(docs, "Deployment", f"{FULLNAME}-decode"))
+        assert prefill["resources"]["limits"]["nvidia.com/gpu"] == prefill_tp
+        assert decode["resources"]["limits"]["nvidia.com/gpu"] == decode_tp
+        assert flag(decode["args"], "--ep") == str(decode_ep)
+        for c in (prefill, decode):
+            assert c["args"][c["args"].index("--model") + 1].endswith(name.replace("default", "gpt-oss-20b"))
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_worker_pods_shm_model_volume_and_kv_host(name):
+    docs, values = render(name)
+    for pool in ("prefill", "decode"):
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{pool}")
+        pod = deployment["spec"]["template"]["spec"]
+        c = container(deployment)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory",
+                                               "sizeLimit": values[pool]["shmSizeLimit"]}
+        assert mounts["dshm"]["mountPath"] == "/dev/shm"
+        assert mounts["model"]["readOnly"] is True
+        assert mounts["model"]["mountPath"] == values["model"]["path"]
+        model_volume = volumes["model"]
+        if values["model"]["volume"]["type"] == "pvc":
+            assert model_volume["persistentVolumeClaim"]["readOnly"] is True
+        else:
+            assert model_volume["hostPath"]["path"] == values["model"]["volume"]["hostPath"]
+        assert flag(c["args"], "--kv-host") == "$(POD_IP)"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert c["envFrom"] == [{"configMapRef": {"name": f"{FULLNAME}-engine"}}]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_probes(name):
+    docs, values = render(name)
+    services = {"prefill": "pdserve.v1.PrefillWorker", "decode": "pdserve.v1.DecodeWorker"}
+    for pool, service in services.items():
+        c = container(one(docs, "Deployment", f"{FULLNAME}-{pool}"))
+        port = values[pool]["port"]
+        assert c["startupProbe"]["grpc"] == {"port": port, "service": service}
+        assert c["readinessProbe"]["grpc"] == {"port": port, "service": service}
+        assert c["livenessProbe"]["grpc"] == {"port": port, "service": ""}
+        startup = c["startupProbe"]
+        budget_s = startup["periodSeconds"] * startup["failureThreshold"]
+        # weight loading: at least 15 minutes on GPUs (120b reads ~65 GB per replica), 5 on CPU
+        assert budget_s >= (900 if values["device"] == "cuda" else 300)
+        assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] >= 30
+    router = container(one(docs, "Deployment", f"{FULLNAME}-router"))
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # liveness must not depend on workers being up: that would restart every router at once
+    assert router["livenessProbe"]["httpGet"]["path"] != "/health"
+    assert router["startupProbe"]["httpGet"]["port"] == "http"
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports == {"http": values["router"]["httpPort"], "grpc": values["router"]["grpcPort"]}
+    service = one(docs, "Service", f"{FULLNAME}-router")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_network_policy_isolates_worker_ports(name):
+    docs, values = render(name)
+    release = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": RELEASE}
+    workers = one(docs, "NetworkPolicy", f"{FULLNAME}-workers")["spec"]
+    assert workers["policyTypes"] == ["Ingress"]
+    assert workers["podSelector"]["matchLabels"] == release
+    assert workers["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]
+    from_router, from_workers = workers["ingress"][:2]
+    assert from_router["from"] == [{"podSelector": {"matchLabels": {
+        **release, "app.kubernetes.io/component": "router"}}}]
+    assert sorted(p["port"] for p in from_router["ports"]) == sorted(
+        {values["prefill"]["port"], values["decode"]["port"]})
+    assert from_workers["from"] == [{"podSelector": workers["podSelector"]}]
+    assert len(workers["ingress"]) == 2 + len(values["networkPolicy"]["extraWorkerIngress"])
+    # every peer is a pod selector (no ipBlock / namespaceSelector opening the workers up)
+    for rule in workers["ingress"][:2]:
+        assert all(set(peer) == {"podSelector"} for peer in rule["from"])
+    router = one(docs, "NetworkPolicy", f"{FULLNAME}-router")["spec"]
+    (rule,) = router["ingress"]
+    assert sorted(p["port"] for p in rule["ports"]) == sorted(
+        [values["router"]["httpPort"], values["router"]["grpcPort"]])
+    assert rule.get("from", []) == values["networkPolicy"]["routerIngressFrom"]
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_disruption_budgets_and_spread(name):
+    docs, values = render(name)
+    for component in ("router", "prefill", "decode"):
+        pdb = one(docs, "PodDisruptionBudget", f"{FULLNAME}-{component}")
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{component}")
+        assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+        assert pdb["spec"]["maxUnavailable"] == values[component]["podDisruptionBudget"]["maxUnavailable"]
+    for pool in ("prefill", "decode"):
+        pod = one(docs, "Deployment", f"{FULLNAME}-{pool}")["spec"]["template"]["spec"]
+        spread = values[pool]["spreadReplicas"]
+        anti = (pod.get("affinity") or {}).get("podAntiAffinity")
+        if spread == "none":
+            assert anti is None
+            continue
+        key = ("requiredDuringSchedulingIgnoredDuringExecution" if spread == "required"
+               else "preferredDuringSchedulingIgnoredDuringExecution")
+        (term,) = anti[key]
+        term = term.get("podAffinityTerm", term)
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == pool
+
+
+def test_engine_configmap_and_rollout_checksum():
+    docs, values = render("default")
+    config = one(docs, "ConfigMap", f"{FULLNAME}-engine")
+    assert config["data"] == {k: str(v) for k, v in values["engine"]["env"].items()}
+    checksums = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/engine"]
+                 for d in find(docs, "Deployment")}
+    assert len(set(checksums.values())) == 1
+    changed, _ = render("all-features")  # different engine settings (files) -> new checksum
+    assert container(one(changed, "Deployment", f"{FULLNAME}-router"))  # renders
+    other = one(changed, "Deployment", f"{FULLNAME}-decode")["spec"]["template"]["metadata"]
+    assert other["annotations"]["checksum/engine"] != checksums[f"{FULLNAME}-decode"]
