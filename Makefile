@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
 	# OpenAI's reference implementation, for the logits tests (declares Python >= 3.12; works on 3.11)
 	$(BIN)/pip install -q --no-deps --ignore-requires-python 'gpt-oss==0.0.9'
 	touch $(STAMP)

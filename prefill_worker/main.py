@@ -21,7 +21,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-queue", type=int, default=64, help="queued prompts before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queue", type=int, default=256, help="queued prompts before RESOURCE_EXHAUSTED")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 20)
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     p.add_argument("--worker-id", default=None)
