@@ -20,7 +20,11 @@ def make_server(max_workers: int) -> grpc.Server:
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.so_reuseport", 0),
+                 # the router pings busy channels every 20 s to notice vanished hosts
+                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+                 ("grpc.http2.max_ping_strikes", 0),
+                 ("grpc.keepalive_permit_without_calls", 1)],
     )
 
 

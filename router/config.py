@@ -1,0 +1,61 @@
+"""Typed router configuration, built from CLI flags (router.main) or directly by tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class ConfigError(ValueError):
+    """A router setting is out of range; the message names the setting."""
+
+
+@dataclasses.dataclass(slots=True)
+class RouterConfig:
+    """Everything the router needs besides its worker discovery.
+
+    Times are seconds. Defaults suit production; tests shorten the probe and breaker times.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    served_model_name: str = "gpt-oss"
+    default_max_tokens: int = 4096
+    request_timeout: float = 600.0
+    # worker health
+    probe_interval: float = 1.0          # how often each worker's Load + health are polled
+    probe_timeout: float = 1.0           # deadline of one probe RPC
+    breaker_failure_threshold: int = 3   # consecutive failed probes/RPCs that open the breaker
+    breaker_reset_timeout: float = 5.0   # first wait before an open breaker is probed again
+    breaker_max_reset_timeout: float = 60.0
+    # request path
+    reserve_timeout: float = 10.0        # deadline of Reserve and of each unary control RPC
+    cancel_timeout: float = 2.0
+    max_prefill_attempts: int = 3        # prefill workers tried per request
+    max_decode_attempts: int = 2         # decode workers tried when KV transfer to one fails
+    retry_base_delay: float = 0.05       # backoff before retry k is uniform in [0, base * 2**k]
+    retry_max_delay: float = 1.0
+    overload_retry_after: int = 1        # Retry-After for 429
+    unavailable_retry_after: int = 5     # Retry-After for 503
+    graceful_shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        positive = ("request_timeout", "probe_interval", "probe_timeout", "breaker_reset_timeout",
+                    "breaker_max_reset_timeout", "reserve_timeout", "cancel_timeout",
+                    "retry_max_delay", "graceful_shutdown_timeout")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("default_max_tokens", "breaker_failure_threshold", "max_prefill_attempts",
+                     "max_decode_attempts",
+                     "overload_retry_after", "unavailable_retry_after"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.retry_base_delay < 0:
+            raise ConfigError(f"retry_base_delay must be >= 0, got {self.retry_base_delay!r}")
+        for name in ("port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be a TCP port (0 = any free one), "
+                                  f"got {getattr(self, name)!r}")
+        if not self.served_model_name:
+            raise ConfigError("served_model_name must not be empty")

@@ -1,0 +1,135 @@
+"""Public gRPC API: `pdserve.v1.Generator/Generate` (token ids in, streamed ids out) + health.
+
+For internal callers that bring their own tokenization. Errors before the first token are gRPC
+statuses (with a `retry-after` trailer for RESOURCE_EXHAUSTED / UNAVAILABLE); errors after it end
+the stream with FINISH_REASON_ERROR and `error`, as the contract says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.config import RouterConfig
+from router.errors import InvalidRequestError, ModelNotFoundError, RouterError
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
+from router.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "grpc_generate"
+SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+
+
+class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
+    def __init__(self, config: RouterConfig, orchestrator: Orchestrator, metrics: RouterMetrics,
+                 vocab_size: int) -> None:
+        self.config = config
+        self.orchestrator = orchestrator
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+
+    async def Generate(self, request: pdserve_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        self.metrics.in_flight.labels(ENDPOINT).inc()
+        status = grpc.StatusCode.CANCELLED  # unless we get to the end
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        sent_any = False
+        try:
+            sampling = self._validate(request)
+            sampling.max_new_tokens = self.orchestrator.admit(
+                len(request.prompt_token_ids), sampling.max_new_tokens or None,
+                param="prompt_token_ids")
+            generation = self.orchestrator.generate(request_id, list(request.prompt_token_ids),
+                                                    sampling, arrival=arrival)
+            completion_tokens = 0
+            prompt_tokens = len(request.prompt_token_ids)
+            async for event in generation.events():
+                completion_tokens += len(event.token_ids)
+                sent_any = True
+                yield pdserve_pb2.GenerateResponse(
+                    request_id=request_id, token_ids=event.token_ids,
+                    finish_reason=event.finish_reason, prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens)
+                if event.finish_reason:
+                    status = grpc.StatusCode.OK
+        except RouterError as error:
+            status = error.grpc_code
+            if not sent_any:
+                metadata = (("retry-after", str(error.retry_after)),) if error.retry_after else ()
+                await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
+            log.warning("Generate %s failed mid-stream: %s", request_id, error.message)
+            yield pdserve_pb2.GenerateResponse(request_id=request_id,
+                                               finish_reason=pdserve_pb2.FINISH_REASON_ERROR,
+                                               error=error.message)
+        finally:
+            self.metrics.in_flight.labels(ENDPOINT).dec()
+            self.metrics.requests.labels(ENDPOINT, status.name).inc()
+            self.metrics.e2e.labels(ENDPOINT).observe(loop.time() - arrival)
+
+    def _validate(self, request: pdserve_pb2.GenerateRequest) -> pdserve_pb2.SamplingParams:
+        if request.model and request.model != self.config.served_model_name:
+            raise ModelNotFoundError(request.model, self.config.served_model_name)
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt_token_ids outside [0, {self.vocab_size}): {bad[:5]}",
+                                      param="prompt_token_ids")
+        sampling = pdserve_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        if sampling.max_new_tokens < 0:
+            raise InvalidRequestError("sampling.max_new_tokens must be >= 0 (0 = the default)",
+                                      param="sampling.max_new_tokens")
+        if not 0 <= sampling.temperature <= 2:
+            raise InvalidRequestError("sampling.temperature must be in [0, 2]",
+                                      param="sampling.temperature")
+        if not 0 <= sampling.top_p <= 1:
+            raise InvalidRequestError("sampling.top_p must be in [0, 1]", param="sampling.top_p")
+        if sampling.top_k < 0:
+            raise InvalidRequestError("sampling.top_k must be >= 0", param="sampling.top_k")
+        return sampling
+
+
+class HealthReporter:
+    """Keeps the router's grpc.health.v1 status in step with the registry (SERVING when ready)."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.servicer = health_aio.HealthServicer()
+        self._registry = registry
+        self._serving: bool | None = None
+        self._shutting_down = False
+        self._pending: set[asyncio.Task] = set()
+        registry.add_listener(self.update)
+
+    def update(self) -> None:
+        serving = self._registry.ready() and not self._shutting_down
+        if serving == self._serving:
+            return
+        self._serving = serving
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            task = asyncio.get_running_loop().create_task(self.servicer.set(service, status))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    def shutting_down(self) -> None:
+        self._shutting_down = True
+        self.update()
+
+
+def create_grpc_server(service: GeneratorService, health: HealthReporter) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pdserve_pb2_grpc.add_GeneratorServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    return server

@@ -1,0 +1,94 @@
+"""Router command line: `add_router_args` + `run_router` (used by the `pdserve` CLI and launchers).
+
+    pdserve router --discovery static --prefill 10.0.0.1:50061,10.0.0.2:50061 --decode 10.0.0.3:50071
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from router.config import RouterConfig
+from router.discovery import Discovery, make_discovery
+from router.service import Router, build_router, serve_router
+
+__all__ = ["add_router_args", "run_router", "build_router", "config_from_args",
+           "discovery_from_args", "Router", "serve_router"]
+
+log = logging.getLogger(__name__)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    defaults = RouterConfig()
+    g = parser.add_argument_group("router")
+    g.add_argument("--host", default=defaults.host, help="address to listen on (HTTP and gRPC)")
+    g.add_argument("--port", type=int, default=defaults.port, help="HTTP (OpenAI API) port")
+    g.add_argument("--grpc-port", type=int, default=defaults.grpc_port,
+                   help="gRPC port (pdserve.v1.Generator and grpc.health.v1)")
+    g.add_argument("--served-model-name", default=defaults.served_model_name,
+                   help="the model name clients must send")
+    g.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens,
+                   help="completion budget when the request sets none (capped by the context)")
+    g.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
+                   help="seconds a request may take end to end")
+    g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes")
+    g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
+                   help="static discovery: prefill worker host:port list (repeatable)")
+    g.add_argument("--decode", action="append", default=None, metavar="ADDR,...",
+                   help="static discovery: decode worker host:port list (repeatable)")
+    g.add_argument("--k8s-namespace", default=None, help="kubernetes discovery: namespace")
+    g.add_argument("--k8s-prefill-selector", default=None,
+                   help="kubernetes discovery: label selector of the prefill workers")
+    g.add_argument("--k8s-decode-selector", default=None,
+                   help="kubernetes discovery: label selector of the decode workers")
+    g.add_argument("--k8s-port-name", default="grpc",
+                   help="kubernetes discovery: name of the workers' gRPC port")
+    g.add_argument("--log-level", default="info", help="router log level")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
+                        served_model_name=args.served_model_name,
+                        default_max_tokens=args.default_max_tokens,
+                        request_timeout=args.request_timeout)
+
+
+def discovery_from_args(args: argparse.Namespace) -> Discovery:
+    if args.discovery == "static":
+        return make_discovery("static", prefill=args.prefill, decode=args.decode)
+    if args.discovery == "kubernetes":
+        return make_discovery("kubernetes", namespace=args.k8s_namespace,
+                              prefill_selector=args.k8s_prefill_selector,
+                              decode_selector=args.k8s_decode_selector,
+                              port_name=args.k8s_port_name)
+    return make_discovery(args.discovery)
+
+
+def run_router(args: argparse.Namespace) -> None:
+    """Run the router until SIGTERM/SIGINT, then shut down gracefully (blocks)."""
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    router = build_router(config, discovery_from_args(args))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_router(router, stop)
+
+    asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdserve-router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_router_args(parser)
+    run_router(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,619 @@
+"""OpenAI-compatible HTTP API (FastAPI): chat completions, completions, models, health, metrics.
+
+Requests are validated (pydantic) and rendered to token ids (Harmony for chat, plain text for
+completions); the orchestrator runs them; sampled ids come back through Harmony's streaming parser
+(chat: reasoning, content, tool calls) or an incremental detokenizer (completions). Errors leave as
+OpenAI error bodies with the status the error type fixes. A client that disconnects, in a stream
+or not, gets its request cancelled on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proto import pdserve_pb2
+from router.config import RouterConfig
+from router.errors import InvalidRequestError, ModelNotFoundError, RouterError
+from router.harmony import Delta, HarmonyCodec, HarmonyError
+from router.metrics import RouterMetrics
+from router.openai_schema import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
+                                  parse_body)
+from router.orchestrator import (FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
+                                 TokenEvent)
+from router.detokenizer import IncrementalDetokenizer
+from router.registry import WorkerRegistry
+from router.stop_strings import StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # status recorded in metrics when the client left before the answer
+
+
+def error_response(error: RouterError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
+    return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidRequestError(f"The request body is not valid JSON: {error}",
+                                  code="invalid_json") from None
+
+
+async def _cancel_on_disconnect(request: Request, generations: list[Generation]) -> None:
+    """Wait for the client to go away, then cancel its requests on the workers."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for generation in generations:
+                generation.cancel("client disconnected")
+            return
+
+
+def _finish_name(finish_reason: int) -> str:
+    return "length" if finish_reason == FINISH_LENGTH else "stop"
+
+
+# ---- output assembly --------------------------------------------------------------------------
+class ChatOutput:
+    """Turns one choice's sampled ids into OpenAI chat deltas; stop strings cut the content."""
+
+    def __init__(self, codec: HarmonyCodec, stops: list[str]) -> None:
+        self._parser = codec.stream_parser()
+        self._stops = StopStringMatcher(stops)
+        self._tools_started: set[int] = set()
+        self.content: list[str] = []
+        self.completion_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was hit: the choice is over, whatever the model does next."""
+        return self._stops.stopped
+
+    def feed(self, token_ids: list[int]) -> list[dict]:
+        deltas: list[dict] = []
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self.completion_tokens += 1
+            deltas.extend(self._convert(self._parser.feed(token_id)))
+        return _coalesce(deltas)
+
+    def finish(self) -> tuple[list[dict], Any]:
+        """Remaining deltas and the parsed completion (content cut at a stop string)."""
+        deltas = [] if self.stopped else self._convert(self._parser.flush())
+        tail = self._stops.flush()
+        if tail:
+            self.content.append(tail)
+            deltas.append({"content": tail})
+        return _coalesce(deltas), self._parser.finish()
+
+    def _convert(self, harmony_deltas: list[Delta]) -> list[dict]:
+        out = []
+        for delta in harmony_deltas:
+            if delta.kind == "content":
+                text = self._stops.feed(delta.text)
+                if text:
+                    self.content.append(text)
+                    out.append({"content": text})
+                if self.stopped:
+                    break
+            elif delta.kind == "reasoning":
+                if delta.text:
+                    out.append({"reasoning_content": delta.text})
+            elif delta.kind == "tool_call":
+                if delta.tool_index not in self._tools_started:
+                    self._tools_started.add(delta.tool_index)
+                    call = {"index": delta.tool_index, "id": delta.tool_id, "type": "function",
+                            "function": {"name": delta.tool_name, "arguments": delta.text}}
+                elif delta.text:
+                    call = {"index": delta.tool_index, "function": {"arguments": delta.text}}
+                else:
+                    continue
+                out.append({"tool_calls": [call]})
+        return out
+
+
+def _coalesce(deltas: list[dict]) -> list[dict]:
+    """Merge neighbouring deltas of one kind (one SSE event per kind per decode chunk, not per id)."""
+    out: list[dict] = []
+    for delta in deltas:
+        last = out[-1] if out else None
+        if last is not None and last.keys() == delta.keys() and len(delta) == 1:
+            key = next(iter(delta))
+            if key in ("content", "reasoning_content"):
+                out[-1] = {key: last[key] + delta[key]}
+                continue
+            previous, call = last["tool_calls"][0], delta["tool_calls"][0]
+            if previous["index"] == call["index"] and call.keys() == {"index", "function"}:
+                merged = {**previous, "function": {
+                    **previous["function"],
+                    "arguments": previous["function"]["arguments"] + call["function"]["arguments"]}}
+                out[-1] = {"tool_calls": [merged]}
+                continue
+        out.append(delta)
+    return out
+
+
+class TextOutput:
+    """Turns one choice's sampled ids into completion text; stop strings cut it."""
+
+    def __init__(self, codec: HarmonyCodec, stops: list[str]) -> None:
+        self._detok = IncrementalDetokenizer(codec.decode)
+        self._stops = StopStringMatcher(stops)
+        self._first_special_id = codec.first_special_id
+        self._held: list[int] = []
+        self.text: list[str] = []
+        self.completion_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def feed(self, event: TokenEvent) -> str:
+        if self.stopped:
+            return ""
+        self.completion_tokens += len(event.token_ids)
+        ids = self._held + event.token_ids
+        self._held = []
+        if event.finish_reason == FINISH_STOP and ids:
+            ids = ids[:-1]  # the stop token ends the text; it is not part of it
+        elif not event.finish_reason and ids and ids[-1] >= self._first_special_id:
+            # a special token may be the stop token, which the worker confirms only in the next
+            # chunk (e.g. the first token, from prefill): hold it until then
+            self._held = [ids.pop()]
+        piece = self._stops.feed(self._detok.push(ids))
+        if event.finish_reason and not self.stopped:
+            piece += self._stops.feed(self._detok.flush())
+            piece += self._stops.flush()
+        if piece:
+            self.text.append(piece)
+        return piece
+
+
+# ---- the app ----------------------------------------------------------------------------------
+class OpenAIFrontend:
+    """Route handlers; one instance per router."""
+
+    def __init__(self, config: RouterConfig, orchestrator: Orchestrator, registry: WorkerRegistry,
+                 codec: HarmonyCodec, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.orchestrator = orchestrator
+        self.registry = registry
+        self.codec = codec
+        self.metrics = metrics
+
+    # ---- shared ----------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.config.served_model_name:
+            raise ModelNotFoundError(model, self.config.served_model_name)
+
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest,
+                  max_new_tokens: int) -> pdserve_pb2.SamplingParams:
+        sampling = pdserve_pb2.SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            max_new_tokens=max_new_tokens, stop_token_ids=self.codec.stop_token_ids())
+        if body.seed is not None:
+            sampling.seed = body.seed
+        return sampling
+
+    def _finish(self, endpoint: str, status: int, arrival: float) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        self.metrics.e2e.labels(endpoint).observe(asyncio.get_running_loop().time() - arrival)
+
+    async def _run(self, endpoint: str, handler: Callable[[Request, float], Any],
+                   request: Request) -> Response:
+        """Common frame: in-flight gauge, errors -> OpenAI bodies, metrics for non-streamed ends."""
+        arrival = asyncio.get_running_loop().time()
+        self.metrics.in_flight.labels(endpoint).inc()
+        streaming = False
+        try:
+            response = await handler(request, arrival)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        except RouterError as error:
+            if error.http_status >= 500:
+                log.warning("%s failed: %s", endpoint, error.message)
+            self._finish(endpoint, error.http_status, arrival)
+            return error_response(error)
+        except Exception as error:  # a bug: answer in OpenAI shape, keep the traceback in the log
+            log.exception("%s: unexpected error", endpoint)
+            self._finish(endpoint, 500, arrival)
+            return JSONResponse({"error": {"message": f"Internal server error: {error!r}",
+                                           "type": "internal_error", "param": None, "code": None}},
+                                status_code=500)
+        finally:
+            if not streaming:
+                self.metrics.in_flight.labels(endpoint).dec()
+
+    async def _start(self, generations: list[Generation], watcher: asyncio.Task
+                     ) -> list[tuple[AsyncIterator[TokenEvent], TokenEvent | None]]:
+        """Run every generation up to its first token; on an error cancel all and re-raise.
+
+        A None first event means the client left before it came.
+        """
+        streams = [gen.events() for gen in generations]
+
+        async def first(stream: AsyncIterator[TokenEvent]) -> TokenEvent | None:
+            return await anext(stream, None)
+
+        results = await asyncio.gather(*(first(s) for s in streams), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            watcher.cancel()
+            for gen, stream in zip(generations, streams):
+                gen.cancel("another part of the request failed")
+                await stream.aclose()
+            raise failure
+        return list(zip(streams, results))
+
+    # ---- chat ------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request, arrival: float) -> Response:
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await _read_json(request))
+        self._check_model(body.model)
+        tool_choice = body.tool_choice
+        if isinstance(tool_choice, NamedToolChoice):
+            tool_choice = tool_choice.model_dump()
+        try:  # tokenizing a long conversation takes a while: keep the event loop free
+            prompt = await asyncio.to_thread(
+                self.codec.render_chat, [m.model_dump(exclude_none=True) for m in body.messages],
+                tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                tool_choice=tool_choice, reasoning_effort=body.reasoning_effort)
+        except HarmonyError as error:
+            raise InvalidRequestError(str(error), param=error.param) from None
+        max_new = self.orchestrator.admit(len(prompt), body.requested_max_tokens, param="messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = self.orchestrator.generate(request_id, prompt, self._sampling(body, max_new),
+                                                arrival=arrival)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, [generation]))
+        [(events, first)] = await self._start([generation], watcher)
+        output = ChatOutput(self.codec, body.stop)
+        meta = {"id": request_id, "created": int(time.time()), "model": body.model}
+        if body.stream:
+            return StreamingResponse(
+                self._chat_stream(events, first, generation, output, meta, len(prompt),
+                                  body.include_usage, watcher, arrival),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            finish = await self._chat_collect(events, first, generation, output)
+        finally:
+            watcher.cancel()
+            await events.aclose()
+        if finish is None:
+            self._finish("chat_completions", CLIENT_CLOSED, arrival)
+            return Response(status_code=CLIENT_CLOSED)
+        _, parsed = output.finish()
+        content = "".join(output.content) if output.stopped else parsed.content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parsed.reasoning_content:
+            message["reasoning_content"] = parsed.reasoning_content
+        if parsed.tool_calls and not output.stopped:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
+            message["content"] = content or None
+        finish_reason = self._chat_finish_reason(finish, output, bool(message.get("tool_calls")))
+        self._finish("chat_completions", 200, arrival)
+        return JSONResponse({
+            **meta, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": _usage(len(prompt), output.completion_tokens)})
+
+    @staticmethod
+    def _chat_finish_reason(finish: int, output: ChatOutput, has_tool_calls: bool) -> str:
+        if output.stopped:
+            return "stop"
+        if finish == FINISH_STOP and has_tool_calls:
+            return "tool_calls"
+        return _finish_name(finish)
+
+    async def _chat_collect(self, events, first, generation, output) -> int | None:
+        """Consume the stream; the decode finish reason, or None if the client left."""
+        event = first
+        while event is not None:
+            output.feed(event.token_ids)
+            if output.stopped:
+                generation.cancel("stop string")
+                return FINISH_STOP
+            if event.finish_reason:
+                return event.finish_reason
+            event = await anext(events, None)
+        return None
+
+    async def _chat_stream(self, events, first, generation, output: ChatOutput, meta: dict,
+                           prompt_tokens: int, include_usage: bool, watcher: asyncio.Task,
+                           arrival: float) -> AsyncIterator[str]:
+        endpoint = "chat_completions"
+        status = CLIENT_CLOSED
+        usage_field = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> str:
+            return _sse({**meta, "object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                      "finish_reason": finish_reason}], **usage_field})
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            event, finish = first, None
+            tool_calls = False
+            while event is not None:
+                for delta in output.feed(event.token_ids):
+                    tool_calls = tool_calls or "tool_calls" in delta
+                    yield chunk(delta)
+                if output.stopped:
+                    generation.cancel("stop string")
+                    finish = FINISH_STOP
+                    break
+                if event.finish_reason:
+                    finish = event.finish_reason
+                    break
+                event = await anext(events, None)
+            if finish is None:
+                return  # the client is gone
+            deltas, parsed = output.finish()
+            for delta in deltas:
+                yield chunk(delta)
+            tool_calls = tool_calls or bool(parsed.tool_calls)
+            yield chunk({}, self._chat_finish_reason(finish, output, tool_calls))
+            if include_usage:
+                yield _sse({**meta, "object": "chat.completion.chunk", "choices": [],
+                            "usage": _usage(prompt_tokens, output.completion_tokens)})
+            yield _SSE_DONE
+            status = 200
+        except RouterError as error:
+            log.warning("%s stream %s failed: %s", endpoint, meta["id"], error.message)
+            status = error.http_status
+            yield _sse(error.to_openai())
+            yield _SSE_DONE
+        finally:
+            watcher.cancel()
+            generation.cancel("stream closed")  # no-op after a normal finish
+            with contextlib.suppress(BaseException):
+                await events.aclose()
+            self._finish(endpoint, status, arrival)
+            self.metrics.in_flight.labels(endpoint).dec()
+
+    # ---- completions -----------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
+        param = "prompt"
+        if isinstance(prompt, str):
+            try:
+                return self.codec.encode(prompt)
+            except HarmonyError as error:
+                raise InvalidRequestError(str(error), param=param) from None
+        bad = [t for t in prompt if not 0 <= t < self.codec.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt[{index}] has token ids outside [0, {self.codec.vocab_size}): {bad[:5]}",
+                param=param)
+        return prompt
+
+    async def completions(self, request: Request, arrival: float) -> Response:
+        body: CompletionRequest = parse_body(CompletionRequest, await _read_json(request))
+        self._check_model(body.model)
+        prompts = await asyncio.to_thread(
+            lambda: [self._prompt_ids(p, i) for i, p in enumerate(body.prompts())])
+        max_news = [self.orchestrator.admit(len(p), body.requested_max_tokens, param="prompt")
+                    for p in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generations = [
+            self.orchestrator.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                       p, self._sampling(body, max_new), arrival=arrival)
+            for i, (p, max_new) in enumerate(zip(prompts, max_news))]
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, generations))
+        started = await self._start(generations, watcher)
+        outputs = [TextOutput(self.codec, body.stop) for _ in generations]
+        meta = {"id": request_id, "created": int(time.time()), "model": body.model}
+        prompt_tokens = sum(len(p) for p in prompts)
+        choices = [self._completion_choice(i, events, first, gen, out)
+                   for i, ((events, first), gen, out) in enumerate(zip(started, generations, outputs))]
+        if body.stream:
+            return StreamingResponse(
+                self._completion_stream(choices, generations, outputs, meta, prompt_tokens,
+                                        body.include_usage, watcher, arrival),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        finishes: list[str | None] = [None] * len(choices)
+
+        async def drain(index: int, choice: AsyncIterator[tuple[int, str, str | None]]) -> None:
+            async for _, _, finish in choice:
+                if finish:
+                    finishes[index] = finish
+        try:
+            await asyncio.gather(*(drain(i, c) for i, c in enumerate(choices)))
+        except RouterError:
+            for gen in generations:
+                gen.cancel("another part of the request failed")
+            raise
+        finally:
+            watcher.cancel()
+        if any(f is None for f in finishes):
+            self._finish("completions", CLIENT_CLOSED, arrival)
+            return Response(status_code=CLIENT_CLOSED)
+        self._finish("completions", 200, arrival)
+        return JSONResponse({
+            **meta, "object": "text_completion",
+            "choices": [{"index": i, "text": "".join(out.text), "logprobs": None,
+                         "finish_reason": finishes[i]} for i, out in enumerate(outputs)],
+            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
+
+    async def _completion_choice(self, index: int, events: AsyncIterator[TokenEvent],
+                                 first: TokenEvent | None, generation: Generation,
+                                 output: TextOutput) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(index, new text, finish reason or None) per decode event of one prompt."""
+        try:
+            event = first
+            while event is not None:
+                text = output.feed(event)
+                if output.stopped:
+                    generation.cancel("stop string")
+                    yield index, text, "stop"
+                    return
+                finish = _finish_name(event.finish_reason) if event.finish_reason else None
+                yield index, text, finish
+                if finish:
+                    return
+                event = await anext(events, None)
+        finally:
+            with contextlib.suppress(BaseException):
+                await events.aclose()
+
+    async def _completion_stream(self, choices, generations, outputs, meta, prompt_tokens,
+                                 include_usage, watcher, arrival) -> AsyncIterator[str]:
+        endpoint = "completions"
+        status = CLIENT_CLOSED
+        usage_field = {"usage": None} if include_usage else {}
+        done = 0
+        try:
+            async for index, text, finish in _merge(choices):
+                if not text and not finish:
+                    continue
+                yield _sse({**meta, "object": "text_completion", **usage_field,
+                            "choices": [{"index": index, "text": text, "logprobs": None,
+                                         "finish_reason": finish}]})
+                done += finish is not None
+            if done < len(choices):
+                return  # the client is gone
+            if include_usage:
+                yield _sse({**meta, "object": "text_completion", "choices": [],
+                            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
+            yield _SSE_DONE
+            status = 200
+        except RouterError as error:
+            log.warning("%s stream %s failed: %s", endpoint, meta["id"], error.message)
+            status = error.http_status
+            yield _sse(error.to_openai())
+            yield _SSE_DONE
+        finally:
+            watcher.cancel()
+            for generation in generations:
+                generation.cancel("stream closed")
+            self._finish(endpoint, status, arrival)
+            self.metrics.in_flight.labels(endpoint).dec()
+
+    # ---- misc ------------------------------------------------------------------------------
+    def models(self) -> dict:
+        model = {"id": self.config.served_model_name, "object": "model", "created": 0,
+                 "owned_by": "pdserve"}
+        max_context = self.registry.max_context()
+        if max_context:
+            model["max_model_len"] = max_context
+        return {"object": "list", "data": [model]}
+
+    def health(self) -> JSONResponse:
+        counts = {role: {"routable": len(self.registry.routable(role)),
+                         "known": len(self.registry.workers(role))}
+                  for role in ("prefill", "decode")}
+        if self.registry.ready():
+            return JSONResponse({"status": "ok", "workers": counts})
+        return JSONResponse({"status": "unavailable", "workers": counts}, status_code=503,
+                            headers={"Retry-After": str(self.config.unavailable_retry_after)})
+
+
+async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of several async iterators as they come; the first error cancels the rest."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(end)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            await queue.put(error)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def create_app(frontend: OpenAIFrontend) -> FastAPI:
+    """The FastAPI app around `frontend`; OpenAI error bodies for every failure."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await frontend._run("chat_completions", frontend.chat_completions, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await frontend._run("completions", frontend.completions, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return frontend.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model != frontend.config.served_model_name:
+            return error_response(ModelNotFoundError(model, frontend.config.served_model_name))
+        return JSONResponse(frontend.models()["data"][0])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return frontend.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(frontend.metrics.render(), media_type=frontend.metrics.content_type)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None,
+                                       "code": None}}, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(InvalidRequestError(f"Invalid request: {exc.errors()[:3]}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return JSONResponse({"error": {"message": f"Internal server error: {exc!r}",
+                                       "type": "internal_error", "param": None, "code": None}},
+                            status_code=500)
+
+    return app

@@ -1,0 +1,252 @@
+"""Pydantic models of the OpenAI request bodies the router accepts, and their error mapping.
+
+Structure and ranges are checked here (400 with the offending `param`); the Harmony codec checks
+what only it knows (roles in context, tool-call history, tool names) when it renders.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jsonschema
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
+
+from router.errors import InvalidRequestError
+
+_MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class _Body(BaseModel):
+    # Unknown fields (user, metadata, service_tier, ...) are accepted and ignored, as most
+    # OpenAI-compatible servers do; anything we cannot honour but would change the output is refused.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls and not self.reasoning_content:
+                raise ValueError("an assistant message needs content, reasoning_content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is None:
+            return None
+        if schema.get("type", "object") != "object":
+            raise ValueError(f'parameters must be a JSON schema of "type": "object", not '
+                             f'{schema.get("type")!r}')
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as error:
+            where = "/".join(str(p) for p in error.path) or "(top level)"
+            raise ValueError(f"parameters is not a valid JSON schema at {where}: "
+                             f"{error.message}") from None
+        return schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # extension (vLLM-style); 0 = off
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("presence/frequency penalties are not supported (must be 0)")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > _MAX_STOP_STRINGS:
+            raise ValueError(f"at most {_MAX_STOP_STRINGS} stop strings are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = Field(default=False, description="logprobs are not supported")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("logprobs are not supported by this server")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools") or []  # validated before: declared earlier
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in tools}:
+                raise ValueError(f"tool_choice names function {choice.function.name!r}, "
+                                 "which is not in tools")
+        if choice == "required" and not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return choice
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of > 1 is not supported by this server")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: each item text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; a `ValidationError` becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise _to_invalid_request(error) from None
+
+
+def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
+    details = error.errors(include_url=False)
+    first = details[0]
+    # a union reports one error per alternative; the field is what they share
+    param = ".".join(str(p) for p in first["loc"] if not _is_union_branch(p)) or None
+    messages = []
+    for d in details[:3]:
+        loc = ".".join(str(p) for p in d["loc"] if not _is_union_branch(p))
+        msg = d["msg"].removeprefix("Value error, ")
+        messages.append(f"{loc}: {msg}" if loc else msg)
+    more = f" (and {len(details) - 3} more)" if len(details) > 3 else ""
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+    return InvalidRequestError("Invalid request: " + "; ".join(messages) + more, param=param,
+                               code=code)
+
+
+def _is_union_branch(part: Any) -> bool:
+    """pydantic names union alternatives in `loc` (`str`, `list[int]`, `function-after[...]`)."""
+    return isinstance(part, str) and ("[" in part or part[:1].isupper()
+                                      or part in {"str", "int", "float", "bool"})

@@ -1,0 +1,414 @@
+"""One request's way through the workers: Reserve (decode) -> Prefill -> Decode stream.
+
+Retries happen only on retryable statuses: a decode worker that is full or gone is skipped for the
+next-ranked one; a prefill worker that is full, dying or gone is retried on another prefill worker
+after a jittered backoff, reusing the same KV reservation; a prefill that answers ABORTED (its KV
+could not reach the decode worker) blames the decode worker and the request starts over on
+another. A decode worker that dies mid-stream ends the stream with an error and is taken out of
+rotation. Whatever ends a request early (client
+gone, stop string, error, timeout) sends Cancel to both workers so the KV blocks are freed.
+Every RPC carries a deadline; one request id is used on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from proto import pdserve_pb2
+from router.config import RouterConfig
+from router.errors import (InvalidRequestError, NoHealthyWorkersError, OverloadedError,
+                           RequestTimeoutError, RouterError, UpstreamError)
+from router.metrics import RouterMetrics
+from router.policy import RoutingPolicy, kv_blocks_needed
+from router.registry import Worker, WorkerRegistry
+from router.retry import WORKER_DIED, WORKER_FULL, WORKER_GONE, backoff_delay
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = pdserve_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
+FINISH_CANCELLED = pdserve_pb2.FINISH_REASON_CANCELLED
+FINISH_ERROR = pdserve_pb2.FINISH_REASON_ERROR
+
+
+@dataclasses.dataclass(slots=True)
+class TokenEvent:
+    """New token ids; `finish_reason` (a pdserve_pb2.FinishReason) is non-zero on the last event."""
+
+    token_ids: list[int]
+    finish_reason: int = 0
+
+
+class _KVDestinationFailed(Exception):
+    """Prefill said ABORTED: writing the KV into the reserved decode blocks failed."""
+
+
+def _finish_name(finish_reason: int) -> str:
+    return pdserve_pb2.FinishReason.Name(finish_reason)
+
+
+def _rpc_reason(error: grpc.aio.AioRpcError) -> str:
+    return f"{error.code().name}: {error.details()}"
+
+
+class Orchestrator:
+    """Admits requests and creates `Generation`s; owns the fire-and-forget Cancel calls."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: RoutingPolicy,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    def admit(self, num_prompt_tokens: int, max_tokens: int | None, *, param: str) -> int:
+        """Check the request against the pools and the context limit; return max_new_tokens.
+
+        `max_tokens=None` means "as many as fit": the default, capped by the context left after
+        the prompt. An explicit `max_tokens` that does not fit is the client's error (400), as is
+        a prompt that alone fills the context. `param` names the prompt field in errors.
+        """
+        for role in ("prefill", "decode"):
+            if not self.registry.routable(role):
+                total = len(self.registry.workers(role))
+                raise NoHealthyWorkersError(
+                    f"No healthy {role} worker is available ({total} known, 0 routable); "
+                    "retry later.", code="no_healthy_workers",
+                    retry_after=self.config.unavailable_retry_after)
+        if num_prompt_tokens <= 0:
+            raise InvalidRequestError("The prompt is empty.", param=param)
+        max_context = self.registry.max_context()
+        if max_tokens is not None and max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}.",
+                                      param="max_tokens")
+        if not max_context:
+            return max_tokens if max_tokens is not None else self.config.default_max_tokens
+        if num_prompt_tokens >= max_context:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_context} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
+                param=param, code="context_length_exceeded")
+        room = max_context - num_prompt_tokens
+        if max_tokens is None:
+            return min(self.config.default_max_tokens, room)
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_context} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 sampling: pdserve_pb2.SamplingParams, *, arrival: float | None = None) -> "Generation":
+        """A request ready to run; iterate `generation.events()` to run it.
+
+        `arrival` is the event-loop time the request reached the router (TTFT and the request
+        deadline count from it).
+        """
+        loop = asyncio.get_running_loop()
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        return Generation(self, request_id, list(prompt_token_ids), sampling,
+                          loop.time() if arrival is None else arrival)
+
+    def send_cancel(self, worker: Worker, request_id: str) -> None:
+        """Best-effort Cancel on `worker`, in the background (callers may be unwinding)."""
+        async def cancel() -> None:
+            try:
+                await worker.stub.Cancel(pdserve_pb2.CancelRequest(request_id=request_id),
+                                         timeout=self.config.cancel_timeout)
+            except grpc.aio.AioRpcError as error:
+                log.debug("Cancel %s on %s failed: %s", request_id, worker.name, _rpc_reason(error))
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for outstanding Cancel calls (shutdown)."""
+        await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+class Generation:
+    """One request: picks and reserves a decode worker, prefills, then streams decode tokens.
+
+    Use `async with contextlib.aclosing(gen.events()) as events`; the first event carries the
+    first token (from prefill). Errors before the first event are `RouterError`s the caller can
+    turn into a status code; later ones end the stream (`UpstreamError`, `RequestTimeoutError`).
+    `cancel()` (client gone) stops it from any task; `events()` then simply ends.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, request_id: str, prompt_token_ids: list[int],
+                 sampling: pdserve_pb2.SamplingParams, arrival: float) -> None:
+        self._orch = orchestrator
+        self._config = orchestrator.config
+        self._metrics = orchestrator.metrics
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.arrival = arrival
+        self.deadline = arrival + self._config.request_timeout
+        self.decode_worker: Worker | None = None
+        self.prefill_worker: Worker | None = None
+        self.placements: list[pdserve_pb2.KVPlacement] = []
+        self._call: grpc.aio.Call | None = None
+        self._aborted = asyncio.Event()
+        self._finished = False
+        self._released = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def cancel(self, reason: str) -> None:
+        """Stop the request now (client gone, stop string hit); Cancel goes to both workers.
+
+        Safe from any task on the loop, and idempotent; `events()` then ends without a finish.
+        """
+        if self._aborted.is_set() or self._finished or self._released:
+            return
+        log.info("request %s cancelled: %s", self.request_id, reason)
+        self._aborted.set()
+        self._release()
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        try:
+            response = await self._admit()
+            if response is None:
+                return
+            self._metrics.observe_prefill(response)
+            last = asyncio.get_running_loop().time()
+            self._metrics.observe_tokens(1, last - self.arrival, first=True)
+            yield TokenEvent([response.first_token_id])
+            async for event in self._decode(response.first_token_id, last):
+                yield event
+        finally:
+            if not self._finished:
+                self._release()
+
+    # ---- steps ----------------------------------------------------------------------------
+    def _remaining(self) -> float:
+        remaining = self.deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise RequestTimeoutError(
+                f"Request {self.request_id} exceeded the router's request timeout of "
+                f"{self._config.request_timeout:g}s.", code="timeout")
+        return remaining
+
+    async def _admit(self) -> pdserve_pb2.PrefillResponse | None:
+        """Reserve on a decode worker, then prefill into it; None if cancelled meanwhile.
+
+        A prefill that fails because the KV could not reach the decode worker (ABORTED) blames
+        that decode worker: its reservation is cancelled and the request starts over elsewhere.
+        """
+        broken_decode: set[str] = set()
+        for _ in range(self._config.max_decode_attempts):
+            if self.aborted or not await self._reserve(broken_decode):
+                return None
+            try:
+                return await self._prefill()
+            except _KVDestinationFailed as failure:
+                worker = self.decode_worker
+                broken_decode.add(worker.endpoint.address)
+                self._orch.registry.report_failure(worker, f"kv write {failure}", fatal=True)
+                self._orch.send_cancel(worker, self.request_id)
+                self._metrics.retries.labels("kv_transfer", "ABORTED").inc()
+                self.decode_worker = None
+        raise NoHealthyWorkersError(
+            f"KV transfer to {len(broken_decode)} decode worker(s) failed; retry later.",
+            code="kv_transfer_failed", retry_after=self._config.unavailable_retry_after)
+
+    async def _reserve(self, exclude: set[str]) -> bool:
+        """Reserve KV blocks on the best decode worker that accepts; False if cancelled."""
+        registry, policy = self._orch.registry, self._orch.policy
+        num_prompt = len(self.prompt_token_ids)
+        max_new = self.sampling.max_new_tokens
+        alive = [w for w in registry.routable("decode") if w.endpoint.address not in exclude]
+        candidates = policy.rank_decode(alive, num_prompt, max_new)
+        if alive and not candidates:
+            raise OverloadedError(
+                f"No decode worker has free KV blocks for {num_prompt + max_new} tokens; "
+                "retry later.", code="kv_cache_full", retry_after=self._config.overload_retry_after)
+        full = 0
+        for worker in candidates:
+            remaining = self._remaining()
+            timeout = min(self._config.reserve_timeout, remaining)
+            request = pdserve_pb2.ReserveRequest(
+                request_id=self.request_id, num_prompt_tokens=num_prompt, max_new_tokens=max_new,
+                ttl_seconds=remaining)
+            call = worker.stub.Reserve(request, timeout=timeout)
+            self._call = call
+            try:
+                response = await call
+            except asyncio.CancelledError:
+                if self.aborted:
+                    return False
+                raise
+            except grpc.aio.AioRpcError as error:
+                if self.aborted:
+                    return False
+                code = error.code()
+                if code in WORKER_FULL:
+                    full += 1
+                    self._metrics.retries.labels("reserve", code.name).inc()
+                    continue
+                if code is grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError(f"Decode worker rejected the request: "
+                                              f"{error.details()}") from None
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= remaining:
+                    raise RequestTimeoutError(f"Request {self.request_id} timed out waiting for "
+                                              "a KV reservation.", code="timeout") from None
+                # gone, dying or too slow: it may hold a reservation we never heard of
+                registry.report_failure(worker, f"reserve {_rpc_reason(error)}",
+                                        fatal=code in WORKER_DIED)
+                self._orch.send_cancel(worker, self.request_id)
+                self._metrics.retries.labels("reserve", code.name).inc()
+                continue
+            if self.aborted:  # client left while the reservation was in flight
+                self.decode_worker = worker
+                self._release()
+                return False
+            self.decode_worker = worker
+            self.placements = list(response.placements)
+            load = worker.load
+            worker.pending_kv_blocks += kv_blocks_needed(num_prompt + max_new,
+                                                         load.page_size if load else 0)
+            return True
+        if full:
+            raise OverloadedError(
+                f"All {full} decode workers are out of KV blocks; retry later.",
+                code="kv_cache_full", retry_after=self._config.overload_retry_after)
+        raise NoHealthyWorkersError("No decode worker could be reached; retry later.",
+                                    code="no_healthy_workers",
+                                    retry_after=self._config.unavailable_retry_after)
+
+    async def _prefill(self) -> pdserve_pb2.PrefillResponse | None:
+        """Run the prompt on a prefill worker, retrying elsewhere; None if aborted."""
+        registry, policy = self._orch.registry, self._orch.policy
+        request = pdserve_pb2.PrefillRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling, placements=self.placements)
+        tried: set[str] = set()
+        full = gone = 0
+        last_error = ""
+        for attempt in range(self._config.max_prefill_attempts):
+            candidates = [w for w in policy.rank_prefill(registry.routable("prefill"),
+                                                         len(self.prompt_token_ids))
+                          if w.endpoint.address not in tried]
+            if not candidates:
+                break
+            worker = candidates[0]
+            tried.add(worker.endpoint.address)
+            self.prefill_worker = worker
+            worker.pending_prompt_tokens += len(self.prompt_token_ids)
+            call = worker.stub.Prefill(request, timeout=self._remaining())
+            self._call = call
+            try:
+                return await call
+            except asyncio.CancelledError:
+                if self.aborted:
+                    return None
+                raise
+            except grpc.aio.AioRpcError as error:
+                if self.aborted:
+                    return None
+                code = error.code()
+                last_error = f"{worker.name}: {_rpc_reason(error)}"
+                if code is grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError(f"Prefill worker rejected the prompt: "
+                                              f"{error.details()}") from None
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise RequestTimeoutError(f"Request {self.request_id} timed out in prefill.",
+                                              code="timeout") from None
+                if code is grpc.StatusCode.ABORTED:  # the KV could not reach the decode worker
+                    raise _KVDestinationFailed(_rpc_reason(error)) from None
+                if code not in WORKER_FULL and code not in WORKER_GONE and code not in WORKER_DIED:
+                    raise UpstreamError(f"Prefill failed on {last_error}") from None
+                self._metrics.retries.labels("prefill", code.name).inc()
+                if code in WORKER_FULL:
+                    full += 1
+                    continue
+                gone += 1
+                registry.report_failure(worker, f"prefill {_rpc_reason(error)}", fatal=True)
+                self._orch.send_cancel(worker, self.request_id)  # stop a zombie writing our KV
+                delay = backoff_delay(attempt, self._config.retry_base_delay,
+                                      self._config.retry_max_delay)
+                try:
+                    await asyncio.wait_for(self._aborted.wait(), min(delay, self._remaining()))
+                    return None
+                except asyncio.TimeoutError:
+                    pass
+        if full and not gone:
+            raise OverloadedError("Every prefill queue is full; retry later.", code="queue_full",
+                                  retry_after=self._config.overload_retry_after)
+        if not tried:
+            raise NoHealthyWorkersError("No healthy prefill worker is available; retry later.",
+                                        code="no_healthy_workers",
+                                        retry_after=self._config.unavailable_retry_after)
+        raise NoHealthyWorkersError(f"Prefill failed on {len(tried)} worker(s); last: {last_error}",
+                                    code="prefill_failed",
+                                    retry_after=self._config.unavailable_retry_after)
+
+    async def _decode(self, first_token_id: int, last: float) -> AsyncIterator[TokenEvent]:
+        worker = self.decode_worker
+        loop = asyncio.get_running_loop()
+        request = pdserve_pb2.DecodeRequest(
+            request_id=self.request_id, first_token_id=first_token_id,
+            prompt_token_ids=self.prompt_token_ids, sampling=self.sampling)
+        call = worker.stub.Decode(request, timeout=self._remaining())
+        self._call = call
+        try:
+            async for chunk in call:
+                now = loop.time()
+                self._metrics.observe_tokens(len(chunk.token_ids), now - last, first=False)
+                last = now
+                if chunk.finish_reason in (FINISH_ERROR, FINISH_CANCELLED):
+                    raise UpstreamError(f"Decode worker {worker.name} ended the request: "
+                                        f"{chunk.error or _finish_name(chunk.finish_reason)}",
+                                        code="decode_failed")
+                if chunk.finish_reason:
+                    self._finished = True
+                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason)
+                if self._finished:
+                    return
+        except asyncio.CancelledError:
+            if self.aborted:
+                return
+            raise
+        except grpc.aio.AioRpcError as error:
+            if self.aborted:
+                return
+            raise self._decode_failure(worker, error) from None
+        if not self.aborted:
+            raise UpstreamError(f"Decode worker {worker.name} closed the stream without a finish "
+                                "reason.", code="decode_failed")
+
+    def _decode_failure(self, worker: Worker, error: grpc.aio.AioRpcError) -> RouterError:
+        code = error.code()
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestTimeoutError(f"Request {self.request_id} exceeded the router's request "
+                                       f"timeout of {self._config.request_timeout:g}s.",
+                                       code="timeout")
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequestError(f"Decode worker rejected the request: {error.details()}")
+        self._orch.registry.report_failure(worker, f"decode {_rpc_reason(error)}",
+                                           fatal=code in WORKER_DIED)
+        return UpstreamError(f"Decode worker {worker.name} failed mid-stream: "
+                             f"{_rpc_reason(error)}", code="decode_failed")
+
+    def _release(self) -> None:
+        """Free what the request holds: cancel the RPC in flight, Cancel on both workers."""
+        if self._released:
+            return
+        self._released = True
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        for worker in (self.decode_worker, self.prefill_worker):
+            if worker is not None:
+                self._orch.send_cancel(worker, self.request_id)

@@ -1,0 +1,69 @@
+"""Routing policy: which (prefill, decode) pair serves a request, and the fallbacks in order.
+
+The registry says who is routable; the policy says who fits and who is best. Rankings, not single
+picks, so the orchestrator can fall back when a worker refuses (its report was stale) or dies.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+from router.registry import Worker
+
+
+def kv_blocks_needed(num_tokens: int, page_size: int) -> int:
+    """Pages of `page_size` tokens that `num_tokens` positions occupy in a full-attention layer."""
+    if page_size <= 0:
+        return 0  # worker did not report a page size: let its Reserve decide
+    return -(-num_tokens // page_size)
+
+
+class RoutingPolicy(abc.ABC):
+    """Ranks routable workers for one request; subclasses decide what "best" means."""
+
+    @abc.abstractmethod
+    def rank_decode(self, workers: Sequence[Worker], num_prompt_tokens: int,
+                    max_new_tokens: int) -> list[Worker]:
+        """Decode workers that can admit prompt + max_new_tokens, best first (may be empty)."""
+
+    @abc.abstractmethod
+    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int) -> list[Worker]:
+        """Prefill workers, best first."""
+
+    def select_pair(self, prefill: Sequence[Worker], decode: Sequence[Worker],
+                    num_prompt_tokens: int, max_new_tokens: int) -> tuple[Worker, Worker] | None:
+        """The best (prefill, decode) pair, or None when no pair can take the request."""
+        ranked_prefill = self.rank_prefill(prefill, num_prompt_tokens)
+        ranked_decode = self.rank_decode(decode, num_prompt_tokens, max_new_tokens)
+        if not ranked_prefill or not ranked_decode:
+            return None
+        return ranked_prefill[0], ranked_decode[0]
+
+
+class LoadAwarePolicy(RoutingPolicy):
+    """Decode: most free KV blocks among workers that fit. Prefill: fewest queued prompt tokens.
+
+    Free blocks are what the last LoadReport said minus what this router reserved since; a worker
+    fits when its context limit and free blocks cover prompt + max_new_tokens (full-attention
+    pages; the worker's own Reserve stays the authority).
+    """
+
+    def rank_decode(self, workers: Sequence[Worker], num_prompt_tokens: int,
+                    max_new_tokens: int) -> list[Worker]:
+        total = num_prompt_tokens + max_new_tokens
+        fits = []
+        for worker in workers:
+            load = worker.load
+            if load is None or load.draining:
+                continue
+            if load.max_context and total > load.max_context:
+                continue
+            if worker.free_kv_blocks < kv_blocks_needed(total, load.page_size):
+                continue
+            fits.append(worker)
+        return sorted(fits, key=lambda w: (-w.free_kv_blocks, w.load.running_requests, w.name))
+
+    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int) -> list[Worker]:
+        alive = [w for w in workers if w.load is not None and not w.load.draining]
+        return sorted(alive, key=lambda w: (w.queued_prompt_tokens, w.load.queued_requests, w.name))

@@ -1,0 +1,228 @@
+"""The router's view of its workers: who exists (from discovery), who is healthy, how loaded.
+
+A background task polls every worker's `Load` and standard gRPC health check with deadlines; a
+per-worker circuit breaker turns repeated probe failures, or one sign of death on the request path,
+into "not routable" until a later probe succeeds. Everything here runs on the router's event loop;
+discovery callbacks from other threads are handed over with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.circuit_breaker import CircuitBreaker
+from router.config import RouterConfig
+from router.discovery import Discovery, WorkerEndpoint
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Keepalive pings on channels with calls in flight notice a worker host that vanished without
+# closing its connections (a decode stream would otherwise hang until the request deadline).
+# Worker servers must accept them: grpc.http2.min_recv_ping_interval_without_data_ms <= 20000
+# (or grpc.http2.max_ping_strikes = 0), else they answer with GOAWAY "too_many_pings".
+WORKER_PING_INTERVAL_MS = 20_000
+_GRPC_OPTIONS = [
+    ("grpc.keepalive_time_ms", WORKER_PING_INTERVAL_MS),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class Worker:
+    """One worker as the router sees it: its channel and stubs, last LoadReport and breaker.
+
+    `pending_*` count what this router sent the worker since its last LoadReport, so a burst of
+    requests between two polls does not all land on the worker that looked emptiest.
+    """
+
+    def __init__(self, endpoint: WorkerEndpoint, channel: grpc.aio.Channel, breaker: CircuitBreaker):
+        self.endpoint = endpoint
+        self.channel = channel
+        stub_class = (pdserve_pb2_grpc.PrefillWorkerStub if endpoint.role == "prefill"
+                      else pdserve_pb2_grpc.DecodeWorkerStub)
+        self.stub = stub_class(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.breaker = breaker
+        self.load: pdserve_pb2.LoadReport | None = None
+        self.serving = False
+        self.pending_kv_blocks = 0
+        self.pending_prompt_tokens = 0
+
+    @property
+    def role(self) -> str:
+        return self.endpoint.role
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def routable(self) -> bool:
+        """Probed at least once, healthy, serving, not draining, breaker closed."""
+        return (self.load is not None and self.serving and not self.load.draining
+                and self.breaker.closed)
+
+    @property
+    def free_kv_blocks(self) -> int:
+        return 0 if self.load is None else self.load.kv_blocks_free - self.pending_kv_blocks
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return 0 if self.load is None else self.load.queued_prompt_tokens + self.pending_prompt_tokens
+
+    def __repr__(self) -> str:
+        return f"Worker({self.role}, {self.name}, routable={self.routable})"
+
+
+class WorkerRegistry:
+    """Workers by role, kept in step with discovery and probed in the background."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics,
+                 channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._channel_factory = channel_factory or (
+            lambda address: grpc.aio.insecure_channel(address, options=_GRPC_OPTIONS))
+        self._workers: dict[tuple[str, str], Worker] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._discovery: Discovery | None = None
+        self._probe_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._closing: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self, discovery: Discovery) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._discovery = discovery
+        self._probe_task = asyncio.create_task(self._probe_forever(), name="pdserve-probe")
+        discovery.start(self._on_discovery_change)
+
+    async def stop(self) -> None:
+        if self._discovery is not None:
+            self._discovery.stop()
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        for worker in list(self._workers.values()):
+            self._metrics.forget_worker(worker)
+            await worker.channel.close()
+        self._workers.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs on the loop whenever membership or routability may have changed."""
+        self._listeners.append(callback)
+
+    # ---- queries ---------------------------------------------------------------------------
+    def workers(self, role: str) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role]
+
+    def routable(self, role: str) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.routable]
+
+    def ready(self) -> bool:
+        """At least one routable prefill and one routable decode worker."""
+        return bool(self.routable("prefill")) and bool(self.routable("decode"))
+
+    def max_context(self) -> int:
+        """Largest context any routable decode worker admits (0 if none reported one)."""
+        return max((w.load.max_context for w in self.routable("decode")), default=0)
+
+    # ---- request-path feedback -------------------------------------------------------------
+    def report_failure(self, worker: Worker, reason: str, *, fatal: bool) -> None:
+        """The request path saw `worker` fail; `fatal` (it died) takes it out of rotation now."""
+        was_routable = worker.routable
+        if fatal:
+            worker.breaker.trip(reason)
+        else:
+            worker.breaker.record_failure(reason)
+        self._metrics.worker_failure(worker, reason.split(":", 1)[0])
+        if was_routable and not worker.routable:
+            log.warning("%s worker %s taken out of rotation: %s", worker.role, worker.name, reason)
+        self._changed()
+
+    # ---- discovery -------------------------------------------------------------------------
+    def _on_discovery_change(self, endpoints: list[WorkerEndpoint]) -> None:
+        if self._loop is None:
+            raise RuntimeError("discovery reported workers before WorkerRegistry.start()")
+        self._loop.call_soon_threadsafe(self._apply_endpoints, list(endpoints))
+
+    def _apply_endpoints(self, endpoints: list[WorkerEndpoint]) -> None:
+        wanted = {(e.role, e.address): e for e in endpoints}
+        for key in [k for k in self._workers if k not in wanted]:
+            worker = self._workers.pop(key)
+            log.info("%s worker %s left", worker.role, worker.name)
+            self._metrics.forget_worker(worker)
+            # let requests still on it finish (bounded), then drop the connection
+            task = asyncio.create_task(
+                worker.channel.close(grace=self._config.graceful_shutdown_timeout))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        for key, endpoint in wanted.items():
+            if key not in self._workers:
+                log.info("%s worker %s joined at %s", endpoint.role, endpoint.name, endpoint.address)
+                breaker = CircuitBreaker(self._config.breaker_failure_threshold,
+                                         self._config.breaker_reset_timeout,
+                                         self._config.breaker_max_reset_timeout)
+                self._workers[key] = Worker(endpoint, self._channel_factory(endpoint.address), breaker)
+        self._wake.set()  # probe newcomers now rather than one interval later
+        self._changed()
+
+    # ---- probing ---------------------------------------------------------------------------
+    async def _probe_forever(self) -> None:
+        while True:
+            self._wake.clear()  # before probing: a worker joining meanwhile wakes the next round
+            workers = [w for w in self._workers.values() if w.breaker.should_probe()]
+            if workers:
+                try:
+                    await asyncio.gather(*(self._probe(w) for w in workers))
+                except Exception:  # a bug in one probe must not end health checking for good
+                    log.exception("worker probe failed unexpectedly")
+                self._changed()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._config.probe_interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _probe(self, worker: Worker) -> None:
+        timeout = self._config.probe_timeout
+        epoch = worker.breaker.epoch
+        health, load = await asyncio.gather(
+            worker.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout),
+            worker.stub.Load(pdserve_pb2.LoadRequest(), timeout=timeout),
+            return_exceptions=True)
+        if isinstance(health, grpc.aio.AioRpcError) and health.code() is grpc.StatusCode.UNIMPLEMENTED:
+            health = None  # no health service: the Load answer alone says it is alive
+        for answer in (health, load):
+            if isinstance(answer, asyncio.CancelledError):
+                raise answer
+            if isinstance(answer, BaseException):
+                reason = (f"{answer.code().name}: {answer.details()}"
+                          if isinstance(answer, grpc.aio.AioRpcError) else repr(answer))
+                if worker.routable:
+                    log.warning("%s worker %s probe failed: %s", worker.role, worker.name, reason)
+                worker.breaker.record_failure(f"probe {reason}")
+                self._metrics.observe_worker(worker)
+                return
+        worker.breaker.record_success(epoch)
+        worker.load = load
+        worker.serving = health is None or health.status == health_pb2.HealthCheckResponse.SERVING
+        worker.pending_kv_blocks = 0
+        worker.pending_prompt_tokens = 0
+        self._metrics.observe_worker(worker)
+
+    def _changed(self) -> None:
+        for callback in self._listeners:
+            try:
+                callback()
+            except Exception:  # a listener's bug must not stop probing
+                log.exception("registry listener failed")

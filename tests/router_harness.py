@@ -1,0 +1,356 @@
+"""In-test prefill/decode gRPC workers and a router running in a thread, for the router tests.
+
+The workers implement the real `pdserve.v1` services over real gRPC with simple deterministic
+behaviour: a shared token script plays the model (prefill returns its first id, decode streams
+the rest until a stop id or max_new_tokens), and `KVFabric` plays NIXL (prefill marks the KV of a
+request as written into the decode worker named by the placement; decode refuses requests whose
+KV has not arrived). Each can be told to fail, die (its server stops), fill up or hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import openai_harmony
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pbg
+from router.config import RouterConfig
+from router.discovery import make_discovery
+from router.harmony import HarmonyCodec, ensure_offline_vocab
+from router.service import Router, build_router, serve_router
+
+
+@functools.lru_cache(maxsize=1)
+def codec() -> HarmonyCodec:
+    return HarmonyCodec()
+
+
+@functools.lru_cache(maxsize=1)
+def _encoding() -> openai_harmony.HarmonyEncoding:
+    ensure_offline_vocab()
+    return openai_harmony.load_harmony_encoding(openai_harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def harmony_ids(text: str) -> list[int]:
+    """Token ids of Harmony text (special tokens spelled out), as the model would sample them."""
+    return _encoding().encode(text, allowed_special="all")
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class KVFabric:
+    """Which (decode worker, request id) pairs have received their KV from a prefill."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arrived: set[tuple[str, str]] = set()
+
+    def write(self, decode_worker_id: str, request_id: str) -> None:
+        with self._lock:
+            self._arrived.add((decode_worker_id, request_id))
+
+    def arrived(self, decode_worker_id: str, request_id: str) -> bool:
+        with self._lock:
+            return (decode_worker_id, request_id) in self._arrived
+
+
+class Script:
+    """The "model": the ids it samples after any prompt (first one from prefill)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = list(token_ids)
+
+
+class _Server:
+    """A gRPC server for one fake worker, with standard health checking."""
+
+    def __init__(self, add_servicer, servicer) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # router keepalive
+            ("grpc.http2.max_ping_strikes", 0)])
+        add_servicer(servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        self.server.start()
+        self.alive = True
+
+    def die(self) -> None:
+        """Stop serving at once, in-flight calls included (what a crashed process looks like)."""
+        if self.alive:
+            self.alive = False
+            threading.Thread(target=self.server.stop, args=(0,), daemon=True).start()
+
+    def set_serving(self, serving: bool) -> None:
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+class FakeDecode(pbg.DecodeWorkerServicer):
+    def __init__(self, name: str, fabric: KVFabric, script: Script, *, page_size: int = 16,
+                 kv_blocks_total: int = 4096, max_context: int = 8192) -> None:
+        self.name, self.fabric, self.script = name, fabric, script
+        self.page_size, self.kv_blocks_total, self.max_context = page_size, kv_blocks_total, max_context
+        self.lock = threading.Lock()
+        self.reservations: dict[str, int] = {}
+        self.reserve_requests: list[pb.ReserveRequest] = []
+        self.decode_requests: list[pb.DecodeRequest] = []
+        self.cancelled: list[str] = []
+        self.exhausted = False          # Reserve answers RESOURCE_EXHAUSTED, Load says full
+        self.refuse_reserve = False     # Reserve answers RESOURCE_EXHAUSTED, Load says free (stale)
+        self.chunk_size = 2
+        self.token_delay = 0.0          # seconds before each chunk
+        self.die_after_chunks: int | None = None
+        self.server = _Server(pbg.add_DecodeWorkerServicer_to_server, self)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def reset(self) -> None:
+        with self.lock:
+            self.reservations.clear()
+            self.reserve_requests.clear()
+            self.decode_requests.clear()
+            self.cancelled.clear()
+        self.exhausted = self.refuse_reserve = False
+        self.chunk_size, self.token_delay, self.die_after_chunks = 2, 0.0, None
+
+    def Reserve(self, request, context):
+        with self.lock:
+            self.reserve_requests.append(request)
+        if self.exhausted or self.refuse_reserve:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
+        total = request.num_prompt_tokens + request.max_new_tokens
+        blocks = -(-total // self.page_size)
+        with self.lock:
+            self.reservations[request.request_id] = blocks
+        return pb.ReserveResponse(placements=[pb.KVPlacement(
+            decode_worker_id=self.name, kv_agent_name=f"{self.name}-rank0",
+            full_block_ids=list(range(blocks)), page_size=self.page_size, tp_rank=0, tp_size=1)])
+
+    def Decode(self, request, context):
+        rid = request.request_id
+        with self.lock:
+            self.decode_requests.append(request)
+            reserved = rid in self.reservations
+        if not reserved:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for {rid}")
+        if not self.fabric.arrived(self.name, rid):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV of {rid} has not arrived")
+        sampling = request.sampling
+        stops = set(sampling.stop_token_ids)
+        script = self.script.token_ids
+        if request.first_token_id != script[0]:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first token does not follow the script")
+        produced = 1
+        if script[0] in stops:
+            yield pb.TokenChunk(finish_reason=pb.FINISH_REASON_STOP)
+            return
+        chunk: list[int] = []
+        chunks = 0
+        for token in script[1:]:
+            if rid in self.cancelled or not context.is_active():
+                return
+            chunk.append(token)
+            produced += 1
+            finish = (pb.FINISH_REASON_STOP if token in stops else
+                      pb.FINISH_REASON_LENGTH if produced >= sampling.max_new_tokens else 0)
+            if len(chunk) == self.chunk_size or finish:
+                if self.token_delay:
+                    time.sleep(self.token_delay)
+                if self.die_after_chunks is not None and chunks >= self.die_after_chunks:
+                    self.server.die()
+                    time.sleep(1.0)
+                    return
+                yield pb.TokenChunk(token_ids=chunk, finish_reason=finish)
+                chunks += 1
+                chunk = []
+            if finish:
+                with self.lock:
+                    self.reservations.pop(rid, None)
+                return
+        yield pb.TokenChunk(token_ids=chunk, finish_reason=pb.FINISH_REASON_LENGTH)
+
+    def Cancel(self, request, context):
+        with self.lock:
+            self.cancelled.append(request.request_id)
+            found = self.reservations.pop(request.request_id, None) is not None
+        return pb.CancelResponse(found=found)
+
+    def Load(self, request, context):
+        with self.lock:
+            used = sum(self.reservations.values())
+            running = len(self.reservations)
+        used = self.kv_blocks_total if self.exhausted else used
+        return pb.LoadReport(worker_id=self.name, role="decode", running_requests=running,
+                             kv_blocks_total=self.kv_blocks_total, kv_blocks_used=used,
+                             kv_blocks_free=self.kv_blocks_total - used, max_batch_size=64,
+                             page_size=self.page_size, max_context=self.max_context)
+
+    def KVMetadata(self, request, context):
+        return pb.KVMetadataResponse(agent_names=[f"{self.name}-rank0"], agent_metadata=[b""])
+
+
+class FakePrefill(pbg.PrefillWorkerServicer):
+    def __init__(self, name: str, fabric: KVFabric, script: Script, *,
+                 queued_prompt_tokens: int = 0) -> None:
+        self.name, self.fabric, self.script = name, fabric, script
+        self.queued_prompt_tokens = queued_prompt_tokens
+        self.lock = threading.Lock()
+        self.requests: list[pb.PrefillRequest] = []
+        self.cancelled: list[str] = []
+        self.mode = "ok"  # ok | unavailable | exhausted | die | hang
+        self.unreachable_decode: str | None = None  # KV writes to this decode worker fail
+        self.server = _Server(pbg.add_PrefillWorkerServicer_to_server, self)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.cancelled.clear()
+        self.mode, self.unreachable_decode = "ok", None
+
+    def Prefill(self, request, context):
+        with self.lock:
+            self.requests.append(request)
+        if self.mode == "unavailable":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
+        if self.mode == "exhausted":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue is full")
+        if self.mode == "die":
+            self.server.die()
+            time.sleep(1.0)
+            context.abort(grpc.StatusCode.INTERNAL, "unreachable: the server is gone")
+        if self.mode == "hang":
+            while context.is_active() and request.request_id not in self.cancelled:
+                time.sleep(0.01)
+            context.abort(grpc.StatusCode.CANCELLED, "cancelled")
+        if not request.placements:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no KV placements")
+        if request.placements[0].decode_worker_id == self.unreachable_decode:
+            context.abort(grpc.StatusCode.ABORTED, "KV transfer to the decode worker failed")
+        self.fabric.write(request.placements[0].decode_worker_id, request.request_id)
+        return pb.PrefillResponse(request_id=request.request_id,
+                                  first_token_id=self.script.token_ids[0],
+                                  kv_bytes=1024 * len(request.prompt_token_ids),
+                                  kv_transfer_seconds=0.002, queue_seconds=0.001,
+                                  compute_seconds=0.003)
+
+    def Cancel(self, request, context):
+        with self.lock:
+            self.cancelled.append(request.request_id)
+        return pb.CancelResponse(found=True)
+
+    def Load(self, request, context):
+        return pb.LoadReport(worker_id=self.name, role="prefill",
+                             queued_prompt_tokens=self.queued_prompt_tokens)
+
+
+def fast_config(**overrides) -> RouterConfig:
+    values = dict(port=0, grpc_port=0, probe_interval=0.05, probe_timeout=0.5,
+                  breaker_reset_timeout=30.0, graceful_shutdown_timeout=1.0,
+                  retry_base_delay=0.01, retry_max_delay=0.05, served_model_name="gpt-oss-test")
+    values.update(overrides)
+    return RouterConfig(**values)
+
+
+class RouterThread:
+    """A router serving on 127.0.0.1 (free ports) on its own event loop in a thread."""
+
+    def __init__(self, prefill: list[str], decode: list[str], **config) -> None:
+        self.router: Router = build_router(fast_config(**config),
+                                           make_discovery("static", prefill=prefill, decode=decode),
+                                           codec=codec())
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="router")
+        self._thread.start()
+        if not self._ready.wait(15):
+            raise RuntimeError("router did not start")
+        if self._error:
+            raise self._error
+        self.base_url = f"http://127.0.0.1:{self.router.http_port}"
+        self.grpc_address = f"127.0.0.1:{self.router.grpc_port}"
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            await serve_router(self.router, self._stop, on_ready=lambda _: self._ready.set())
+        try:
+            asyncio.run(main())
+        except BaseException as error:  # surfaced to the test thread
+            self._error = error
+            self._ready.set()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        ok = wait_for(lambda: httpx.get(f"{self.base_url}/health").status_code == 200, timeout)
+        if not ok:
+            raise RuntimeError("router never became healthy")
+
+    def call(self, fn, timeout: float = 5.0):
+        """Run `fn()` on the router's loop (to read its state safely) and return the result."""
+        async def run():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def close(self) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(15)
+
+
+class Cluster:
+    """Fake prefill and decode workers sharing one script and KV fabric, plus a router."""
+
+    def __init__(self, num_prefill: int = 2, num_decode: int = 2, *, script: list[int],
+                 prefill_queued: list[int] | None = None, decode_kv_blocks: list[int] | None = None,
+                 max_context: int = 8192, router_config: dict | None = None) -> None:
+        self.fabric = KVFabric()
+        self.script = Script(script)
+        queued = prefill_queued or [0] * num_prefill
+        self.prefill = [FakePrefill(f"prefill-{i}", self.fabric, self.script,
+                                    queued_prompt_tokens=queued[i]) for i in range(num_prefill)]
+        blocks = decode_kv_blocks or [4096] * num_decode
+        self.decode = [FakeDecode(f"decode-{i}", self.fabric, self.script, max_context=max_context,
+                                  kv_blocks_total=blocks[i]) for i in range(num_decode)]
+        self.router = RouterThread([p.address for p in self.prefill],
+                                   [d.address for d in self.decode], **(router_config or {}))
+        self.router.wait_ready()
+
+    @property
+    def base_url(self) -> str:
+        return self.router.base_url
+
+    def reset(self, script: list[int] | None = None) -> None:
+        for worker in self.prefill + self.decode:
+            worker.reset()
+        if script is not None:
+            self.script.token_ids = list(script)
+
+    def close(self) -> None:
+        self.router.close()
+        for worker in self.prefill + self.decode:
+            worker.server.die()

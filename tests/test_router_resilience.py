@@ -1,0 +1,237 @@
+"""Worker deaths, client disconnects and timeouts: retries, error events, Cancel on both sides."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from router_harness import Cluster, harmony_ids, wait_for
+
+MODEL = "gpt-oss-test"
+USER = [{"role": "user", "content": "Tell me a story."}]
+STORY = " ".join(f"word{i}" for i in range(150))
+SCRIPT = f"<|channel|>final<|message|>{STORY}<|return|>"
+
+
+def routable(cluster, worker) -> bool:
+    """Whether the router would send new requests to this fake worker now."""
+    role = "prefill" if worker in cluster.prefill else "decode"
+    registry = cluster.router.router.registry
+    return cluster.router.call(lambda: any(
+        w.routable for w in registry.workers(role) if w.endpoint.address == worker.address))
+
+
+def client_for(cluster):
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=10)
+
+
+@pytest.mark.parametrize("how", ["die", "unavailable"])
+def test_prefill_worker_failure_is_retried_on_another(how):
+    # prefill-0 reports the shorter queue, so it is tried first
+    cluster = Cluster(script=harmony_ids(SCRIPT), prefill_queued=[0, 5000])
+    try:
+        first, second = cluster.prefill
+        first.mode = how
+        r = client_for(cluster).chat.completions.create(model=MODEL, messages=USER)
+        assert r.choices[0].message.content == STORY
+        assert len(first.requests) == 1 and len(second.requests) == 1
+        a, b = first.requests[0], second.requests[0]
+        assert a.request_id == b.request_id == r.id
+        assert list(a.placements) == list(b.placements)  # same KV reservation, reused
+        assert not routable(cluster, first) and routable(cluster, second)
+        # the next request goes straight to the survivor
+        client_for(cluster).chat.completions.create(model=MODEL, messages=USER)
+        assert len(first.requests) == 1 and len(second.requests) == 2
+        metrics = httpx.get(cluster.base_url + "/metrics").text
+        assert 'pdserve_retries_total{code="UNAVAILABLE",stage="prefill"} 1.0' in metrics
+    finally:
+        cluster.close()
+
+
+def test_decode_worker_dying_mid_stream():
+    # decode-0 has more free blocks, so it is picked first; probes are rare here, so only the
+    # request path can tell the router that decode-0 died
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048],
+                      router_config={"probe_interval": 60.0})
+    try:
+        doomed, survivor = cluster.decode
+        doomed.chunk_size, doomed.die_after_chunks = 4, 3
+        stream = client_for(cluster).chat.completions.create(model=MODEL, messages=USER,
+                                                             stream=True)
+        content = []
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    content.append(chunk.choices[0].delta.content)
+        assert "decode worker" in str(info.value).lower()
+        assert content and STORY.startswith("".join(content)) and "".join(content) != STORY
+        assert doomed.decode_requests and not survivor.decode_requests
+        assert not routable(cluster, doomed)
+
+        r = client_for(cluster).chat.completions.create(model=MODEL, messages=USER)
+        assert r.choices[0].message.content == STORY
+        assert len(survivor.decode_requests) == 1 and len(doomed.decode_requests) == 1
+        metrics = httpx.get(cluster.base_url + "/metrics").text
+        assert "pdserve_worker_failures_total" in metrics
+        assert f'pdserve_worker_healthy{{role="decode",worker="{doomed.address}"}} 0.0' in metrics
+    finally:
+        cluster.close()
+
+
+def test_kv_transfer_failure_moves_the_request_to_another_decode_worker():
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048])
+    try:
+        unreachable, other = cluster.decode
+        for p in cluster.prefill:
+            p.unreachable_decode = unreachable.name
+        r = client_for(cluster).chat.completions.create(model=MODEL, messages=USER)
+        assert r.choices[0].message.content == STORY
+        assert [q.request_id for q in unreachable.reserve_requests] == [r.id]
+        assert [q.request_id for q in other.decode_requests] == [r.id]
+        assert wait_for(lambda: r.id in unreachable.cancelled)  # its reservation is given back
+        assert not routable(cluster, unreachable)
+    finally:
+        cluster.close()
+
+
+def test_decode_worker_dying_non_streamed_is_502():
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048])
+    try:
+        cluster.decode[0].die_after_chunks = 1
+        r = httpx.post(cluster.base_url + "/v1/chat/completions",
+                       json={"model": MODEL, "messages": USER}, timeout=10)
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "decode_failed"
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(script=harmony_ids(SCRIPT))
+    yield c
+    c.close()
+
+
+def test_client_disconnect_mid_stream_cancels_both_workers(cluster):
+    cluster.reset()
+    for d in cluster.decode:
+        d.chunk_size, d.token_delay = 1, 0.02
+    with httpx.stream("POST", cluster.base_url + "/v1/chat/completions",
+                      json={"model": MODEL, "messages": USER, "stream": True}, timeout=10) as r:
+        assert r.status_code == 200
+        events = (json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: "))
+        received = [next(events) for _ in range(6)]  # role, then decode tokens
+        rid = received[0]["id"]
+        assert received[-1]["choices"][0]["finish_reason"] is None
+    # the connection is closed here, mid-stream
+    prefill = next(p for p in cluster.prefill if p.requests)
+    decode = next(d for d in cluster.decode if d.decode_requests)
+    assert decode.decode_requests[0].request_id == rid
+    assert wait_for(lambda: rid in decode.cancelled and rid in prefill.cancelled)
+    assert wait_for(lambda: not decode.reservations)
+
+
+def test_client_disconnect_before_first_token_cancels_both_workers(cluster):
+    cluster.reset()
+    for p in cluster.prefill:
+        p.mode = "hang"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.base_url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": USER}, timeout=0.5)
+    prefill = next(p for p in cluster.prefill if p.requests)
+    rid = prefill.requests[0].request_id
+    decode = next(d for d in cluster.decode if d.reserve_requests)
+    assert wait_for(lambda: rid in prefill.cancelled and rid in decode.cancelled)
+    assert not decode.decode_requests
+
+
+def test_request_timeout_is_504_and_frees_the_workers(cluster):
+    cluster.reset()
+    config = cluster.router.router.config
+    cluster.router.call(lambda: setattr(config, "request_timeout", 0.5))
+    try:
+        for p in cluster.prefill:
+            p.mode = "hang"
+        r = httpx.post(cluster.base_url + "/v1/completions",
+                       json={"model": MODEL, "prompt": "Once upon a time"}, timeout=10)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        prefill = next(p for p in cluster.prefill if p.requests)
+        decode = next(d for d in cluster.decode if d.reserve_requests)
+        rid = prefill.requests[0].request_id
+        assert wait_for(lambda: rid in prefill.cancelled and rid in decode.cancelled)
+    finally:
+        cluster.router.call(lambda: setattr(config, "request_timeout", 600.0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_cli_serves_and_shuts_down_on_sigterm(cluster):
+    cluster.reset()
+    port, grpc_port = _free_port(), _free_port()
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.main", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--served-model-name", MODEL, "--discovery", "static",
+         "--prefill", ",".join(p.address for p in cluster.prefill),
+         "--decode", cluster.decode[0].address, "--decode", cluster.decode[1].address],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        assert wait_for(healthy, timeout=30), proc.stdout.read() if proc.poll() is not None else ""
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                       json={"model": MODEL, "messages": USER}, timeout=10)
+        assert r.json()["choices"][0]["message"]["content"] == STORY
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_graceful_shutdown_lets_streams_finish():
+    cluster = Cluster(script=harmony_ids(SCRIPT), router_config={"graceful_shutdown_timeout": 10})
+    try:
+        for d in cluster.decode:
+            d.chunk_size, d.token_delay = 1, 0.005
+        stream = client_for(cluster).chat.completions.create(model=MODEL, messages=USER,
+                                                             stream=True)
+        chunks = iter(stream)
+        content = [next(chunks).choices[0].delta.content for _ in range(3)]
+        closer = threading.Thread(target=cluster.router.close)
+        closer.start()  # SIGTERM-like: stop accepting, finish what is in flight
+        assert wait_for(lambda: _refuses_connections(cluster.base_url), timeout=5)
+        content += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert "".join(content) == STORY
+        closer.join(15)
+        assert not closer.is_alive()
+    finally:
+        cluster.close()
+
+
+def _refuses_connections(base_url: str) -> bool:
+    try:
+        httpx.get(base_url + "/health", timeout=1)
+        return False
+    except httpx.TransportError:
+        return True
