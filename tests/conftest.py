@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+if not torch.cuda.is_available():  # NIXL refuses a UCX_TLS without cuda transports on GPU hosts
+    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,220 @@
+"""End to end on the GPU: a gpt-oss-20b-shaped model (random weights, all layers) through the
+engine with the CUDA kernels (FlashInfer sink attention, Triton FP8 MoE), checked against the
+plain-torch path on the same weights, then timed: prefill of 8k tokens, decode tokens/s at batch
+1 and 64.
+
+    python bench/engine_gpu.py --preset 20b --out OUT [--record docs/performance.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.checkpoint_writer import make_random_checkpoint  # noqa: E402
+from engine.config import preset  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@contextlib.contextmanager
+def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
+    """Run the same runner through the plain-torch references (attention and/or MoE)."""
+    import engine.model as model_mod
+    from kernels.moe import experts_forward_ref
+
+    saved_moe, saved_attn, saved_backend = model_mod.experts_forward, runner.attention, runner.model.attention_backend
+    if moe:
+        model_mod.experts_forward = experts_forward_ref
+    if attention:
+        runner.model.attention_backend = "torch"
+        runner.attention = runner.model.make_attention()
+    try:
+        yield
+    finally:
+        model_mod.experts_forward = saved_moe
+        runner.model.attention_backend = saved_backend
+        runner.attention = saved_attn
+
+
+def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[float]]:
+    """Run a prefill where every attention and MoE call also runs its torch reference on the
+    very same inputs: kernel error without the compounding of a chaotic random model."""
+    import engine.model as model_mod
+    from kernels.attention import TorchSinkAttention
+    from kernels.moe import experts_forward_ref
+
+    errs: dict[str, list[float]] = {"attention": [], "moe": []}
+    fast_moe = model_mod.experts_forward
+
+    def moe(x, w, i, ew, *args, **kw):
+        y = fast_moe(x, w, i, ew, *args, **kw)
+        errs["moe"].append(rel_l2(y.float(), experts_forward_ref(x, w, i, ew, *args, **kw).float()))
+        return y
+
+    saved = {g: (att.plan, att.run) for g, att in runner.attention.items()}
+    for g, att in runner.attention.items():
+        ref = TorchSinkAttention(att.window_left, att.sm_scale)
+
+        def plan(batch, _p=att.plan, _r=ref):
+            _p(batch)
+            _r.plan(batch)
+
+        def run(q, kv, sinks, out=None, _f=att.run, _r=ref):
+            y = _f(q, kv, sinks)
+            errs["attention"].append(rel_l2(y.float(), _r.run(q, kv, sinks).float()))
+            return y
+
+        att.plan, att.run = plan, run
+    model_mod.experts_forward = moe
+    try:
+        runner.prompt_logits(ids)
+    finally:
+        model_mod.experts_forward = fast_moe
+        for g, att in runner.attention.items():
+            att.plan, att.run = saved[g]
+    return errs
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, sync=_sync):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="20b")
+    ap.add_argument("--ckpt", default="/tmp/pdserve-bench-ckpt")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--check-tokens", type=int, default=512)
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--decode-context", type=int, default=1024)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--record", default=None, help="append the results to this markdown file")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--diagnose", action="store_true", help="swap attention / MoE paths separately and stop")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = preset(a.preset)
+    if a.layers:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers, layer_types=())
+    ckpt = Path(a.ckpt) / f"{a.preset}-{cfg.num_hidden_layers}"
+    if not (ckpt / "config.json").is_file():
+        _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0), sync=lambda: None)
+        print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
+    runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision="fp8", num_kv_blocks=8192))
+    print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (a.check_tokens,), generator=g).tolist()
+    fast = runner.prompt_logits(ids)
+    with torch_path(runner):
+        ref = runner.prompt_logits(ids)
+    err = rel_l2(fast, ref)
+    agree = float((fast.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(f"logits vs torch path: rel L2 {err:.2e}, argmax agreement {agree:.3f}", flush=True)
+    if a.diagnose:
+        per_call = compare_per_call(runner, ids)
+        for kind, errs in per_call.items():
+            print(f"per-call {kind} vs reference on identical inputs: max rel L2 {max(errs):.2e}, "
+                  f"median {sorted(errs)[len(errs) // 2]:.2e} over {len(errs)} calls", flush=True)
+        for n in (100, a.check_tokens):
+            sub = ids[:n]
+            with torch_path(runner):
+                r = runner.prompt_logits(sub)
+            with torch_path(runner, attention=False, moe=True):
+                fa = runner.prompt_logits(sub)
+            with torch_path(runner, attention=True, moe=False):
+                fm = runner.prompt_logits(sub)
+            both = runner.prompt_logits(sub)
+            print(f"{n} tokens: fast attention only {rel_l2(fa, r):.2e}; fast MoE only {rel_l2(fm, r):.2e}; "
+                  f"both {rel_l2(both, r):.2e}", flush=True)
+        for backend in ("fa2", "fa3"):
+            for att in runner.attention.values():
+                att.prefill_backend = backend
+            print(f"prefill backend {backend}: {rel_l2(runner.prompt_logits(ids[:100]), ref[:100]):.2e}", flush=True)
+        return 0
+
+    # prefill at batch size 1
+    long_ids = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
+    runner.prompt_logits(long_ids[:1024])  # warm-up (JIT, plans)
+    times = []
+    for _ in range(3):
+        seq = Sequence("p", long_ids, SamplingParams(max_new_tokens=1, temperature=0))
+        seq.blocks = runner.cache.reserve(len(long_ids), local_prompt_tokens=len(long_ids))
+        _, t = timed(lambda: runner.prefill(seq))
+        runner.cache.release(seq.blocks)
+        times.append(t)
+    t_prefill = sorted(times)[1]
+    print(f"prefill {a.prefill_tokens} tokens: {t_prefill * 1e3:.1f} ms ({a.prefill_tokens / t_prefill:.0f} tok/s)", flush=True)
+
+    # decode: batch of B requests at a given context; time steps after the prefills
+    decode = {}
+    for batch in (1, 64):
+        eng = LLMEngine(runner, max_batch_size=batch)
+        prompts = [torch.randint(0, cfg.vocab_size, (a.decode_context,), generator=g).tolist() for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_new_tokens=a.decode_steps + 8, ignore_eos=True)
+        for p in prompts:
+            eng.add_request(p, params)
+        while eng.waiting:
+            eng.step()  # prefills, then the first decode steps
+        for _ in range(3):
+            eng.step()
+        _, t = timed(lambda: [eng.step() for _ in range(a.decode_steps)])
+        per_step = t / a.decode_steps
+        decode[batch] = {"step_ms": per_step * 1e3, "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step}
+        print(f"decode batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} ms/step, "
+              f"{batch / per_step:.0f} tok/s total, {1 / per_step:.0f} tok/s per request", flush=True)
+        while eng.running:
+            eng.step()
+
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
+    result = {"date": datetime.date.today().isoformat(), "device": device_name,
+              "preset": a.preset, "logits_rel_l2": err, "argmax_agreement": agree, "load_s": t_load,
+              "prefill_tokens": a.prefill_tokens, "prefill_ms": t_prefill * 1e3, "decode": decode,
+              "command": "python " + " ".join(sys.argv)}
+    (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
+    if a.record:
+        lines = [
+            "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
+            f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
+            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), FP8 experts, eager decode "
+            "(no CUDA graphs yet).", "",
+            "| what | value |", "|---|---|",
+            f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} |",
+            f"| prefill {a.prefill_tokens} tokens, batch 1 | {t_prefill * 1e3:.1f} ms |",
+        ] + [f"| decode batch {b} at context {a.decode_context} | {d['step_ms']:.2f} ms/step, "
+             f"{d['tok_s_total']:.0f} tok/s total |" for b, d in decode.items()] + ["<!-- engine-gpu:end -->", ""]
+        with open(a.record, "a") as f:
+            f.write("\n".join(lines))
+    return 0 if err < 5e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,729 @@
+"""Kernel benchmarks on one GPU: sink attention and the FP8 MoE layer against peers and floors.
+
+    python -m bench.kernels [--quick] [--sections ceilings,attention,moe,gemm,sweep]
+                            [--doc docs/performance.md] [--json results.json]
+
+Prints one table per section and replaces the "## Kernels" section of `--doc` (date, device,
+command, tables). Floors use ceilings measured in the same run: a device-to-device copy (bytes
+read + written) and `torch._scaled_mm` FP8 (per-tensor scales, 8192^3, random data). Every timing
+is the median over repetitions with the L2 cache flushed before each one; small launches are
+replayed from CUDA graphs (as the engine runs decode), so host overhead is not counted.
+
+`--warm-jit` only builds the FlashInfer modules the attention section needs (run it in the
+background at the start of a device session). `--deepgemm-child` is the DeepGEMM part, run in a
+separate process (DeepGEMM's extension can abort the process on a failed host assertion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+HQ, HKV, HEAD_DIM, PAGE = 64, 8, 64, 16
+SM_SCALE = 1 / math.sqrt(HEAD_DIM)
+HIDDEN, INTER, TOP_K = 2880, 3072, 4  # INTER: 2880 padded for FP8 (kernels.fp8.pad_intermediate)
+MODELS = {"20b": 32, "120b": 128}
+DEV = "cuda"
+
+_flush_buf: torch.Tensor | None = None
+
+
+# ------------------------------------------------------------------------------------ timing
+def flush_l2() -> None:
+    """Evict L2 by *reading* 256 MB. (Writing it, as triton's do_bench does, leaves ~50 MB of
+    dirty lines whose write-back the next kernel pays for: +50 % traffic for a batch-1 MoE layer.)"""
+    global _flush_buf
+    if _flush_buf is None:
+        _flush_buf = torch.ones(32 << 20, dtype=torch.int64, device=DEV)
+    _flush_buf.max()
+
+
+def time_it(fn, reps: int = 25, warmup: int = 2, flush: bool = True) -> float:
+    """Median seconds of fn() on the GPU (events around each call, L2 flushed before it)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pairs = []
+    for _ in range(reps):
+        if flush:
+            flush_l2()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        pairs.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e-3
+
+
+def graphed(fn, warmup: int = 2):
+    """Capture fn into a CUDA graph (after eager warm-up: compilation, JIT loading)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def time_graph(fn, reps: int = 25) -> float:
+    return time_it(graphed(fn), reps=reps, warmup=1)
+
+
+def fmt_us(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e6:.1f}"
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text, flush=True)
+    return text
+
+
+def guarded(name: str, fn, *a, **kw):
+    """Run one measurement; a failing peer is reported, not fatal."""
+    try:
+        return fn(*a, **kw)
+    except Exception as e:  # noqa: BLE001 - a benchmark reports whatever broke
+        print(f"[{name}] failed: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc(limit=3)
+        return None
+
+
+# ------------------------------------------------------------------------------------ ceilings
+def measure_ceilings() -> dict:
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    b = torch.empty_like(a)
+    t_copy = time_it(lambda: b.copy_(a), reps=10, flush=False)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=DEV).to(torch.float8_e4m3fn)
+    y = torch.randn(m, m, device=DEV).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV)
+    t_fp8 = time_it(lambda: torch._scaled_mm(x, y.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                    reps=10, flush=False)
+    xb, yb = torch.randn(m, m, device=DEV, dtype=torch.bfloat16), torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    t_bf16 = time_it(lambda: xb @ yb, reps=10, flush=False)
+    c = dict(copy_bw=2 * n / t_copy, fp8_flops=2 * m**3 / t_fp8, bf16_flops=2 * m**3 / t_bf16)
+    props = torch.cuda.get_device_properties(0)
+    c["device"] = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
+    table("Ceilings (measured in this run)", ["quantity", "value"], [
+        ["device-to-device copy (read + write)", f"{c['copy_bw'] / 1e12:.2f} TB/s"],
+        ["FP8 `torch._scaled_mm` 8192^3, per-tensor scale", f"{c['fp8_flops'] / 1e12:.0f} TFLOP/s"],
+        ["bf16 matmul 8192^3", f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s"],
+    ])
+    return c
+
+
+# ------------------------------------------------------------------------------------ attention
+def _paged(batch_lens: list[int], qo_lens: list[int], gen: torch.Generator):
+    from kernels.attention import PagedBatch
+
+    pages = [-(-k // PAGE) for k in batch_lens]
+    total = sum(pages) + 1
+    perm = (torch.randperm(total - 1, generator=gen) + 1).tolist()
+    tables, at = [], 0
+    for p in pages:
+        tables.append(perm[at : at + p])
+        at += p
+    batch = PagedBatch.from_tables(qo_lens, batch_lens, tables, PAGE)
+    kv = torch.randn(total, 2, PAGE, HKV, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(sum(qo_lens), HQ, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    return batch, kv, q
+
+
+def _ours(window_left: int, **kw):
+    from kernels.flashinfer_attention import FlashInferSinkAttention
+
+    return FlashInferSinkAttention(torch.device(DEV), window_left=window_left, sm_scale=SM_SCALE,
+                                   num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                                   page_size=PAGE, **kw)
+
+
+def _fi_workspace():
+    from kernels.flashinfer_attention import _workspace
+
+    return _workspace("fa", torch.device(DEV))
+
+
+WARM_TARGETS = ("xqa-full", "xqa-window", "plain-fa2", "plain-fa3")
+
+
+def warm_jit(target: str) -> None:
+    """Build (or load) one FlashInfer module the attention tests/benchmark use (one per process,
+    so a device session can build them in parallel)."""
+    import flashinfer
+
+    gen = torch.Generator().manual_seed(0)
+    batch, kv, q = _paged([40, 300], [1, 1], gen)
+    sinks = torch.zeros(HQ, device=DEV)
+    t0 = time.time()
+    if target.startswith("xqa"):
+        a = _ours(-1 if target == "xqa-full" else 127, decode_backend="xqa")
+        a.plan(batch)
+        a.run(q, kv, sinks)
+    else:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_fi_workspace(), "NHD", backend=target[-3:])
+        w.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV,
+               HEAD_DIM, PAGE, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+               sm_scale=SM_SCALE)
+        w.run(q, kv)
+    torch.cuda.synchronize()
+    print(f"warm-jit: {target} ready in {time.time() - t0:.0f}s", flush=True)
+
+
+def _kv_bytes(kv_lens: list[int], window_left: int) -> int:
+    per_token = HKV * HEAD_DIM * 2 * 2  # K and V, bf16
+    if window_left >= 0:
+        return sum(min(k, window_left + 1) for k in kv_lens) * per_token
+    return sum(kv_lens) * per_token
+
+
+def bench_attention_decode(ceil: dict, quick: bool) -> str:
+    import flashinfer
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    cases = [(1, 1024), (1, 32768), (8, 4096), (32, 8192), (128, 1024), (128, 4096)]
+    if not quick:
+        cases += [(64, 16384), (128, 32768)]
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for b, ctx in cases:
+        lens = [ctx] * b
+        batch, kv, q = _paged(lens, [1] * b, gen)
+        sinks = torch.randn(HQ, device=DEV)
+        max_pages = -(-ctx // PAGE)
+        res = {}
+        # the engine's sliding pool keeps only the pages a 128-key window can reach
+        win_lens = [min(ctx, 128 + ctx % PAGE + PAGE) for _ in range(b)]
+        win_batch, win_kv, _ = _paged(win_lens, [1] * b, gen)
+        for label, wl, backend in (("ours xqa", -1, "xqa"), ("ours fa2", -1, "fa2"),
+                                   ("ours xqa win", 127, "xqa"), ("ours fa2 win", 127, "fa2")):
+            def run_ours(wl=wl, backend=backend):
+                bt, kv_, mp = (batch, kv, max_pages) if wl < 0 else (win_batch, win_kv, -(-max(win_lens) // PAGE))
+                a = _ours(wl, decode_backend=backend, cuda_graph_batch_size=b, max_pages_per_request=mp)
+                a.plan(bt)
+                out = torch.empty_like(q)
+                return time_graph(lambda: a.run(q, kv_, sinks, out=out))
+            res[label] = guarded(label, run_ours)
+        auto = _ours(-1, cuda_graph_batch_size=b, max_pages_per_request=max_pages).decode_backend
+        res["ours auto"] = res["ours " + auto]
+
+        def run_plain_decode():
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_fi_workspace(), "NHD", use_tensor_cores=True)
+            w.plan(batch.kv_indptr.to(DEV), batch.kv_indices.to(DEV), batch.kv_last_page_len.to(DEV),
+                   HQ, HKV, HEAD_DIM, PAGE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                   sm_scale=SM_SCALE)
+            out = torch.empty_like(q)
+            return time_graph(lambda: w.run(q, kv, out=out))
+        res["fi plain"] = guarded("fi plain decode", run_plain_decode)
+
+        def run_xqa_nosink():
+            from kernels.flashinfer_attention import FlashInferSinkAttention, _workspace
+
+            table_ = FlashInferSinkAttention._page_table(batch, max_pages).to(DEV)
+            seq = batch.kv_lens.to(torch.int32).to(DEV)
+            ws = _workspace("xqa", torch.device(DEV))
+            out = torch.empty_like(q)
+            return time_graph(lambda: xqa_batch_decode_with_kv_cache(
+                q, kv, ws, table_, seq, max_pages * PAGE, bmm1_scale=SM_SCALE, bmm2_scale=1.0,
+                window_left=-1, out=out, sinks=None, kv_layout="NHD"))
+        res["xqa nosink"] = guarded("xqa no sinks", run_xqa_nosink)
+
+        def run_sdpa():
+            k = torch.randn(b, HKV, ctx, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            qq = q.view(b, HQ, 1, HEAD_DIM)
+            return time_graph(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qq, k, v, scale=SM_SCALE, enable_gqa=True))
+        res["sdpa"] = guarded("sdpa", run_sdpa)
+        del kv, win_kv
+        floor = _kv_bytes(lens, -1) / ceil["copy_bw"]
+        floor_w = _kv_bytes(lens, 127) / ceil["copy_bw"]
+        plain = [t for t in (res["fi plain"], res["xqa nosink"]) if t]
+        best_plain = min(plain) if plain else None
+        ours = res["ours auto"]
+        rows.append([
+            b, ctx, fmt_us(res["ours xqa"]), fmt_us(res["ours fa2"]), f"{auto} {fmt_us(ours)}",
+            fmt_us(res["xqa nosink"]), fmt_us(res["fi plain"]), fmt_us(res["sdpa"]), fmt_us(floor),
+            f"{_kv_bytes(lens, -1) / ours / 1e12:.2f}" if ours else "-",
+            f"{(ours / best_plain - 1) * 100:+.1f}%" if ours and best_plain else "-",
+            fmt_us(res["ours xqa win"]), fmt_us(res["ours fa2 win"]), fmt_us(floor_w),
+        ])
+    return table(
+        "Sink attention, decode (64 q / 8 kv heads, d 64, page 16, bf16; us; CUDA graphs)",
+        ["batch", "context", "ours XQA+sinks", "ours FA2+sinks", "ours (graph pick)", "FI XQA no sinks",
+         "FI FA2 decode no sinks", "torch SDPA no sinks (dense KV)", "KV floor (copy BW)",
+         "ours KV TB/s", "ours vs best FI no-sink", "window: XQA", "window: FA2", "window floor"],
+        rows,
+    )
+
+
+def _causal_flops(lens: list[int], window_left: int) -> float:
+    per = 4 * HQ * HEAD_DIM  # QK^T and PV, 2 flops each
+    tot = 0
+    for n in lens:
+        if window_left < 0:
+            tot += n * (n + 1) // 2
+        else:
+            w = window_left + 1
+            tot += sum(min(i + 1, w) for i in range(n)) if n <= w else w * (w + 1) // 2 + (n - w) * w
+    return per * tot
+
+
+def bench_attention_prefill(ceil: dict, quick: bool) -> str:
+    import flashinfer
+
+    lengths = [1024, 4096, 16384] + ([] if quick else [32768])
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    for n in lengths:
+        batch, kv, q = _paged([n], [n], gen)
+        sinks = torch.randn(HQ, device=DEV)
+        res = {}
+        for label, wl, backend in (("fa3", -1, "fa3"), ("fa2", -1, "fa2"), ("w fa2", 127, "fa2"), ("w fa3", 127, "fa3")):
+            def run_ours(wl=wl, backend=backend):
+                a = _ours(wl, prefill_backend=backend)
+                a.plan(batch)
+                out = torch.empty_like(q)
+                return time_graph(lambda: a.run(q, kv, sinks, out=out), reps=10)
+            res[label] = guarded(f"ours {label}", run_ours)
+        for backend in ("fa3", "fa2"):
+            def run_plain(backend=backend):
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_fi_workspace(), "NHD", backend=backend)
+                w.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV,
+                       HEAD_DIM, PAGE, causal=True, q_data_type=torch.bfloat16,
+                       kv_data_type=torch.bfloat16, sm_scale=SM_SCALE)
+                out = torch.empty_like(q)
+                return time_graph(lambda: w.run(q, kv, out=out), reps=10)
+            res[f"plain {backend}"] = guarded(f"plain prefill {backend}", run_plain)
+
+        def run_sdpa():
+            qq = q.view(1, n, HQ, HEAD_DIM).transpose(1, 2)
+            k = torch.randn(1, HKV, n, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            return time_graph(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qq, k, v, is_causal=True, scale=SM_SCALE, enable_gqa=True), reps=10)
+        res["sdpa"] = guarded("sdpa prefill", run_sdpa)
+        del kv
+        fl, flw = _causal_flops([n], -1), _causal_flops([n], 127)
+        ours = res["fa3"]
+        plain = res["plain fa3"]
+        tf = lambda t, f: f"{f / t / 1e12:.0f}" if t else "-"  # noqa: E731
+        rows.append([
+            n, fmt_us(ours), tf(ours, fl), fmt_us(res["fa2"]), fmt_us(plain), fmt_us(res["plain fa2"]),
+            fmt_us(res["sdpa"]), f"{(ours / plain - 1) * 100:+.0f}%" if ours and plain else "-",
+            fmt_us(res["w fa2"]), fmt_us(res["w fa3"]), tf(res["w fa2"], flw),
+        ])
+    return table(
+        "Sink attention, prefill (one causal request, 64 q / 8 kv heads; us)",
+        ["tokens", "ours FA3+sinks", "TFLOP/s", "ours alt FA2+sinks", "FI FA3 no sinks",
+         "FI FA2 no sinks", "torch SDPA no sinks", "ours vs FA3 no sinks", "ours window FA2",
+         "alt window FA3", "window TFLOP/s"],
+        rows,
+    )
+
+
+# ------------------------------------------------------------------------------------ MoE
+def bench_weights(num_experts: int):
+    """Random FP8 experts (random codes and scales: the kernels' speed must not see zeros)."""
+    from kernels.moe import ExpertWeights
+
+    def fp8(*shape):
+        return (torch.randn(*shape, device=DEV) * 64).to(torch.float8_e4m3fn)
+
+    gu = fp8(num_experts, 2 * INTER, HIDDEN)
+    dn = fp8(num_experts, HIDDEN, INTER)
+    gs = torch.rand(num_experts, 2 * INTER // 128, -(-HIDDEN // 128), device=DEV) * 1e-4 + 1e-4
+    ds = torch.rand(num_experts, -(-HIDDEN // 128), INTER // 128, device=DEV) * 1e-4 + 1e-4
+    return ExpertWeights(gu, torch.randn(num_experts, 2 * INTER, device=DEV) * 0.1, dn,
+                         torch.randn(num_experts, HIDDEN, device=DEV) * 0.1, gs, ds, 0)
+
+
+def bench_inputs(t: int, num_experts: int, seed: int):
+    from kernels.moe import route
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(t, HIDDEN, device=DEV, generator=g).to(torch.bfloat16)
+    rw = (torch.randn(num_experts, HIDDEN, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    rb = torch.zeros(num_experts, device=DEV, dtype=torch.bfloat16)
+    weights, ids = route(x, rw, rb, TOP_K)
+    return x, weights, ids, rw, rb
+
+
+def expert_bytes() -> int:
+    w = 3 * INTER * HIDDEN  # fp8 gate_up + down
+    scales = (2 * INTER // 128 * 23 + 23 * INTER // 128) * 4
+    return w + scales + (2 * INTER + HIDDEN) * 4
+
+
+def moe_floor(ids: torch.Tensor, t: int, ceil: dict) -> tuple[float, float, float]:
+    active = int(torch.unique(ids).numel())
+    nbytes = active * expert_bytes() + t * HIDDEN * 2 * 2
+    flops = 2 * ids.numel() * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+    return max(nbytes / ceil["copy_bw"], flops / ceil["fp8_flops"]), nbytes, flops
+
+
+def torch_bf16_moe(w_bf16, bias_gu, bias_dn, x_sorted, offs, counts):
+    """bf16 grouped GEMMs on rows already sorted by expert (no routing cost): the torch peer."""
+    from kernels.swiglu import swiglu
+
+    if hasattr(torch, "_grouped_mm"):
+        h = torch._grouped_mm(x_sorted, w_bf16[0].transpose(1, 2), offs=offs)
+        h = h + bias_gu
+        a = swiglu(h)
+        return torch._grouped_mm(a, w_bf16[1].transpose(1, 2), offs=offs) + bias_dn
+    outs, at = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            h = x_sorted[at : at + c] @ w_bf16[0][e].T + bias_gu[at : at + c]
+            outs.append(swiglu(h) @ w_bf16[1][e].T)
+        at += c
+    return torch.cat(outs)
+
+
+def bench_moe(ceil: dict, quick: bool) -> str:
+    from kernels import triton_moe as tm
+    from kernels.moe import route
+
+    rows = []
+    for model, num_e in MODELS.items():
+        w = bench_weights(num_e)
+        w_bf16 = None
+        decode = [1, 8, 32, 64, 128]
+        prefill = [1024, 8192] + ([] if quick else [32768])
+        for t in decode + prefill:
+            x, weights, ids, rw, rb = bench_inputs(t, num_e, seed=t)
+            ours = guarded("ours moe", lambda: time_graph(lambda: tm.experts_forward(x, weights, ids, w),
+                                                           reps=25 if t <= 128 else 8))
+            router = guarded("router", lambda: time_graph(lambda: route(x, rw, rb, TOP_K)))
+            floor, nbytes, flops = moe_floor(ids, t, ceil)
+
+            def run_torch():
+                nonlocal w_bf16
+                if w_bf16 is None:
+                    w_bf16 = (w.gate_up.to(torch.bfloat16), w.down.to(torch.bfloat16))
+                flat = ids.flatten()
+                order = torch.argsort(flat, stable=True)
+                counts = torch.bincount(flat, minlength=num_e)
+                offs = torch.cumsum(counts, 0).to(torch.int32)
+                xs = x[order // TOP_K]
+                bg, bd = w.gate_up_bias[flat[order]].to(torch.bfloat16), w.down_bias[flat[order]].to(torch.bfloat16)
+                cl = counts.tolist()
+                return time_graph(lambda: torch_bf16_moe(w_bf16, bg, bd, xs, offs, cl),
+                                  reps=25 if t <= 128 else 8)
+            tor = guarded("torch bf16", run_torch)
+            regime = "decode" if t <= 128 else "prefill"
+            rows.append([
+                model, regime, t, fmt_us(ours), fmt_us(router), fmt_us(tor), fmt_us(floor),
+                "bytes" if nbytes / ceil["copy_bw"] >= flops / ceil["fp8_flops"] else "FLOPs",
+                f"{floor / ours * 100:.0f}%" if ours else "-",
+                f"{flops / ours / 1e12:.0f}" if ours else "-",
+            ])
+        del w, w_bf16
+        torch.cuda.empty_cache()
+    return table(
+        "MoE layer, FP8 experts (H 2880, I 3072 padded, top-4; us; ours = routing layout + "
+        "quant + 2 grouped GEMMs + combine, CUDA graph)",
+        ["model", "regime", "tokens", "ours", "router (torch bf16)", "torch bf16 grouped GEMMs",
+         "floor", "floor bound by", "ours % of floor", "ours TFLOP/s"],
+        rows,
+    )
+
+
+def _gemm_parts(t: int, num_e: int, w, cfg):
+    from kernels import triton_moe as tm
+
+    x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
+    r = tm.align_routing(ids, 0, num_e, cfg.route_m)
+    xq, xs = tm.quantize_act(x)
+    act, act_s = tm.gate_up_swiglu(xq, xs, r, w, 7.0, 1.702, cfg.gate_up)
+    return x, weights, ids, r, xq, xs, act, act_s
+
+
+def bench_gemm(ceil: dict, quick: bool, dg: dict | None) -> str:
+    """Prefill grouped GEMMs alone: ours (bias, SwiGLU/quant or routing weight fused) vs DeepGEMM."""
+    from kernels import triton_moe as tm
+
+    rows = []
+    for model, num_e in MODELS.items():
+        w = bench_weights(num_e)
+        for t in [1024, 8192] + ([] if quick else [32768]):
+            cfg = tm.select_config(t * TOP_K, num_e)
+            x, weights, ids, r, xq, xs, act, act_s = _gemm_parts(t, num_e, w, cfg)
+            t_gu = time_graph(lambda: tm.gate_up_swiglu(xq, xs, r, w, 7.0, 1.702, cfg.gate_up), reps=10)
+            t_dn = time_graph(lambda: tm.down_weighted(act, act_s, r, w, weights, True, cfg.down), reps=10)
+            pairs = t * TOP_K
+            f_gu, f_dn = 2 * pairs * 2 * INTER * HIDDEN, 2 * pairs * HIDDEN * INTER
+            d = (dg or {}).get(f"{model}/{t}", {})
+            dg_gu, dg_dn = d.get("gate_up"), d.get("down")
+            dg_gu_b, dg_dn_b = d.get("gate_up_bias"), d.get("down_bias")
+            tf = lambda f, s: f"{f / s / 1e12:.0f}" if s else "-"  # noqa: E731
+            rows.append([
+                model, t, tf(f_gu, t_gu), tf(f_gu, dg_gu), tf(f_gu, dg_gu_b),
+                tf(f_dn, t_dn), tf(f_dn, dg_dn), tf(f_dn, dg_dn_b),
+                f"{ceil['fp8_flops'] / 1e12:.0f}",
+            ])
+        del w
+        torch.cuda.empty_cache()
+    note = (dg or {}).get("status", "DeepGEMM not run")
+    return table(
+        f"Prefill grouped GEMMs, TFLOP/s on useful FLOPs (DeepGEMM: {note})",
+        ["model", "tokens", "ours gate_up (+bias+SwiGLU+quant)", "DeepGEMM gate_up",
+         "DeepGEMM gate_up + bias add", "ours down (+bias, x weight)", "DeepGEMM down",
+         "DeepGEMM down + bias add", "FP8 ceiling"],
+        rows,
+    )
+
+
+def deepgemm_child(quick: bool) -> None:
+    """DeepGEMM m-grouped contiguous FP8 GEMMs at the prefill shapes; prints one JSON line."""
+    import deep_gemm
+
+    out: dict = {"version": getattr(deep_gemm, "__version__", "?")}
+    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+    k_pad = lambda k: -(-k // 128) * 128  # noqa: E731  (2880 -> 2944: DeepGEMM's K granularity)
+    # smoke test on the plain GEMM first: 2-D K-major tensors, float32 scales
+    a = torch.randn(256, 512, device=DEV).to(torch.float8_e4m3fn)
+    b = torch.randn(256, 512, device=DEV).to(torch.float8_e4m3fn)
+    d = torch.empty(256, 256, device=DEV, dtype=torch.bfloat16)
+    deep_gemm.fp8_gemm_nt((a, torch.ones(256, 4, device=DEV)), (b, torch.ones(2, 4, device=DEV)), d)
+    torch.cuda.synchronize()
+    ref = a.float() @ b.float().T
+    out["smoke_rel_err"] = ((d.float() - ref).norm() / ref.norm()).item()
+    for model, num_e in MODELS.items():
+        for t in [1024, 8192] + ([] if quick else [32768]):
+            g = torch.Generator(device=DEV).manual_seed(t)
+            ids = torch.randint(0, num_e, (t * TOP_K,), device=DEV, generator=g)
+            counts = torch.bincount(ids, minlength=num_e).tolist()
+            padded = [-(-c // align) * align for c in counts]
+            m = sum(padded)
+            m_idx = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
+                                          torch.full((p - c,), -1, dtype=torch.int32)])
+                               for e, (c, p) in enumerate(zip(counts, padded))]).to(DEV)
+            res = {}
+            for name, n, k in (("gate_up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)):
+                kp = k_pad(k)
+                xa = torch.zeros(m, kp, device=DEV, dtype=torch.float8_e4m3fn)
+                xa[:, :k] = (torch.randn(m, k, device=DEV) * 64).to(torch.float8_e4m3fn)
+                xs = torch.rand(m, kp // 128, device=DEV) + 0.5
+                wb = torch.zeros(num_e, n, kp, device=DEV, dtype=torch.float8_e4m3fn)
+                wb[:, :, :k] = (torch.randn(num_e, n, k, device=DEV) * 64).to(torch.float8_e4m3fn)
+                ws = torch.rand(num_e, -(-n // 128), kp // 128, device=DEV) + 0.5
+                dd = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+                bias = torch.randn(num_e, n, device=DEV)
+                bias_rows = bias[m_idx.clamp(min=0).long()]
+
+                def gemm():
+                    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((xa, xs), (wb, ws), dd, m_idx)
+
+                def gemm_bias():
+                    gemm()
+                    dd.add_(bias_rows)
+                res[name] = time_graph(gemm, reps=10)
+                res[name + "_bias"] = time_graph(gemm_bias, reps=10)
+                # correctness of one expert's rows
+                e0 = int(m_idx[0])
+                rows_ = (m_idx == e0).nonzero().flatten()[:64]
+                ref = (xa[rows_].float() * xs[rows_].repeat_interleave(128, 1)) @ (
+                    wb[e0].float() * ws[e0].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).T
+                res[name + "_rel_err"] = ((dd[rows_].float() - ref).norm() / ref.norm()).item()
+                del xa, wb, dd
+            out[f"{model}/{t}"] = res
+            torch.cuda.empty_cache()
+    print("DEEPGEMM_JSON " + json.dumps(out), flush=True)
+
+
+def run_deepgemm(quick: bool) -> dict:
+    """Run the DeepGEMM child with the installed tvm-ffi, then (if that fails) with the tvm-ffi
+    release the wheel declares (0.1.11, unpacked by the session script into $DG_TVM_FFI_SITE)."""
+    envs = [("installed tvm-ffi", os.environ.copy())]
+    alt = os.environ.get("DG_TVM_FFI_SITE")
+    if alt and os.path.isdir(alt):
+        env = os.environ.copy()
+        env["PYTHONPATH"] = alt + os.pathsep + env.get("PYTHONPATH", "")
+        envs.append(("tvm-ffi 0.1.11", env))
+    attempts = []
+    for label, env in envs:
+        cmd = [sys.executable, "-m", "bench.kernels", "--deepgemm-child"] + (["--quick"] if quick else [])
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            attempts.append(f"{label}: timeout")
+            continue
+        for line in p.stdout.splitlines():
+            if line.startswith("DEEPGEMM_JSON "):
+                res = json.loads(line[len("DEEPGEMM_JSON "):])
+                res["status"] = f"sgl-deep-gemm {res.get('version')} with {label}, K padded to 2944"
+                res["attempts"] = attempts
+                return res
+        err = (p.stderr or p.stdout).strip().splitlines()
+        tail = " / ".join(err[-3:])[:400]
+        attempts.append(f"{label}: rc={p.returncode} {tail}")
+        print(f"[deepgemm] {label} failed (rc={p.returncode}):\n{(p.stderr or '')[-3000:]}", flush=True)
+    short = "host assertion `dim == 2 or dim == 3` (utils/layout.hpp:16)" if all(
+        "dim == 2 or dim == 3" in a for a in attempts) else "error"
+    return {"status": f"did not run: {short} with every tvm-ffi tried; see docs/kernels.md",
+            "attempts": attempts}
+
+
+# ------------------------------------------------------------------------------------ sweep
+def _g(bm, bn, warps, stages, split=1, prefetch=True):
+    from kernels.triton_moe import GemmConfig
+
+    return GemmConfig(bm, bn, warps, stages, split_k=split, prefetch_scales=prefetch)
+
+
+SWEEP = {
+    # label: (tokens, experts, route_m, gate_up candidates, down candidates); A is quantised by
+    # the routing launch unless a candidate is marked "fused" (quantised inside the gate/up GEMM)
+    "decode b1 20b": (1, 32, 16, [_g(16, 256, 8, 4), _g(16, 256, 8, 4, 2), _g(16, 256, 8, 4, 4),
+                                  _g(16, 256, 8, 4, 8), ("fused", _g(16, 256, 8, 4))],
+                      [_g(16, 64, 4, 6), _g(16, 64, 4, 6, 2), _g(16, 64, 4, 6, 4), _g(16, 64, 4, 6, 8)]),
+    "decode b8 20b": (8, 32, 16, [_g(16, 256, 8, 4), _g(16, 256, 8, 4, 2)],
+                      [_g(16, 64, 4, 6), _g(16, 64, 4, 6, 2)]),
+    "decode b128 20b": (128, 32, 32, [_g(32, 256, 4, 4), _g(32, 256, 8, 4)],
+                        [_g(32, 64, 4, 5), _g(32, 64, 4, 5, prefetch=False)]),
+    "prefill 1k 20b": (1024, 32, 128, [_g(64, 256, 8, 4, prefetch=False), _g(64, 256, 8, 4)],
+                       [_g(64, 128, 4, 4, prefetch=False), _g(128, 128, 8, 3, prefetch=False),
+                        _g(64, 128, 4, 4)]),
+    "prefill 8k 120b": (8192, 128, 128, [_g(64, 256, 8, 3, prefetch=False)],
+                        [_g(128, 128, 8, 3, prefetch=False), _g(64, 128, 4, 4, prefetch=False)]),
+}
+
+
+def _tile(cfg) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            + (f" splitK{cfg.split_k}" if cfg.split_k > 1 else "")
+            + ("" if cfg.prefetch_scales else " no-prefetch"))
+
+
+def bench_sweep(ceil: dict, quick: bool) -> str:
+    from kernels import triton_moe as tm
+
+    rows = []
+    cached: tuple[int, object] | None = None
+    for label, (t, num_e, route_m, gus, dns) in SWEEP.items():
+        if cached is None or cached[0] != num_e:
+            cached = None
+            torch.cuda.empty_cache()
+            cached = (num_e, bench_weights(num_e))
+        w = cached[1]
+        x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
+        r, xq, xs = tm.align_routing(ids, 0, num_e, route_m, x)
+        nbytes_gu = int(torch.unique(ids).numel()) * 2 * INTER * HIDDEN
+        act, act_s = tm.gate_up_swiglu(xq, xs, r, w, 7.0, 1.702, tm.select_config(t * TOP_K, num_e).gate_up)
+        for cand in gus:
+            fused = isinstance(cand, tuple)
+            cfg = cand[1] if fused else cand
+            a, a_s = (x, None) if fused else (xq, xs)
+            tt = guarded(f"sweep {label} gu {cfg}", lambda: time_graph(
+                lambda: tm.gate_up_swiglu(a, a_s, r, w, 7.0, 1.702, cfg), reps=15))
+            rows.append([label, "gate_up" + (" (A quantised in GEMM)" if fused else ""), _tile(cfg),
+                         fmt_us(tt), f"{nbytes_gu / tt / 1e12:.2f} TB/s" if tt else "-"])
+        for cfg in dns:
+            tt = guarded(f"sweep {label} dn {cfg}", lambda: time_graph(
+                lambda: tm.down_weighted(act, act_s, r, w, weights, True, cfg), reps=15))
+            rows.append([label, "down", _tile(cfg), fmt_us(tt),
+                         f"{nbytes_gu / 2 / tt / 1e12:.2f} TB/s" if tt else "-"])
+        t_align = time_graph(lambda: tm.align_routing(ids, 0, num_e, route_m), reps=15)
+        t_alq = time_graph(lambda: tm.align_routing(ids, 0, num_e, route_m, x), reps=15)
+        pair = torch.randn(t * TOP_K, HIDDEN, device=DEV)
+        t_comb = time_graph(lambda: tm.combine(pair, ids, 0, num_e, torch.bfloat16), reps=15)
+        rows.append([label, "align / align+quant / combine", "",
+                     f"{fmt_us(t_align)} / {fmt_us(t_alq)} / {fmt_us(t_comb)}", ""])
+        tt = time_graph(lambda: tm.experts_forward(x, weights, ids, w), reps=15)
+        rows.append([label, "whole layer, table config", "", fmt_us(tt), ""])
+    return table("MoE tile sweep (us per launch, CUDA graph, L2 flushed; TB/s = weight bytes / time)",
+                 ["regime", "kernel", "tile", "time", "weights"], rows)
+
+
+# ------------------------------------------------------------------------------------ report
+def write_doc(path: str, sections: list[str], ceil: dict, command: str, date: str | None = None) -> None:
+    """Replace (or append) the '## Kernels' section of the markdown file at `path`. Also used on
+    the workstation to merge a device run's --json output: write_doc(path, j['tables'],
+    j['ceilings'], j['command'], j['date'])."""
+    head = (
+        "## Kernels\n\n"
+        f"Measured {date or datetime.date.today().isoformat()} on {ceil.get('device', '?')}, "
+        f"command: `{command}`. Times are medians with the L2 flushed (256 MB read) before each "
+        "repetition; decode-sized work is replayed from CUDA graphs. Floors: bytes / measured copy bandwidth "
+        "and FLOPs / measured FP8 `_scaled_mm` rate, whichever is larger. Design and history: "
+        "docs/kernels.md.\n\n"
+    )
+    ceilings = (
+        "| ceiling (this run) | value |\n|---|---|\n"
+        f"| device-to-device copy, read + write | {ceil['copy_bw'] / 1e12:.2f} TB/s |\n"
+        f"| FP8 `torch._scaled_mm` 8192^3 | {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s |\n"
+        f"| bf16 matmul 8192^3 | {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s |\n\n"
+    )
+    body = head + ceilings + "\n".join(sections)
+    text = open(path).read() if os.path.exists(path) else "# Performance\n\n"
+    start = text.find("## Kernels")
+    if start >= 0:
+        nxt = text.find("\n## ", start + 3)
+        text = text[:start] + body + (text[nxt + 1 :] if nxt >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + body
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    ap.add_argument("--sections", default="moe,gemm,attention", help="run in this order")
+    ap.add_argument("--doc", default=None, help="markdown file whose '## Kernels' section is replaced")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--warm-jit", choices=WARM_TARGETS, default=None)
+    ap.add_argument("--deepgemm-child", action="store_true")
+    args = ap.parse_args(argv)
+    if args.warm_jit:
+        return warm_jit(args.warm_jit)
+    if args.deepgemm_child:
+        return deepgemm_child(args.quick)
+    ceil = measure_ceilings()
+    out = []
+    t0 = time.time()
+    for section in args.sections.split(","):  # in the order given
+        if section == "sweep":
+            out.append(bench_sweep(ceil, args.quick))
+        elif section == "moe":
+            out.append(bench_moe(ceil, args.quick))
+        elif section == "gemm":
+            dg = run_deepgemm(args.quick)
+            print("[deepgemm]", json.dumps(dg)[:2000], flush=True)
+            out.append(bench_gemm(ceil, args.quick, dg))
+        elif section == "attention":
+            out.append(bench_attention_decode(ceil, args.quick))
+            out.append(bench_attention_prefill(ceil, args.quick))
+        elif section != "ceilings":
+            raise SystemExit(f"unknown section {section!r}")
+    print(f"bench: {time.time() - t0:.0f}s", flush=True)
+    command = os.environ.get("PDSERVE_BENCH_COMMAND") or (
+        "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if args.doc:
+        write_doc(args.doc, out, ceil, command)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceil, "tables": out, "command": command,
+                   "date": datetime.date.today().isoformat()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

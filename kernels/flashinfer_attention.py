@@ -1,0 +1,273 @@
+"""Paged sink attention on CUDA through FlashInfer: FA2/FA3 sink wrappers and XQA decode.
+
+One `FlashInferSinkAttention` serves one layer type (windowed or full; FlashInfer fixes the
+sliding-window flag when it builds the module). `plan(batch)` runs once per step on the host and
+moves the batch description to the GPU once; `run(q, kv_cache, sinks)` runs once per layer.
+
+Paths (chosen per batch kind, measured on an H200: docs/kernels.md):
+- prefill (any batch with a query longer than 1): `BatchAttentionWithAttentionSinkWrapper`,
+  FA3 for full attention, FA2 for the 128-token window (FA3 is slower on a window that short).
+- decode (every request has one query): XQA (`xqa_batch_decode_with_kv_cache`) for small
+  batches (full layers: < 64k KV tokens; windowed layers: <= 16 requests), the FA2 sink wrapper
+  for bigger ones and for page sizes XQA has no kernel for.
+
+CUDA graphs (decode): construct with `cuda_graph_batch_size=B, max_pages_per_request=P`. The
+object then owns fixed device buffers (page table / indptr arrays sized for B requests of up to
+P pages); `plan(batch)` (outside the graph, before every replay) copies the step's batch into
+them, padding up to B requests with one-token dummy requests on page `pad_page`; `run` reads only
+those buffers, so it can be captured once and replayed:
+
+    attn = FlashInferSinkAttention(dev, ..., cuda_graph_batch_size=B, max_pages_per_request=P)
+    attn.plan(warmup_batch); attn.run(q_static, kv, sinks)       # warm-up: loads the module
+    with torch.cuda.graph(g): out_static = attn.run(q_static, kv, sinks)
+    # every step: attn.plan(batch); q_static[:n].copy_(q); g.replay(); use out_static[:n]
+
+q must have B rows inside the graph (rows past the real batch are padding; their outputs are
+finite and meaningless). Windowed and full layers need one object each, per captured B.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .attention import PagedBatch
+
+_XQA_PAGE_SIZES = (16, 32, 64, 128)
+# Decode "auto" (measured on an H200, docs/performance.md): XQA for small batches, the FA2 sink
+# wrapper for big ones. Full-attention layers switch on the KV tokens a batch reads (XQA 10 %
+# faster at 8 x 4k keys; FA2 1.5-14 % faster from 128 x 1k = 131k tokens up); windowed layers
+# read <= 128 keys per request and switch on the batch size (XQA 13 vs 15-17 us up to batch 8,
+# FA2 5-12 % faster from batch 32). A CUDA-graph object fixes its kernel at capture, so there the
+# captured batch size decides for both layer types.
+_XQA_MAX_KV_TOKENS = 64 * 1024
+_XQA_MAX_BATCH = 16
+
+_FA_WORKSPACE_BYTES = 256 << 20
+_XQA_WORKSPACE_BYTES = 256 << 20
+
+_workspaces: dict[tuple[str, torch.device], torch.Tensor] = {}
+_workspace_lock = threading.Lock()
+
+
+def _workspace(kind: str, device: torch.device) -> torch.Tensor:
+    """One workspace per (kind, device), shared by all layers: layers run one after another."""
+    key = (kind, device)
+    with _workspace_lock:
+        buf = _workspaces.get(key)
+        if buf is None:
+            size = _FA_WORKSPACE_BYTES if kind == "fa" else _XQA_WORKSPACE_BYTES
+            # XQA's semaphores must start at zero; the kernels leave them at zero.
+            buf = torch.zeros(size, dtype=torch.uint8, device=device)
+            _workspaces[key] = buf
+        return buf
+
+
+class FlashInferSinkAttention:
+    """FlashInfer backend of `kernels.attention.make_sink_attention` (same plan/run contract)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        window_left: int,
+        sm_scale: float,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        prefill_backend: str = "auto",
+        decode_backend: str = "auto",
+        cuda_graph_batch_size: int | None = None,
+        max_pages_per_request: int | None = None,
+        pad_page: int = 0,
+    ):
+        import flashinfer  # noqa: F401  (ImportError -> make_sink_attention falls back to torch)
+
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"FlashInfer attention needs a CUDA device, got {self.device}")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.window_left = int(window_left)
+        self.sm_scale = float(sm_scale)
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+
+        windowed = self.window_left >= 0
+        if prefill_backend == "auto":
+            prefill_backend = "fa2" if windowed else "fa3"
+        if decode_backend == "auto" and page_size not in _XQA_PAGE_SIZES:
+            decode_backend = "fa2"
+        if decode_backend == "auto" and cuda_graph_batch_size is not None:
+            decode_backend = "xqa" if cuda_graph_batch_size <= _XQA_MAX_BATCH else "fa2"
+        if prefill_backend not in ("fa2", "fa3"):
+            raise ValueError(f"prefill_backend must be fa2, fa3 or auto, got {prefill_backend!r}")
+        if decode_backend not in ("auto", "xqa", "fa2", "fa3"):
+            raise ValueError(f"decode_backend must be xqa, fa2, fa3 or auto, got {decode_backend!r}")
+        if decode_backend == "xqa" and page_size not in _XQA_PAGE_SIZES:
+            raise ValueError(f"XQA supports page sizes {_XQA_PAGE_SIZES}, got {page_size}")
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+
+        self._graph_batch = cuda_graph_batch_size
+        self._pad_page = pad_page
+        self._wrappers: dict[str, object] = {}
+        self._mode: str | None = None  # "prefill" | "decode" after plan()
+        self._rows = 0
+        if cuda_graph_batch_size is not None:
+            if cuda_graph_batch_size < 1 or not max_pages_per_request or max_pages_per_request < 1:
+                raise ValueError("CUDA-graph mode needs cuda_graph_batch_size >= 1 and max_pages_per_request >= 1")
+            self._init_graph_buffers(cuda_graph_batch_size, max_pages_per_request)
+
+    # ---------------------------------------------------------------- construction helpers
+    def _init_graph_buffers(self, b: int, max_pages: int) -> None:
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._max_pages = max_pages
+        if self.decode_backend == "xqa":
+            self._block_tables = torch.zeros(b, max_pages, **i32)
+            self._seq_lens = torch.ones(b, **i32)
+            self._host_tables = torch.zeros(b, max_pages, dtype=torch.int32, pin_memory=True)
+            self._host_lens = torch.ones(b, dtype=torch.int32, pin_memory=True)
+            # the host may run a step ahead of the GPU: refill the pinned staging buffers only
+            # after the previous step's copies out of them have executed
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        else:
+            self._graph_bufs = dict(
+                qo_indptr_buf=torch.arange(b + 1, **i32),
+                paged_kv_indptr_buf=torch.zeros(b + 1, **i32),
+                paged_kv_indices_buf=torch.zeros(b * max_pages, **i32),
+                paged_kv_last_page_len_buf=torch.ones(b, **i32),
+            )
+
+    def _wrapper(self, backend: str, graph: bool = False):
+        key = f"{backend}{'-graph' if graph else ''}"
+        w = self._wrappers.get(key)
+        if w is None:
+            import flashinfer
+
+            kwargs = dict(self._graph_bufs, use_cuda_graph=True) if graph else {}
+            w = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+                _workspace("fa", self.device), kv_layout="NHD", backend=backend,
+                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                head_dim_qk=self.head_dim, head_dim_vo=self.head_dim, window_left=self.window_left,
+                **kwargs,
+            )
+            self._wrappers[key] = w
+        return w
+
+    # ---------------------------------------------------------------- plan
+    def plan(self, batch: PagedBatch) -> None:
+        if batch.page_size != self.page_size:
+            raise ValueError(f"batch page size {batch.page_size} != attention page size {self.page_size}")
+        decode = batch.is_decode
+        if self._graph_batch is not None:
+            if not decode:
+                raise ValueError("a CUDA-graph attention object only plans decode batches")
+            self._plan_graph(batch)
+            return
+        self._rows = int(batch.qo_indptr[-1])
+        decode_backend = self._pick_decode(batch) if decode else None
+        if decode_backend == "xqa":
+            self._plan_xqa(batch)
+        else:
+            backend = decode_backend or self.prefill_backend
+            self._plan_fa(self._wrapper(backend), batch)
+            self._active = self._wrappers[backend]
+            self._mode = "fa"
+
+    def _pick_decode(self, batch: PagedBatch) -> str:
+        if self.decode_backend != "auto":
+            return self.decode_backend
+        if self.window_left >= 0:
+            return "xqa" if batch.batch_size <= _XQA_MAX_BATCH else "fa2"
+        return "xqa" if int(batch.kv_lens.sum()) < _XQA_MAX_KV_TOKENS else "fa2"
+
+    def _plan_fa(self, wrapper, batch: PagedBatch) -> None:
+        wrapper.plan(
+            batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            causal=True, window_left=self.window_left,
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )
+
+    @staticmethod
+    def _page_table(batch: PagedBatch, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_indptr/kv_indices -> dense [B, width] page table (host), zero-padded."""
+        pages = (batch.kv_indptr[1:] - batch.kv_indptr[:-1]).to(torch.int64)
+        b = pages.numel()
+        table = out if out is not None else torch.zeros(b, width, dtype=torch.int32)
+        used = torch.arange(width)[None, :] < pages[:, None]
+        table[:b].zero_()
+        table[:b][used] = batch.kv_indices[: int(batch.kv_indptr[-1])].to(torch.int32)
+        return table
+
+    def _plan_xqa(self, batch: PagedBatch) -> None:
+        pages = batch.kv_indptr[1:] - batch.kv_indptr[:-1]
+        width = max(int(pages.max()), 1)
+        table = self._page_table(batch, width)
+        self._block_tables = table.to(self.device, non_blocking=True)
+        self._seq_lens = batch.kv_lens.to(torch.int32).to(self.device, non_blocking=True)
+        self._mode = "xqa"
+
+    def _plan_graph(self, batch: PagedBatch) -> None:
+        b_max, p_max = self._graph_batch, self._max_pages
+        b = batch.batch_size
+        pages = batch.kv_indptr[1:] - batch.kv_indptr[:-1]
+        if b > b_max:
+            raise ValueError(f"batch of {b} requests exceeds the captured batch size {b_max}")
+        if b and int(pages.max()) > p_max:
+            raise ValueError(f"a request uses {int(pages.max())} pages, over max_pages_per_request={p_max}")
+        self._rows = b_max
+        if self.decode_backend == "xqa":
+            self._staged.synchronize()
+            self._page_table(batch, p_max, self._host_tables)
+            self._host_tables[b:].fill_(self._pad_page)
+            self._host_lens[:b] = batch.kv_lens.to(torch.int32)
+            self._host_lens[b:] = 1
+            # pinned -> device on the current stream, ordered before the graph replay
+            self._block_tables.copy_(self._host_tables, non_blocking=True)
+            self._seq_lens.copy_(self._host_lens, non_blocking=True)
+            self._staged.record()
+            self._mode = "xqa"
+            return
+        pad = b_max - b
+        i32 = dict(dtype=torch.int32)
+        qo = torch.arange(b_max + 1, **i32)
+        kv_indptr = torch.cat([batch.kv_indptr.to(torch.int32),
+                               batch.kv_indptr[-1:].to(torch.int32) + torch.arange(1, pad + 1, **i32)])
+        kv_indices = torch.cat([batch.kv_indices[: int(batch.kv_indptr[-1])].to(torch.int32),
+                                torch.full((pad,), self._pad_page, **i32)])
+        last = torch.cat([batch.kv_last_page_len.to(torch.int32), torch.ones(pad, **i32)])
+        padded = PagedBatch(qo, kv_indptr, kv_indices, last, self.page_size)
+        wrapper = self._wrapper(self.decode_backend, graph=True)
+        self._plan_fa(wrapper, padded)
+        self._active = wrapper
+        self._mode = "fa"
+
+    # ---------------------------------------------------------------- run
+    def run(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [T, Hq, D] bf16, kv_cache [pages, 2, page, Hkv, D] bf16, sinks float32 [Hq] (raw
+        logits, not scaled by sm_scale) -> [T, Hq, D] bf16 (written into `out` when given)."""
+        if self._mode is None:
+            raise RuntimeError("run() before plan()")
+        if q.shape[0] != self._rows:
+            raise ValueError(f"planned for {self._rows} query rows, got {q.shape[0]}")
+        if sinks.dtype != torch.float32:
+            raise TypeError(f"sinks must be float32 (cast the bf16 checkpoint values), got {sinks.dtype}")
+        if self._mode == "xqa":
+            from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+            return xqa_batch_decode_with_kv_cache(
+                q, kv_cache, _workspace("xqa", self.device), self._block_tables, self._seq_lens,
+                self._block_tables.shape[1] * self.page_size,
+                bmm1_scale=self.sm_scale, bmm2_scale=1.0, window_left=self.window_left,
+                out=out, sinks=sinks, kv_layout="NHD",
+            )
+        return self._active.run(q, kv_cache, sinks, self.sm_scale, out=out)

@@ -1,0 +1,15 @@
+"""Moving paged KV blocks between worker ranks with NIXL (RDMA/NVLink on GPUs, UCX/TCP on CPU).
+
+``plan`` decides which byte ranges move (including head re-sharding when prefill TP != decode
+TP); ``agent`` owns the NIXL agent, memory registration, handshake and notifications.
+"""
+
+from kvtransfer.agent import KVTransferAgent, TransferHandle
+from kvtransfer.errors import KVLayoutError, KVTransferError
+from kvtransfer.layout import PoolLayout, head_range, heads_overlap
+from kvtransfer.plan import PoolCopy, plan_copy, plan_pool_copy
+
+__all__ = [
+    "KVLayoutError", "KVTransferAgent", "KVTransferError", "PoolCopy", "PoolLayout",
+    "TransferHandle", "head_range", "heads_overlap", "plan_copy", "plan_pool_copy",
+]

@@ -1,0 +1,157 @@
+"""FlashInfer sink attention (FA2/FA3 prefill, XQA/FA2 decode, CUDA-graph decode) vs the fp32
+torch reference `sink_attention_ref` (through `TorchSinkAttention`), gpt-oss shapes, H200.
+
+Tolerance: relative L2 < 1e-2 per batch (bf16 inputs and output, fp32 softmax in the reference;
+measured 2e-3..4e-3, README of the device folder). Outputs are poisoned with NaN before each run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest.importorskip("flashinfer")
+
+from kernels.attention import PagedBatch, TorchSinkAttention  # noqa: E402
+from kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
+
+HQ, HKV, D = 64, 8, 64
+PAGE = 16
+SM_SCALE = 1 / math.sqrt(D)
+DEV = "cuda"
+
+
+def rel_l2(out, ref):
+    assert not out.isnan().any(), "NaN in output (unwritten element)"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_batch(qo_lens, kv_lens, gen, spare_pages=7):
+    """Requests on randomly scattered pages of one pool (page 0 kept free for graph padding)."""
+    pages = [-(-k // PAGE) for k in kv_lens]
+    total = sum(pages) + spare_pages + 1
+    perm = (torch.randperm(total - 1, generator=gen) + 1).tolist()
+    tables, at = [], 0
+    for p in pages:
+        tables.append(perm[at : at + p])
+        at += p
+    batch = PagedBatch.from_tables(qo_lens, kv_lens, tables, PAGE)
+    kv = torch.randn(total, 2, PAGE, HKV, D, generator=gen).to(DEV, torch.bfloat16)
+    q = torch.randn(sum(qo_lens), HQ, D, generator=gen).to(DEV, torch.bfloat16)
+    return batch, kv, q
+
+
+def sinks_for(gen):
+    return (torch.randn(HQ, generator=gen) * 2).to(DEV, torch.float32)
+
+
+def reference(batch, q, kv, sinks, window_left):
+    ref = TorchSinkAttention(window_left, SM_SCALE)
+    ref.plan(batch)
+    return ref.run(q, kv, sinks)
+
+
+def attention(window_left, **kw):
+    return FlashInferSinkAttention(
+        torch.device(DEV), window_left=window_left, sm_scale=SM_SCALE, num_qo_heads=HQ,
+        num_kv_heads=HKV, head_dim=D, page_size=PAGE, **kw,
+    )
+
+
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_prefill_ragged_causal(window_left, backend):
+    gen = torch.Generator().manual_seed(1)
+    # fresh prompts, a chunked-prefill continuation (kv > qo) and a 1-token tail
+    qo_lens, kv_lens = [1, 37, 300, 1000, 129], [1, 37, 700, 1000, 4099]
+    batch, kv, q = random_batch(qo_lens, kv_lens, gen)
+    sinks = sinks_for(gen)
+    attn = attention(window_left, prefill_backend=backend)
+    attn.plan(batch)
+    out = torch.full_like(q, float("nan"))
+    res = attn.run(q, kv, sinks, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    assert rel_l2(out, reference(batch, q, kv, sinks, window_left)) < 1e-2
+
+
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("backend", ["xqa", "fa2"])
+@pytest.mark.parametrize("b", [1, 7, 64])
+def test_decode_batched(window_left, backend, b):
+    gen = torch.Generator().manual_seed(100 + b)
+    kv_lens = torch.randint(1, 3000, (b,), generator=gen).tolist()
+    kv_lens[0] = 1  # a request on its first generated token
+    batch, kv, q = random_batch([1] * b, kv_lens, gen)
+    sinks = sinks_for(gen)
+    attn = attention(window_left, decode_backend=backend)
+    attn.plan(batch)
+    out = torch.full_like(q, float("nan"))
+    attn.run(q, kv, sinks, out=out)
+    assert rel_l2(out, reference(batch, q, kv, sinks, window_left)) < 1e-2
+
+
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("backend", ["xqa", "fa2"])
+def test_decode_cuda_graph(window_left, backend):
+    """plan() outside, run() captured once; replays follow new plans (fewer, longer requests)."""
+    b_graph, max_pages = 8, 256
+    gen = torch.Generator().manual_seed(7)
+    attn = attention(window_left, decode_backend=backend, cuda_graph_batch_size=b_graph,
+                     max_pages_per_request=max_pages)
+    sinks = sinks_for(gen)
+    batch, kv, q = random_batch([1] * 5, [3, 900, 17, 2500, 128], gen, spare_pages=400)
+    q_static = torch.zeros(b_graph, HQ, D, device=DEV, dtype=torch.bfloat16)
+    out_static = torch.full_like(q_static, float("nan"))
+    attn.plan(batch)
+    attn.run(q_static, kv, sinks, out=out_static)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_static, kv, sinks, out=out_static)
+    for step, lens in enumerate(([3, 900, 17, 2500, 128], [4000, 1, 64, 333, 2048, 16, 5, 777])):
+        b = len(lens)
+        perm_batch, _, q_new = random_batch([1] * b, lens, gen, spare_pages=0)
+        # keep the pool: draw page ids inside kv's range
+        assert int(perm_batch.kv_indices.max()) < kv.shape[0]
+        out_static.fill_(float("nan"))
+        q_static.zero_()
+        q_static[:b].copy_(q_new)
+        attn.plan(perm_batch)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(perm_batch, q_new, kv, sinks, window_left)
+        assert rel_l2(out_static[:b], ref) < 1e-2, f"step {step}"
+        assert not out_static.isnan().any()
+
+
+def test_plan_rejects_bad_batches():
+    attn = attention(-1, cuda_graph_batch_size=2, max_pages_per_request=4)
+    gen = torch.Generator().manual_seed(0)
+    too_many, _, _ = random_batch([1, 1, 1], [5, 5, 5], gen)
+    with pytest.raises(ValueError):
+        attn.plan(too_many)
+    too_long, _, _ = random_batch([1], [5 * PAGE], gen)
+    with pytest.raises(ValueError):
+        attn.plan(too_long)
+    prefill, _, _ = random_batch([3], [3], gen)
+    with pytest.raises(ValueError):
+        attn.plan(prefill)
+    eager = attention(-1)
+    with pytest.raises(RuntimeError):
+        eager.run(torch.zeros(1, HQ, D, device=DEV, dtype=torch.bfloat16),
+                  torch.zeros(1, 2, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16),
+                  torch.zeros(HQ, device=DEV))
+
+
+def test_make_sink_attention_picks_flashinfer():
+    from kernels.attention import make_sink_attention
+
+    attn = make_sink_attention(DEV, window_left=127, sm_scale=SM_SCALE, num_qo_heads=HQ,
+                               num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+    assert isinstance(attn, FlashInferSinkAttention)
