@@ -125,9 +125,20 @@ def _make_kubernetes(options: dict) -> Discovery:
     return KubernetesDiscovery(**options)
 
 
+def _make_ray(options: dict) -> Discovery:
+    from router.discovery_ray import RayDiscovery  # imports ray lazily
+
+    allowed = {"namespace", "address", "poll_interval", "call_timeout"}
+    unknown = set(options) - allowed
+    if unknown:
+        raise DiscoveryError(f"ray discovery takes {sorted(allowed)}, not {sorted(unknown)}")
+    return RayDiscovery(**options)
+
+
 _BACKENDS: dict[str, Callable[[dict], Discovery]] = {
     "static": _make_static,
     "kubernetes": _make_kubernetes,
+    "ray": _make_ray,
 }
 
 

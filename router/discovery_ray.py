@@ -13,7 +13,7 @@ differs from the last report. Joins therefore show up within one poll of a worke
 leaves within one poll of a process or actor dying; the router's own health probes cover the
 time in between.
 
-Importing this module registers the backend: `make_discovery("ray", namespace="pdserve")`.
+Built by `make_discovery("ray", namespace="pdserve")` (router/discovery.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import logging
 import threading
 from typing import Any
 
-from router.discovery import (ROLES, DiscoveryError, OnChange, WorkerEndpoint, normalize_address,
-                              register_backend)
+from router.discovery import ROLES, DiscoveryError, OnChange, WorkerEndpoint, normalize_address
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +157,3 @@ class RayDiscovery:
         except (KeyError, TypeError, DiscoveryError) as e:
             log.warning("ray discovery: ignoring actor %s with a bad endpoint %r: %s", name, info, e)
             return None
-
-
-def _make_ray(options: dict) -> RayDiscovery:
-    allowed = {"namespace", "address", "poll_interval", "call_timeout"}
-    unknown = set(options) - allowed
-    if unknown:
-        raise DiscoveryError(f"ray discovery takes {sorted(allowed)}, not {sorted(unknown)}")
-    return RayDiscovery(**options)
-
-
-register_backend("ray", _make_ray)

@@ -33,7 +33,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="completion budget when the request sets none (capped by the context)")
     g.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
                    help="seconds a request may take end to end")
-    g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes")
+    g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
     g.add_argument("--decode", action="append", default=None, metavar="ADDR,...",
@@ -45,6 +45,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="kubernetes discovery: label selector of the decode workers")
     g.add_argument("--k8s-port-name", default="grpc",
                    help="kubernetes discovery: name of the workers' gRPC port")
+    g.add_argument("--ray-namespace", default="pdserve",
+                   help="ray discovery: namespace of the worker actors (see launch/ray_job.py)")
     g.add_argument("--log-level", default="info", help="router log level")
 
 
@@ -63,6 +65,8 @@ def discovery_from_args(args: argparse.Namespace) -> Discovery:
                               prefill_selector=args.k8s_prefill_selector,
                               decode_selector=args.k8s_decode_selector,
                               port_name=args.k8s_port_name)
+    if args.discovery == "ray":
+        return make_discovery("ray", namespace=args.ray_namespace)
     return make_discovery(args.discovery)
 
 

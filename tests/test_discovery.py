@@ -41,8 +41,10 @@ def test_bad_addresses_are_rejected(bad):
 
 
 def test_factory_errors_name_the_problem():
-    with pytest.raises(DiscoveryError, match="unknown discovery kind 'ray'.*kubernetes, static"):
-        make_discovery("ray")
+    with pytest.raises(DiscoveryError, match="unknown discovery kind 'consul'.*kubernetes, ray, static"):
+        make_discovery("consul")
+    with pytest.raises(DiscoveryError, match="not \\['port'\\]"):
+        make_discovery("ray", port=1)
     with pytest.raises(DiscoveryError, match="not \\['namespaces'\\]"):
         make_discovery("kubernetes", namespaces="x")
     with pytest.raises(DiscoveryError, match="not \\['selector'\\]"):
