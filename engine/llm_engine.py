@@ -47,16 +47,21 @@ class LLMEngine:
         self.waiting.append(seq)
         return seq
 
-    def _finish(self, seq: Sequence, on_token) -> None:
-        self.runner.cache.release(seq.blocks)
+    def _accept(self, seq: Sequence, token: int, on_token) -> bool:
+        """Record a sampled token; a finished request gives its blocks back. True if it runs on."""
+        done = seq.append(token, self.runner.cfg.eos_token_ids, self.runner.max_context)
         if on_token:
-            on_token(seq, [])
+            on_token(seq, [token])
+        if done:
+            self.runner.cache.release(seq.blocks)
+            if on_token:
+                on_token(seq, [])
+        return not done
 
     def step(self, on_token: Callable[[Sequence, list[int]], None] | None = None) -> list[Sequence]:
         """Admit and prefill waiting requests that fit, then one decode step for the rest.
         Returns the requests that finished in this step."""
         finished = []
-        cfg = self.runner.cfg
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             try:
@@ -66,28 +71,13 @@ class LLMEngine:
             self.waiting.popleft()
             logits = self.runner.prefill(seq)
             tok = sample(logits[None], [seq.params], [0])[0]
-            done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context)
-            if on_token:
-                on_token(seq, [tok])
-            if done:
-                self._finish(seq, on_token)
-                finished.append(seq)
-            else:
-                self.running.append(seq)
+            (self.running if self._accept(seq, tok, on_token) else finished).append(seq)
         if self.running:
-            logits = self.runner.decode(self.running)
-            toks = sample(logits, [s.params for s in self.running], [len(s.output_ids) for s in self.running])
-            still = []
-            for seq, tok in zip(self.running, toks):
-                done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context)
-                if on_token:
-                    on_token(seq, [tok])
-                if done:
-                    self._finish(seq, on_token)
-                    finished.append(seq)
-                else:
-                    still.append(seq)
-            self.running = still
+            batch, self.running = self.running, []
+            logits = self.runner.decode(batch)
+            toks = sample(logits, [s.params for s in batch], [len(s.output_ids) for s in batch])
+            for seq, tok in zip(batch, toks):
+                (self.running if self._accept(seq, tok, on_token) else finished).append(seq)
         return finished
 
     def generate(
