@@ -20,7 +20,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"])
     p.add_argument("--tp", type=int, default=1, help="ranks of this worker (attention TP)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (divides --tp)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel groups, dividing --tp (default: --tp, i.e. EP4 TP4 on 4 GPUs)")
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
@@ -36,11 +37,14 @@ def run(a: argparse.Namespace) -> int:
     from proto import pdserve_pb2_grpc as pb_grpc
     from proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
 
+    from .parallel import KVArrivals
     from .scheduler import DecodeScheduler
     from .server import DecodeService
 
     if a.max_batch_size < 1 or a.max_batch_size > 1024:
         raise ValueError("--max-batch-size must be in [1, 1024]")
+    if a.ep is None:
+        a.ep = a.tp
     if a.tp != 1 or a.ep != 1:
         from .parallel import run_parallel
 
@@ -51,7 +55,8 @@ def run(a: argparse.Namespace) -> int:
     agent = KVTransferAgent(f"{worker_id}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=(0, runner.cfg.num_key_value_heads), listen_host=a.kv_host or a.host)
     scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size)
-    scheduler.notification_source = agent.take_notifications
+    arrivals = KVArrivals([agent.head_range])  # complete once every head arrived (any prefill TP)
+    scheduler.notification_source = lambda: arrivals.feed(0, agent.take_notifications())
     service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl)
     server = make_server(max_workers=2 * a.max_batch_size + 64)
     pb_grpc.add_DecodeWorkerServicer_to_server(service, server)

@@ -33,16 +33,18 @@ FINISH = {
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, scheduler: DecodeScheduler, agent, *, worker_id: str, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, scheduler: DecodeScheduler, agent, *, worker_id: str,
+                 rank_agents: list[tuple[str, bytes]] | None = None,
                  default_ttl_s: float = 60.0, kv_wait_s: float = 30.0):
+        """rank_agents: (agent name, peer-info blob) of every rank of the worker, by rank (default:
+        this process's `agent` alone, a one-rank worker)."""
         self.scheduler = scheduler
         self.agent = agent
         self.worker_id = worker_id
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.rank_agents = list(rank_agents) if rank_agents else [(agent.name, agent.peer_info())]
         self.default_ttl_s = default_ttl_s
         self.kv_wait_s = kv_wait_s
         self.draining = False
-        self._peer_info = agent.peer_info()
 
     # -- RPCs ---------------------------------------------------------------------------------------
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -57,13 +59,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         cache = self.scheduler.cache
         first, sliding = cache.transfer_targets(r.blocks, request.num_prompt_tokens)
-        placement = pb.KVPlacement(
-            decode_worker_id=self.worker_id, kv_agent_name=self.agent.name,
-            kv_agent_metadata=self._peer_info, full_block_ids=r.blocks.full,
-            sliding_block_ids=sliding, sliding_first_page=first,
-            page_size=cache.page_size, tp_rank=self.tp_rank, tp_size=self.tp_size,
-        )
-        return pb.ReserveResponse(placements=[placement])
+        # every rank holds the same block ids (only rank 0 allocates), each for its own KV heads
+        placements = [pb.KVPlacement(
+            decode_worker_id=self.worker_id, kv_agent_name=name, kv_agent_metadata=info,
+            full_block_ids=r.blocks.full, sliding_block_ids=sliding, sliding_first_page=first,
+            page_size=cache.page_size, tp_rank=rank, tp_size=len(self.rank_agents),
+        ) for rank, (name, info) in enumerate(self.rank_agents)]
+        return pb.ReserveResponse(placements=placements)
 
     def Decode(self, request: pb.DecodeRequest, context):
         try:
@@ -115,7 +117,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         )
 
     def KVMetadata(self, request, context) -> pb.KVMetadataResponse:
-        return pb.KVMetadataResponse(agent_names=[self.agent.name], agent_metadata=[self._peer_info])
+        return pb.KVMetadataResponse(agent_names=[n for n, _ in self.rank_agents],
+                                     agent_metadata=[m for _, m in self.rank_agents])
 
     def drain(self, timeout_s: float) -> None:
         """Refuse new work, let running streams finish (up to timeout_s)."""

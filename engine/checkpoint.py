@@ -144,8 +144,10 @@ def load_weights(
         return t.to(device=dev, dtype=dtype).contiguous()
 
     v0, v1 = shard.vocab_range(cfg.vocab_size)
-    embedding = put(r.get("model.embed_tokens.weight", shape=(cfg.vocab_size, H), slices=_rows(v0, v1)))
-    unembedding = put(r.get("lm_head.weight", shape=(cfg.vocab_size, H), slices=_rows(v0, v1)))
+    vrows = shard.vocab_shard_size(cfg.vocab_size)  # equal shards: the last one is zero-padded
+    embedding = put(_pad_rows(r.get("model.embed_tokens.weight", shape=(cfg.vocab_size, H),
+                                    slices=_rows(v0, v1)), vrows))
+    unembedding = put(_pad_rows(r.get("lm_head.weight", shape=(cfg.vocab_size, H), slices=_rows(v0, v1)), vrows))
     norm = put(r.get("model.norm.weight", shape=(H,)), torch.float32)
 
     q0, q1 = shard.q_head_range(cfg.num_attention_heads)
@@ -222,9 +224,9 @@ def _load_experts(
     gub = r.get(p + "gate_up_proj_bias", shape=(E, 2 * I), slices=(ex, slice(2 * i0, 2 * i1))).float()
     gate_up, down = [], []
     for e in range(e0, e1):  # one expert at a time bounds the conversion's memory
-        g, d = _read_expert_bf16(r, p, cfg, e)
-        gate_up.append(g[2 * i0 : 2 * i1])
-        down.append(d[:, i0:i1])
+        g, d = _read_expert_bf16(r, p, cfg, e, i0, i1, device=dev)  # decoded on the target device
+        gate_up.append(g)
+        down.append(d)
     if precision == "bf16":
         w = ExpertWeights(torch.stack(gate_up), gub, torch.stack(down), down_bias, first_expert=e0)
         return _to_device(w, dev)
@@ -242,23 +244,35 @@ def _load_experts(
     return _to_device(w, dev)
 
 
-def _read_expert_bf16(r: CheckpointReader, p: str, cfg: ModelConfig, e: int):
-    """Expert e as bf16 (gate_up [2I, H], down [H, I]); MXFP4 decodes exactly."""
+def _read_expert_bf16(r: CheckpointReader, p: str, cfg: ModelConfig, e: int, i0: int = 0,
+                     i1: int | None = None, device: torch.device | str = "cpu"):
+    """Expert e's intermediate channels [i0, i1) as bf16: gate_up [2(i1-i0), H] (glu/linear
+    interleaved), down [H, i1-i0]; MXFP4 decodes exactly. Reads only those channels (for the
+    down projection, the 32-channel MXFP4 groups that hold them)."""
     E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    i1 = I if i1 is None else i1
     one = slice(e, e + 1)
+    gu_rows = slice(2 * i0, 2 * i1)
     if cfg.experts_format == "mxfp4":
-        gu_b = r.get(p + "gate_up_proj_blocks", shape=(E, 2 * I, H // 32, 16), slices=(one,))
-        gu_s = r.get(p + "gate_up_proj_scales", shape=(E, 2 * I, H // 32), slices=(one,))
-        dn_b = r.get(p + "down_proj_blocks", shape=(E, H, I // 32, 16), slices=(one,))
-        dn_s = r.get(p + "down_proj_scales", shape=(E, H, I // 32), slices=(one,))
-        return dequantize_mxfp4(gu_b, gu_s)[0], dequantize_mxfp4(dn_b, dn_s)[0]
+        g0, g1 = i0 // 32, -(-i1 // 32)
+        gu_b = r.get(p + "gate_up_proj_blocks", shape=(E, 2 * I, H // 32, 16), slices=(one, gu_rows))
+        gu_s = r.get(p + "gate_up_proj_scales", shape=(E, 2 * I, H // 32), slices=(one, gu_rows))
+        groups = (one, slice(None), slice(g0, g1))
+        dn_b = r.get(p + "down_proj_blocks", shape=(E, H, I // 32, 16), slices=groups)
+        dn_s = r.get(p + "down_proj_scales", shape=(E, H, I // 32), slices=groups)
+        gu_b, gu_s, dn_b, dn_s = (t.to(device) for t in (gu_b, gu_s, dn_b, dn_s))
+        down = dequantize_mxfp4(dn_b, dn_s)[0][:, i0 - 32 * g0 : i1 - 32 * g0]
+        return dequantize_mxfp4(gu_b, gu_s)[0], down.contiguous()
     # transformers' bf16 layout is (in, out): gate_up_proj [E, H, 2I], down_proj [E, I, H]
-    gu = r.get(p + "gate_up_proj", shape=(E, H, 2 * I), slices=(one,))[0]
-    dn = r.get(p + "down_proj", shape=(E, I, H), slices=(one,))[0]
+    gu = r.get(p + "gate_up_proj", shape=(E, H, 2 * I), slices=(one, slice(None), gu_rows))[0]
+    dn = r.get(p + "down_proj", shape=(E, I, H), slices=(one, slice(i0, i1)))[0]
+    gu, dn = gu.to(device), dn.to(device)
     return gu.T.to(torch.bfloat16).contiguous(), dn.T.to(torch.bfloat16).contiguous()
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
     return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
 
 

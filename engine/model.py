@@ -93,6 +93,9 @@ class GptOssModel:
         return x + all_reduce(o, self.shard)
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        # TP dispatch/combine: x is replicated on every rank and routed with the full router;
+        # each rank runs only its local experts (its slice of their channels) on the tokens routed
+        # to them; one all-reduce sums the ranks' weighted partial outputs (engine/parallel.py).
         _, m = self.w.layers[layer]
         cfg = self.cfg
         t = rms_norm(x, m.norm, cfg.rms_norm_eps)
@@ -127,18 +130,20 @@ class GptOssModel:
         return out[:, : self.cfg.vocab_size]
 
 
-def plan_step(
-    attention: dict[str, object],
+def make_batches(
     cache: PagedKVCache,
     tables: list[dict[str, tuple[list[int], int]]],
     qo_lens: list[int],
-) -> None:
-    """Plan each pool's backend for a batch: per request, its (table, kv_len) per pool."""
+) -> dict[str, PagedBatch]:
+    """Each pool's attention batch for a step: per request, its (table, kv_len) per pool."""
+    return {
+        group: PagedBatch.from_tables(qo_lens, [t[group][1] for t in tables], [t[group][0] for t in tables],
+                                      cache.page_size)
+        for group in cache.pools
+    }
+
+
+def plan_step(attention: dict[str, object], batches: dict[str, PagedBatch]) -> None:
+    """Plan each pool's backend for the step's batch."""
     for group, backend in attention.items():
-        pb = PagedBatch.from_tables(
-            qo_lens,
-            [t[group][1] for t in tables],
-            [t[group][0] for t in tables],
-            cache.page_size,
-        )
-        backend.plan(pb)
+        backend.plan(batches[group])

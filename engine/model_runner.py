@@ -1,16 +1,27 @@
 """Runs the model on one rank: owns weights, the paged KV cache and the attention backends, and
-turns a prefill of one request or a decode step of many into forward passes."""
+turns a prefill of one request or a decode step of many into forward passes.
+
+A step is first described as a `StepPlan` (token ids, positions, KV slots and block tables: what
+the block bookkeeping decided), then executed. On a multi-rank worker only the leader keeps the
+bookkeeping; its `group` hook broadcasts each plan so that every rank executes the same one on its
+own KV heads, experts and vocabulary shard.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
+
+from kernels.attention import PagedBatch
 
 from .checkpoint import load_weights
 from .config import ModelConfig
 from .kv_cache import PagedKVCache
-from .model import GptOssModel, StepContext, plan_step
+from .model import GptOssModel, StepContext, make_batches, plan_step
 from .parallel import ShardSpec
 from .sequence import Sequence
 
@@ -23,6 +34,32 @@ class InvalidRequest(ValueError):
 
 def default_precision(device: torch.device) -> str:
     return "fp8" if device.type == "cuda" else "bf16"
+
+
+@dataclass
+class StepPlan:
+    """One forward pass as every rank of a worker runs it (picklable: no KV, no weights; block
+    tables travel as the attention batches' int32 tensors, which pickle as plain bytes).
+
+    input_ids, positions : [T] token ids and their positions.
+    slots : pool -> int64 tensor [T], flat KV slot (block * page_size + offset) of each new token.
+    batches : pool -> PagedBatch (per request: query rows, pages, last-page length) for attention.
+    qo_lens : new tokens per request (sum = T).
+    all_logits : logits of every row, else of each request's last row.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: dict[str, torch.Tensor]
+    batches: dict[str, PagedBatch]
+    qo_lens: list[int]
+    all_logits: bool = False
+
+
+class StepGroup(Protocol):
+    """What a multi-rank worker's leader plugs in: run `execute(plan)` here and on every rank."""
+
+    def run(self, plan: StepPlan, execute: Callable[[StepPlan], Any]) -> Any: ...
 
 
 class ModelRunner:
@@ -55,6 +92,7 @@ class ModelRunner:
             page_size=page_size, num_kv_heads=self.model.num_kv_heads, device=self.device,
         )
         self.attention = self.model.make_attention()
+        self.group: StepGroup | None = None  # set on a multi-rank worker's leader
 
     @property
     def max_context(self) -> int:
@@ -67,7 +105,12 @@ class ModelRunner:
             return max(1, 65536 // page_size)
         free, _ = torch.cuda.mem_get_info(self.device)
         per_block = PagedKVCache.bytes_per_block(self.cfg, page_size, self.model.num_kv_heads, self.cfg.num_hidden_layers)
-        return max(1, int(free * fraction) // per_block)
+        blocks = max(1, int(free * fraction) // per_block)
+        if self.shard.world_size > 1:  # block ids are shared by all ranks: take what all can hold
+            t = torch.tensor([blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            blocks = int(t.item())
+        return blocks
 
     def validate_prompt(self, ids: list[int], max_new_tokens: int = 1) -> None:
         if not ids:
@@ -81,23 +124,34 @@ class ModelRunner:
             )
 
     # -- steps ---------------------------------------------------------------------------------
-    def _run(self, ids: list[int], positions: list[int], seqs_tables, qo_lens, slots) -> torch.Tensor:
-        plan_step(self.attention, self.cache, seqs_tables, qo_lens)
-        step = StepContext(self.cache, {g: s.to(self.device) for g, s in slots.items()}, self.attention)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model.forward(input_ids, pos, step)
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run one planned forward pass on this rank: float32 logits [rows, V] (rows: see
+        StepPlan.all_logits), gathered over vocabulary shards."""
+        plan_step(self.attention, plan.batches)
+        step = StepContext(self.cache, {g: s.to(self.device) for g, s in plan.slots.items()}, self.attention)
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, pos, step)
+        if not plan.all_logits and len(plan.qo_lens) != hidden.shape[0]:
+            last = torch.tensor(plan.qo_lens, device=self.device).cumsum(0) - 1
+            hidden = hidden[last]
+        return self.model.logits(hidden)
+
+    def _step(self, plan: StepPlan) -> torch.Tensor:
+        if self.group is not None:
+            return self.group.run(plan, self.execute)
+        return self.execute(plan)
 
     def prefill(self, seq: Sequence, all_logits: bool = False) -> torch.Tensor:
         """Run the whole prompt (batch size 1) into the request's blocks; float32 logits of the
         last position [V] (or of every position [L, V] with all_logits)."""
         n = len(seq.prompt_ids)
         slots = self.cache.prepare(seq.blocks, 0, n)
-        tables = [self.cache.tables(seq.blocks, n)]
-        hidden = self._run(seq.prompt_ids, list(range(n)), tables, [n], slots)
+        batches = make_batches(self.cache, [self.cache.tables(seq.blocks, n)], [n])
+        logits = self._step(StepPlan(list(seq.prompt_ids), list(range(n)), slots, batches, [n], all_logits))
         seq.num_cached = n
         self.cache.finish_prefill(seq.blocks, n)
-        return self.model.logits(hidden) if all_logits else self.model.logits(hidden[-1:])[0]
+        return logits if all_logits else logits[0]
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for each request (its last sampled one at position num_cached): [B, V]."""
@@ -111,10 +165,11 @@ class ModelRunner:
             positions.append(pos)
             tables.append(self.cache.tables(s.blocks, pos + 1))
         slots = {g: torch.cat(v) for g, v in slot_parts.items()}
-        hidden = self._run(ids, positions, tables, [1] * len(seqs), slots)
+        qo_lens = [1] * len(seqs)
+        logits = self._step(StepPlan(ids, positions, slots, make_batches(self.cache, tables, qo_lens), qo_lens))
         for s in seqs:
             s.num_cached += 1
-        return self.model.logits(hidden)
+        return logits
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits of every prompt position [L, V], through the paged path."""

@@ -28,12 +28,12 @@ def cache_dir() -> Path:
 
 def builtin_tiny_model() -> Path:
     """The embedded default: a tiny random gpt-oss checkpoint (full vocabulary), made once."""
-    from engine.checkpoint_writer import make_random_checkpoint
-    from engine.config import preset
-
     path = cache_dir() / "models" / "tiny-seed0"
     if (path / "config.json").is_file():
         return path
+    from engine.checkpoint_writer import make_random_checkpoint
+    from engine.config import preset
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
     make_random_checkpoint(tmp / "ckpt", preset("tiny"), seed=0)
@@ -56,7 +56,7 @@ class ClusterSpec:
     device: str = "cpu"
     prefill_tp: int = 1
     decode_tp: int = 1
-    decode_ep: int = 1
+    decode_ep: int | None = None  # None: = decode_tp (EP4 TP4 on 4 GPUs)
     max_batch_size: int = 64
     kv_blocks: int | None = None
     extra_router_args: list[str] = field(default_factory=list)
@@ -73,14 +73,41 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
         self.model = str(builtin_tiny_model()) if spec.model == "tiny" else spec.model
+        self._gpus: dict[str, str] = {}
 
     @property
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.port}"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def gpu_plan(self) -> dict[str, str]:
+        """Worker name -> CUDA_VISIBLE_DEVICES on a CUDA cluster: disjoint GPUs for every rank
+        when there are enough (a worker of N ranks uses its first N visible devices); one-rank
+        workers share GPUs round-robin otherwise. Empty on CPU."""
+        s = self.spec
+        if s.device != "cuda":
+            return {}
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if env is not None:
+            visible = [d for d in env.split(",") if d.strip()]
+        else:
+            import torch
+
+            visible = [str(i) for i in range(torch.cuda.device_count())]
+        workers = [(f"prefill-{i}", s.prefill_tp) for i in range(s.prefill_workers)]
+        workers += [(f"decode-{i}", s.decode_tp) for i in range(s.decode_workers)]
+        need = sum(n for _, n in workers)
+        if not visible or (need > len(visible) and max(n for _, n in workers) > 1):
+            raise ValueError(f"the cluster needs {need} GPUs ({s.prefill_workers} prefill x TP {s.prefill_tp}, "
+                             f"{s.decode_workers} decode x TP {s.decode_tp}) but {len(visible)} are visible")
+        plan, nxt = {}, 0
+        for name, n in workers:
+            plan[name] = ",".join(visible[(nxt + k) % len(visible)] for k in range(n))
+            nxt += n
+        return plan
+
+    def _spawn(self, name: str, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         env.setdefault("UCX_TLS", "tcp,self,sm")
         p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
@@ -97,10 +124,12 @@ class LocalCluster:
         if role == "prefill":
             args += ["--tp", str(s.prefill_tp)]
         else:
-            args += ["--tp", str(s.decode_tp), "--ep", str(s.decode_ep), "--max-batch-size", str(s.max_batch_size)]
+            args += ["--tp", str(s.decode_tp), "--ep", str(s.decode_ep or s.decode_tp),
+                     "--max-batch-size", str(s.max_batch_size)]
             if s.kv_blocks:
                 args += ["--kv-blocks", str(s.kv_blocks)]
-        self._spawn(name, args)
+        gpus = self._gpus.get(name)
+        self._spawn(name, args, {"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
         return name
 
     def _wait_ready(self, names: list[str], timeout: float) -> None:
@@ -127,6 +156,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 180.0) -> "LocalCluster":
         s = self.spec
+        self._gpus = self.gpu_plan()
         names = [self.start_worker("prefill", i) for i in range(s.prefill_workers)]
         names += [self.start_worker("decode", i) for i in range(s.decode_workers)]
         try:
@@ -200,15 +230,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--decode-ep", type=int, default=1)
+    p.add_argument("--decode-ep", type=int, default=None,
+                   help="expert-parallel groups of a decode worker, dividing --decode-tp (default: --decode-tp)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.decode_ep is None:
+        a.decode_ep = a.decode_tp
     for flag in ("prefill_workers", "decode_workers", "prefill_tp", "decode_tp", "decode_ep", "max_batch_size"):
         if getattr(a, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if a.decode_tp % a.decode_ep:
+        raise ValueError(f"--decode-ep {a.decode_ep} must divide --decode-tp {a.decode_tp}")
     spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
                        grpc_port=a.grpc_port, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                        device=a.device, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp, decode_ep=a.decode_ep,

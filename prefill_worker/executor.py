@@ -3,6 +3,12 @@
 Each job: take local KV blocks for the whole prompt, run it, sample the first token, write every
 page the decode worker needs straight into the blocks it reserved (full-attention pages; the
 sliding-window pages still inside the window), wait for the transfer, give the local blocks back.
+
+The push is planned once (`KVPush`: which local block goes to which block of every decode rank)
+and executed by every rank of the prefill worker (`push_kv`): each rank writes the KV heads it
+holds into each decode rank whose heads overlap them, so any prefill TP feeds any decode TP. Each
+write's notification names the request and the heads it carried (`kv_notification`): a decode
+rank has the request's KV once the heads it holds are all covered.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.sequence import Sequence
+from kvtransfer import heads_overlap
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,45 @@ class PrefillJob:
     cancelled: bool = False
 
 
+def kv_notification(request_id: str, heads: tuple[int, int]) -> bytes:
+    """What a KV write tells its decode rank: b"<request id>#<first head>:<end head>"."""
+    return f"{request_id}#{heads[0]}:{heads[1]}".encode()
+
+
+@dataclass
+class KVPush:
+    """One request's KV write as every prefill rank runs it (picklable: broadcast to the ranks).
+
+    targets : per decode rank, (its agent's peer-info blob, pool -> [(local block, remote block)]).
+    """
+
+    request_id: str
+    targets: list[tuple[bytes, dict[str, list[tuple[int, int]]]]]
+
+
+def push_kv(agent, push: KVPush, timeout_s: float) -> int:
+    """This rank's share of a push: write the KV heads it holds into every decode rank that holds
+    some of them, wait until all landed; bytes written. Raises KVTransferError (in-flight writes
+    are aborted first)."""
+    mine = agent.head_range
+    handles = []
+    try:
+        for blob, pairs in push.targets:
+            peer = agent.add_peer(blob)
+            theirs = next(iter(agent.peer_pools(peer).values())).heads
+            heads = heads_overlap(mine, theirs)
+            if heads is None:
+                continue
+            handles.append(agent.write_pages(peer, pairs, kv_notification(push.request_id, heads)))
+        for h in handles:
+            h.wait(timeout_s)
+    except BaseException:
+        for h in handles:
+            h.abort("aborted: another write of the request failed")
+        raise
+    return sum(h.nbytes for h in handles)
+
+
 class PrefillExecutor:
     def __init__(self, runner: ModelRunner, agent, *, max_queue: int = 64, max_queued_tokens: int = 1 << 20,
                  transfer_timeout_s: float = 30.0):
@@ -57,6 +103,8 @@ class PrefillExecutor:
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
         self.transfer_timeout_s = transfer_timeout_s
+        # runs a KVPush on every rank of the worker; a multi-rank worker's leader replaces it
+        self.push = lambda p: push_kv(self.agent, p, self.transfer_timeout_s)
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
         self._lock = threading.Lock()
@@ -149,9 +197,19 @@ class PrefillExecutor:
         return PrefillResult(first, nbytes, done - computed, started - job.enqueued_at, computed - started)
 
     def _push_kv(self, job: PrefillJob, blocks, n: int) -> int:
+        return self.push(self.plan_push(job, blocks, n))
+
+    def plan_push(self, job: PrefillJob, blocks, n: int) -> KVPush:
+        """Map the prompt's pages onto every decode rank's reserved blocks (PlacementError when
+        the placements do not cover the pages or every decode rank)."""
         cache = self.runner.cache
         local = cache.transfer_pages(blocks, n)
-        handles = []
+        sizes = {max(1, p.tp_size) for p in job.placements}
+        ranks = sorted(p.tp_rank for p in job.placements)
+        if len(sizes) != 1 or ranks != list(range(sizes.pop())):
+            raise PlacementError(f"placements name decode ranks {ranks} of TP sizes "
+                                 f"{sorted({p.tp_size for p in job.placements})}: need one per rank")
+        targets = []
         for p in job.placements:
             if p.page_size != cache.page_size:
                 raise PlacementError(f"decode page size {p.page_size} != prefill page size {cache.page_size}")
@@ -162,11 +220,8 @@ class PrefillExecutor:
                         f"decode expects sliding pages from {p.sliding_first_page}, prefill has "
                         f"{local['sliding'][0][0]}")
                 pairs["sliding"] = _map(local["sliding"], list(p.sliding_block_ids), p.sliding_first_page, "sliding")
-            peer = self.agent.add_peer(p.kv_agent_metadata)
-            handles.append(self.agent.write_pages(peer, pairs, job.request_id.encode()))
-        for h in handles:
-            h.wait(self.transfer_timeout_s)
-        return sum(h.nbytes for h in handles)
+            targets.append((bytes(p.kv_agent_metadata), pairs))
+        return KVPush(job.request_id, targets)
 
 
 def _map(local: list[tuple[int, int]], remote: list[int], first_page: int, pool: str) -> list[tuple[int, int]]:
