@@ -108,7 +108,8 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-        env.setdefault("UCX_TLS", "tcp,self,sm")
+        if self.spec.device == "cpu":  # DRAM over TCP; on GPU hosts UCX's default includes cuda
+            env.setdefault("UCX_TLS", "tcp,self,sm")
         p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         self.procs[name] = p
