@@ -48,8 +48,3 @@ def tiny_runner(tiny_mxfp4):
     from engine.model_runner import ModelRunner
 
     return ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=512)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())

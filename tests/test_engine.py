@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import rel_l2
+from numerics import rel_l2
 from engine.kv_cache import BlockAllocator, KVCacheFull, PagedKVCache, sliding_first_page
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingError, SamplingParams, sample

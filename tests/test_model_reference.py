@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import rel_l2
+from numerics import rel_l2
 
 TOL = 1e-2
 TOL_BF16_REFERENCE = 3e-2
