@@ -110,6 +110,10 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         if self.spec.device == "cpu":  # DRAM over TCP; on GPU hosts UCX's default includes cuda
             env.setdefault("UCX_TLS", "tcp,self,sm")
+            # the processes share the cores: one torch thread each per core share, not per core
+            s = self.spec
+            procs = 1 + s.prefill_workers * s.prefill_tp + s.decode_workers * s.decode_tp
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
         p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         self.procs[name] = p
