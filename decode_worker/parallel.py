@@ -8,7 +8,7 @@ agent; Reserve hands out one KVPlacement per rank. Each decode step the leader b
 step's plan and all ranks run the same forward.
 
 KV arrival: prefill ranks write into the decode ranks whose KV heads they share; every write's
-notification names the request and the heads it carried (prefill_worker.executor.kv_notification).
+notification names the request and the heads it carried (kvtransfer.notify).
 Followers forward their notifications to the leader over a pipe; `KVArrivals` declares a request's
 KV present once every rank's heads are covered, whatever the prefill worker's TP.
 """
@@ -24,19 +24,9 @@ import threading
 import time
 import uuid
 
+from kvtransfer.notify import parse_kv_notification
+
 log = logging.getLogger("decode_worker")
-
-
-def parse_kv_notification(notif: bytes | str) -> tuple[str, tuple[int, int] | None]:
-    """b"<request id>#<lo>:<hi>" -> (request id, heads); a bare request id -> (id, None): it
-    covers every head of the receiving rank."""
-    text = notif.decode() if isinstance(notif, (bytes, bytearray)) else notif
-    rid, sep, tail = text.rpartition("#")
-    if sep:
-        lo, colon, hi = tail.partition(":")
-        if colon and lo.isdigit() and hi.isdigit():
-            return rid, (int(lo), int(hi))
-    return text, None
 
 
 def _covers(got: list[tuple[int, int]], want: tuple[int, int]) -> bool:

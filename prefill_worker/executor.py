@@ -7,7 +7,7 @@ sliding-window pages still inside the window), wait for the transfer, give the l
 The push is planned once (`KVPush`: which local block goes to which block of every decode rank)
 and executed by every rank of the prefill worker (`push_kv`): each rank writes the KV heads it
 holds into each decode rank whose heads overlap them, so any prefill TP feeds any decode TP. Each
-write's notification names the request and the heads it carried (`kv_notification`): a decode
+write's notification names the request and the heads it carried (kvtransfer.notify): a decode
 rank has the request's KV once the heads it holds are all covered.
 """
 
@@ -24,6 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, sample
 from engine.sequence import Sequence
 from kvtransfer import heads_overlap
+from kvtransfer.notify import kv_notification
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,6 @@ class PrefillJob:
     future: Future = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
-
-
-def kv_notification(request_id: str, heads: tuple[int, int]) -> bytes:
-    """What a KV write tells its decode rank: b"<request id>#<first head>:<end head>"."""
-    return f"{request_id}#{heads[0]}:{heads[1]}".encode()
 
 
 @dataclass

@@ -131,8 +131,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_kv_arrives_when_every_head_of_every_rank_has():
     """A decode worker's ranks hold heads [0, 2) and [2, 4); the KV of a request has arrived once
     the notifications of the writes cover both, whatever the prefill worker's TP."""
-    from decode_worker.parallel import KVArrivals, parse_kv_notification
-    from prefill_worker.executor import kv_notification
+    from decode_worker.parallel import KVArrivals
+    from kvtransfer.notify import kv_notification, parse_kv_notification
 
     a = KVArrivals([(0, 2), (2, 4)])
     # prefill TP4 -> decode TP2: two writes per decode rank
