@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint_writer import make_random_checkpoint  # noqa: E402
 from engine.config import preset  # noqa: E402
+from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -91,6 +92,14 @@ def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[floa
     return errs
 
 
+def _eager(runner: ModelRunner, plan) -> torch.Tensor:
+    saved, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        return runner.execute(plan)
+    finally:
+        runner.decode_graphs = saved
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -113,6 +122,7 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64])
     ap.add_argument("--record", default=None, help="append the results to this markdown file")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
@@ -174,43 +184,60 @@ def main() -> int:
     t_prefill = sorted(times)[1]
     print(f"prefill {a.prefill_tokens} tokens: {t_prefill * 1e3:.1f} ms ({a.prefill_tokens / t_prefill:.0f} tok/s)", flush=True)
 
-    # decode: batch of B requests at a given context; time steps after the prefills
-    decode = {}
-    for batch in (1, 64):
+    # decode: batch of B requests at a given context; time steps after the prefills, eagerly and
+    # replayed from CUDA graphs (engine.cuda_graphs), the same requests' next steps
+    decode, graph_err = {}, {}
+    graphs = DecodeGraphs(runner.model, runner.cache, max(a.batches), max_context=runner.max_context,
+                          capture=a.device == "cuda")
+    for batch in a.batches:
         eng = LLMEngine(runner, max_batch_size=batch)
         prompts = [torch.randint(0, cfg.vocab_size, (a.decode_context,), generator=g).tolist() for _ in range(batch)]
-        params = SamplingParams(temperature=0, max_new_tokens=a.decode_steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_new_tokens=2 * a.decode_steps + 16, ignore_eos=True)
         for p in prompts:
             eng.add_request(p, params)
         while eng.waiting:
             eng.step()  # prefills, then the first decode steps
-        for _ in range(3):
-            eng.step()
-        _, t = timed(lambda: [eng.step() for _ in range(a.decode_steps)])
-        per_step = t / a.decode_steps
-        decode[batch] = {"step_ms": per_step * 1e3, "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step}
-        print(f"decode batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} ms/step, "
-              f"{batch / per_step:.0f} tok/s total, {1 / per_step:.0f} tok/s per request", flush=True)
+        for mode in ("eager", "graphs"):
+            runner.decode_graphs = graphs if mode == "graphs" else None
+            if mode == "graphs":
+                graphs.capture_all([graphs.size_for(batch)])
+                plan = runner.decode_plan(eng.running)  # one step both ways, same inputs
+                graph_err[batch] = rel_l2(graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches),
+                                          _eager(runner, plan))
+            for _ in range(3):
+                eng.step()
+            _, t = timed(lambda: [eng.step() for _ in range(a.decode_steps)])
+            per_step = t / a.decode_steps
+            decode[f"{mode} {batch}"] = {"batch": batch, "mode": mode, "step_ms": per_step * 1e3,
+                                         "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step}
+            print(f"decode ({mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} ms/step, "
+                  f"{batch / per_step:.0f} tok/s total, {1 / per_step:.0f} tok/s per request", flush=True)
+        runner.decode_graphs = None
         while eng.running:
             eng.step()
+    for b, e in graph_err.items():
+        print(f"decode step batch {b}: graph vs eager logits rel L2 {e:.2e}", flush=True)
 
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     result = {"date": datetime.date.today().isoformat(), "device": device_name,
               "preset": a.preset, "logits_rel_l2": err, "argmax_agreement": agree, "load_s": t_load,
               "prefill_tokens": a.prefill_tokens, "prefill_ms": t_prefill * 1e3, "decode": decode,
+              "graph_vs_eager_rel_l2": graph_err,
               "command": "python " + " ".join(sys.argv)}
     (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
     if a.record:
         lines = [
             "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
-            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), FP8 experts, eager decode "
-            "(no CUDA graphs yet).", "",
+            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), FP8 experts; decode "
+            "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests.", "",
             "| what | value |", "|---|---|",
             f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} |",
             f"| prefill {a.prefill_tokens} tokens, batch 1 | {t_prefill * 1e3:.1f} ms |",
-        ] + [f"| decode batch {b} at context {a.decode_context} | {d['step_ms']:.2f} ms/step, "
-             f"{d['tok_s_total']:.0f} tok/s total |" for b, d in decode.items()] + ["<!-- engine-gpu:end -->", ""]
+        ] + [f"| decode ({d['mode']}) batch {d['batch']} at context {a.decode_context} | {d['step_ms']:.2f} ms/step, "
+             f"{d['tok_s_total']:.0f} tok/s total |" for d in decode.values()] + [
+            f"| decode step, graph vs eager logits, batch {b} | rel L2 {e:.2e} |" for b, e in graph_err.items()
+        ] + ["<!-- engine-gpu:end -->", ""]
         with open(a.record, "a") as f:
             f.write("\n".join(lines))
     return 0 if err < 5e-2 else 1

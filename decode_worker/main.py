@@ -23,6 +23,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel groups, dividing --tp (default: --tp, i.e. EP4 TP4 on 4 GPUs)")
     p.add_argument("--max-batch-size", type=int, default=128)
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                   help="decode batches up to this size replay CUDA graphs captured at start "
+                        "(default on CUDA: --max-batch-size; 0 = eager)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85, help="of free GPU memory, for KV")
@@ -45,13 +48,18 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError("--max-batch-size must be in [1, 1024]")
     if a.ep is None:
         a.ep = a.tp
+    if a.cuda_graph_max_batch is None:
+        a.cuda_graph_max_batch = a.max_batch_size if a.device == "cuda" else 0
+    if not 0 <= a.cuda_graph_max_batch <= a.max_batch_size:
+        raise ValueError("--cuda-graph-max-batch must be in [0, --max-batch-size]")
     if a.tp != 1 or a.ep != 1:
         from .parallel import run_parallel
 
         return run_parallel(a)
     worker_id = a.worker_id or f"decode-{uuid.uuid4().hex[:8]}"
     runner = ModelRunner(a.model, device=a.device, precision=a.precision, page_size=a.page_size,
-                         num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction)
+                         num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
+                         cuda_graph_max_batch=a.cuda_graph_max_batch)
     agent = KVTransferAgent(f"{worker_id}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=(0, runner.cfg.num_key_value_heads), listen_host=a.kv_host or a.host)
     scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size)

@@ -105,7 +105,8 @@ def run_parallel(a: argparse.Namespace) -> int:
 
     group = init_worker_group(0, world, init, ep_size=a.ep, device=a.device)
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
-                         num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction, shard=group.shard)
+                         num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction, shard=group.shard,
+                         cuda_graph_max_batch=a.cuda_graph_max_batch)
     agent = KVTransferAgent(f"{worker_id}-r0-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(cfg.num_key_value_heads),
                             listen_host=a.kv_host or a.host)
@@ -209,7 +210,8 @@ def _follower_main(rank: int, a: argparse.Namespace, worker_id: str, init: str, 
         cfg = ModelConfig.load(a.model)
         group = init_worker_group(rank, a.tp, init, ep_size=a.ep, device=a.device)
         runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
-                             num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction, shard=group.shard)
+                             num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction, shard=group.shard,
+                             cuda_graph_max_batch=a.cuda_graph_max_batch)
         agent = KVTransferAgent(f"{worker_id}-r{rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                                 head_range=group.shard.kv_head_range(cfg.num_key_value_heads),
                                 listen_host=a.kv_host or a.host)

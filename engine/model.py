@@ -60,17 +60,29 @@ class GptOssModel:
         self.page_size = page_size
         self.attention_backend = attention_backend
 
-    def make_attention(self) -> dict[str, object]:
-        """One backend per layer group (windowed / full), planned once per step."""
+    def make_attention(
+        self,
+        cuda_graph_batch_size: int | None = None,
+        max_pages_per_request: dict[str, int] | None = None,
+        pad_page: dict[str, int] | None = None,
+    ) -> dict[str, object]:
+        """One backend per layer group (windowed / full), planned once per step. With
+        `cuda_graph_batch_size`, FlashInfer graph-mode objects for decode batches of that size
+        (per group: page-table width and pad page; see engine.cuda_graphs)."""
         backends = {}
         groups = {"full": -1}
         if self.cfg.sliding_window > 0 and any(self.cfg.is_sliding(i) for i in range(self.cfg.num_hidden_layers)):
             groups["sliding"] = self.cfg.sliding_window - 1
         for g, window_left in groups.items():
+            graph = {}
+            if cuda_graph_batch_size is not None:
+                graph = dict(cuda_graph_batch_size=cuda_graph_batch_size,
+                             max_pages_per_request=max_pages_per_request[g], pad_page=pad_page[g])
             backends[g] = make_sink_attention(
                 self.device, window_left=window_left, sm_scale=self.cfg.sm_scale,
                 num_qo_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.cfg.head_dim, page_size=self.page_size, backend=self.attention_backend,
+                **graph,
             )
         return backends
 

@@ -20,6 +20,7 @@ from kernels.attention import PagedBatch
 
 from .checkpoint import load_weights
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import PagedKVCache
 from .model import GptOssModel, StepContext, make_batches, plan_step
 from .parallel import ShardSpec
@@ -75,7 +76,10 @@ class ModelRunner:
         kv_memory_fraction: float = 0.85,
         shard: ShardSpec = ShardSpec(),
         attention_backend: str = "auto",
+        cuda_graph_max_batch: int = 0,
     ):
+        """cuda_graph_max_batch > 0 (CUDA with FlashInfer only): decode batches up to that size
+        replay CUDA graphs captured here (engine.cuda_graphs); larger ones and prefills run eagerly."""
         self.device = torch.device(device)
         self.cfg = ModelConfig.load(model_dir)
         self.precision = precision or default_precision(self.device)
@@ -93,6 +97,15 @@ class ModelRunner:
         )
         self.attention = self.model.make_attention()
         self.group: StepGroup | None = None  # set on a multi-rank worker's leader
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch > 0:
+            if self.device.type != "cuda" or type(self.attention["full"]).__name__ != "FlashInferSinkAttention":
+                log.warning("decode runs eagerly: CUDA graphs need a CUDA device with FlashInfer")
+            else:
+                self.decode_graphs = DecodeGraphs(self.model, self.cache, cuda_graph_max_batch,
+                                                  max_context=self.max_context)
+                # every rank of a worker builds its runner the same way, so all capture in lockstep
+                self.decode_graphs.capture_all()
 
     @property
     def max_context(self) -> int:
@@ -127,6 +140,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one planned forward pass on this rank: float32 logits [rows, V] (rows: see
         StepPlan.all_logits), gathered over vocabulary shards."""
+        graphs = self.decode_graphs
+        if (graphs is not None and not plan.all_logits and len(plan.input_ids) == len(plan.qo_lens)
+                and len(plan.qo_lens) <= graphs.max_batch):
+            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches)
         plan_step(self.attention, plan.batches)
         step = StepContext(self.cache, {g: s.to(self.device) for g, s in plan.slots.items()}, self.attention)
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
@@ -155,6 +172,13 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for each request (its last sampled one at position num_cached): [B, V]."""
+        logits = self._step(self.decode_plan(seqs))
+        for s in seqs:
+            s.num_cached += 1
+        return logits
+
+    def decode_plan(self, seqs: list[Sequence]) -> StepPlan:
+        """The step that feeds each request its last token (makes the KV slots writable)."""
         ids, positions, tables = [], [], []
         slot_parts: dict[str, list[torch.Tensor]] = {}
         for s in seqs:
@@ -166,10 +190,7 @@ class ModelRunner:
             tables.append(self.cache.tables(s.blocks, pos + 1))
         slots = {g: torch.cat(v) for g, v in slot_parts.items()}
         qo_lens = [1] * len(seqs)
-        logits = self._step(StepPlan(ids, positions, slots, make_batches(self.cache, tables, qo_lens), qo_lens))
-        for s in seqs:
-            s.num_cached += 1
-        return logits
+        return StepPlan(ids, positions, slots, make_batches(self.cache, tables, qo_lens), qo_lens)
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits of every prompt position [L, V], through the paged path."""

@@ -132,21 +132,27 @@ def make_sink_attention(
     head_dim: int,
     page_size: int,
     backend: str = "auto",
+    **cuda_graph,
 ):
     """The attention backend for one layer type (windowed or full) on `device`.
 
     backend: "auto" (FlashInfer on CUDA when installed, else torch), "torch" or "flashinfer".
+    cuda_graph: FlashInfer's graph-mode arguments (cuda_graph_batch_size, max_pages_per_request,
+    pad_page); only FlashInfer has a capturable decode path.
     """
     device = torch.device(device)
+    need = "a CUDA-graph attention backend needs FlashInfer on a CUDA device"
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        if cuda_graph:
+            raise RuntimeError(need)
         return TorchSinkAttention(window_left, sm_scale)
     try:
         from .flashinfer_attention import FlashInferSinkAttention
     except ImportError as e:
-        if backend == "flashinfer":
-            raise RuntimeError(f"FlashInfer backend requested but unavailable: {e}") from e
+        if backend == "flashinfer" or cuda_graph:
+            raise RuntimeError(f"{need}; FlashInfer is unavailable: {e}") from e
         return TorchSinkAttention(window_left, sm_scale)
     return FlashInferSinkAttention(
         device, window_left=window_left, sm_scale=sm_scale, num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, **cuda_graph,
     )

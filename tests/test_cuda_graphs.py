@@ -1,0 +1,89 @@
+"""Decode through engine.cuda_graphs' padded static steps (run eagerly on CPU, capture=False):
+the padding to the captured sizes and the pad blocks must not change any real row; the GPU test
+(tests/gpu/test_engine_graphs_gpu.py) checks capture and replay."""
+
+from __future__ import annotations
+
+import torch
+
+import pytest
+
+from engine.cuda_graphs import DecodeGraphs, capture_sizes, pad_batch
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from kernels.attention import PagedBatch
+from tests.numerics import rel_l2
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    with pytest.raises(ValueError):
+        capture_sizes(0)
+
+
+def test_pad_batch_appends_one_token_requests_on_the_pad_page():
+    b = PagedBatch.from_tables([1, 1], [17, 3], [[5, 6], [9]], page_size=16)
+    p = pad_batch(b, 4, pad_page=2)
+    assert p.batch_size == 4 and p.is_decode
+    assert p.kv_lens.tolist() == [17, 3, 1, 1]
+    assert p.kv_indices.tolist() == [5, 6, 9, 2, 2]
+    with pytest.raises(ValueError, match="exceeds"):
+        pad_batch(b, 1, pad_page=2)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_mxfp4):
+    return ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=256)
+
+
+def test_padded_static_step_matches_the_eager_decode(runner):
+    graphs = DecodeGraphs(runner.model, runner.cache, 8, max_context=runner.max_context, capture=False)
+    assert all(graphs.pad_block[g] not in runner.cache.allocators[g]._free for g in runner.cache.pools)
+    g = torch.Generator().manual_seed(3)
+    engine = LLMEngine(runner, max_batch_size=8)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    for n in (5, 21, 40):  # contexts inside one page, across pages, past the 16-token window
+        engine.add_request(torch.randint(0, runner.cfg.vocab_size, (n,), generator=g).tolist(), params)
+    while engine.waiting:
+        engine.step()
+    seqs = engine.running
+    assert len(seqs) == 3  # padded to 4
+    for _ in range(3):
+        plan = runner.decode_plan(seqs)
+        eager = runner.execute(plan)
+        static = graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches)
+        assert static.shape == eager.shape == (3, runner.cfg.vocab_size)
+        assert rel_l2(static, eager) < 1e-3
+        assert torch.equal(static.argmax(-1), eager.argmax(-1))
+        for s, tok in zip(seqs, eager.argmax(-1).tolist()):
+            s.num_cached += 1
+            s.output_ids.append(tok)
+    with pytest.raises(ValueError, match="exceeds the largest"):
+        graphs.run([0] * 9, [0] * 9, {}, {})
+    for s in seqs:
+        runner.cache.release(s.blocks)
+
+
+def test_generation_through_static_steps_equals_eager(tiny_mxfp4):
+    """Whole greedy generations, with requests joining and finishing (the padded size changes)."""
+    prompts = [torch.randint(0, 201088, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (7, 30, 12)]
+    params = [SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True) for m in (6, 3, 9)]
+    outs = []
+    for static in (False, True):
+        r = ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=128)
+        if static:
+            r.decode_graphs = DecodeGraphs(r.model, r.cache, 4, max_context=r.max_context, capture=False)
+        free = {g: a.num_free for g, a in r.cache.allocators.items()}
+        outs.append([res.output_ids for res in LLMEngine(r, max_batch_size=4).generate(prompts, params)])
+        assert {g: a.num_free for g, a in r.cache.allocators.items()} == free  # nothing leaked
+    assert outs[0] == outs[1]
+
+
+def test_cuda_graphs_need_cuda(runner):
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphs(runner.model, runner.cache, 4, max_context=runner.max_context, capture=True)
