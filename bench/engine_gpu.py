@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -137,7 +138,7 @@ def main() -> int:
         cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers, layer_types=())
     ckpt = Path(a.ckpt) / f"{a.preset}-{cfg.num_hidden_layers}"
     if not (ckpt / "config.json").is_file():
-        _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0), sync=lambda: None)
+        _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
     runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision="fp8", num_kv_blocks=8192))
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)

@@ -144,7 +144,8 @@ def ensure_checkpoint(preset_name: str, root: Path) -> tuple[Path | None, str]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{preset_name}-", dir=root))
     t = time.perf_counter()
     print(f"[bench] writing a random {preset_name} checkpoint ({need / 1e9:.1f} GB) to {path}", flush=True)
-    make_random_checkpoint(tmp / "ckpt", cfg, seed=0, experts="mxfp4", progress=sys.stderr.isatty())
+    make_random_checkpoint(tmp / "ckpt", cfg, seed=0, experts="mxfp4", progress=sys.stderr.isatty(),
+                           workers=min(16, os.cpu_count() or 1))
     os.replace(tmp / "ckpt", path)
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"[bench] checkpoint written in {time.perf_counter() - t:.0f} s", flush=True)

@@ -56,6 +56,13 @@ class ShardWriter:
         self.files.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
+    def adopt(self, path: Path, names: list[str], nbytes: int) -> None:
+        """Take a safetensors file written elsewhere (a worker's layer) as the next shard."""
+        self.flush()
+        os.replace(path, self.dir / f".shard-{len(self.files):05d}.safetensors")
+        self.files.append(list(names))
+        self.total_bytes += nbytes
+
     def close(self) -> None:
         self.flush()
         n = len(self.files)
@@ -84,26 +91,58 @@ def make_random_checkpoint(
     experts: str = "mxfp4",
     max_shard_bytes: int = 2 << 30,
     progress: bool = False,
+    workers: int = 1,
 ) -> Path:
-    """Write a random gpt-oss checkpoint of shape `cfg` with experts as `mxfp4` or `bf16`."""
+    """Write a random gpt-oss checkpoint of shape `cfg` with experts as `mxfp4` or `bf16`.
+
+    workers > 1 writes the layers in that many processes (a 120b-shaped checkpoint is 65 GB: one
+    process needs ~10 minutes); each layer then draws from its own generator, so the weights of a
+    seed differ from the single-process ones (and do not depend on the worker count)."""
     if experts not in ("mxfp4", "bf16"):
         raise ValueError(f"experts must be mxfp4 or bf16, not {experts!r}")
     out = _prepare_out_dir(out_dir)
     cfg = cfg.with_experts_format(experts)
     g = torch.Generator().manual_seed(seed)
-    bf16 = torch.bfloat16
+    H = cfg.hidden_size
+    w = ShardWriter(out, max_shard_bytes)
+    w.add("model.embed_tokens.weight", _randn(g, cfg.vocab_size, H))
+    layers = range(cfg.num_hidden_layers)
+    if workers > 1:
+        import multiprocessing as mp
+
+        w.flush()
+        jobs = [(cfg, i, seed, experts, str(out / f".layer-{i:05d}.safetensors")) for i in layers]
+        with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+            for path, names, nbytes in tqdm(pool.imap(_write_random_layer, jobs), total=len(jobs),
+                                            desc="layers", disable=not progress):
+                w.adopt(Path(path), names, nbytes)
+    else:
+        for i in tqdm(layers, desc="layers", disable=not progress):
+            for name, t in _random_layer(cfg, i, g, experts).items():
+                w.add(name, t)
+    w.add("model.norm.weight", (1.0 + torch.randn(H, generator=g) * 0.1).to(torch.bfloat16))
+    w.add("lm_head.weight", _randn(g, cfg.vocab_size, H, std=H**-0.5))
+    w.close()
+    _write_configs(out, cfg)
+    return out
+
+
+def _randn(g: torch.Generator, *shape, std: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+
+def _random_layer(cfg: ModelConfig, i: int, g: torch.Generator, experts: str) -> dict[str, torch.Tensor]:
+    """Layer i's tensors, drawn from g in a fixed order."""
     H, D, E, I = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts, cfg.intermediate_size
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-
-    def randn(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g) * std).to(bf16)
+    out: dict[str, torch.Tensor] = {}
 
     def linear(name: str, out_f: int, in_f: int, gain: float = 1.0):
-        w.add(name + ".weight", randn(out_f, in_f, std=gain * in_f**-0.5))
-        w.add(name + ".bias", randn(out_f, std=0.1 * gain))
+        out[name + ".weight"] = _randn(g, out_f, in_f, std=gain * in_f**-0.5)
+        out[name + ".bias"] = _randn(g, out_f, std=0.1 * gain)
 
     def norm(name: str):
-        w.add(name, (1.0 + torch.randn(H, generator=g) * 0.1).to(bf16))
+        out[name] = (1.0 + torch.randn(H, generator=g) * 0.1).to(torch.bfloat16)
 
     def mxfp4(rows: int, cols: int, gain: float = 1.0):
         # uniform e2m1 codes; group exponents spread over 3 binades around gain/sqrt(cols)
@@ -112,35 +151,38 @@ def make_random_checkpoint(
         scales = torch.randint(centre - 1, centre + 2, (E, rows, cols // 32), generator=g) + 127
         return blocks, scales.to(torch.uint8)
 
-    w = ShardWriter(out, max_shard_bytes)
-    w.add("model.embed_tokens.weight", randn(cfg.vocab_size, H))
-    for i in tqdm(range(cfg.num_hidden_layers), desc="layers", disable=not progress):
-        p = f"model.layers.{i}."
-        norm(p + "input_layernorm.weight")
-        norm(p + "post_attention_layernorm.weight")
-        linear(p + "self_attn.q_proj", hq * D, H)
-        linear(p + "self_attn.k_proj", hkv * D, H)
-        linear(p + "self_attn.v_proj", hkv * D, H)
-        linear(p + "self_attn.o_proj", H, hq * D, gain=BLOCK_GAIN)
-        w.add(p + "self_attn.sinks", randn(hq))
-        linear(p + "mlp.router", E, H)
-        x = p + "mlp.experts."
-        gu_b, gu_s = mxfp4(2 * I, H)
-        dn_b, dn_s = mxfp4(H, I, gain=BLOCK_GAIN)
-        w.add(x + "gate_up_proj_bias", randn(E, 2 * I, std=0.1))
-        w.add(x + "down_proj_bias", randn(E, H, std=0.1 * BLOCK_GAIN))
-        if experts == "mxfp4":
-            for name, t in (("gate_up_proj_blocks", gu_b), ("gate_up_proj_scales", gu_s),
-                            ("down_proj_blocks", dn_b), ("down_proj_scales", dn_s)):
-                w.add(x + name, t)
-        else:  # transformers' (in, out) layout of the same values
-            w.add(x + "gate_up_proj", dequantize_mxfp4(gu_b, gu_s).transpose(1, 2).contiguous())
-            w.add(x + "down_proj", dequantize_mxfp4(dn_b, dn_s).transpose(1, 2).contiguous())
-    w.add("model.norm.weight", (1.0 + torch.randn(H, generator=g) * 0.1).to(bf16))
-    w.add("lm_head.weight", randn(cfg.vocab_size, H, std=H**-0.5))
-    w.close()
-    _write_configs(out, cfg)
+    p = f"model.layers.{i}."
+    norm(p + "input_layernorm.weight")
+    norm(p + "post_attention_layernorm.weight")
+    linear(p + "self_attn.q_proj", hq * D, H)
+    linear(p + "self_attn.k_proj", hkv * D, H)
+    linear(p + "self_attn.v_proj", hkv * D, H)
+    linear(p + "self_attn.o_proj", H, hq * D, gain=BLOCK_GAIN)
+    out[p + "self_attn.sinks"] = _randn(g, hq)
+    linear(p + "mlp.router", E, H)
+    x = p + "mlp.experts."
+    gu_b, gu_s = mxfp4(2 * I, H)
+    dn_b, dn_s = mxfp4(H, I, gain=BLOCK_GAIN)
+    out[x + "gate_up_proj_bias"] = _randn(g, E, 2 * I, std=0.1)
+    out[x + "down_proj_bias"] = _randn(g, E, H, std=0.1 * BLOCK_GAIN)
+    if experts == "mxfp4":
+        for name, t in (("gate_up_proj_blocks", gu_b), ("gate_up_proj_scales", gu_s),
+                        ("down_proj_blocks", dn_b), ("down_proj_scales", dn_s)):
+            out[x + name] = t
+    else:  # transformers' (in, out) layout of the same values
+        out[x + "gate_up_proj"] = dequantize_mxfp4(gu_b, gu_s).transpose(1, 2).contiguous()
+        out[x + "down_proj"] = dequantize_mxfp4(dn_b, dn_s).transpose(1, 2).contiguous()
     return out
+
+
+def _write_random_layer(job) -> tuple[str, list[str], int]:
+    """Worker: one layer from its own generator (seed, layer) into its own safetensors file."""
+    cfg, i, seed, experts, path = job
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + i + 1)
+    tensors = {k: v.contiguous() for k, v in _random_layer(cfg, i, g, experts).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _write_configs(out: Path, cfg: ModelConfig, extra_quant: dict | None = None) -> None:

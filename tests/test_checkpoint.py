@@ -135,3 +135,26 @@ def test_corrupt_and_missing_checkpoints(tiny_mxfp4, tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match="missing"):
         load_weights(bad, ModelConfig.load(bad))
+
+
+def test_parallel_random_checkpoint_is_complete_and_independent_of_worker_count(tiny_cfg, tmp_path):
+    """workers > 1 (big checkpoints): same tensor names, shapes and dtypes as one process, one
+    shard per layer, and the same weights for any worker count (per-layer generators)."""
+    from engine.checkpoint_writer import make_random_checkpoint
+
+    one = CheckpointReader(make_random_checkpoint(tmp_path / "one", tiny_cfg, seed=5))
+    two = CheckpointReader(make_random_checkpoint(tmp_path / "two", tiny_cfg, seed=5, workers=2))
+    three = CheckpointReader(make_random_checkpoint(tmp_path / "three", tiny_cfg, seed=5, workers=3))
+    names = sorted(one.weight_map)
+    assert sorted(two.weight_map) == names == sorted(three.weight_map)
+    for n in names:
+        a, b, c = one.get(n), two.get(n), three.get(n)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(b, c), n
+    layer = "model.layers.1.mlp.experts.gate_up_proj_blocks"
+    assert not torch.equal(one.get(layer), two.get(layer))  # its own generator per layer
+    assert torch.equal(one.get("model.embed_tokens.weight"), two.get("model.embed_tokens.weight"))
+    index = json.loads((tmp_path / "two" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= tiny_cfg.num_hidden_layers
+    assert index["metadata"]["total_size"] == json.loads(
+        (tmp_path / "one" / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
