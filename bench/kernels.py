@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: sink attention and the FP8 MoE layer against peers and floors.
 
-    python -m bench.kernels [--quick] [--sections ceilings,attention,moe,gemm,sweep]
+    python -m bench.kernels [--quick] [--sections ceilings,attention,moe,gemv,gemm,sweep]
                             [--doc docs/performance.md] [--json results.json]
 
 Prints one table per section and replaces the "## Kernels" section of `--doc` (date, device,
@@ -397,20 +397,31 @@ def torch_bf16_moe(w_bf16, bias_gu, bias_dn, x_sorted, offs, counts):
     return torch.cat(outs)
 
 
+GEMV_BATCHES = (1, 2, 4, 8)  # decode batches where the GEMV path is timed next to the grouped one
+
+
 def bench_moe(ceil: dict, quick: bool) -> str:
     from kernels import triton_moe as tm
+    from kernels import triton_moe_gemv as tg
     from kernels.moe import route
 
     rows = []
     for model, num_e in MODELS.items():
         w = bench_weights(num_e)
         w_bf16 = None
-        decode = [1, 8, 32, 64, 128]
+        decode = [1, 2, 4, 8, 32, 64, 128]
         prefill = [1024, 8192] + ([] if quick else [32768])
         for t in decode + prefill:
             x, weights, ids, rw, rb = bench_inputs(t, num_e, seed=t)
             ours = guarded("ours moe", lambda: time_graph(lambda: tm.experts_forward(x, weights, ids, w),
                                                            reps=25 if t <= 128 else 8))
+            grouped = gemv = None
+            if t in GEMV_BATCHES:  # both paths explicitly (ours = whichever the dispatch picks)
+                gcfg = tm.select_config(t * TOP_K, num_e)
+                grouped = guarded("grouped moe", lambda: time_graph(
+                    lambda: tm.experts_forward(x, weights, ids, w, config=gcfg)))
+                gemv = guarded("gemv moe", lambda: time_graph(
+                    lambda: tg.experts_forward_gemv(x, weights, ids, w)))
             router = guarded("router", lambda: time_graph(lambda: route(x, rw, rb, TOP_K)))
             floor, nbytes, flops = moe_floor(ids, t, ceil)
 
@@ -429,19 +440,87 @@ def bench_moe(ceil: dict, quick: bool) -> str:
                                   reps=25 if t <= 128 else 8)
             tor = guarded("torch bf16", run_torch)
             regime = "decode" if t <= 128 else "prefill"
+            pct = lambda tt: f"{floor / tt * 100:.0f}%" if tt else "-"  # noqa: E731
             rows.append([
                 model, regime, t, fmt_us(ours), fmt_us(router), fmt_us(tor), fmt_us(floor),
                 "bytes" if nbytes / ceil["copy_bw"] >= flops / ceil["fp8_flops"] else "FLOPs",
-                f"{floor / ours * 100:.0f}%" if ours else "-",
-                f"{flops / ours / 1e12:.0f}" if ours else "-",
+                pct(ours), f"{flops / ours / 1e12:.0f}" if ours else "-",
+                fmt_us(grouped), pct(grouped), fmt_us(gemv), pct(gemv),
             ])
         del w, w_bf16
         torch.cuda.empty_cache()
     return table(
-        "MoE layer, FP8 experts (H 2880, I 3072 padded, top-4; us; ours = routing layout + "
-        "quant + 2 grouped GEMMs + combine, CUDA graph)",
+        "MoE layer, FP8 experts (H 2880, I 3072 padded, top-4; us; CUDA graph; ours = the dispatch: "
+        f"GEMV path for <= {tm.GEMV_MAX_TOKENS} tokens, else routing layout + quant + 2 grouped "
+        "GEMMs + combine; grouped / GEMV = each path forced)",
         ["model", "regime", "tokens", "ours", "router (torch bf16)", "torch bf16 grouped GEMMs",
-         "floor", "floor bound by", "ours % of floor", "ours TFLOP/s"],
+         "floor", "floor bound by", "ours % of floor", "ours TFLOP/s", "grouped", "grouped % of floor",
+         "GEMV", "GEMV % of floor"],
+        rows,
+    )
+
+
+def gemv_sweep_configs():
+    """The GEMV configs `--sections gemv` times: the default and four alternatives, each testing
+    one hypothesis (sm_90a SASS of all checked offline: no spills; K loops 3.4-5.4 instructions
+    per weight byte)."""
+    from kernels.triton_moe_gemv import DEFAULT_CONFIG, GemvConfig, GemvTile
+
+    return {
+        "default": DEFAULT_CONFIG,
+        # fewer instructions per byte (3.4/B) against 2 programs per SM (1.5 waves at batch 1)
+        "gate_up 64x256, down 2 warps": GemvConfig(GemvTile(64, 256, 4, 3), GemvTile(16, 256, 2, 4)),
+        # twice the programs and deeper pipelines against more instructions per byte (5.4/B)
+        "more programs, 6 stages": GemvConfig(GemvTile(32, 128, 4, 6), GemvTile(8, 512, 2, 6)),
+        # activation quantisation in gate/up: down has no prologue, gate/up 96 programs at batch 1
+        "fused act quant, 8 warps": GemvConfig(GemvTile(256, 64, 8, 3), GemvTile(16, 512, 4, 3)),
+        "fused act quant, 16 warps": GemvConfig(GemvTile(256, 128, 16, 3), GemvTile(16, 512, 4, 4)),
+    }
+
+
+def bench_gemv(ceil: dict, quick: bool) -> str:
+    """GEMV decode path at batch 1 (20b weights): each gemv_sweep_configs() entry's two launches
+    alone and the whole layer, against the weight-bandwidth floor; the grouped path for reference."""
+    from kernels import triton_moe as tm
+    from kernels import triton_moe_gemv as tg
+
+    num_e, t = MODELS["20b"], 1
+    w = bench_weights(num_e)
+    x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
+    active = int(torch.unique(ids).numel())
+    kb_h = -(-HIDDEN // 128)
+    gu_bytes = active * (2 * INTER * HIDDEN + (2 * INTER // 128) * kb_h * 4 + 2 * INTER * 4)
+    dn_bytes = active * (HIDDEN * INTER + kb_h * (INTER // 128) * 4 + HIDDEN * 4)
+    bw = ceil["copy_bw"]
+    floor = (gu_bytes + dn_bytes + t * HIDDEN * 2 * 2) / bw
+    rows = []
+    for label, cfg in gemv_sweep_configs().items():
+        def run(cfg=cfg):
+            act = tg.gate_up_swiglu_gemv(x, weights, ids, w, 7.0, 1.702, cfg.gate_up)
+            t_gu = time_graph(lambda: tg.gate_up_swiglu_gemv(x, weights, ids, w, 7.0, 1.702, cfg.gate_up))
+            t_dn = time_graph(lambda: tg.down_combine_gemv(act, weights, ids, w, True, x.dtype, cfg.down,
+                                                          act_quantised=cfg.fused_act_quant))
+            t_all = time_graph(lambda: tg.experts_forward_gemv(x, weights, ids, w, config=cfg))
+            return t_gu, t_dn, t_all
+        res = guarded(f"gemv sweep {label}", run)
+        t_gu, t_dn, t_all = res if res else (None, None, None)
+        rows.append([
+            label, cfg.gate_up.label(), cfg.down.label(),
+            f"{fmt_us(t_gu)} ({gu_bytes / t_gu / 1e12:.2f} TB/s)" if t_gu else "-",
+            f"{fmt_us(t_dn)} ({dn_bytes / t_dn / 1e12:.2f} TB/s)" if t_dn else "-",
+            fmt_us(t_all), f"{floor / t_all * 100:.0f}%" if t_all else "-",
+        ])
+    t_grouped = guarded("grouped moe", lambda: time_graph(
+        lambda: tm.experts_forward(x, weights, ids, w, config=tm.select_config(t * TOP_K, num_e))))
+    rows.append(["grouped path (reference)", "", "", "", "", fmt_us(t_grouped),
+                 f"{floor / t_grouped * 100:.0f}%" if t_grouped else "-"])
+    del w
+    torch.cuda.empty_cache()
+    return table(
+        f"GEMV decode configs, batch 1, 20b ({active} experts; floor {fmt_us(floor)} us = weights / "
+        "copy bandwidth; us per launch alone and for the layer, CUDA graph, L2 flushed)",
+        ["config", "gate_up tile (rows x K, warps, stages)", "down tile", "gate_up + SwiGLU",
+         "down + combine", "layer", "layer % of floor"],
         rows,
     )
 
@@ -491,95 +570,172 @@ def bench_gemm(ceil: dict, quick: bool, dg: dict | None) -> str:
     )
 
 
-def deepgemm_child(quick: bool) -> None:
-    """DeepGEMM m-grouped contiguous FP8 GEMMs at the prefill shapes; prints one JSON line."""
-    import deep_gemm
+DG_TOL = 1e-2  # relative L2 error; a correct FP8 GEMM with bf16 output gives ~3e-3
 
-    out: dict = {"version": getattr(deep_gemm, "__version__", "?")}
-    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
-    k_pad = lambda k: -(-k // 128) * 128  # noqa: E731  (2880 -> 2944: DeepGEMM's K granularity)
-    # smoke test on the plain GEMM first: 2-D K-major tensors, float32 scales
-    a = torch.randn(256, 512, device=DEV).to(torch.float8_e4m3fn)
-    b = torch.randn(256, 512, device=DEV).to(torch.float8_e4m3fn)
-    d = torch.empty(256, 256, device=DEV, dtype=torch.bfloat16)
-    deep_gemm.fp8_gemm_nt((a, torch.ones(256, 4, device=DEV)), (b, torch.ones(2, 4, device=DEV)), d)
+
+def _rand_fp8(shape: tuple[int, ...], k_tensor: int) -> torch.Tensor:
+    """Random FP8 E4M3 codes (|x| < 448) of `shape`, zero-padded along the last dim to k_tensor;
+    made a slice at a time (no fp32 copy of a whole 128-expert weight)."""
+    *lead, k = shape
+    out = torch.zeros(*lead, k_tensor, device=DEV, dtype=torch.float8_e4m3fn)
+    flat = out.view(-1, k_tensor)
+    step = max(1, (1 << 26) // k)
+    for i in range(0, flat.shape[0], step):
+        rows = min(step, flat.shape[0] - i)
+        x = (torch.randn(rows, k, device=DEV) * 64).clamp_(-448, 448)
+        flat[i : i + rows, :k] = x.to(torch.float8_e4m3fn)
+    return out
+
+
+def _dequant(x: torch.Tensor, s: torch.Tensor, g: int, k: int) -> torch.Tensor:
+    """fp32 [r, k] of FP8 codes x [r, >= k] with scales s [ceil(r / g), ceil(k / 128)] of g x 128
+    blocks (g = 1: per-row activation scales, g = 128: weight blocks)."""
+    full = s.repeat_interleave(g, 0)[: x.shape[0]].repeat_interleave(128, 1)[:, :k]
+    return x[:, :k].float() * full
+
+
+def _dg_routing(num_e: int, t: int, align: int) -> torch.Tensor:
+    """m_idx (int32 [m]) of DeepGEMM's m-grouped contiguous layout for t tokens x TOP_K random
+    experts: rows sorted by expert, each expert's rows padded to `align` (its block M) with -1."""
+    g = torch.Generator(device=DEV).manual_seed(t)
+    ids = torch.randint(0, num_e, (t * TOP_K,), device=DEV, generator=g)
+    counts = torch.bincount(ids, minlength=num_e).tolist()
+    return torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
+                                 torch.full((-(-c // align) * align - c,), -1, dtype=torch.int32)])
+                      for e, c in enumerate(counts)]).to(DEV)
+
+
+def _dg_grouped_gemm(deep_gemm, m_idx: torch.Tensor, num_e: int, n: int, k: int, k_tensor: int) -> dict:
+    """One m-grouped FP8 GEMM d[m, n] (bf16) = a[m, k] @ w[expert of row, n, k]^T with 1x128
+    activation and 128x128 weight scales (float32), K of a and w zero-padded to k_tensor. Checks
+    the first and last expert's rows against a dequantised reference; only if right, times the
+    GEMM alone and followed by an unfused per-expert bias add. Keys: k, rel_err, time, time_bias."""
+    m, sk = m_idx.numel(), -(-k_tensor // 128)
+    a = _rand_fp8((m, k), k_tensor)
+    w = _rand_fp8((num_e, n, k), k_tensor)
+    # activation scales already MN-major and TMA-aligned (m is a multiple of 4), as DeepGEMM's SM90
+    # kernel reads them; given row-major [m, sk], it would transpose them on every call
+    sa = (torch.rand(sk, m, device=DEV) + 0.5).t()
+    sw = torch.rand(num_e, -(-n // 128), sk, device=DEV) + 0.5
+    d = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+    bias_rows = (torch.randn(num_e, n, device=DEV) * 0.1).to(torch.bfloat16)[m_idx.clamp(min=0).long()]
+
+    def gemm():
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (w, sw), d, m_idx)
+
+    def gemm_bias():
+        gemm()
+        d.add_(bias_rows)
+
+    gemm()  # first call JIT-compiles the kernel
     torch.cuda.synchronize()
-    ref = a.float() @ b.float().T
+    err = 0.0
+    for e in (int(m_idx[0]), int(m_idx[m_idx >= 0][-1])):
+        rows = (m_idx == e).nonzero().flatten()[:64]
+        ref = _dequant(a[rows], sa[rows], 1, k) @ _dequant(w[e], sw[e], 128, k).T
+        err = max(err, ((d[rows].float() - ref).norm() / ref.norm()).item())
+    out = {"k": k_tensor, "rel_err": err}
+    if err <= DG_TOL:
+        out["time"] = time_graph(gemm, reps=10)
+        out["time_bias"] = time_graph(gemm_bias, reps=10)
+    return out
+
+
+def deepgemm_child(quick: bool) -> None:
+    """DeepGEMM m-grouped contiguous FP8 GEMMs at the prefill shapes. Prints a cumulative
+    `DEEPGEMM_JSON` line after each case, so a parent that times out keeps what finished."""
+    import deep_gemm
+    import tvm_ffi
+
+    out: dict = {"version": getattr(deep_gemm, "__version__", "?"),
+                 "module": os.path.dirname(deep_gemm.__file__), "tvm_ffi": tvm_ffi.__version__}
+    align = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+    # smoke test on the plain GEMM first: 2-D K-major FP8, float32 1x128 / 128x128 scales
+    a, b = _rand_fp8((256, 512), 512), _rand_fp8((256, 512), 512)
+    sa, sb = torch.rand(256, 4, device=DEV) + 0.5, torch.rand(2, 4, device=DEV) + 0.5
+    d = torch.empty(256, 256, device=DEV, dtype=torch.bfloat16)
+    deep_gemm.fp8_gemm_nt((a, sa), (b, sb), d)
+    torch.cuda.synchronize()
+    ref = _dequant(a, sa, 1, 512) @ _dequant(b, sb, 128, 512).T
     out["smoke_rel_err"] = ((d.float() - ref).norm() / ref.norm()).item()
+    print("DEEPGEMM_JSON " + json.dumps(out), flush=True)
     for model, num_e in MODELS.items():
         for t in [1024, 8192] + ([] if quick else [32768]):
-            g = torch.Generator(device=DEV).manual_seed(t)
-            ids = torch.randint(0, num_e, (t * TOP_K,), device=DEV, generator=g)
-            counts = torch.bincount(ids, minlength=num_e).tolist()
-            padded = [-(-c // align) * align for c in counts]
-            m = sum(padded)
-            m_idx = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
-                                          torch.full((p - c,), -1, dtype=torch.int32)])
-                               for e, (c, p) in enumerate(zip(counts, padded))]).to(DEV)
-            res = {}
+            m_idx = _dg_routing(num_e, t, align)
+            res: dict = {}
             for name, n, k in (("gate_up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)):
-                kp = k_pad(k)
-                xa = torch.zeros(m, kp, device=DEV, dtype=torch.float8_e4m3fn)
-                xa[:, :k] = (torch.randn(m, k, device=DEV) * 64).to(torch.float8_e4m3fn)
-                xs = torch.rand(m, kp // 128, device=DEV) + 0.5
-                wb = torch.zeros(num_e, n, kp, device=DEV, dtype=torch.float8_e4m3fn)
-                wb[:, :, :k] = (torch.randn(num_e, n, k, device=DEV) * 64).to(torch.float8_e4m3fn)
-                ws = torch.rand(num_e, -(-n // 128), kp // 128, device=DEV) + 0.5
-                dd = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
-                bias = torch.randn(num_e, n, device=DEV)
-                bias_rows = bias[m_idx.clamp(min=0).long()]
-
-                def gemm():
-                    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((xa, xs), (wb, ws), dd, m_idx)
-
-                def gemm_bias():
-                    gemm()
-                    dd.add_(bias_rows)
-                res[name] = time_graph(gemm, reps=10)
-                res[name + "_bias"] = time_graph(gemm_bias, reps=10)
-                # correctness of one expert's rows
-                e0 = int(m_idx[0])
-                rows_ = (m_idx == e0).nonzero().flatten()[:64]
-                ref = (xa[rows_].float() * xs[rows_].repeat_interleave(128, 1)) @ (
-                    wb[e0].float() * ws[e0].repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).T
-                res[name + "_rel_err"] = ((dd[rows_].float() - ref).norm() / ref.norm()).item()
-                del xa, wb, dd
+                r = _dg_grouped_gemm(deep_gemm, m_idx, num_e, n, k, k)
+                if "time" not in r and k % 128:  # K tail wrong: zero-pad K to whole 128 blocks
+                    r = _dg_grouped_gemm(deep_gemm, m_idx, num_e, n, k, -(-k // 128) * 128)
+                res[name], res[name + "_bias"] = r.get("time"), r.get("time_bias")
+                res[name + "_rel_err"], res[name + "_k"] = r["rel_err"], r["k"]
+                torch.cuda.empty_cache()
             out[f"{model}/{t}"] = res
-            torch.cuda.empty_cache()
-    print("DEEPGEMM_JSON " + json.dumps(out), flush=True)
+            print(f"[deepgemm] {model}/{t}: {res}", file=sys.stderr, flush=True)
+            print("DEEPGEMM_JSON " + json.dumps(out), flush=True)
+
+
+def _dg_status(res: dict, label: str, rc) -> str:
+    """One line for the table title: version, where it came from, K handling, anything odd."""
+    cases = [v for v in res.values() if isinstance(v, dict)]
+    padded = any(c.get("gate_up_k", HIDDEN) != HIDDEN for c in cases)
+    notes = [f"sgl-deep-gemm {res.get('version')}, {label}",
+             f"K {HIDDEN} zero-padded to {-(-HIDDEN // 128) * 128}" if padded else f"K {HIDDEN} unpadded"]
+    bad = [f"{key} {c[key]:.1e}" for c in cases for key in ("gate_up_rel_err", "down_rel_err")
+           if c.get(key, 0) > DG_TOL]
+    if res.get("smoke_rel_err", 0) > DG_TOL or bad:
+        notes.append(f"WRONG RESULTS: smoke rel err {res.get('smoke_rel_err', 0):.1e} {' '.join(bad)}")
+    if rc != 0:
+        notes.append(f"partial: {rc}")
+    return "; ".join(notes)
 
 
 def run_deepgemm(quick: bool) -> dict:
-    """Run the DeepGEMM child with the installed tvm-ffi, then (if that fails) with the tvm-ffi
-    release the wheel declares (0.1.11, unpacked by the session script into $DG_TVM_FFI_SITE)."""
-    envs = [("installed tvm-ffi", os.environ.copy())]
+    """Run the DeepGEMM child in a fresh process (a failed host assertion can abort it), trying in
+    order: the source build of bench/build_deepgemm.sh ($DG_SITE), the installed wheel, and the
+    wheel with the tvm-ffi release it declares (0.1.11, unpacked into $DG_TVM_FFI_SITE). The child
+    JIT-compiles each kernel on first use (nvcc; cached in ~/.deep_gemm), hence a long timeout:
+    $DG_CHILD_TIMEOUT seconds (default 540)."""
+    def with_path(site: str) -> dict:
+        env = os.environ.copy()
+        env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    envs = []
+    site = os.environ.get("DG_SITE")
+    if site and os.path.isdir(site):
+        envs.append((f"built from source in {site}", with_path(site)))
+    envs.append(("installed tvm-ffi", os.environ.copy()))
     alt = os.environ.get("DG_TVM_FFI_SITE")
     if alt and os.path.isdir(alt):
-        env = os.environ.copy()
-        env["PYTHONPATH"] = alt + os.pathsep + env.get("PYTHONPATH", "")
-        envs.append(("tvm-ffi 0.1.11", env))
+        envs.append(("tvm-ffi 0.1.11", with_path(alt)))
+    timeout = float(os.environ.get("DG_CHILD_TIMEOUT", "540"))
+    cmd = [sys.executable, "-m", "bench.kernels", "--deepgemm-child"] + (["--quick"] if quick else [])
     attempts = []
     for label, env in envs:
-        cmd = [sys.executable, "-m", "bench.kernels", "--deepgemm-child"] + (["--quick"] if quick else [])
+        t0 = time.time()
         try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            attempts.append(f"{label}: timeout")
-            continue
-        for line in p.stdout.splitlines():
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            stdout, stderr, rc = p.stdout, p.stderr, p.returncode
+        except subprocess.TimeoutExpired as e:  # output so far comes as bytes whatever text= says
+            decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            stdout, stderr, rc = decode(e.stdout), decode(e.stderr), f"timeout after {timeout:.0f} s"
+        res = None
+        for line in stdout.splitlines():
             if line.startswith("DEEPGEMM_JSON "):
                 res = json.loads(line[len("DEEPGEMM_JSON "):])
-                res["status"] = f"sgl-deep-gemm {res.get('version')} with {label}, K padded to 2944"
-                res["attempts"] = attempts
-                return res
-        err = (p.stderr or p.stdout).strip().splitlines()
-        tail = " / ".join(err[-3:])[:400]
-        attempts.append(f"{label}: rc={p.returncode} {tail}")
-        print(f"[deepgemm] {label} failed (rc={p.returncode}):\n{(p.stderr or '')[-3000:]}", flush=True)
-    short = "host assertion `dim == 2 or dim == 3` (utils/layout.hpp:16)" if all(
+        if res is not None and any(isinstance(v, dict) for v in res.values()):
+            res["status"] = _dg_status(res, label, rc)
+            res["attempts"] = attempts
+            return res
+        err = (stderr or stdout).strip().splitlines()
+        attempts.append(f"{label}: rc={rc} {' / '.join(err[-3:])[:400]}")
+        print(f"[deepgemm] {label} failed (rc={rc}, {time.time() - t0:.0f} s):\n{(stderr or '')[-3000:]}",
+              flush=True)
+    short = "host assertion `dim == 2 or dim == 3` (utils/layout.hpp:16)" if attempts and all(
         "dim == 2 or dim == 3" in a for a in attempts) else "error"
-    return {"status": f"did not run: {short} with every tvm-ffi tried; see docs/kernels.md",
-            "attempts": attempts}
+    hint = "" if site else " (build it: bash bench/build_deepgemm.sh, then set DG_SITE)"
+    return {"status": f"did not run: {short}{hint}; see docs/kernels.md", "attempts": attempts}
 
 
 # ------------------------------------------------------------------------------------ sweep
@@ -687,7 +843,7 @@ def write_doc(path: str, sections: list[str], ceil: dict, command: str, date: st
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer, smaller cases")
-    ap.add_argument("--sections", default="moe,gemm,attention", help="run in this order")
+    ap.add_argument("--sections", default="moe,gemv,gemm,attention", help="run in this order")
     ap.add_argument("--doc", default=None, help="markdown file whose '## Kernels' section is replaced")
     ap.add_argument("--json", default=None)
     ap.add_argument("--warm-jit", choices=WARM_TARGETS, default=None)
@@ -705,6 +861,8 @@ def main(argv: list[str] | None = None) -> None:
             out.append(bench_sweep(ceil, args.quick))
         elif section == "moe":
             out.append(bench_moe(ceil, args.quick))
+        elif section == "gemv":
+            out.append(bench_gemv(ceil, args.quick))
         elif section == "gemm":
             dg = run_deepgemm(args.quick)
             print("[deepgemm]", json.dumps(dg)[:2000], flush=True)

@@ -33,6 +33,10 @@ from .triton_fp8_gemm import _down_kernel, _gate_up_kernel, _swiglu_quant_kernel
 
 GATE_UP_BLOCK_N = 2 * BLOCK  # 256 gate/up columns -> one 128-wide activation group
 
+# Batches of at most this many tokens go to the two-launch GEMV path (`kernels.triton_moe_gemv`)
+# unless a grouped `config` is passed; set from the H200 decode benchmark (docs/kernels.md, v5).
+GEMV_MAX_TOKENS = 4
+
 # Tests set this to fill every buffer the kernels should overwrite with NaN / out-of-range ids,
 # so an element a kernel fails to write shows up in the result.
 POISON = False
@@ -404,11 +408,17 @@ def experts_forward(
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.moe.experts_forward_ref` for FP8 experts: x [T, H] ->
-    [T, H] in x.dtype, the routing-weighted sum over the token's *local* experts."""
+    [T, H] in x.dtype, the routing-weighted sum over the token's *local* experts.
+
+    T <= GEMV_MAX_TOKENS without an explicit `config` runs the GEMV decode path instead."""
     _check_inputs(x, topk_weights, topk_ids, w)
     t, h = x.shape
     if t == 0:
         return torch.empty_like(x)
+    if config is None and t <= GEMV_MAX_TOKENS:
+        from .triton_moe_gemv import experts_forward_gemv  # (imports this module)
+
+        return experts_forward_gemv(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     e = w.num_local_experts
     cfg = config or select_config(topk_ids.numel(), e)
     x = x.contiguous()

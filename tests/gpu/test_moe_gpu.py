@@ -293,3 +293,187 @@ def test_gemm_uses_hopper_fp8_wgmma():
     assert any("wgmma.mma_async" in p and "e4m3" in p for p in ptx)
     sass = [k.asm["sass"] for k in kernels]  # disassembled with the cuobjdump Triton ships
     assert any("QGMMA" in s for s in sass)
+
+
+# ------------------------------------------------------------------------- GEMV decode path
+# kernels.triton_moe_gemv: two launches of CUDA-core GEMVs for T <= ~8 (docs/kernels.md, v5).
+# Tolerances (relative L2, CPU references): quantisation bit-exact; float32 stages (gate/up +
+# SwiGLU; down + combine with float32 output fed the kernel's own activations) 1e-5, since the
+# products are exact float32 FMAs and only summation order differs (~1e-7 expected); the layer
+# 3e-3: both sides quantise activations ~1e-7 apart, which now and then moves one element across
+# an e4m3 rounding boundary (a 6 % step of that element, ~5e-4 of a batch-1 layer), as for the
+# mma.sync tiles above (3e-5..3e-4); fused-quantisation activations 1e-2, as gate/up above.
+from kernels import triton_moe_gemv as tg  # noqa: E402
+from kernels.fp8 import dequantize_weight_fp8  # noqa: E402
+
+GEMV_CFGS = {
+    "default": tg.DEFAULT_CONFIG,
+    "fused act quant": tg.GemvConfig(tg.GemvTile(256, 64, 8, 3), tg.GemvTile(16, 512, 4, 3)),
+    "narrow K steps": tg.GemvConfig(tg.GemvTile(32, 64, 4, 4), tg.GemvTile(32, 64, 2, 4)),
+    "wide tiles": tg.GemvConfig(tg.GemvTile(128, 256, 8, 2), tg.GemvTile(64, 256, 8, 2)),
+}
+GEMV_TOL = 3e-3
+_tp_weights: dict[int, tuple[ExpertWeights, ExpertWeights]] = {}
+
+
+def experts_tp(num_experts: int, inter: int) -> tuple[ExpertWeights, ExpertWeights]:
+    """(GPU, CPU) random FP8 experts with a TP-sliced intermediate size."""
+    if inter not in _tp_weights:
+        g = torch.Generator(device=DEV).manual_seed(2000 + inter)
+        gq, gs = quantize_weight_fp8(torch.randn(num_experts, 2 * inter, H, device=DEV, generator=g) * 0.02)
+        dq, ds = quantize_weight_fp8(torch.randn(num_experts, H, inter, device=DEV, generator=g) * 0.02)
+        w = ExpertWeights(gq, torch.randn(num_experts, 2 * inter, device=DEV, generator=g) * 0.1,
+                          dq, torch.randn(num_experts, H, device=DEV, generator=g) * 0.1, gs, ds, 0)
+        wc = ExpertWeights(*(t.cpu() for t in (w.gate_up, w.gate_up_bias, w.down, w.down_bias,
+                                               w.gate_up_scale, w.down_scale)), 0)
+        _tp_weights[inter] = (w, wc)
+    return _tp_weights[inter]
+
+
+_deq_cache: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _deq32(kind: str, e: int) -> torch.Tensor:
+    """Dequantised float32 weights of expert e of cpu_experts(32) (cached: four configs reuse them)."""
+    if (kind, e) not in _deq_cache:
+        wc = cpu_experts(32)
+        q, sc = (wc.gate_up, wc.gate_up_scale) if kind == "gate_up" else (wc.down, wc.down_scale)
+        _deq_cache[kind, e] = dequantize_weight_fp8(q[e], sc[e])
+    return _deq_cache[kind, e]
+
+
+def _gemv_ref_act(x, pairs):
+    """CPU float32 SwiGLU(gate/up) rows of the given (pair index, expert) list, cpu_experts(32):
+    the arithmetic of fp8_linear_ref with cached dequantised weights."""
+    wc, xd = cpu_experts(32), dequantize_act_fp8(*quantize_act_fp8(x))
+    return torch.stack([swiglu(xd[p // TOP_K] @ _deq32("gate_up", e).T + wc.gate_up_bias[e])
+                        for p, e in pairs])
+
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_gemv_quantisation_bit_exact(t):
+    """Both in-kernel quantisations against kernels.fp8 on the CPU: x in the gate/up launch,
+    routing weight * act in the down launch (Markstein division + hardware e4m3 conversion)."""
+    w = experts(32)
+    x, weights, ids = routed(t, 32, seed=300 + t)
+    x = (x.float() * torch.rand(t, 1, device=DEV) * 20).to(torch.bfloat16)
+    x_deq = torch.full((t, H), float("nan"), device=DEV)
+    act = tg.gate_up_swiglu_gemv(x, weights, ids, w, 7.0, 1.702, tg.DEFAULT_CONFIG.gate_up, x_deq=x_deq)
+    assert torch.equal(x_deq.cpu(), dequantize_act_fp8(*quantize_act_fp8(x.cpu())))
+    act_deq = torch.full(act.shape, float("nan"), device=DEV)
+    tg.down_combine_gemv(act, weights, ids, w, True, x.dtype, tg.DEFAULT_CONFIG.down, act_deq=act_deq)
+    ref = dequantize_act_fp8(*quantize_act_fp8(act.cpu())) * weights.cpu().flatten()[:, None].float()
+    assert torch.equal(act_deq.cpu(), ref)
+
+
+@pytest.mark.parametrize("name", list(GEMV_CFGS))
+def test_gemv_stages_vs_ref(name):
+    """gate/up + SwiGLU (float32 out) and down + combine (float32 x, so float32 out) separately."""
+    cfg = GEMV_CFGS[name]
+    w, wc = experts(32), cpu_experts(32)
+    x, weights, ids = routed(3, 32, seed=310)
+    x = x.float()
+    act = tg.gate_up_swiglu_gemv(x, weights, ids, w, 7.0, 1.702, cfg.gate_up)
+    pairs = list(enumerate(ids.flatten().tolist()))
+    ref = _gemv_ref_act(x.cpu(), pairs)
+    rw = weights.cpu().flatten()[:, None].float()
+    if cfg.fused_act_quant:  # rows hold routing weight * fake-quantised SwiGLU (as gate/up above)
+        err, tol = rel_l2(act.cpu(), dequantize_act_fp8(*quantize_act_fp8(ref)) * rw), 1e-2
+    else:
+        err, tol = rel_l2(act.cpu(), ref), 1e-5
+    print(f"{name}: gate/up rel L2 {err:.2e}")
+    assert err < tol
+    out = tg.down_combine_gemv(act, weights, ids, w, True, torch.float32, cfg.down,
+                               act_quantised=cfg.fused_act_quant)
+    a = act.cpu() if cfg.fused_act_quant else dequantize_act_fp8(*quantize_act_fp8(act.cpu())) * rw
+    ref_out = torch.zeros(3, H)
+    for p, e in pairs:
+        ref_out[p // TOP_K] += a[p] @ _deq32("down", e).T + wc.down_bias[e] * rw[p]
+    err = rel_l2(out.cpu(), ref_out)
+    print(f"{name}: down + combine rel L2 {err:.2e}")
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize(
+    "t,num_experts,first,num_global,add_bias",
+    [
+        (1, 32, 0, 32, True),      # batch 1, 20b: 28 of 32 experts get no token
+        (2, 32, 0, 32, False),     # TP rank != 0: no down bias
+        (3, 128, 0, 128, True),    # 120b
+        (4, 128, 0, 128, True),
+        (8, 32, 0, 32, True),
+        (8, 32, 16, 64, True),     # EP: half of the routed pairs belong to another rank
+    ],
+)
+def test_gemv_layer_vs_ref(t, num_experts, first, num_global, add_bias):
+    w = experts(num_experts, first)
+    x, weights, ids = routed(t, num_global, seed=320 + t + first)
+    if first:  # EP: token 0 routes to other ranks' experts only
+        ids[0] = torch.arange(TOP_K, device=DEV)
+    out = tg.experts_forward_gemv(x, weights, ids, w, 7.0, 1.702, add_bias)
+    err = rel_l2(out.cpu(), layer_ref(x, weights, ids, first, num_experts, add_bias))
+    print(f"GEMV T={t} E={num_experts} first={first}: rel L2 {err:.2e}")
+    assert out.dtype == x.dtype and err < GEMV_TOL
+    local = (ids >= first) & (ids < first + num_experts)
+    assert (out[~local.any(-1)] == 0).all()
+    if first:
+        assert not local[0].any() and local.any() and not local.all()
+
+
+def test_gemv_tp_slice():
+    """I = 1536 (TP 2): K of the down GEMV and the activation width are half."""
+    w, wc = experts_tp(32, 1536)
+    x, weights, ids = routed(4, 32, seed=330)
+    out = tg.experts_forward_gemv(x, weights, ids, w)
+    err = rel_l2(out.cpu(), experts_forward_ref(x.cpu(), weights.cpu(), ids.cpu(), wc))
+    print(f"GEMV TP slice I=1536: rel L2 {err:.2e}")
+    assert err < GEMV_TOL
+
+
+@pytest.mark.parametrize("name", list(GEMV_CFGS))
+def test_gemv_every_config_end_to_end(name):
+    w = experts(32)
+    x, weights, ids = routed(2, 32, seed=340)
+    out = tg.experts_forward_gemv(x, weights, ids, w, config=GEMV_CFGS[name])
+    err = rel_l2(out.cpu(), layer_ref(x, weights, ids, 0, 32))
+    print(f"GEMV config {name}: rel L2 {err:.2e}")
+    assert err < GEMV_TOL
+
+
+def test_gemv_dispatch_and_determinism(monkeypatch):
+    """triton_moe.experts_forward takes the GEMV path up to GEMV_MAX_TOKENS and not beyond or
+    with an explicit grouped config; the GEMV result is bitwise reproducible (no atomics)."""
+    w = experts(32)
+    calls = []
+    gemv = tg.experts_forward_gemv
+    monkeypatch.setattr(tg, "experts_forward_gemv",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or gemv(*a, **k))
+    x, weights, ids = routed(tm.GEMV_MAX_TOKENS, 32, seed=350)
+    out = tm.experts_forward(x, weights, ids, w)
+    assert calls == [tm.GEMV_MAX_TOKENS]
+    assert torch.equal(out, gemv(x, weights, ids, w)) and torch.equal(out, gemv(x, weights, ids, w))
+    tm.experts_forward(x, weights, ids, w, config=tm.CONFIGS[0][1])
+    x2, w2, ids2 = routed(tm.GEMV_MAX_TOKENS + 1, 32, seed=351)
+    tm.experts_forward(x2, w2, ids2, w)
+    assert calls == [tm.GEMV_MAX_TOKENS]
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_gemv_cuda_graph_replay(t):
+    """Captured once, replayed on new x / routing weights / expert ids written into the same
+    buffers: no host synchronisation, no shape that depends on the data."""
+    w = experts(32)
+    x, weights, ids = routed(t, 32, seed=360 + t)
+    tg.experts_forward_gemv(x, weights, ids, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tg.experts_forward_gemv(x, weights, ids, w)
+    for seed in (370, 371):
+        x2, weights2, ids2 = routed(t, 32, seed=seed + t)
+        x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+        g.replay()
+        torch.cuda.synchronize()
+        err = rel_l2(out.cpu(), layer_ref(x2, weights2, ids2, 0, 32))
+        print(f"GEMV graph replay T={t} seed {seed}: rel L2 {err:.2e}")
+        assert err < GEMV_TOL

@@ -89,7 +89,7 @@ def ckpt_20b():
         t = time.perf_counter()
         # (a directory left half-written by an interrupted run is refused: remove it)
         path = make_random_checkpoint(Path(keep) if keep else Path(d) / "ckpt", preset("20b"), seed=seed,
-                                      experts="mxfp4")
+                                      experts="mxfp4", workers=min(16, os.cpu_count() or 1))
         print(f"\n[parallel-gpu] random 20b checkpoint (seed {seed}) written in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         yield path
