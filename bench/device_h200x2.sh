@@ -1,21 +1,26 @@
 #!/bin/bash
-# One device call on a 2-GPU H200 host (kind nvidia-h200-x2, carry .gpu) for the kernel and
-# engine work, the two GPUs used as two independent lanes so the call fits its 600 s:
-#   CPU, background : a random 20b checkpoint (bench.model.ensure_checkpoint, parallel writer),
-#                     DeepGEMM built from source (bench/build_deepgemm.sh), FlashInfer modules
-#   GPU 0           : pytest -m gpu (MoE, attention, CUDA-graph engine), then bench.kernels gemv,moe
-#                     (grouped and GEMV decode paths), then bench.kernels gemm (vs DeepGEMM)
-#   GPU 1           : bench.kernels attention, then bench/engine_gpu.py (20b shape, 24 layers:
-#                     logits vs the torch path, prefill 8k, decode eager and CUDA graphs)
-# Each bench writes JSON under $OUT; merge the kernel tables on the workstation with
-#   python -m bench.kernels --merge-json DIR --doc docs/performance.md
-# Usage (repo root, device): source .gpu/setup.sh || exit 1; bash bench/device_h200x2.sh
+# Device calls on a 2-GPU H200 host (kind nvidia-h200-x2, carry .gpu), the two GPUs used as
+# independent lanes where the steps allow, so that a call fits its 600 s. Steps ($STEPS, comma
+# list; default "tests,kernels,engine"):
+#   CPU, background : a random 20b checkpoint (bench.model.ensure_checkpoint, parallel writer) and,
+#                     with `kernels`, DeepGEMM built from source (bench/build_deepgemm.sh)
+#   tests   (GPU 0) : pytest -m gpu: MoE, attention, CUDA-graph engine
+#   kernels (GPU 0) : bench.kernels gemv,moe then gemm (vs DeepGEMM); (GPU 1) attention
+#   engine  (GPU 1) : bench/engine_gpu.py (20b shape, 24 layers: logits vs the torch path,
+#                     prefill 8k, decode eager and from CUDA graphs)
+#   nccl    (both)  : tests/gpu/test_parallel_gpu.py (TP2 and EP2 vs TP1 logits, NCCL)
+#   model   (both)  : bench/model.py --quick for $MODELS (default 20b) into $OUT/model
+# Logs go to $OUT/logs.tgz (a device call returns few files); JSON results to $OUT.
+# Usage (repo root, device): source .gpu/setup.sh || exit 1; STEPS=... bash bench/device_h200x2.sh
 set -u
 OUT=${OUT:-/tmp/pdserve-out}
-mkdir -p "$OUT"
+L=$OUT/l
+mkdir -p "$L"
 export PYTHONUNBUFFERED=1
-BUDGET=${BUDGET:-560}  # seconds for the whole script
+STEPS=${STEPS:-tests,kernels,engine}
+BUDGET=${BUDGET:-555}  # seconds for the whole script
 log() { echo "[h200x2 $(date +%T) +${SECONDS}s] $*"; }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
 left() { echo $(( BUDGET - SECONDS - ${1:-0} )); }
 wait_file() {  # wait_file PATH SECONDS_RESERVED: poll until the file exists or time runs out
   while [ ! -f "$1" ] && [ "$(left "$2")" -gt 0 ]; do sleep 2; done
@@ -34,17 +39,18 @@ if ls .gpu/dg/apache_tvm_ffi-0.1.11*.whl > /dev/null 2>&1; then
     && export DG_TVM_FFI_SITE=/tmp/tvm011
 fi
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
-export PDSERVE_CKPT_ROOT=/tmp/ckpt
-CKPT20=$PDSERVE_CKPT_ROOT/20b-mxfp4-seed0
+CKPT_ROOT=/tmp/ckpt
+CKPT20=$CKPT_ROOT/20b-mxfp4-seed0
 
 # -- CPU, background ---------------------------------------------------------------------------
 ( python3 -c "
 from pathlib import Path
 from bench.model import ensure_checkpoint
-p, why = ensure_checkpoint('20b', Path('$PDSERVE_CKPT_ROOT'))
-print(p, why)
-" > "$OUT/ckpt.log" 2>&1; touch /tmp/ckpt20.done ) &
-( bash bench/build_deepgemm.sh > "$OUT/deepgemm_build.log" 2>&1; echo $? > /tmp/dg.rc ) &
+print(*ensure_checkpoint('20b', Path('$CKPT_ROOT')))
+" > "$L/ckpt.log" 2>&1; touch /tmp/ckpt20.done ) &
+if has kernels; then
+  ( bash bench/build_deepgemm.sh > "$L/deepgemm_build.log" 2>&1; echo $? > /tmp/dg.rc ) &
+fi
 for target in xqa-full xqa-window plain-fa2 plain-fa3; do
   python3 -m bench.kernels --warm-jit "$target" > "/tmp/warm_$target.log" 2>&1 &
 done
@@ -52,49 +58,62 @@ done
 # -- GPU 0 --------------------------------------------------------------------------------------
 (
   export CUDA_VISIBLE_DEVICES=0
-  log "gpu0: pytest"
-  timeout "$(left 330)" python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py tests/gpu/test_attention_gpu.py \
-    tests/gpu/test_engine_graphs_gpu.py -q -rsP -s --durations=10 -p no:cacheprovider > "$OUT/pytest.log" 2>&1
-  log "gpu0: pytest rc=$? ($(tail -1 "$OUT/pytest.log"))"
-  timeout "$(left 150)" python3 -m bench.kernels --sections gemv,moe --json "$OUT/bench_moe.json" > "$OUT/bench_moe.log" 2>&1
-  log "gpu0: bench moe rc=$?"
-  if wait_file /tmp/dg.rc 60 && [ "$(cat /tmp/dg.rc)" = 0 ]; then
-    export DG_SITE=/tmp/dg-site DG_CHILD_TIMEOUT=$(left 40)
-  else
-    log "gpu0: DeepGEMM build not ready (rc=$(cat /tmp/dg.rc 2>/dev/null || echo running)); gemm section without it"
+  if has tests; then
+    timeout "$(left 240)" python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py tests/gpu/test_attention_gpu.py \
+      tests/gpu/test_engine_graphs_gpu.py -q -rfEs -s --durations=10 -p no:cacheprovider > "$L/pytest.log" 2>&1
+    log "gpu0: pytest rc=$? ($(tail -1 "$L/pytest.log"))"
   fi
-  timeout "$(left 15)" python3 -m bench.kernels --sections gemm --json "$OUT/bench_gemm.json" > "$OUT/bench_gemm.log" 2>&1
-  log "gpu0: bench gemm rc=$?"
+  if has kernels; then
+    timeout "$(left 150)" python3 -m bench.kernels --sections gemv,moe --json "$OUT/bench_moe.json" > "$L/bench_moe.log" 2>&1
+    log "gpu0: bench moe rc=$?"
+    if wait_file /tmp/dg.rc 60 && [ "$(cat /tmp/dg.rc)" = 0 ]; then
+      export DG_SITE=/tmp/dg-site DG_CHILD_TIMEOUT=$(left 40)
+    fi
+    timeout "$(left 15)" python3 -m bench.kernels --sections gemm --json "$OUT/bench_gemm.json" > "$L/bench_gemm.log" 2>&1
+    log "gpu0: bench gemm rc=$?"
+  fi
 ) &
 lane0=$!
 
 # -- GPU 1 --------------------------------------------------------------------------------------
 (
   export CUDA_VISIBLE_DEVICES=1
-  sleep 20  # let the FlashInfer warm-up builds start first
-  timeout "$(left 300)" python3 -m bench.kernels --sections attention --json "$OUT/bench_attention.json" \
-    > "$OUT/bench_attention.log" 2>&1
-  log "gpu1: bench attention rc=$?"
-  if wait_file /tmp/ckpt20.done 120; then
+  if has kernels; then
+    sleep 20  # let the FlashInfer warm-up builds start first
+    timeout "$(left 300)" python3 -m bench.kernels --sections attention --json "$OUT/bench_attention.json" \
+      > "$L/bench_attention.log" 2>&1
+    log "gpu1: bench attention rc=$?"
+  fi
+  if has engine && wait_file /tmp/ckpt20.done 200; then
     mkdir -p /tmp/ckpt-eg && ln -sfn "$CKPT20" /tmp/ckpt-eg/20b-24
-    timeout "$(left 10)" python3 bench/engine_gpu.py --preset 20b --ckpt /tmp/ckpt-eg --out "$OUT" \
-      --record "$OUT/engine_gpu.md" > "$OUT/engine_gpu.log" 2>&1
+    timeout "$(left 200)" python3 bench/engine_gpu.py --preset 20b --ckpt /tmp/ckpt-eg --out "$OUT" \
+      --record "$OUT/engine_gpu.md" > "$L/engine_gpu.log" 2>&1
     log "gpu1: engine_gpu rc=$?"
-  else
-    log "gpu1: checkpoint not ready; engine_gpu skipped"
   fi
 ) &
 lane1=$!
-
 wait $lane0 $lane1
-cat /tmp/warm_*.log > "$OUT/warm.log" 2>/dev/null
-ops=$(find "${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}" -type d -name cached_ops 2>/dev/null | head -1)
-if [ -n "$ops" ]; then
-  (cd "$ops" && tar -czf "$OUT/pdserve-fi-jit.tar.gz" $(ls -d */ 2>/dev/null | while read d; do d=${d%/}; [ -f "$d/$d.so" ] && echo "$d/$d.so"; done) 2>/dev/null)
+
+# -- both GPUs ----------------------------------------------------------------------------------
+if has nccl && wait_file /tmp/ckpt20.done 60; then
+  PDSERVE_GPU_CKPT=$CKPT20 timeout "$(left 60)" python3 -m pytest -m gpu tests/gpu/test_parallel_gpu.py -rP -s \
+    -p no:cacheprovider --durations=5 > "$L/nccl.log" 2>&1
+  log "nccl rc=$?"
+  grep -h "^\[parallel-gpu\]" "$L/nccl.log"
+  tail -1 "$L/nccl.log"
 fi
-(cd "$TRITON_CACHE_DIR" && tar -czf "$OUT/pdserve-triton.tar.gz" . 2>/dev/null)
+if has model; then
+  timeout "$(left 10)" python3 bench/model.py --device cuda --out "$OUT/model" --quick --models "${MODELS:-20b}" \
+    --ckpt-dir "$CKPT_ROOT" > "$L/model.log" 2>&1
+  log "model rc=$?"
+  grep -v "^\[" "$L/model.log" | tail -40
+fi
+
+cat /tmp/warm_*.log > "$L/warm.log" 2>/dev/null
 log "summary"
-tail -3 "$OUT/pytest.log"
-grep -h -E "^decode|^prefill|^logits|graph vs eager" "$OUT/engine_gpu.log" 2>/dev/null
-tail -5 "$OUT/deepgemm_build.log" 2>/dev/null
+tail -3 "$L/pytest.log" 2>/dev/null
+grep -h -E "FAILED|^E  " "$L/pytest.log" 2>/dev/null | head -20
+grep -h -E "^decode|^prefill|^logits|graph vs eager" "$L/engine_gpu.log" 2>/dev/null
+tail -4 "$L/deepgemm_build.log" 2>/dev/null
+(cd "$OUT" && tar -czf logs.tgz l && rm -rf l)
 ls -la "$OUT"

@@ -51,13 +51,18 @@ def _token_generator(seed: int, index: int, device: torch.device) -> torch.Gener
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-    """logits [B, V] float32; indices[i] = how many tokens request i has sampled before."""
-    out = []
-    for row, p, idx in zip(logits, params, indices):
+    """logits [B, V] float32; indices[i] = how many tokens request i has sampled before.
+
+    Greedy rows take the argmax of their logits; the others the argmax of their filtered,
+    Gumbel-perturbed logits. One argmax over the whole batch and one device-to-host copy per
+    step (a per-row `int()` would synchronise with the GPU once per request)."""
+    scores = logits
+    for i, (p, idx) in enumerate(zip(params, indices)):
         if p.greedy:
-            out.append(int(torch.argmax(row)))
             continue
-        x = row.float() / p.temperature
+        if scores is logits:
+            scores = logits.float().clone()
+        x = logits[i].float() / p.temperature
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -69,5 +74,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
             x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
         g = _token_generator(p.seed, idx, x.device)
         u = torch.rand(x.shape, generator=g, device=x.device).clamp_(1e-20, 1.0)
-        out.append(int(torch.argmax(x - torch.log(-torch.log(u)))))  # Gumbel-max
-    return out
+        scores[i] = x - torch.log(-torch.log(u))  # Gumbel-max
+    return torch.argmax(scores, dim=-1).tolist()

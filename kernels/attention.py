@@ -147,6 +147,8 @@ def make_sink_attention(
             raise RuntimeError(need)
         return TorchSinkAttention(window_left, sm_scale)
     try:
+        import flashinfer  # noqa: F401  (the wrapper module itself imports it lazily)
+
         from .flashinfer_attention import FlashInferSinkAttention
     except ImportError as e:
         if backend == "flashinfer" or cuda_graph:

@@ -34,8 +34,9 @@ from .triton_fp8_gemm import _down_kernel, _gate_up_kernel, _swiglu_quant_kernel
 GATE_UP_BLOCK_N = 2 * BLOCK  # 256 gate/up columns -> one 128-wide activation group
 
 # Batches of at most this many tokens go to the two-launch GEMV path (`kernels.triton_moe_gemv`)
-# unless a grouped `config` is passed; set from the H200 decode benchmark (docs/kernels.md, v5).
-GEMV_MAX_TOKENS = 4
+# unless a grouped `config` is passed. 0: the H200 benchmark measured the GEMV path slower than
+# the grouped one at every batch (batch 1: 60-86 us over five tiles vs 52 us; docs/kernels.md, v5).
+GEMV_MAX_TOKENS = 0
 
 # Tests set this to fill every buffer the kernels should overwrite with NaN / out-of-range ids,
 # so an element a kernel fails to write shows up in the result.

@@ -87,3 +87,21 @@ def test_generation_through_static_steps_equals_eager(tiny_mxfp4):
 def test_cuda_graphs_need_cuda(runner):
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphs(runner.model, runner.cache, 4, max_context=runner.max_context, capture=True)
+
+
+def test_attention_falls_back_to_torch_without_flashinfer(monkeypatch):
+    """A CUDA host without FlashInfer runs the torch attention (the NCCL device run had none);
+    asking for FlashInfer or for CUDA-graph attention there is a clear error."""
+    import sys
+
+    from kernels.attention import TorchSinkAttention, make_sink_attention
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
+    kw = dict(window_left=-1, sm_scale=0.125, num_qo_heads=64, num_kv_heads=8, head_dim=64, page_size=16)
+    assert isinstance(make_sink_attention("cuda", **kw), TorchSinkAttention)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        make_sink_attention("cuda", backend="flashinfer", **kw)
+    with pytest.raises(RuntimeError, match="CUDA-graph"):
+        make_sink_attention("cuda", cuda_graph_batch_size=4, max_pages_per_request=8, pad_page=0, **kw)
+    with pytest.raises(RuntimeError, match="CUDA-graph"):
+        make_sink_attention("cpu", cuda_graph_batch_size=4, max_pages_per_request=8, pad_page=0, **kw)

@@ -443,6 +443,7 @@ def test_gemv_every_config_end_to_end(name):
 def test_gemv_dispatch_and_determinism(monkeypatch):
     """triton_moe.experts_forward takes the GEMV path up to GEMV_MAX_TOKENS and not beyond or
     with an explicit grouped config; the GEMV result is bitwise reproducible (no atomics)."""
+    monkeypatch.setattr(tm, "GEMV_MAX_TOKENS", 4)  # the dispatch, whatever the tuned default
     w = experts(32)
     calls = []
     gemv = tg.experts_forward_gemv
