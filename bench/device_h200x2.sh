@@ -9,7 +9,8 @@
 #   engine  (GPU 1) : bench/engine_gpu.py (20b shape, 24 layers: logits vs the torch path,
 #                     prefill 8k, decode eager and from CUDA graphs)
 #   nccl    (both)  : tests/gpu/test_parallel_gpu.py (TP2 and EP2 vs TP1 logits, NCCL)
-#   model   (both)  : bench/model.py --quick for $MODELS (default 20b) into $OUT/model
+#   model   (both)  : bench/model.py runs ($MODEL_RUNS, ';'-separated argument lists; default
+#                     "--quick --models 20b") into $OUT/model; 120b checkpoint written early
 # Logs go to $OUT/logs.tgz (a device call returns few files); JSON results to $OUT.
 # Usage (repo root, device): source .gpu/setup.sh || exit 1; STEPS=... bash bench/device_h200x2.sh
 set -u
@@ -48,6 +49,13 @@ from pathlib import Path
 from bench.model import ensure_checkpoint
 print(*ensure_checkpoint('20b', Path('$CKPT_ROOT')))
 " > "$L/ckpt.log" 2>&1; touch /tmp/ckpt20.done ) &
+if [[ ${MODEL_RUNS:-} == *120b* ]]; then
+  ( python3 -c "
+from pathlib import Path
+from bench.model import ensure_checkpoint
+print(*ensure_checkpoint('120b', Path('$CKPT_ROOT')))
+" > "$L/ckpt120.log" 2>&1; touch /tmp/ckpt120.done ) &
+fi
 if has kernels; then
   ( bash bench/build_deepgemm.sh > "$L/deepgemm_build.log" 2>&1; echo $? > /tmp/dg.rc ) &
 fi
@@ -59,8 +67,8 @@ done
 (
   export CUDA_VISIBLE_DEVICES=0
   if has tests; then
-    timeout "$(left 240)" python3 -m pytest -m gpu tests/gpu/test_moe_gpu.py tests/gpu/test_attention_gpu.py \
-      tests/gpu/test_engine_graphs_gpu.py -q -rfEs -s --durations=10 -p no:cacheprovider > "$L/pytest.log" 2>&1
+    timeout "$(left 240)" python3 -m pytest -m gpu ${PYTEST_FILES:-tests/gpu/test_moe_gpu.py tests/gpu/test_attention_gpu.py \
+      tests/gpu/test_engine_graphs_gpu.py} -q -rfEs -s --durations=10 -p no:cacheprovider > "$L/pytest.log" 2>&1
     log "gpu0: pytest rc=$? ($(tail -1 "$L/pytest.log"))"
   fi
   if has kernels; then
@@ -103,10 +111,16 @@ if has nccl && wait_file /tmp/ckpt20.done 60; then
   tail -1 "$L/nccl.log"
 fi
 if has model; then
-  timeout "$(left 10)" python3 bench/model.py --device cuda --out "$OUT/model" --quick --models "${MODELS:-20b}" \
-    --ckpt-dir "$CKPT_ROOT" > "$L/model.log" 2>&1
-  log "model rc=$?"
-  grep -v "^\[" "$L/model.log" | tail -40
+  # MODEL_RUNS: ';'-separated bench/model.py argument lists (default: the quick 20b sweep);
+  # a 120b run waits for the checkpoint written in the background since the start
+  IFS=';' read -ra runs <<< "${MODEL_RUNS:---quick --models 20b}"
+  for args in "${runs[@]}"; do
+    [[ $args == *120b* ]] && wait_file /tmp/ckpt120.done 60
+    timeout "$(left 10)" python3 bench/model.py --device cuda --out "$OUT/model" $args \
+      --ckpt-dir "$CKPT_ROOT" >> "$L/model.log" 2>&1
+    log "model ($args) rc=$?"
+  done
+  grep "^\[bench\]" "$L/model.log" | tail -20
 fi
 
 cat /tmp/warm_*.log > "$L/warm.log" 2>/dev/null

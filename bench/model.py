@@ -258,10 +258,12 @@ def _bench_decode(runner, grid: Grid, device) -> list[dict]:
     margin = (8 << 30) if device.type == "cuda" else 0  # activations, logits, workspaces
     full = min(max(need.values()), _full_block_capacity(runner, sliding, margin))
     _resize_cache(runner, full + 1, sliding + 1)  # + the CUDA graphs' pad block of each pool
-    if device.type == "cuda" and type(runner.attention["full"]).__name__ == "FlashInferSinkAttention":
+    if (device.type == "cuda" and runner.shard.world_size == 1
+            and type(runner.attention["full"]).__name__ == "FlashInferSinkAttention"):
         from engine.cuda_graphs import DecodeGraphs
 
-        # as a decode worker runs: steps replay CUDA graphs (captured in the first warm-up step)
+        # as a single-rank decode worker runs: steps replay CUDA graphs (captured in the first
+        # warm-up step); multi-rank layouts decode eagerly (engine/model_runner.py)
         runner.decode_graphs = DecodeGraphs(runner.model, runner.cache, max(grid.batches),
                                             max_context=runner.max_context)
     rows = []

@@ -25,7 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=128)
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="decode batches up to this size replay CUDA graphs captured at start "
-                        "(default on CUDA: --max-batch-size; 0 = eager)")
+                        "(default on CUDA with --tp 1: --max-batch-size; 0 = eager; single-rank only)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85, help="of free GPU memory, for KV")
@@ -49,7 +49,7 @@ def run(a: argparse.Namespace) -> int:
     if a.ep is None:
         a.ep = a.tp
     if a.cuda_graph_max_batch is None:
-        a.cuda_graph_max_batch = a.max_batch_size if a.device == "cuda" else 0
+        a.cuda_graph_max_batch = a.max_batch_size if a.device == "cuda" and a.tp == 1 else 0
     if not 0 <= a.cuda_graph_max_batch <= a.max_batch_size:
         raise ValueError("--cuda-graph-max-batch must be in [0, --max-batch-size]")
     if a.tp != 1 or a.ep != 1:

@@ -52,11 +52,15 @@ def test_graph_decode_matches_eager(ckpt):
     steps = [40, 12, 30, 3, 20, 8, 25]
     prompts = [torch.randint(0, 201088, (n,), generator=gen).tolist() for n in lens]
     se, sg = _start(eager, prompts, steps), _start(graphs, prompts, steps)
-    worst, checked = 0.0, 0
+    errs, checked = [], 0
+    dg = graphs.decode_graphs
     while se:
         le, lg = eager.decode(se), graphs.decode(sg)
         assert torch.isfinite(lg).all()
-        worst = max(worst, rel_l2(lg, le))
+        # the replay computes exactly what the same padded step computes eagerly
+        step = dg._steps[dg.size_for(len(sg))]
+        assert torch.equal(lg, dg._forward(step)[: len(sg)])
+        errs.append(rel_l2(lg, le))
         checked += len(se)
         toks = le.argmax(-1).tolist()  # teacher forcing: both follow the eager tokens
         keep_e, keep_g = [], []
@@ -70,10 +74,14 @@ def test_graph_decode_matches_eager(ckpt):
                 keep_e.append(a)
                 keep_g.append(b)
         se, sg = keep_e, keep_g
-    print(f"graph vs eager decode: worst step rel L2 {worst:.2e} over {checked} rows")
-    # same kernels on the same inputs; rows only move when the padded batch picks another MoE
-    # tile (batch 7 runs as 8), which re-orders float32 sums
-    assert worst < 1e-2
+    errs.sort()
+    median, worst = errs[len(errs) // 2], errs[-1]
+    print(f"graph vs eager decode: median step rel L2 {median:.2e}, worst {worst:.2e} over {checked} rows")
+    # Against the plain eager runner the kernels are the same but their splits are not: a padded
+    # batch (7 runs as 8) and the graph's fixed page-table width change XQA's split of the keys
+    # over CTAs, i.e. the float32 summation order; on this random model (routing near-ties) that
+    # measured up to 8.5e-2 per step, the size of the TP2-vs-TP1 differences at 2 layers (4e-2).
+    assert median < 5e-2 and worst < 0.2
     assert {g: a.num_free for g, a in graphs.cache.allocators.items()} == free_before
 
 
