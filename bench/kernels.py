@@ -832,7 +832,9 @@ def write_doc(path: str, sections: list[str], ceil: dict, command: str, date: st
     text = open(path).read() if os.path.exists(path) else "# Performance\n\n"
     start = text.find("## Kernels")
     if start >= 0:
-        nxt = text.find("\n## ", start + 3)
+        # the section ends at the next heading or at the next section marker (<!-- x:begin -->)
+        ends = [i for i in (text.find("\n## ", start + 3), text.find("\n<!-- ", start + 3)) if i >= 0]
+        nxt = min(ends) if ends else -1
         text = text[:start] + body + (text[nxt + 1 :] if nxt >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + body
