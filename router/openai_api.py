@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proto import pdserve_pb2
@@ -69,6 +70,30 @@ async def _cancel_on_disconnect(request: Request, generations: list[Generation])
             for generation in generations:
                 generation.cancel("client disconnected")
             return
+
+
+def _event_stream(body: AsyncIterator[str], on_unstarted: Callable[[], Any]) -> StreamingResponse:
+    """An SSE response whose cleanup also runs when the client leaves before the server starts
+    iterating the body: then the body's own `finally` never runs (an async generator that never
+    started cannot be closed into its try block), so `on_unstarted` (awaited after the response,
+    as Starlette's background task) does that cleanup instead."""
+    started = False
+
+    async def guarded() -> AsyncIterator[str]:
+        nonlocal started
+        started = True
+        try:
+            async for item in body:
+                yield item
+        finally:
+            await body.aclose()
+
+    async def after() -> None:
+        if not started:
+            await on_unstarted()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(after))
 
 
 def _finish_name(finish_reason: int) -> str:
@@ -291,10 +316,11 @@ class OpenAIFrontend:
         output = ChatOutput(self.codec, body.stop)
         meta = {"id": request_id, "created": int(time.time()), "model": body.model}
         if body.stream:
-            return StreamingResponse(
-                self._chat_stream(events, first, generation, output, meta, len(prompt),
-                                  body.include_usage, watcher, arrival),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            async def unstarted() -> None:
+                await self._end_stream("chat_completions", CLIENT_CLOSED, arrival, watcher, [generation], events)
+
+            return _event_stream(self._chat_stream(events, first, generation, output, meta, len(prompt),
+                                                   body.include_usage, watcher, arrival), unstarted)
         try:
             finish = await self._chat_collect(events, first, generation, output)
         finally:
@@ -387,12 +413,20 @@ class OpenAIFrontend:
             yield _sse(error.to_openai())
             yield _SSE_DONE
         finally:
-            watcher.cancel()
-            generation.cancel("stream closed")  # no-op after a normal finish
+            await self._end_stream(endpoint, status, arrival, watcher, [generation], events)
+
+    async def _end_stream(self, endpoint: str, status: int, arrival: float, watcher: asyncio.Task,
+                          generations: list[Generation], events: AsyncIterator | None = None) -> None:
+        """Once per streamed request: stop watching, cancel what still runs on the workers (a
+        no-op after a normal finish), count the request and leave the in-flight gauge."""
+        watcher.cancel()
+        for generation in generations:
+            generation.cancel("stream closed")
+        if events is not None:
             with contextlib.suppress(BaseException):
                 await events.aclose()
-            self._finish(endpoint, status, arrival)
-            self.metrics.in_flight.labels(endpoint).dec()
+        self._finish(endpoint, status, arrival)
+        self.metrics.in_flight.labels(endpoint).dec()
 
     # ---- completions -----------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
@@ -429,10 +463,11 @@ class OpenAIFrontend:
         choices = [self._completion_choice(i, events, first, gen, out)
                    for i, ((events, first), gen, out) in enumerate(zip(started, generations, outputs))]
         if body.stream:
-            return StreamingResponse(
-                self._completion_stream(choices, generations, outputs, meta, prompt_tokens,
-                                        body.include_usage, watcher, arrival),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            async def unstarted() -> None:
+                await self._end_stream("completions", CLIENT_CLOSED, arrival, watcher, generations)
+
+            return _event_stream(self._completion_stream(choices, generations, outputs, meta, prompt_tokens,
+                                                         body.include_usage, watcher, arrival), unstarted)
         finishes: list[str | None] = [None] * len(choices)
 
         async def drain(index: int, choice: AsyncIterator[tuple[int, str, str | None]]) -> None:
@@ -505,11 +540,7 @@ class OpenAIFrontend:
             yield _sse(error.to_openai())
             yield _SSE_DONE
         finally:
-            watcher.cancel()
-            for generation in generations:
-                generation.cancel("stream closed")
-            self._finish(endpoint, status, arrival)
-            self.metrics.in_flight.labels(endpoint).dec()
+            await self._end_stream(endpoint, status, arrival, watcher, generations)
 
     # ---- misc ------------------------------------------------------------------------------
     def models(self) -> dict:

@@ -235,3 +235,60 @@ def _refuses_connections(base_url: str) -> bool:
         return False
     except httpx.TransportError:
         return True
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": USER, "stream": True}),
+    ("/v1/completions", {"model": MODEL, "prompt": "Once", "stream": True}),
+])
+def test_disconnect_before_the_stream_starts_leaves_nothing_behind(cluster, path, body):
+    """The client is gone when the streamed body would start: the ASGI server never iterates the
+    body, yet the workers get Cancel, the in-flight gauge returns to zero and the request is
+    counted (499) once."""
+    import asyncio
+
+    cluster.reset()
+    for d in cluster.decode:
+        d.chunk_size, d.token_delay = 1, 0.02
+    router = cluster.router.router
+    endpoint = "chat_completions" if "chat" in path else "completions"
+    gauge = router.metrics.in_flight.labels(endpoint)
+    closed = router.metrics.requests.labels(endpoint, "499")
+    before = cluster.router.call(lambda: (gauge._value.get(), closed._value.get()))
+    raw = json.dumps(body).encode()
+
+    async def call_app():
+        sent, receives, gone = [], 0, asyncio.Event()
+
+        async def receive():
+            # 1: the body; 2: the router's disconnect watcher (waits); 3: the streaming response
+            # listening for a disconnect, which it gets at once, before the first chunk
+            nonlocal receives
+            receives += 1
+            if receives == 1:
+                return {"type": "http.request", "body": raw, "more_body": False}
+            if receives == 2:
+                await gone.wait()
+            gone.set()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.sleep(0)  # a real server's send yields to the loop (and sees the cancel)
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        await router.app(scope, receive, send)
+        return sent
+
+    sent = asyncio.run_coroutine_threadsafe(call_app(), cluster.router._loop).result(10)
+    assert not any(m["type"] == "http.response.body" and m.get("body") for m in sent)
+    prefill = next(p for p in cluster.prefill if p.requests)
+    rid = prefill.requests[-1].request_id
+    decode = next(d for d in cluster.decode if d.reserve_requests)
+    assert wait_for(lambda: rid in decode.cancelled)
+    assert wait_for(lambda: not decode.reservations)
+    assert wait_for(lambda: cluster.router.call(lambda: gauge._value.get()) == before[0])
+    assert cluster.router.call(lambda: closed._value.get()) == before[1] + 1
