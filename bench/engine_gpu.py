@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64])
-    ap.add_argument("--record", default=None, help="append the results to this markdown file")
+    ap.add_argument("--record", default=None, help="markdown file whose engine-gpu section is replaced")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
     ap.add_argument("--diagnose", action="store_true", help="swap attention / MoE paths separately and stop")
@@ -239,8 +239,10 @@ def main() -> int:
              f"{d['tok_s_total']:.0f} tok/s total |" for d in decode.values()] + [
             f"| decode step, graph vs eager logits, batch {b} | rel L2 {e:.2e} |" for b, e in graph_err.items()
         ] + ["<!-- engine-gpu:end -->", ""]
-        with open(a.record, "a") as f:
-            f.write("\n".join(lines))
+        from bench.doc_section import replace_section
+
+        body = "\n".join(lines).strip("\n")  # from the begin marker to the end marker
+        replace_section(Path(a.record), "<!-- engine-gpu:begin -->", "<!-- engine-gpu:end -->", body)
     return 0 if err < 5e-2 else 1
 
 

@@ -463,15 +463,9 @@ def render_section(rows: list[dict], meta: dict, notes: list[str]) -> str:
 
 def update_doc(doc: Path, section: str) -> None:
     """Replace the text between the kvtransfer markers (inclusive), or append the section."""
-    text = doc.read_text() if doc.is_file() else "# Performance\n"
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    tmp = doc.with_name(doc.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, doc)
+    from bench.doc_section import replace_section
+
+    replace_section(doc, BEGIN, END, section)
 
 
 def describe(device: str) -> str:

@@ -508,14 +508,10 @@ def render_section(rows: list[dict], meta: dict, plots: list[str], out: Path, do
 
 
 def update_doc(doc: Path, section: str) -> None:
-    """Replace the text between the model markers (inclusive), or append it; nothing else changes."""
-    text = doc.read_text() if doc.is_file() else "# Performance\n"
-    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+    """Replace the text between the model markers (inclusive), or append the section."""
+    from bench.doc_section import replace_section
+
+    replace_section(doc, BEGIN, END, section)
 
 
 # -- main ---------------------------------------------------------------------------------------
