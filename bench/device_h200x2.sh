@@ -28,17 +28,7 @@ wait_file() {  # wait_file PATH SECONDS_RESERVED: poll until the file exists or 
   [ -f "$1" ]
 }
 
-site=${GPU_SITE:-/tmp/gpu-site}
-aot="$site/flashinfer/data/aot"
-mkdir -p "$aot"
-[ -f .gpu/pdserve-fi-jit.tar.gz ] && tar -xzf .gpu/pdserve-fi-jit.tar.gz -C "$aot" && log "restored FlashInfer modules"
-export TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$TRITON_CACHE_DIR"
-[ -f .gpu/pdserve-triton.tar.gz ] && tar -xzf .gpu/pdserve-triton.tar.gz -C "$TRITON_CACHE_DIR" && log "restored Triton cache"
-if ls .gpu/dg/apache_tvm_ffi-0.1.11*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tvm011 .gpu/dg/apache_tvm_ffi-0.1.11*.whl \
-    && export DG_TVM_FFI_SITE=/tmp/tvm011
-fi
+source bench/device_caches.sh
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 CKPT_ROOT=/tmp/ckpt
 CKPT20=$CKPT_ROOT/20b-mxfp4-seed0
@@ -124,6 +114,7 @@ if has model; then
 fi
 
 cat /tmp/warm_*.log > "$L/warm.log" 2>/dev/null
+save_caches
 log "summary"
 tail -3 "$L/pytest.log" 2>/dev/null
 grep -h -E "FAILED|^E  " "$L/pytest.log" 2>/dev/null | head -20

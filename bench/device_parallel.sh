@@ -35,20 +35,14 @@ nccl)
   python3 -c "import flashinfer, triton" 2>/dev/null \
     || { log "FlashInfer/Triton not importable: run 'source .gpu/setup.sh' first (carry .gpu)"; exit 1; }
   gpus
-  site=${GPU_SITE:-/tmp/gpu-site}
-  aot="$site/flashinfer/data/aot"
-  mkdir -p "$aot"
-  [ -f .gpu/pdserve-fi-jit.tar.gz ] && tar -xzf .gpu/pdserve-fi-jit.tar.gz -C "$aot" && log "restored FlashInfer modules"
-  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-  mkdir -p "$TRITON_CACHE_DIR"
-  [ -f .gpu/pdserve-triton.tar.gz ] && tar -xzf .gpu/pdserve-triton.tar.gz -C "$TRITON_CACHE_DIR" && log "restored Triton cache"
+  source bench/device_caches.sh
   log "NCCL layouts test (budget ${TEST_TIMEOUT:-540} s)"
   set -o pipefail
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -m gpu tests/gpu/test_parallel_gpu.py -rP -s \
     -p no:cacheprovider --durations=5 "$@" 2>&1 | tee "$OUT/parallel_gpu.log"
   rc=$?
   grep -h "^\[parallel-gpu\]" "$OUT/parallel_gpu.log" > "$OUT/parallel_gpu_figures.txt"
-  (cd "$TRITON_CACHE_DIR" && tar -czf "$OUT/pdserve-triton.tar.gz" . 2>/dev/null)
+  save_caches
   log "done (rc=$rc); figures in $OUT/parallel_gpu_figures.txt"
   exit $rc
   ;;
