@@ -7,13 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: install serve test test-gpu clean
+.PHONY: install serve test test-gpu clean proto
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(BIN)/pip install -q -e '.[test]' 
 	# OpenAI's reference implementation, for the logits tests (declares Python >= 3.12; works on 3.11)
 	$(BIN)/pip install -q --no-deps --ignore-requires-python 'gpt-oss==0.0.9'
 	touch $(STAMP)
@@ -31,3 +31,11 @@ test-gpu: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Regenerate the gRPC stubs from proto/pdserve.proto (they import `pdserve.proto.pdserve_pb2`).
+proto: $(STAMP)
+	rm -rf .proto-gen && mkdir -p .proto-gen/src/pdserve/proto
+	cp proto/pdserve.proto .proto-gen/src/pdserve/proto/
+	$(BIN)/python -m grpc_tools.protoc -I.proto-gen/src --python_out=.proto-gen --grpc_python_out=.proto-gen .proto-gen/src/pdserve/proto/pdserve.proto
+	cp .proto-gen/pdserve/proto/pdserve_pb2.py .proto-gen/pdserve/proto/pdserve_pb2_grpc.py proto/
+	rm -rf .proto-gen

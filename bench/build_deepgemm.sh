@@ -12,7 +12,7 @@
 #
 # Usage, on the device from the repo root after `source .gpu/setup.sh`:
 #     bash bench/build_deepgemm.sh [--force] [--layout-only]
-#     DG_SITE=/tmp/dg-site python -m bench.kernels --sections gemm
+#     DG_SITE=/tmp/dg-site python -m pdserve.bench.kernels --sections gemm
 # --force rebuilds even if the site already holds a build for this torch; --layout-only stops
 # after laying out the source tree (no CUDA needed). Environment: DG_SITE (default /tmp/dg-site),
 # DG_SRC (default .gpu/dg/src), PYTHON (default python3), CUDA_HOME (default: from nvcc).

@@ -50,7 +50,7 @@ if has kernels; then
   ( bash bench/build_deepgemm.sh > "$L/deepgemm_build.log" 2>&1; echo $? > /tmp/dg.rc ) &
 fi
 for target in xqa-full xqa-window plain-fa2 plain-fa3; do
-  python3 -m bench.kernels --warm-jit "$target" > "/tmp/warm_$target.log" 2>&1 &
+  python3 -m pdserve.bench.kernels --warm-jit "$target" > "/tmp/warm_$target.log" 2>&1 &
 done
 
 # -- GPU 0 --------------------------------------------------------------------------------------
@@ -62,12 +62,12 @@ done
     log "gpu0: pytest rc=$? ($(tail -1 "$L/pytest.log"))"
   fi
   if has kernels; then
-    timeout "$(left 150)" python3 -m bench.kernels --sections gemv,moe --json "$OUT/bench_moe.json" > "$L/bench_moe.log" 2>&1
+    timeout "$(left 150)" python3 -m pdserve.bench.kernels --sections gemv,moe --json "$OUT/bench_moe.json" > "$L/bench_moe.log" 2>&1
     log "gpu0: bench moe rc=$?"
     if wait_file /tmp/dg.rc 60 && [ "$(cat /tmp/dg.rc)" = 0 ]; then
       export DG_SITE=/tmp/dg-site DG_CHILD_TIMEOUT=$(left 40)
     fi
-    timeout "$(left 15)" python3 -m bench.kernels --sections gemm --json "$OUT/bench_gemm.json" > "$L/bench_gemm.log" 2>&1
+    timeout "$(left 15)" python3 -m pdserve.bench.kernels --sections gemm --json "$OUT/bench_gemm.json" > "$L/bench_gemm.log" 2>&1
     log "gpu0: bench gemm rc=$?"
   fi
 ) &
@@ -78,7 +78,7 @@ lane0=$!
   export CUDA_VISIBLE_DEVICES=1
   if has kernels; then
     sleep 20  # let the FlashInfer warm-up builds start first
-    timeout "$(left 300)" python3 -m bench.kernels --sections attention --json "$OUT/bench_attention.json" \
+    timeout "$(left 300)" python3 -m pdserve.bench.kernels --sections attention --json "$OUT/bench_attention.json" \
       > "$L/bench_attention.log" 2>&1
     log "gpu1: bench attention rc=$?"
   fi

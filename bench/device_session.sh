@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 # FlashInfer modules that are not prebuilt: build each in its own process, in the background
 pids=()
 for target in xqa-full xqa-window plain-fa2 plain-fa3; do
-  python3 -m bench.kernels --warm-jit "$target" > "/tmp/warm_$target.log" 2>&1 &
+  python3 -m pdserve.bench.kernels --warm-jit "$target" > "/tmp/warm_$target.log" 2>&1 &
   pids+=($!)
 done
 
@@ -38,7 +38,7 @@ if [[ $steps == *bench* ]]; then
   export PDSERVE_BENCH_COMMAND="source .gpu/setup.sh; bash bench/device_session.sh $steps $*"
   left=$(( ${SESSION_SECONDS:-560} - SECONDS - 25 ))
   log "bench budget ${left}s"
-  timeout "$left" python3 -m bench.kernels --doc "$OUT/performance.md" --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -120
+  timeout "$left" python3 -m pdserve.bench.kernels --doc "$OUT/performance.md" --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -120
   log "bench done"
   save_caches; ls -la "$OUT"
 fi

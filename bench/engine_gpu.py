@@ -21,13 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.checkpoint_writer import make_random_checkpoint  # noqa: E402
-from engine.config import preset  # noqa: E402
-from engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from pdserve.engine.checkpoint_writer import make_random_checkpoint  # noqa: E402
+from pdserve.engine.config import preset  # noqa: E402
+from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.model_runner import ModelRunner  # noqa: E402
+from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.engine.sequence import Sequence  # noqa: E402
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,8 +37,8 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 @contextlib.contextmanager
 def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
     """Run the same runner through the plain-torch references (attention and/or MoE)."""
-    import engine.model as model_mod
-    from kernels.moe import experts_forward_ref
+    import pdserve.engine.model as model_mod
+    from pdserve.kernels.moe import experts_forward_ref
 
     saved_moe, saved_attn, saved_backend = model_mod.experts_forward, runner.attention, runner.model.attention_backend
     if moe:
@@ -57,9 +57,9 @@ def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
 def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[float]]:
     """Run a prefill where every attention and MoE call also runs its torch reference on the
     very same inputs: kernel error without the compounding of a chaotic random model."""
-    import engine.model as model_mod
-    from kernels.attention import TorchSinkAttention
-    from kernels.moe import experts_forward_ref
+    import pdserve.engine.model as model_mod
+    from pdserve.kernels.attention import TorchSinkAttention
+    from pdserve.kernels.moe import experts_forward_ref
 
     errs: dict[str, list[float]] = {"attention": [], "moe": []}
     fast_moe = model_mod.experts_forward
@@ -239,7 +239,7 @@ def main() -> int:
              f"{d['tok_s_total']:.0f} tok/s total |" for d in decode.values()] + [
             f"| decode step, graph vs eager logits, batch {b} | rel L2 {e:.2e} |" for b, e in graph_err.items()
         ] + ["<!-- engine-gpu:end -->", ""]
-        from bench.doc_section import replace_section
+        from pdserve.bench.doc_section import replace_section
 
         body = "\n".join(lines).strip("\n")  # from the begin marker to the end marker
         replace_section(Path(a.record), "<!-- engine-gpu:begin -->", "<!-- engine-gpu:end -->", body)

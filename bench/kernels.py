@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: sink attention and the FP8 MoE layer against peers and floors.
 
-    python -m bench.kernels [--quick] [--sections ceilings,attention,moe,gemv,gemm,sweep]
+    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,gemv,gemm,sweep]
                             [--doc docs/performance.md] [--json results.json]
 
 Prints one table per section and replaces the "## Kernels" section of `--doc` (date, device,
@@ -132,7 +132,7 @@ def measure_ceilings() -> dict:
 
 # ------------------------------------------------------------------------------------ attention
 def _paged(batch_lens: list[int], qo_lens: list[int], gen: torch.Generator):
-    from kernels.attention import PagedBatch
+    from pdserve.kernels.attention import PagedBatch
 
     pages = [-(-k // PAGE) for k in batch_lens]
     total = sum(pages) + 1
@@ -148,7 +148,7 @@ def _paged(batch_lens: list[int], qo_lens: list[int], gen: torch.Generator):
 
 
 def _ours(window_left: int, **kw):
-    from kernels.flashinfer_attention import FlashInferSinkAttention
+    from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention
 
     return FlashInferSinkAttention(torch.device(DEV), window_left=window_left, sm_scale=SM_SCALE,
                                    num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
@@ -156,7 +156,7 @@ def _ours(window_left: int, **kw):
 
 
 def _fi_workspace():
-    from kernels.flashinfer_attention import _workspace
+    from pdserve.kernels.flashinfer_attention import _workspace
 
     return _workspace("fa", torch.device(DEV))
 
@@ -234,7 +234,7 @@ def bench_attention_decode(ceil: dict, quick: bool) -> str:
         res["fi plain"] = guarded("fi plain decode", run_plain_decode)
 
         def run_xqa_nosink():
-            from kernels.flashinfer_attention import FlashInferSinkAttention, _workspace
+            from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention, _workspace
 
             table_ = FlashInferSinkAttention._page_table(batch, max_pages).to(DEV)
             seq = batch.kv_lens.to(torch.int32).to(DEV)
@@ -342,7 +342,7 @@ def bench_attention_prefill(ceil: dict, quick: bool) -> str:
 # ------------------------------------------------------------------------------------ MoE
 def bench_weights(num_experts: int):
     """Random FP8 experts (random codes and scales: the kernels' speed must not see zeros)."""
-    from kernels.moe import ExpertWeights
+    from pdserve.kernels.moe import ExpertWeights
 
     def fp8(*shape):
         return (torch.randn(*shape, device=DEV) * 64).to(torch.float8_e4m3fn)
@@ -356,7 +356,7 @@ def bench_weights(num_experts: int):
 
 
 def bench_inputs(t: int, num_experts: int, seed: int):
-    from kernels.moe import route
+    from pdserve.kernels.moe import route
 
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(t, HIDDEN, device=DEV, generator=g).to(torch.bfloat16)
@@ -381,7 +381,7 @@ def moe_floor(ids: torch.Tensor, t: int, ceil: dict) -> tuple[float, float, floa
 
 def torch_bf16_moe(w_bf16, bias_gu, bias_dn, x_sorted, offs, counts):
     """bf16 grouped GEMMs on rows already sorted by expert (no routing cost): the torch peer."""
-    from kernels.swiglu import swiglu
+    from pdserve.kernels.swiglu import swiglu
 
     if hasattr(torch, "_grouped_mm"):
         h = torch._grouped_mm(x_sorted, w_bf16[0].transpose(1, 2), offs=offs)
@@ -401,9 +401,9 @@ GEMV_BATCHES = (1, 2, 4, 8)  # decode batches where the GEMV path is timed next 
 
 
 def bench_moe(ceil: dict, quick: bool) -> str:
-    from kernels import triton_moe as tm
-    from kernels import triton_moe_gemv as tg
-    from kernels.moe import route
+    from pdserve.kernels import triton_moe as tm
+    from pdserve.kernels import triton_moe_gemv as tg
+    from pdserve.kernels.moe import route
 
     rows = []
     for model, num_e in MODELS.items():
@@ -464,7 +464,7 @@ def gemv_sweep_configs():
     """The GEMV configs `--sections gemv` times: the default and four alternatives, each testing
     one hypothesis (sm_90a SASS of all checked offline: no spills; K loops 3.4-5.4 instructions
     per weight byte)."""
-    from kernels.triton_moe_gemv import DEFAULT_CONFIG, GemvConfig, GemvTile
+    from pdserve.kernels.triton_moe_gemv import DEFAULT_CONFIG, GemvConfig, GemvTile
 
     return {
         "default": DEFAULT_CONFIG,
@@ -481,8 +481,8 @@ def gemv_sweep_configs():
 def bench_gemv(ceil: dict, quick: bool) -> str:
     """GEMV decode path at batch 1 (20b weights): each gemv_sweep_configs() entry's two launches
     alone and the whole layer, against the weight-bandwidth floor; the grouped path for reference."""
-    from kernels import triton_moe as tm
-    from kernels import triton_moe_gemv as tg
+    from pdserve.kernels import triton_moe as tm
+    from pdserve.kernels import triton_moe_gemv as tg
 
     num_e, t = MODELS["20b"], 1
     w = bench_weights(num_e)
@@ -526,7 +526,7 @@ def bench_gemv(ceil: dict, quick: bool) -> str:
 
 
 def _gemm_parts(t: int, num_e: int, w, cfg):
-    from kernels import triton_moe as tm
+    from pdserve.kernels import triton_moe as tm
 
     x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
     r = tm.align_routing(ids, 0, num_e, cfg.route_m)
@@ -537,7 +537,7 @@ def _gemm_parts(t: int, num_e: int, w, cfg):
 
 def bench_gemm(ceil: dict, quick: bool, dg: dict | None) -> str:
     """Prefill grouped GEMMs alone: ours (bias, SwiGLU/quant or routing weight fused) vs DeepGEMM."""
-    from kernels import triton_moe as tm
+    from pdserve.kernels import triton_moe as tm
 
     rows = []
     for model, num_e in MODELS.items():
@@ -710,7 +710,7 @@ def run_deepgemm(quick: bool) -> dict:
     if alt and os.path.isdir(alt):
         envs.append(("tvm-ffi 0.1.11", with_path(alt)))
     timeout = float(os.environ.get("DG_CHILD_TIMEOUT", "540"))
-    cmd = [sys.executable, "-m", "bench.kernels", "--deepgemm-child"] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "pdserve.bench.kernels", "--deepgemm-child"] + (["--quick"] if quick else [])
     attempts = []
     for label, env in envs:
         t0 = time.time()
@@ -740,7 +740,7 @@ def run_deepgemm(quick: bool) -> dict:
 
 # ------------------------------------------------------------------------------------ sweep
 def _g(bm, bn, warps, stages, split=1, prefetch=True):
-    from kernels.triton_moe import GemmConfig
+    from pdserve.kernels.triton_moe import GemmConfig
 
     return GemmConfig(bm, bn, warps, stages, split_k=split, prefetch_scales=prefetch)
 
@@ -770,7 +770,7 @@ def _tile(cfg) -> str:
 
 
 def bench_sweep(ceil: dict, quick: bool) -> str:
-    from kernels import triton_moe as tm
+    from pdserve.kernels import triton_moe as tm
 
     rows = []
     cached: tuple[int, object] | None = None
@@ -876,7 +876,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"unknown section {section!r}")
     print(f"bench: {time.time() - t0:.0f}s", flush=True)
     command = os.environ.get("PDSERVE_BENCH_COMMAND") or (
-        "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
+        "python -m pdserve.bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.doc:
         write_doc(args.doc, out, ceil, command)
     if args.json:

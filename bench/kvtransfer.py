@@ -90,7 +90,7 @@ DEFAULT_CASES = ("tp1-tp1", "tp1-tp1-shuffled", "tp1-tp2", "tp2-tp1")
 
 
 def model_config():
-    from engine.config import preset
+    from pdserve.engine.config import preset
 
     return preset("20b")
 
@@ -98,7 +98,7 @@ def model_config():
 def request_kv_bytes(cfg, n_tokens: int, page: int = PAGE) -> int:
     """Bytes of every KV head a decode worker receives for an n-token prompt (what the sources
     send in all: each head's pages exactly once)."""
-    from engine.kv_cache import cdiv, sliding_first_page
+    from pdserve.engine.kv_cache import cdiv, sliding_first_page
 
     page_bytes = 2 * page * cfg.num_key_value_heads * cfg.head_dim * 2
     n_sliding = sum(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)) if cfg.sliding_window else 0
@@ -131,9 +131,9 @@ class _Rank:
               staging_bytes: int) -> dict:
         """Build the pools, reserve each request in `lengths` (name -> prompt tokens) as the worker
         of `role` does, start the agent."""
-        from decode_worker.parallel import KVArrivals
-        from engine.kv_cache import PagedKVCache, cdiv
-        from kvtransfer import KVTransferAgent, head_range
+        from pdserve.decode_worker.parallel import KVArrivals
+        from pdserve.engine.kv_cache import PagedKVCache, cdiv
+        from pdserve.kvtransfer import KVTransferAgent, head_range
 
         cfg = model_config()
         heads = head_range(cfg.num_key_value_heads, tp, rank)
@@ -184,8 +184,8 @@ class _Rank:
 
     def plan(self, request_id: str, name: str, n: int, placements: list[dict]):
         """The prefill leader's KVPush for request `name` (n tokens) onto the decode placements."""
-        from engine.sampling import SamplingParams
-        from prefill_worker.executor import PrefillExecutor, PrefillJob
+        from pdserve.engine.sampling import SamplingParams
+        from pdserve.prefill_worker.executor import PrefillExecutor, PrefillJob
 
         executor = PrefillExecutor(SimpleNamespace(cache=self.cache), self.agent)
         job = PrefillJob(request_id, [], SamplingParams(), [SimpleNamespace(**p) for p in placements])
@@ -193,8 +193,8 @@ class _Rank:
 
     def descriptors(self, push) -> int:
         """NIXL descriptors this rank's share of `push` posts (the agent's own planning)."""
-        from kvtransfer import heads_overlap
-        from kvtransfer.plan import merge_contiguous, plan_copy, plan_staging_nbytes
+        from pdserve.kvtransfer import heads_overlap
+        from pdserve.kvtransfer.plan import merge_contiguous, plan_copy, plan_staging_nbytes
 
         total = 0
         for blob, pairs in push.targets:
@@ -214,7 +214,7 @@ class _Rank:
         self._sync()
 
     def push(self, push, timeout_s: float) -> tuple[float, float, int]:
-        from prefill_worker.executor import push_kv
+        from pdserve.prefill_worker.executor import push_kv
 
         t0 = time.monotonic()
         nbytes = push_kv(self.agent, push, timeout_s)
@@ -463,7 +463,7 @@ def render_section(rows: list[dict], meta: dict, notes: list[str]) -> str:
 
 def update_doc(doc: Path, section: str) -> None:
     """Replace the text between the kvtransfer markers (inclusive), or append the section."""
-    from bench.doc_section import replace_section
+    from pdserve.bench.doc_section import replace_section
 
     replace_section(doc, BEGIN, END, section)
 
@@ -473,7 +473,7 @@ def describe(device: str) -> str:
 
     if device == "cuda":
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)} (torch {torch.__version__})"
-    from bench.serving import describe_device
+    from pdserve.bench.serving import describe_device
 
     return describe_device()
 

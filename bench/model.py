@@ -129,8 +129,8 @@ def checkpoint_bytes(cfg) -> int:
 
 def ensure_checkpoint(preset_name: str, root: Path) -> tuple[Path | None, str]:
     """(checkpoint dir, "") once written, or (None, why not)."""
-    from engine.checkpoint_writer import make_random_checkpoint
-    from engine.config import preset
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.config import preset
 
     path = root / f"{preset_name}-mxfp4-seed0"
     if (path / "config.json").is_file():
@@ -165,7 +165,7 @@ def _resize_cache(runner, full_blocks: int, sliding_blocks: int) -> None:
 
     import torch
 
-    from engine.kv_cache import PagedKVCache
+    from pdserve.engine.kv_cache import PagedKVCache
 
     runner.cache = None
     gc.collect()
@@ -181,7 +181,7 @@ def _full_block_capacity(runner, sliding_blocks: int, margin_bytes: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.kv_cache import PagedKVCache
+    from pdserve.engine.kv_cache import PagedKVCache
 
     if runner.device.type != "cuda":
         return 1 << 16
@@ -204,8 +204,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _bench_prefill(runner, grid: Grid, device) -> list[dict]:
-    from engine.sampling import SamplingParams
-    from engine.sequence import Sequence
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
 
     page = runner.model.page_size
     fits = [n for n in grid.lengths if n < runner.max_context]
@@ -246,8 +246,8 @@ def _oom_errors() -> tuple[type, ...]:
 
 
 def _bench_decode(runner, grid: Grid, device) -> list[dict]:
-    from engine.sampling import SamplingParams
-    from engine.sequence import Sequence
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
 
     page = runner.model.page_size
     steps = grid.warmup_steps + grid.decode_steps
@@ -260,7 +260,7 @@ def _bench_decode(runner, grid: Grid, device) -> list[dict]:
     _resize_cache(runner, full + 1, sliding + 1)  # + the CUDA graphs' pad block of each pool
     if (device.type == "cuda" and runner.shard.world_size == 1
             and type(runner.attention["full"]).__name__ == "FlashInferSinkAttention"):
-        from engine.cuda_graphs import DecodeGraphs
+        from pdserve.engine.cuda_graphs import DecodeGraphs
 
         # as a single-rank decode worker runs: steps replay CUDA graphs (captured in the first
         # warm-up step); multi-rank layouts decode eagerly (engine/model_runner.py)
@@ -309,8 +309,8 @@ def _bench_decode(runner, grid: Grid, device) -> list[dict]:
 def _rank_main(rank: int, job: dict, out_dir: str) -> None:
     import torch
 
-    from engine.model_runner import ModelRunner
-    from engine.parallel import cpu_threads_per_rank, destroy_worker_group, init_worker_group
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.parallel import cpu_threads_per_rank, destroy_worker_group, init_worker_group
 
     lay = Layout(**job["layout"])
     if job["device"] == "cpu":
@@ -509,7 +509,7 @@ def render_section(rows: list[dict], meta: dict, plots: list[str], out: Path, do
 
 def update_doc(doc: Path, section: str) -> None:
     """Replace the text between the model markers (inclusive), or append the section."""
-    from bench.doc_section import replace_section
+    from pdserve.bench.doc_section import replace_section
 
     replace_section(doc, BEGIN, END, section)
 

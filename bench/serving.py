@@ -1,10 +1,10 @@
 """Serving benchmark: a seeded open- or closed-loop load against the pdserve router, compared with
 the same workload run in one process through `engine.llm_engine.LLMEngine`.
 
-    python -m bench.serving --spawn --prefill-workers 1 --decode-workers 1 --model tiny \\
+    python -m pdserve.bench.serving --spawn --prefill-workers 1 --decode-workers 1 --model tiny \\
         --num-requests 60 --rate 0.4 --input-len 288 --input-dist uniform --input-spread 0.7778 \\
         --output-len 48 --output-dist uniform --output-spread 0.3334 --doc docs/performance.md
-    python -m bench.serving --url http://127.0.0.1:8000 --model /ckpt/gpt-oss-20b --rate 4 ...
+    python -m pdserve.bench.serving --url http://127.0.0.1:8000 --model /ckpt/gpt-oss-20b --rate 4 ...
 
 Requests arrive as a Poisson process at `--rate` req/s (`inf`: all at once), with at most
 `--concurrency` in flight (a closed loop when the rate is `inf`). Each prompt is random ordinary
@@ -426,7 +426,7 @@ class GRPCGenerate:
     def __init__(self, target: str, model: str, temperature: float, timeout_s: float):
         import grpc
 
-        from proto import pdserve_pb2_grpc
+        from pdserve.proto import pdserve_pb2_grpc
 
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pdserve_pb2_grpc.GeneratorStub(self.channel)
@@ -438,7 +438,7 @@ class GRPCGenerate:
     async def __call__(self, r: Request) -> Outcome:
         import grpc
 
-        from proto import pdserve_pb2 as pb
+        from pdserve.proto import pdserve_pb2 as pb
 
         request = pb.GenerateRequest(model=self.model, prompt_token_ids=r.prompt_ids, sampling=pb.SamplingParams(
             temperature=self.temperature, seed=r.seed, max_new_tokens=r.max_tokens, ignore_eos=True))
@@ -494,9 +494,9 @@ def run_engine(model_dir: str, requests: Sequence[Request], warmup: Sequence[Req
     """Replay the schedule into an in-process `LLMEngine`: a request that arrives during a step
     joins at the next one (its latency counts from the arrival); with `concurrency`, request k
     starts when request k-concurrency's slot frees, as the client's semaphore does."""
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import InvalidRequest, ModelRunner
-    from engine.sampling import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_runner import InvalidRequest, ModelRunner
+    from pdserve.engine.sampling import SamplingParams
 
     if torch_threads:
         import torch
@@ -731,7 +731,7 @@ def git_commit() -> str | None:
 
 
 DOC_INTRO = """\
-Written by `python -m bench.serving` (one subsection per configuration; a rerun replaces its own).
+Written by `python -m pdserve.bench.serving` (one subsection per configuration; a rerun replaces its own).
 Each run sends one seeded workload (Poisson arrivals or a closed loop, random token-id prompts,
 per-request sampling seeds) to the disaggregated cluster through the router, then replays the
 identical schedule in one process through `engine.llm_engine.LLMEngine` (no network, no
@@ -820,7 +820,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.serving", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running router, e.g. http://127.0.0.1:8000")
@@ -922,7 +922,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     requests, warmup = w.requests(), w.warmup(a.warmup)
     cluster = None
     if a.spawn:
-        from launch.serve import ClusterSpec, LocalCluster
+        from pdserve.launch.serve import ClusterSpec, LocalCluster
 
         spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=_free_port(),
                            grpc_port=_free_port(), prefill_workers=a.prefill_workers,
@@ -941,7 +941,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         model_dir = None
         if not a.no_baseline:
             if a.model == "tiny":
-                from launch.serve import builtin_tiny_model
+                from pdserve.launch.serve import builtin_tiny_model
 
                 model_dir = str(builtin_tiny_model())
             else:
@@ -964,7 +964,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     server = ServerView.delta(before, after)
     base_outcomes, base, base_cpu = None, None, None
     if not a.no_baseline:
-        from router.harmony import HarmonyCodec
+        from pdserve.router.harmony import HarmonyCodec
 
         print("bench: single-process baseline (LLMEngine)", file=sys.stderr, flush=True)
         base_outcomes, base_cpu = run_engine(model_dir, requests, warmup, concurrency=a.concurrency,
@@ -975,7 +975,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
         base = summarize(base_outcomes, requests)
     name = f"cluster {a.prefill_workers}P+{a.decode_workers}D" if a.spawn else "router"
     tables = render_tables(stats, base, server, name, cpu, base_cpu)
-    command = "python -m bench.serving " + shlex.join(argv)
+    command = "python -m pdserve.bench.serving " + shlex.join(argv)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device, commit = describe_device(), git_commit()
     in_lens = [len(r.prompt_ids) for r in requests]

@@ -35,10 +35,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from engine.model_runner import ModelRunner
-    from kvtransfer import KVTransferAgent
-    from proto import pdserve_pb2_grpc as pb_grpc
-    from proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
 
     from .parallel import KVArrivals
     from .scheduler import DecodeScheduler

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from kvtransfer.notify import parse_kv_notification
+from pdserve.kvtransfer.notify import parse_kv_notification
 
 log = logging.getLogger("decode_worker")
 
@@ -76,13 +76,13 @@ def run_parallel(a: argparse.Namespace) -> int:
 
     import torch
 
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelRunner
-    from engine.parallel import (LeaderGroup, RankProcesses, ShardSpec, check_layout, cpu_threads_per_rank,
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.parallel import (LeaderGroup, RankProcesses, ShardSpec, check_layout, cpu_threads_per_rank,
                                  destroy_worker_group, gather_objects, init_worker_group, rendezvous_dir)
-    from kvtransfer import KVTransferAgent
-    from proto import pdserve_pb2_grpc as pb_grpc
-    from proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
 
     from .main import SERVICES
     from .scheduler import DecodeScheduler
@@ -192,11 +192,11 @@ def _forward_notifications(agent, conn, stop: threading.Event) -> None:
 def _follower_main(rank: int, a: argparse.Namespace, worker_id: str, init: str, leader_pid: int, conn) -> None:
     import torch
 
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelRunner
-    from engine.parallel import (cpu_threads_per_rank, destroy_worker_group, follow, gather_objects,
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.parallel import (cpu_threads_per_rank, destroy_worker_group, follow, gather_objects,
                                  init_worker_group, rendezvous_dir_of, watch_parent)
-    from kvtransfer import KVTransferAgent
+    from pdserve.kvtransfer import KVTransferAgent
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # the leader decides when ranks stop
         signal.signal(sig, signal.SIG_IGN)

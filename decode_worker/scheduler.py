@@ -16,10 +16,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheFull, SeqBlocks
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, sample
-from engine.sequence import FinishReason, Sequence
+from pdserve.engine.kv_cache import KVCacheFull, SeqBlocks
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams, sample
+from pdserve.engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ import time
 
 import grpc
 
-from engine.kv_cache import KVCacheFull
-from engine.sampling import SamplingError, SamplingParams
-from engine.sequence import FinishReason
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
-from proto.rpc import sampling_kwargs
+from pdserve.engine.kv_cache import KVCacheFull
+from pdserve.engine.sampling import SamplingError, SamplingParams
+from pdserve.engine.sequence import FinishReason
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.rpc import sampling_kwargs
 
 from .scheduler import DecodeScheduler, ReservationError
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8_exact
-from kernels.moe import ExpertWeights
-from kernels.mxfp4 import dequantize_mxfp4
+from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8_exact
+from pdserve.kernels.moe import ExpertWeights
+from pdserve.kernels.mxfp4 import dequantize_mxfp4
 
 from .config import ModelConfig
 from .parallel import ShardSpec

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kernels.fp8 import pad_intermediate, quantize_weight_fp8_exact
-from kernels.mxfp4 import dequantize_mxfp4
+from pdserve.kernels.fp8 import pad_intermediate, quantize_weight_fp8_exact
+from pdserve.kernels.mxfp4 import dequantize_mxfp4
 
 from .checkpoint import CheckpointReader, _read_expert_bf16
 from .config import ModelConfig

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention import PagedBatch
+from pdserve.kernels.attention import PagedBatch
 
 from .kv_cache import PagedKVCache, cdiv
 from .model import GptOssModel, StepContext

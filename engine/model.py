@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import PagedBatch, make_sink_attention
-from kernels.moe import experts_forward, route
+from pdserve.kernels.attention import PagedBatch, make_sink_attention
+from pdserve.kernels.moe import experts_forward, route
 
 from .checkpoint import ModelWeights
 from .config import ModelConfig

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from kernels.attention import PagedBatch
+from pdserve.kernels.attention import PagedBatch
 
 from .checkpoint import load_weights
 from .config import ModelConfig

@@ -114,7 +114,7 @@ class GemvConfig:
 
 # Default for H200 at H = 2880, I = 3072, chosen from sm_90a SASS before any device run
 # (docs/kernels.md "v5": ~4 instructions per weight byte in both K loops, no spills, one wave);
-# `python -m bench.kernels --sections gemv` times the alternatives (bench.kernels.gemv_sweep_configs).
+# `python -m pdserve.bench.kernels --sections gemv` times the alternatives (bench.kernels.gemv_sweep_configs).
 # Batch 1: gate/up 4 pairs x 6144 / 64 = 384 programs of 4 warps (127 registers: all resident
 # at once); down 2880 / 16 = 180 programs of 4 warps, each lane 4 rows x 16 columns per step.
 DEFAULT_CONFIG = GemvConfig(

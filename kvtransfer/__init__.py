@@ -4,10 +4,10 @@
 TP); ``agent`` owns the NIXL agent, memory registration, handshake and notifications.
 """
 
-from kvtransfer.agent import KVTransferAgent, TransferHandle
-from kvtransfer.errors import KVLayoutError, KVTransferError
-from kvtransfer.layout import PoolLayout, head_range, heads_overlap
-from kvtransfer.plan import PoolCopy, plan_copy, plan_pool_copy
+from pdserve.kvtransfer.agent import KVTransferAgent, TransferHandle
+from pdserve.kvtransfer.errors import KVLayoutError, KVTransferError
+from pdserve.kvtransfer.layout import PoolLayout, head_range, heads_overlap
+from pdserve.kvtransfer.plan import PoolCopy, plan_copy, plan_pool_copy
 
 __all__ = [
     "KVLayoutError", "KVTransferAgent", "KVTransferError", "PoolCopy", "PoolLayout",

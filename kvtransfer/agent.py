@@ -43,11 +43,11 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from kvtransfer.errors import KVLayoutError, KVTransferError
-from kvtransfer.handshake import PeerInfo, decode_peer_info, encode_peer_info
-from kvtransfer.layout import PoolLayout
-from kvtransfer.netdev import ucx_net_devices
-from kvtransfer.plan import (
+from pdserve.kvtransfer.errors import KVLayoutError, KVTransferError
+from pdserve.kvtransfer.handshake import PeerInfo, decode_peer_info, encode_peer_info
+from pdserve.kvtransfer.layout import PoolLayout
+from pdserve.kvtransfer.netdev import ucx_net_devices
+from pdserve.kvtransfer.plan import (
     PoolCopy,
     as_block_pairs,
     merge_contiguous,
@@ -55,7 +55,7 @@ from kvtransfer.plan import (
     plan_copy,
     plan_staging_nbytes,
 )
-from kvtransfer.staging import StagingBuffer
+from pdserve.kvtransfer.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import json
 import struct
 from dataclasses import dataclass
 
-from kvtransfer.errors import KVLayoutError
-from kvtransfer.layout import PoolLayout
+from pdserve.kvtransfer.errors import KVLayoutError
+from pdserve.kvtransfer.layout import PoolLayout
 
 MAGIC = b"PDSKV1\n"
 _LEN = struct.Struct(">I")

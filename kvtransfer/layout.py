@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.errors import KVLayoutError
+from pdserve.kvtransfer.errors import KVLayoutError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
 

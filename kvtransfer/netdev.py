@@ -25,7 +25,7 @@ import os
 import socket
 import struct
 
-from kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.errors import KVTransferError
 
 _SIOCGIFADDR = 0x8915
 _SIOCGIFFLAGS = 0x8913

@@ -26,8 +26,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from kvtransfer.errors import KVLayoutError
-from kvtransfer.layout import PoolLayout, heads_overlap
+from pdserve.kvtransfer.errors import KVLayoutError
+from pdserve.kvtransfer.layout import PoolLayout, heads_overlap
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,7 +26,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _config_arg(value: str):
-    from engine.config import ModelConfig, preset
+    from pdserve.engine.config import ModelConfig, preset
 
     if value in ("tiny", "20b", "120b"):
         return preset(value)
@@ -35,7 +35,7 @@ def _config_arg(value: str):
 
 # -- subcommands --------------------------------------------------------------------------------
 def cmd_make_checkpoint(a: argparse.Namespace) -> int:
-    from engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
 
     cfg = _config_arg(a.config)
     out = make_random_checkpoint(a.dir, cfg, seed=a.seed, experts=a.experts, progress=sys.stderr.isatty())
@@ -45,7 +45,7 @@ def cmd_make_checkpoint(a: argparse.Namespace) -> int:
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
-    from engine.checkpoint_writer import convert_checkpoint
+    from pdserve.engine.checkpoint_writer import convert_checkpoint
 
     stats = convert_checkpoint(a.src, a.dst, progress=True)
     frac = stats["exact_blocks"] / max(1, stats["blocks"])
@@ -55,7 +55,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def _runner(a: argparse.Namespace):
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     return ModelRunner(a.model, device=a.device, precision=a.precision)
 
@@ -64,7 +64,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
     import numpy as np
 
     if getattr(a, "tp", 1) > 1 or getattr(a, "ep", 1) > 1:
-        from launch.parallel_logits import parallel_prompt_logits
+        from pdserve.launch.parallel_logits import parallel_prompt_logits
 
         logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision)
     else:
@@ -76,14 +76,14 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
 
     codec = None
     if a.prompt_ids is not None:
         ids = _parse_ids(a.prompt_ids)
     else:
-        from router.harmony import HarmonyCodec
+        from pdserve.router.harmony import HarmonyCodec
 
         codec = HarmonyCodec()
         if a.chat is not None:
@@ -167,10 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (divides --tp)")
     p.set_defaults(fn=cmd_logits)
 
-    servers = (("serve", "launch.serve", "add_args", "run"),
-               ("router", "router.main", "add_router_args", "run_router"),
-               ("prefill-worker", "prefill_worker.main", "add_args", "run"),
-               ("decode-worker", "decode_worker.main", "add_args", "run"))
+    servers = (("serve", "pdserve.launch.serve", "add_args", "run"),
+               ("router", "pdserve.router.main", "add_router_args", "run_router"),
+               ("prefill-worker", "pdserve.prefill_worker.main", "add_args", "run"),
+               ("decode-worker", "pdserve.decode_worker.main", "add_args", "run"))
     for name, module, add, run in servers:
         _add_server(sub, name, module, add, run)
     return ap
@@ -188,11 +188,11 @@ def _add_server(sub, name: str, module: str, add: str, run: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.checkpoint import CheckpointError
-    from engine.config import ConfigError
-    from engine.kv_cache import KVCacheFull
-    from engine.model_runner import InvalidRequest
-    from engine.sampling import SamplingError
+    from pdserve.engine.checkpoint import CheckpointError
+    from pdserve.engine.config import ConfigError
+    from pdserve.engine.kv_cache import KVCacheFull
+    from pdserve.engine.model_runner import InvalidRequest
+    from pdserve.engine.sampling import SamplingError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     user_errors = (CLIError, ConfigError, CheckpointError, InvalidRequest, SamplingError, KVCacheFull,
                    FileExistsError, FileNotFoundError)
     try:
-        from router.harmony import HarmonyError
+        from pdserve.router.harmony import HarmonyError
 
         user_errors += (HarmonyError,)
     except ImportError:

@@ -23,8 +23,8 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
                precision: str | None, device: str, out_dir: str) -> None:
     import torch
 
-    from engine.model_runner import ModelRunner
-    from engine.parallel import ShardSpec, destroy_worker_group, init_worker_group
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.parallel import ShardSpec, destroy_worker_group, init_worker_group
 
     torch.set_num_threads(_threads_per_rank(world))
     group = init_worker_group(rank, world, init_method, device=device)
@@ -47,9 +47,9 @@ def parallel_prompt_logits_layouts(model_dir: str, ids: list[int], *, world: int
     ep -> float32 [L, V]."""
     import torch.multiprocessing as tmp
 
-    from engine.config import ModelConfig
-    from engine.model_runner import InvalidRequest
-    from engine.parallel import check_layout
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model_runner import InvalidRequest
+    from pdserve.engine.parallel import check_layout
 
     cfg = ModelConfig.load(model_dir)
     for ep in eps:

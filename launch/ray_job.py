@@ -1,6 +1,6 @@
 """Run pdserve on a Ray cluster: the router and both pools as Ray actors (the Ray job entry point).
 
-    ray job submit --working-dir . -- python -m launch.ray_job --config launch/ray_job.example.yaml
+    ray job submit --working-dir . -- python -m pdserve.launch.ray_job --config launch/ray_job.example.yaml
 
 Shape (docs/deploy.md, "Ray job"):
 
@@ -305,7 +305,7 @@ class WorkerReplica:
         # Asked again after every restart: a placement group moved off a failed node holds other GPUs.
         gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         gpu_ids += [g for ids in ray.get([r.gpu_ids.remote() for r in gpu_ranks]) for g in ids]
-        cmd = [sys.executable, "-m", "launch.cli", f"{role}-worker", "--model", self._model_path(model),
+        cmd = [sys.executable, "-m", "pdserve.launch.cli", f"{role}-worker", "--model", self._model_path(model),
                "--host", self.node_ip, "--port", "0", "--device", device,
                "--ready-file", str(ready_file), "--worker-id", worker_id, *worker_args]
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1",
@@ -403,9 +403,9 @@ class RouterActor:
     def __init__(self, router_argv: list[str], namespace: str, discovery_interval_s: float) -> None:
         import ray
 
-        from router.discovery_ray import RayDiscovery
-        from router.main import add_router_args, config_from_args
-        from router.service import build_router
+        from pdserve.router.discovery_ray import RayDiscovery
+        from pdserve.router.main import add_router_args, config_from_args
+        from pdserve.router.service import build_router
 
         parser = argparse.ArgumentParser(prog="router")
         add_router_args(parser)
@@ -423,7 +423,7 @@ class RouterActor:
         self._thread.start()
 
     def _serve(self) -> None:
-        from router.service import serve_router
+        from pdserve.router.service import serve_router
 
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
@@ -677,7 +677,7 @@ def stop_budget_s() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.ray_job", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pdserve.launch.ray_job", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML or JSON file (launch/ray_job.example.yaml)")
     ap.add_argument("--address", default=None,
                     help="Ray cluster (default: RAY_ADDRESS, which `ray job submit` sets, else the local one)")
@@ -720,6 +720,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run through the importable module, so Ray pickles the actor classes by reference.
-    from launch.ray_job import main as _main
+    from pdserve.launch.ray_job import main as _main
 
     sys.exit(_main())

@@ -31,8 +31,8 @@ def builtin_tiny_model() -> Path:
     path = cache_dir() / "models" / "tiny-seed0"
     if (path / "config.json").is_file():
         return path
-    from engine.checkpoint_writer import make_random_checkpoint
-    from engine.config import preset
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.config import preset
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
@@ -114,7 +114,7 @@ class LocalCluster:
             s = self.spec
             procs = 1 + s.prefill_workers * s.prefill_tp + s.decode_workers * s.decode_tp
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
-        p = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+        p = subprocess.Popen([sys.executable, "-m", "pdserve.launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         self.procs[name] = p
         return p

@@ -20,11 +20,11 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams, sample
-from engine.sequence import Sequence
-from kvtransfer import heads_overlap
-from kvtransfer.notify import kv_notification
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams, sample
+from pdserve.engine.sequence import Sequence
+from pdserve.kvtransfer import heads_overlap
+from pdserve.kvtransfer.notify import kv_notification
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from engine.kv_cache import cdiv
-    from engine.model_runner import ModelRunner
-    from kvtransfer import KVTransferAgent
-    from proto import pdserve_pb2_grpc as pb_grpc
-    from proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+    from pdserve.engine.kv_cache import cdiv
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
 
     from .executor import PrefillExecutor
     from .server import PrefillService
@@ -43,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
 
         return run_parallel(a)
     worker_id = a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     cfg = ModelConfig.load(a.model)
     blocks = cdiv(cfg.max_context, a.page_size)  # one prompt at a time: the longest one fits

@@ -25,7 +25,7 @@ log = logging.getLogger("prefill_worker")
 def _push_report(agent, push, timeout_s: float):
     """Run this rank's share of a KVPush; a per-request failure is reported, not raised (the
     group must stay in step): ("ok", bytes) or ("error", message)."""
-    from kvtransfer import KVTransferError
+    from pdserve.kvtransfer import KVTransferError
 
     from .executor import push_kv
 
@@ -36,9 +36,9 @@ def _push_report(agent, push, timeout_s: float):
 
 
 def _make_runner(a: argparse.Namespace, group):
-    from engine.config import ModelConfig
-    from engine.kv_cache import cdiv
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.kv_cache import cdiv
+    from pdserve.engine.model_runner import ModelRunner
 
     cfg = ModelConfig.load(a.model)
     blocks = cdiv(cfg.max_context, a.page_size)  # one prompt at a time: the longest one fits
@@ -47,7 +47,7 @@ def _make_runner(a: argparse.Namespace, group):
 
 
 def _make_agent(a: argparse.Namespace, worker_id: str, runner, group):
-    from kvtransfer import KVTransferAgent
+    from pdserve.kvtransfer import KVTransferAgent
 
     return KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                            head_range=group.shard.kv_head_range(runner.cfg.num_key_value_heads),
@@ -58,12 +58,12 @@ def _make_agent(a: argparse.Namespace, worker_id: str, runner, group):
 def run_parallel(a: argparse.Namespace) -> int:
     import torch
 
-    from engine.config import ModelConfig
-    from engine.parallel import (LeaderGroup, RankProcesses, check_layout, cpu_threads_per_rank,
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.parallel import (LeaderGroup, RankProcesses, check_layout, cpu_threads_per_rank,
                                  destroy_worker_group, gather_objects, init_worker_group, rendezvous_dir)
-    from kvtransfer import KVTransferError
-    from proto import pdserve_pb2_grpc as pb_grpc
-    from proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+    from pdserve.kvtransfer import KVTransferError
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
 
     from .executor import PrefillExecutor
     from .main import SERVICES
@@ -144,7 +144,7 @@ def run_parallel(a: argparse.Namespace) -> int:
 def _follower_main(rank: int, a: argparse.Namespace, worker_id: str, init: str, leader_pid: int) -> None:
     import torch
 
-    from engine.parallel import (cpu_threads_per_rank, destroy_worker_group, follow, gather_objects,
+    from pdserve.engine.parallel import (cpu_threads_per_rank, destroy_worker_group, follow, gather_objects,
                                  init_worker_group, rendezvous_dir_of, watch_parent)
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # the leader decides when ranks stop

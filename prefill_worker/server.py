@@ -10,13 +10,13 @@ from concurrent.futures import CancelledError
 
 import grpc
 
-from engine.kv_cache import KVCacheFull
-from engine.model_runner import InvalidRequest
-from engine.sampling import SamplingError, SamplingParams
-from kvtransfer import KVTransferError
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
-from proto.rpc import sampling_kwargs
+from pdserve.engine.kv_cache import KVCacheFull
+from pdserve.engine.model_runner import InvalidRequest
+from pdserve.engine.sampling import SamplingError, SamplingParams
+from pdserve.kvtransfer import KVTransferError
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.rpc import sampling_kwargs
 
 from .executor import PlacementError, PrefillExecutor, PrefillJob, QueueFull
 

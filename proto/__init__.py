@@ -8,7 +8,7 @@ The generated modules are committed; regenerate them from the repository root af
 The generated code checks its runtime at import: protobuf >= 7.35.1 and grpcio >= 1.85.1.
 """
 
-from proto import pdserve_pb2
-from proto import pdserve_pb2_grpc
+from pdserve.proto import pdserve_pb2
+from pdserve.proto import pdserve_pb2_grpc
 
 __all__ = ["pdserve_pb2", "pdserve_pb2_grpc"]

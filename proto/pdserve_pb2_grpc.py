@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import pdserve_pb2 as proto_dot_pdserve__pb2
+from pdserve.proto import pdserve_pb2 as pdserve_dot_proto_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class GeneratorStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Generator/Generate',
-                request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class Generator:
             request,
             target,
             '/pdserve.v1.Generator/Generate',
-            proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -108,18 +108,18 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Prefill',
-                request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Cancel',
-                request_serializer=proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.CancelResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.CancelResponse.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Load',
-                request_serializer=proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
 
 
@@ -149,18 +149,18 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=proto_dot_pdserve__pb2.CancelRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.CancelResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.CancelRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.CancelResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=proto_dot_pdserve__pb2.LoadRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,8 +188,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Prefill',
-            proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-            proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -215,8 +215,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Cancel',
-            proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
-            proto_dot_pdserve__pb2.CancelResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -242,8 +242,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Load',
-            proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
-            proto_dot_pdserve__pb2.LoadReport.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,28 +266,28 @@ class DecodeWorkerStub:
         """
         self.Reserve = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Reserve',
-                request_serializer=proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.ReserveResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Decode',
-                request_serializer=proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.TokenChunk.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Cancel',
-                request_serializer=proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.CancelResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.CancelResponse.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Load',
-                request_serializer=proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.KVMetadata = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/KVMetadata',
-                request_serializer=proto_dot_pdserve__pb2.KVMetadataRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.KVMetadataResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.KVMetadataRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.KVMetadataResponse.FromString,
                 _registered_method=True)
 
 
@@ -329,28 +329,28 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=proto_dot_pdserve__pb2.ReserveRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ReserveRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.ReserveResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_pdserve__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.TokenChunk.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=proto_dot_pdserve__pb2.CancelRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.CancelResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.CancelRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.CancelResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=proto_dot_pdserve__pb2.LoadRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.LoadReport.SerializeToString,
             ),
             'KVMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.KVMetadata,
-                    request_deserializer=proto_dot_pdserve__pb2.KVMetadataRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.KVMetadataResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.KVMetadataRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.KVMetadataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -378,8 +378,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Reserve',
-            proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
-            proto_dot_pdserve__pb2.ReserveResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -405,8 +405,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Decode',
-            proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
-            proto_dot_pdserve__pb2.TokenChunk.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -432,8 +432,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Cancel',
-            proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
-            proto_dot_pdserve__pb2.CancelResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.CancelRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -459,8 +459,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Load',
-            proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
-            proto_dot_pdserve__pb2.LoadReport.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -486,8 +486,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/KVMetadata',
-            proto_dot_pdserve__pb2.KVMetadataRequest.SerializeToString,
-            proto_dot_pdserve__pb2.KVMetadataResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.KVMetadataRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.KVMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -116,7 +116,7 @@ def _make_static(options: dict) -> Discovery:
 
 
 def _make_kubernetes(options: dict) -> Discovery:
-    from router.discovery_k8s import KubernetesDiscovery  # imports the kubernetes client lazily
+    from pdserve.router.discovery_k8s import KubernetesDiscovery  # imports the kubernetes client lazily
 
     allowed = {"namespace", "prefill_selector", "decode_selector", "port_name", "api_client"}
     unknown = set(options) - allowed
@@ -126,7 +126,7 @@ def _make_kubernetes(options: dict) -> Discovery:
 
 
 def _make_ray(options: dict) -> Discovery:
-    from router.discovery_ray import RayDiscovery  # imports ray lazily
+    from pdserve.router.discovery_ray import RayDiscovery  # imports ray lazily
 
     allowed = {"namespace", "address", "poll_interval", "call_timeout"}
     unknown = set(options) - allowed

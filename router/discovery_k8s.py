@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.discovery import ROLES, DiscoveryError, OnChange, WorkerEndpoint
+from pdserve.router.discovery import ROLES, DiscoveryError, OnChange, WorkerEndpoint
 
 log = logging.getLogger(__name__)
 

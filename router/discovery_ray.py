@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import Any
 
-from router.discovery import ROLES, DiscoveryError, OnChange, WorkerEndpoint, normalize_address
+from pdserve.router.discovery import ROLES, DiscoveryError, OnChange, WorkerEndpoint, normalize_address
 
 log = logging.getLogger(__name__)
 

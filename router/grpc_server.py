@@ -16,12 +16,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.config import RouterConfig
-from router.errors import InvalidRequestError, ModelNotFoundError, RouterError
-from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.registry import WorkerRegistry
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import InvalidRequestError, ModelNotFoundError, RouterError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import asyncio
 import logging
 import signal
 
-from router.config import RouterConfig
-from router.discovery import Discovery, make_discovery
-from router.service import Router, build_router, serve_router
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery, make_discovery
+from pdserve.router.service import Router, build_router, serve_router
 
 __all__ = ["add_router_args", "run_router", "build_router", "config_from_args",
            "discovery_from_args", "Router", "serve_router"]

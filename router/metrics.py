@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from proto.pdserve_pb2 import PrefillResponse
-    from router.registry import Worker
+    from pdserve.proto.pdserve_pb2 import PrefillResponse
+    from pdserve.router.registry import Worker
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)

@@ -23,18 +23,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proto import pdserve_pb2
-from router.config import RouterConfig
-from router.errors import InvalidRequestError, ModelNotFoundError, RouterError
-from router.harmony import Delta, HarmonyCodec, HarmonyError
-from router.metrics import RouterMetrics
-from router.openai_schema import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
+from pdserve.proto import pdserve_pb2
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import InvalidRequestError, ModelNotFoundError, RouterError
+from pdserve.router.harmony import Delta, HarmonyCodec, HarmonyError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_schema import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
                                   parse_body)
-from router.orchestrator import (FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
+from pdserve.router.orchestrator import (FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
                                  TokenEvent)
-from router.detokenizer import IncrementalDetokenizer
-from router.registry import WorkerRegistry
-from router.stop_strings import StopStringMatcher
+from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
 

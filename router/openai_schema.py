@@ -12,7 +12,7 @@ import jsonschema
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from router.errors import InvalidRequestError
+from pdserve.router.errors import InvalidRequestError
 
 _MAX_STOP_STRINGS = 4  # OpenAI's limit
 

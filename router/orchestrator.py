@@ -19,14 +19,14 @@ from typing import AsyncIterator
 
 import grpc
 
-from proto import pdserve_pb2
-from router.config import RouterConfig
-from router.errors import (InvalidRequestError, NoHealthyWorkersError, OverloadedError,
+from pdserve.proto import pdserve_pb2
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import (InvalidRequestError, NoHealthyWorkersError, OverloadedError,
                            RequestTimeoutError, RouterError, UpstreamError)
-from router.metrics import RouterMetrics
-from router.policy import RoutingPolicy, kv_blocks_needed
-from router.registry import Worker, WorkerRegistry
-from router.retry import WORKER_DIED, WORKER_FULL, WORKER_GONE, backoff_delay
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import RoutingPolicy, kv_blocks_needed
+from pdserve.router.registry import Worker, WorkerRegistry
+from pdserve.router.retry import WORKER_DIED, WORKER_FULL, WORKER_GONE, backoff_delay
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from typing import Sequence
 
-from router.registry import Worker
+from pdserve.router.registry import Worker
 
 
 def kv_blocks_needed(num_tokens: int, page_size: int) -> int:

@@ -15,11 +15,11 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.circuit_breaker import CircuitBreaker
-from router.config import RouterConfig
-from router.discovery import Discovery, WorkerEndpoint
-from router.metrics import RouterMetrics
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.circuit_breaker import CircuitBreaker
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery, WorkerEndpoint
+from pdserve.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

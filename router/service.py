@@ -15,15 +15,15 @@ from typing import Callable
 import grpc
 import uvicorn
 
-from router.config import RouterConfig
-from router.discovery import Discovery
-from router.grpc_server import GeneratorService, HealthReporter, create_grpc_server
-from router.harmony import HarmonyCodec
-from router.metrics import RouterMetrics
-from router.openai_api import OpenAIFrontend, create_app
-from router.orchestrator import Orchestrator
-from router.policy import LoadAwarePolicy, RoutingPolicy
-from router.registry import WorkerRegistry
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Discovery
+from pdserve.router.grpc_server import GeneratorService, HealthReporter, create_grpc_server
+from pdserve.router.harmony import HarmonyCodec
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_api import OpenAIFrontend, create_app
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.policy import LoadAwarePolicy, RoutingPolicy
+from pdserve.router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    from engine.config import preset
+    from pdserve.engine.config import preset
 
     return preset("tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_mxfp4(tmp_path_factory, tiny_cfg):
-    from engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
 
     return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-mxfp4", tiny_cfg, seed=0,
                                   experts="mxfp4", max_shard_bytes=48 << 20)
@@ -37,7 +37,7 @@ def tiny_mxfp4(tmp_path_factory, tiny_cfg):
 
 @pytest.fixture(scope="session")
 def tiny_bf16(tmp_path_factory, tiny_cfg):
-    from engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
 
     return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-bf16", tiny_cfg, seed=0,
                                   experts="bf16", max_shard_bytes=48 << 20)
@@ -45,6 +45,6 @@ def tiny_bf16(tmp_path_factory, tiny_cfg):
 
 @pytest.fixture(scope="session")
 def tiny_runner(tiny_mxfp4):
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     return ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=512)

@@ -20,12 +20,12 @@ import httpx
 import openai_harmony
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
-from router.config import RouterConfig
-from router.discovery import make_discovery
-from router.harmony import HarmonyCodec, ensure_offline_vocab
-from router.service import Router, build_router, serve_router
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import make_discovery
+from pdserve.router.harmony import HarmonyCodec, ensure_offline_vocab
+from pdserve.router.service import Router, build_router, serve_router
 
 
 @functools.lru_cache(maxsize=1)

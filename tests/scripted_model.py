@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint_writer import make_random_checkpoint
-from engine.config import preset
+from pdserve.engine.checkpoint_writer import make_random_checkpoint
+from pdserve.engine.config import preset
 
 
 def make_scripted_checkpoint(out_dir: Path, script: list[int]) -> Path:

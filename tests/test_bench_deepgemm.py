@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from bench import kernels
+from pdserve.bench import kernels
 
 
 @pytest.fixture
@@ -150,7 +150,7 @@ def test_all_attempts_failing_gives_the_assertion(monkeypatch, tmp_path):
 
     def fake_run(cmd, env, **kw):
         calls.append(cmd)
-        assert cmd[:3] == [sys.executable, "-m", "bench.kernels"]
+        assert cmd[:3] == [sys.executable, "-m", "pdserve.bench.kernels"]
         return _completed("", "Assertion error (utils/layout.hpp:16): dim == 2 or dim == 3", rc=-6)
 
     monkeypatch.setattr(subprocess, "run", fake_run)

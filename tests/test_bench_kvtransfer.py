@@ -12,12 +12,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    return importlib.import_module("bench.kvtransfer")
+    return importlib.import_module("pdserve.bench.kvtransfer")
 
 
 def test_request_bytes_are_the_pages_a_decode_worker_needs(bench):
     """The closed form against the worker's own page lists (PagedKVCache.transfer_pages)."""
-    from engine.kv_cache import PagedKVCache
+    from pdserve.engine.kv_cache import PagedKVCache
 
     cfg = bench.model_config()
     # 1024 tokens: 64 pages on each of the 12 full layers, pages 56..63 (in the 128-key window) on

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench():
-    return importlib.import_module("bench.model")
+    return importlib.import_module("pdserve.bench.model")
 
 
 def test_cost_model_and_layouts(bench):

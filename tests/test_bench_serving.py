@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import serving as bs
+from pdserve.bench import serving as bs
 
 
 # ---- statistics ----------------------------------------------------------------------------------
@@ -189,8 +189,8 @@ def test_kernels_writer_leaves_serving_section(tmp_path):
 
 # ---- server metrics ------------------------------------------------------------------------------
 def test_server_view_from_router_metrics():
-    from proto import pdserve_pb2 as pb
-    from router.metrics import RouterMetrics
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.router.metrics import RouterMetrics
 
     m = RouterMetrics()
     before = bs.parse_metrics(m.render().decode())

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointError, CheckpointReader, load_weights
-from engine.config import ConfigError, ModelConfig
-from engine.parallel import ShardSpec
-from kernels.fp8 import (dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8,
+from pdserve.engine.checkpoint import CheckpointError, CheckpointReader, load_weights
+from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.parallel import ShardSpec
+from pdserve.kernels.fp8 import (dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8,
                          quantize_weight_fp8_exact)
-from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from pdserve.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
 def test_layout_matches_published_checkpoints(tiny_mxfp4, tiny_cfg):
@@ -81,8 +81,8 @@ def test_pad_intermediate_shards_in_whole_blocks():
 
 
 def test_convert_then_load_equals_on_the_fly_fp8(tiny_mxfp4, tmp_path):
-    from engine.checkpoint_writer import convert_checkpoint
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.checkpoint_writer import convert_checkpoint
+    from pdserve.engine.model_runner import ModelRunner
 
     dst = tmp_path / "fp8"
     stats = convert_checkpoint(tiny_mxfp4, dst, progress=False)
@@ -140,7 +140,7 @@ def test_corrupt_and_missing_checkpoints(tiny_mxfp4, tmp_path):
 def test_parallel_random_checkpoint_is_complete_and_independent_of_worker_count(tiny_cfg, tmp_path):
     """workers > 1 (big checkpoints): same tensor names, shapes and dtypes as one process, one
     shard per layer, and the same weights for any worker count (per-layer generators)."""
-    from engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
 
     one = CheckpointReader(make_random_checkpoint(tmp_path / "one", tiny_cfg, seed=5))
     two = CheckpointReader(make_random_checkpoint(tmp_path / "two", tiny_cfg, seed=5, workers=2))

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch.cli import main
+from pdserve.launch.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -86,12 +86,12 @@ def test_user_errors_are_one_line(case, tiny_mxfp4, tmp_path, capsys):
 
 
 def test_entry_point_and_convert(tiny_mxfp4, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = dict(os.environ)
     dst = tmp_path / "fp8"
-    p = subprocess.run([sys.executable, "-m", "launch.cli", "convert", str(tiny_mxfp4), str(dst)],
+    p = subprocess.run([sys.executable, "-m", "pdserve.launch.cli", "convert", str(tiny_mxfp4), str(dst)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "100.0%" in p.stdout and (dst / "config.json").is_file()
-    p = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--model", str(tmp_path / "nope"),
+    p = subprocess.run([sys.executable, "-m", "pdserve.launch.cli", "generate", "--model", str(tmp_path / "nope"),
                         "--prompt-ids", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1

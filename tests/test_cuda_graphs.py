@@ -8,11 +8,11 @@ import torch
 
 import pytest
 
-from engine.cuda_graphs import DecodeGraphs, capture_sizes, pad_batch
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from kernels.attention import PagedBatch
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, pad_batch
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kernels.attention import PagedBatch
 from tests.numerics import rel_l2
 
 
@@ -94,7 +94,7 @@ def test_attention_falls_back_to_torch_without_flashinfer(monkeypatch):
     asking for FlashInfer or for CUDA-graph attention there is a clear error."""
     import sys
 
-    from kernels.attention import TorchSinkAttention, make_sink_attention
+    from pdserve.kernels.attention import TorchSinkAttention, make_sink_attention
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     kw = dict(window_left=-1, sm_scale=0.125, num_qo_heads=64, num_kv_heads=8, head_dim=64, page_size=16)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.discovery import (
+from pdserve.router.discovery import (
     Discovery,
     DiscoveryError,
     StaticDiscovery,

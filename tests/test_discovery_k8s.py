@@ -18,8 +18,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client
 
-from router.discovery import WorkerEndpoint
-from router.discovery_k8s import KubernetesDiscovery, endpoints_of_slice
+from pdserve.router.discovery import WorkerEndpoint
+from pdserve.router.discovery_k8s import KubernetesDiscovery, endpoints_of_slice
 
 NAMESPACE = "serving"
 PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
@@ -379,7 +379,7 @@ def test_endpoints_of_slice_ports_and_ipv6():
 
 
 def test_invalid_configuration_is_rejected():
-    from router.discovery import DiscoveryError
+    from pdserve.router.discovery import DiscoveryError
 
     api_client = client.ApiClient(client.Configuration(host="http://127.0.0.1:9"))
     with pytest.raises(DiscoveryError, match="decode label selector"):

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from numerics import rel_l2
-from engine.kv_cache import BlockAllocator, KVCacheFull, PagedKVCache, sliding_first_page
-from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingError, SamplingParams, sample
-from engine.sequence import FinishReason
+from pdserve.engine.kv_cache import BlockAllocator, KVCacheFull, PagedKVCache, sliding_first_page
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling import SamplingError, SamplingParams, sample
+from pdserve.engine.sequence import FinishReason
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -125,7 +125,7 @@ def test_sliding_layers_hold_only_their_window(tiny_cfg):
 
 
 def test_admission_refuses_what_cannot_fit(tiny_runner):
-    from engine.model_runner import InvalidRequest
+    from pdserve.engine.model_runner import InvalidRequest
 
     engine = LLMEngine(tiny_runner)
     with pytest.raises(InvalidRequest):

@@ -1,4 +1,4 @@
-"""router.harmony: Harmony structure, round trips, truncation, noise, offline vocabulary."""
+"""pdserve.router.harmony: Harmony structure, round trips, truncation, noise, offline vocabulary."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import openai_harmony as oh
 import pytest
 
-from router.harmony import (VOCAB_FILE_NAME, VOCAB_SHA256, Delta, HarmonyCodec, HarmonyError,
+from pdserve.router.harmony import (VOCAB_FILE_NAME, VOCAB_SHA256, Delta, HarmonyCodec, HarmonyError,
                             HarmonyVocabError, ParsedCompletion, _extract_vocab)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,7 +319,7 @@ def test_recovers_common_model_slips(codec, enc, rng):
 
 
 def test_garbage_ids_never_raise(codec, rng, caplog):
-    caplog.set_level(logging.WARNING, logger="router.harmony")
+    caplog.set_level(logging.WARNING, logger="pdserve.router.harmony")
     for _ in range(10):
         ids = [rng.randrange(codec.vocab_size) for _ in range(rng.randint(0, 600))]
         deltas, streamed = stream(codec, ids)
@@ -378,7 +378,7 @@ def test_extract_vocab_is_verified_and_atomic(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import json, os
-    from router.harmony import HarmonyCodec, ensure_offline_vocab, HarmonyVocabError
+    from pdserve.router.harmony import HarmonyCodec, ensure_offline_vocab, HarmonyVocabError
     try:
         codec = HarmonyCodec()
     except HarmonyVocabError as e:
@@ -397,7 +397,7 @@ def _run_clean(tmp_path: Path, **extra: str) -> dict:
     home.mkdir(exist_ok=True)
     tmp.mkdir(exist_ok=True)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TMPDIR": str(tmp),
-           "PYTHONPATH": str(REPO), "HTTPS_PROXY": "http://127.0.0.1:9",
+           "HTTPS_PROXY": "http://127.0.0.1:9",
            "HTTP_PROXY": "http://127.0.0.1:9", "ALL_PROXY": "http://127.0.0.1:9", **extra}
     proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=tmp, capture_output=True,
                           text=True, timeout=120)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     KVLayoutError,
     KVTransferAgent,
     KVTransferError,
@@ -24,15 +24,15 @@ from kvtransfer import (
     plan_copy,
     plan_pool_copy,
 )
-from kvtransfer.handshake import decode_peer_info, encode_peer_info
-from kvtransfer.plan import (
+from pdserve.kvtransfer.handshake import decode_peer_info, encode_peer_info
+from pdserve.kvtransfer.plan import (
     can_stage,
     merge_contiguous,
     pack_pages,
     plan_staging_nbytes,
     staged_nbytes,
 )
-from kvtransfer.staging import StagingBuffer
+from pdserve.kvtransfer.staging import StagingBuffer
 
 H = 8  # gpt-oss KV heads
 

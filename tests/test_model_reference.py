@@ -31,7 +31,7 @@ def openai_reference(ckpt, cfg):
     model_mod = pytest.importorskip("gpt_oss.torch.model")
     from gpt_oss.torch.weights import Checkpoint
 
-    from engine.checkpoint import CheckpointReader
+    from pdserve.engine.checkpoint import CheckpointReader
 
     rc = model_mod.ModelConfig(
         num_hidden_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts,
@@ -113,7 +113,7 @@ def test_matches_openai_reference_mxfp4(ours_bf16, reference_logits, reference_l
 
 
 def test_matches_openai_reference_bf16_experts(tiny_bf16, tiny_cfg, prompt, reference_logits):
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     cfg = tiny_cfg.with_experts_format("bf16")
     ref = openai_reference(tiny_bf16, cfg)
@@ -144,7 +144,7 @@ def test_fp8_path_close_to_bf16(tiny_mxfp4, prompt, ours_bf16):
     """FP8 128x128 weights (bit-exact from MXFP4 here) + per-token 1x128 FP8 activations before
     each expert GEMM: the activation rounding (e4m3 keeps 3 mantissa bits, ~3% RMS per element)
     is the whole difference. Measured 4.9e-2 on this model; bound 8e-2 (docs/engine.md)."""
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     fp8 = ModelRunner(str(tiny_mxfp4), precision="fp8", num_kv_blocks=64).prompt_logits(prompt)
     err = rel_l2(fp8, ours_bf16)
@@ -153,7 +153,7 @@ def test_fp8_path_close_to_bf16(tiny_mxfp4, prompt, ours_bf16):
 
 # -- each gpt-oss peculiarity matters: removing it breaks agreement with the reference -----------
 def _ablated_error(tiny_mxfp4, prompt, reference_logits, mutate) -> float:
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     runner = ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=64)
     mutate(runner)
@@ -176,8 +176,8 @@ def test_without_sliding_window_disagrees(tiny_mxfp4, prompt, reference_logits):
 
 
 def test_without_interleaving_disagrees(tiny_mxfp4, prompt, reference_logits, monkeypatch):
-    import kernels.moe
-    from kernels.swiglu import swiglu
+    from pdserve.kernels import moe
+    from pdserve.kernels.swiglu import swiglu
 
     def split_halves(x, limit=7.0, alpha=1.702):
         half = x.shape[-1] // 2

@@ -58,8 +58,8 @@ TOP_K = 4
 
 
 def _make_case(name: str, spec: dict, seed: int) -> dict:
-    from kernels.fp8 import quantize_weight_fp8
-    from kernels.moe import route
+    from pdserve.kernels.fp8 import quantize_weight_fp8
+    from pdserve.kernels.moe import route
 
     g = torch.Generator().manual_seed(seed)
     h, i, e = spec["h"], spec["i"], spec["n_local"]
@@ -82,7 +82,7 @@ def _make_case(name: str, spec: dict, seed: int) -> dict:
 
 
 def _weights(c: dict):
-    from kernels.moe import ExpertWeights
+    from pdserve.kernels.moe import ExpertWeights
 
     return ExpertWeights(c["gate_up"], c["gate_up_bias"], c["down"], c["down_bias"],
                          c["gate_up_scale"], c["down_scale"], c["first"])
@@ -91,8 +91,8 @@ def _weights(c: dict):
 def _child(in_path: str, out_path: str) -> None:
     """Runs in the interpreter: every stage of every case, with poisoned buffers."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from kernels import triton_moe as tm
-    from kernels import triton_moe_gemv as tg
+    from pdserve.kernels import triton_moe as tm
+    from pdserve.kernels import triton_moe_gemv as tg
 
     tm.POISON = True
     tm.GEMV_MAX_TOKENS = 4  # exercise the dispatch whatever the tuned default
@@ -147,7 +147,7 @@ def _local(c: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_x_quantisation_bit_exact(run, name):
-    from kernels.fp8 import dequantize_act_fp8, quantize_act_fp8
+    from pdserve.kernels.fp8 import dequantize_act_fp8, quantize_act_fp8
 
     c, r = run[0][name], run[1][name]
     has_local = _local(c).any(1)
@@ -158,8 +158,8 @@ def test_x_quantisation_bit_exact(run, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gate_up_swiglu_vs_ref(run, name):
-    from kernels.fp8 import dequantize_act_fp8, fp8_linear_ref, quantize_act_fp8
-    from kernels.swiglu import swiglu
+    from pdserve.kernels.fp8 import dequantize_act_fp8, fp8_linear_ref, quantize_act_fp8
+    from pdserve.kernels.swiglu import swiglu
 
     c, r = run[0][name], run[1][name]
     local = _local(c).flatten()
@@ -183,7 +183,7 @@ def test_gate_up_swiglu_vs_ref(run, name):
 @pytest.mark.parametrize("name", [n for n, s in CASES.items() if not s["config"] or s["config"][0][0] != 256])
 def test_act_quantisation_bit_exact(run, name):
     """Inside the down launch: act rows of local pairs -> fake-quantised * routing weight."""
-    from kernels.fp8 import dequantize_act_fp8, quantize_act_fp8
+    from pdserve.kernels.fp8 import dequantize_act_fp8, quantize_act_fp8
 
     c, r = run[0][name], run[1][name]
     local = _local(c).flatten()
@@ -194,7 +194,7 @@ def test_act_quantisation_bit_exact(run, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_down_combine_vs_ref(run, name):
     """Down + combine fed the kernel's own activations, against the same arithmetic in torch."""
-    from kernels.fp8 import dequantize_act_fp8, dequantize_weight_fp8, quantize_act_fp8
+    from pdserve.kernels.fp8 import dequantize_act_fp8, dequantize_weight_fp8, quantize_act_fp8
 
     c, r = run[0][name], run[1][name]
     t, h = c["x"].shape
@@ -223,7 +223,7 @@ def test_down_combine_vs_ref(run, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_layer_vs_experts_forward_ref(run, name):
-    from kernels.moe import experts_forward_ref
+    from pdserve.kernels.moe import experts_forward_ref
 
     c, r = run[0][name], run[1][name]
     ref = experts_forward_ref(c["x"], c["weights"], c["ids"], _weights(c), 7.0, 1.702, c["bias"])
@@ -246,7 +246,7 @@ def test_ep_case_has_every_kind_of_token():
 
 
 def test_config_validation():
-    from kernels.triton_moe_gemv import GemvConfig, GemvTile
+    from pdserve.kernels.triton_moe_gemv import GemvConfig, GemvTile
 
     for bad in (dict(block_n=48), dict(block_n=512), dict(block_k=16), dict(block_k=96),
                 dict(num_warps=3), dict(num_stages=0)):
@@ -258,7 +258,7 @@ def test_config_validation():
 
 
 def test_weight_shape_errors_are_actionable():
-    from kernels.triton_moe_gemv import experts_forward_gemv
+    from pdserve.kernels.triton_moe_gemv import experts_forward_gemv
 
     c = _make_case("h256_fp16", CASES["h256_fp16"], 1)
     w = _weights(c)

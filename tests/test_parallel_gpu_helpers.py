@@ -23,8 +23,8 @@ def gpu_test():
 def test_depth_view_and_figures(gpu_test, tiny_mxfp4, tmp_path):
     """A view is the checkpoint's first blocks (its logits are a shallower model's, not the full
     one's); the figures read as documented."""
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.model_runner import ModelRunner
 
     view = gpu_test.depth_view(tiny_mxfp4, 2, tmp_path / "two")
     assert gpu_test.depth_view(tiny_mxfp4, 2, tmp_path / "two") == view

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointReader, load_weights
-from engine.parallel import ShardSpec
-from kernels.moe import experts_forward_ref, route
+from pdserve.engine.checkpoint import CheckpointReader, load_weights
+from pdserve.engine.parallel import ShardSpec
+from pdserve.kernels.moe import experts_forward_ref, route
 
 LAYOUTS_4 = [(4, 1), (4, 2), (4, 4)]  # (world, ep): TP4, EP2 x TP2, EP4 x TP1
 
@@ -34,7 +34,7 @@ LAYOUTS_4 = [(4, 1), (4, 2), (4, 4)]  # (world, ep): TP4, EP2 x TP2, EP4 x TP1
 @pytest.fixture(scope="module")
 def odd_vocab_ckpt(tmp_path_factory, tiny_cfg):
     """The tiny model with a vocabulary no TP degree divides (the last shard is padded)."""
-    from engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
 
     cfg = dataclasses.replace(tiny_cfg, vocab_size=50021)
     return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-v50021", cfg, seed=5)
@@ -100,7 +100,7 @@ def test_each_rank_reads_only_its_slice(odd_vocab_ckpt, tiny_cfg, monkeypatch):
 
 
 def test_vocab_shards_are_equal_and_padded(odd_vocab_ckpt):
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     cfg = ModelConfig.load(odd_vocab_ckpt)
     full = load_weights(odd_vocab_ckpt, cfg)
@@ -125,7 +125,7 @@ def assert_same_function(got: np.ndarray, ref: np.ndarray) -> None:
 
 @pytest.fixture(scope="module")
 def reference(odd_vocab_ckpt):
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
     ids = _prompt(40, 50021, 0)  # crosses the 16-token window and two pages
     return ids, ModelRunner(str(odd_vocab_ckpt), precision="bf16", num_kv_blocks=8).prompt_logits(ids).numpy()
@@ -134,7 +134,7 @@ def reference(odd_vocab_ckpt):
 @pytest.mark.slow
 def test_cli_logits_tp2_matches_tp1(odd_vocab_ckpt, reference, tmp_path):
     """`pdserve logits --tp 2 --ep 1` (two gloo processes) against one rank."""
-    from launch.cli import main
+    from pdserve.launch.cli import main
 
     ids, ref = reference
     out = tmp_path / "tp2.npy"
@@ -146,7 +146,7 @@ def test_cli_logits_tp2_matches_tp1(odd_vocab_ckpt, reference, tmp_path):
 @pytest.mark.slow
 def test_four_rank_layouts_match_tp1(odd_vocab_ckpt, reference):
     """TP4, EP2 x TP2 and EP4 x TP1, from one set of four processes."""
-    from launch.parallel_logits import parallel_prompt_logits_layouts
+    from pdserve.launch.parallel_logits import parallel_prompt_logits_layouts
 
     ids, ref = reference
     out = parallel_prompt_logits_layouts(str(odd_vocab_ckpt), ids, world=4, eps=[ep for _, ep in LAYOUTS_4],
@@ -156,8 +156,8 @@ def test_four_rank_layouts_match_tp1(odd_vocab_ckpt, reference):
 
 
 def test_layouts_the_model_cannot_split_are_refused(odd_vocab_ckpt):
-    from engine.config import ConfigError
-    from launch.parallel_logits import parallel_prompt_logits
+    from pdserve.engine.config import ConfigError
+    from pdserve.launch.parallel_logits import parallel_prompt_logits
 
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         parallel_prompt_logits(str(odd_vocab_ckpt), [1, 2, 3], tp=8, ep=1)

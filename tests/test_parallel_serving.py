@@ -33,7 +33,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from launch.serve import ClusterSpec, LocalCluster
+from pdserve.launch.serve import ClusterSpec, LocalCluster
 
 LAYOUTS = {"prefill-0": (2, 1), "prefill-1": (1, 1), "decode-0": (2, 2), "decode-1": (1, 1)}  # (tp, ep)
 MAX_NEW = 16
@@ -68,15 +68,15 @@ def cluster(tiny_mxfp4, tmp_path_factory):
 
 
 def _sampling(**kw):
-    from proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2 as pb
 
     return pb.SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True, **kw)
 
 
 def drive(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int]) -> list[int]:
     """Generate through one chosen pair of workers, as the router would."""
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     rid, sampling = f"pair-{uuid.uuid4().hex[:8]}", _sampling()
     with grpc.insecure_channel(cluster.addresses[decode]) as dch, \
@@ -96,8 +96,8 @@ def drive(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int]) -
 
 def generate(cluster: LocalCluster, prompt: list[int]) -> list[int]:
     """Through the router's token-level Generate API."""
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{cluster.spec.grpc_port}") as ch:
         ids = []
@@ -131,8 +131,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_kv_arrives_when_every_head_of_every_rank_has():
     """A decode worker's ranks hold heads [0, 2) and [2, 4); the KV of a request has arrived once
     the notifications of the writes cover both, whatever the prefill worker's TP."""
-    from decode_worker.parallel import KVArrivals
-    from kvtransfer.notify import kv_notification, parse_kv_notification
+    from pdserve.decode_worker.parallel import KVArrivals
+    from pdserve.kvtransfer.notify import kv_notification, parse_kv_notification
 
     a = KVArrivals([(0, 2), (2, 4)])
     # prefill TP4 -> decode TP2: two writes per decode rank
@@ -159,8 +159,8 @@ def test_kv_arrives_when_every_head_of_every_rank_has():
 
 @pytest.mark.slow
 def test_reserve_places_kv_on_every_decode_rank(cluster):
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(cluster.addresses["decode-0"]) as ch:
         stub = pb_grpc.DecodeWorkerStub(ch)
@@ -206,8 +206,8 @@ def test_concurrent_generate_through_router(cluster, tiny_runner):
 
 
 def _wait_drained(cluster: LocalCluster, timeout: float = 30.0) -> None:
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     end = time.monotonic() + timeout
     while True:

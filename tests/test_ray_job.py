@@ -1,7 +1,7 @@
 """The Ray deployment: config checks, the orphan guard, and the whole job on a local Ray head.
 
 The end-to-end test runs the commands of docs/deploy.md ("Ray job"): `ray start --head`,
-`ray job submit ... -- python -m launch.ray_job --config FILE`, one chat completion through the
+`ray job submit ... -- python -m pdserve.launch.ray_job --config FILE`, one chat completion through the
 router with the `openai` client, `ray job stop`; then it checks that no worker process is left.
 On the way it SIGKILLs the decode worker's process and watches the replica come back (actor
 restart, Ray discovery leave + join).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.ray_job import RayJobConfigError, config_from_dict, load_config
+from pdserve.launch.ray_job import RayJobConfigError, config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -78,8 +78,8 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 
 # ---- Ray discovery (no cluster needed for these) ---------------------------------------------
 def test_ray_discovery_is_a_registered_backend_with_checked_options():
-    from router.discovery import DiscoveryError, make_discovery
-    from router.discovery_ray import RayDiscovery, worker_role
+    from pdserve.router.discovery import DiscoveryError, make_discovery
+    from pdserve.router.discovery_ray import RayDiscovery, worker_role
 
     d = make_discovery("ray", namespace="pd-a", poll_interval=0.5, address=None)
     assert isinstance(d, RayDiscovery) and d.namespace == "pd-a" and d.poll_interval == 0.5
@@ -92,8 +92,8 @@ def test_ray_discovery_is_a_registered_backend_with_checked_options():
 
 
 def test_ray_discovery_reads_actor_endpoints_strictly():
-    from router.discovery import WorkerEndpoint
-    from router.discovery_ray import RayDiscovery
+    from pdserve.router.discovery import WorkerEndpoint
+    from pdserve.router.discovery_ray import RayDiscovery
 
     d = RayDiscovery("pd")
     assert d._endpoint("decode-0", {"role": "decode", "address": "10.0.0.7:50062", "name": "decode-0"}) == \
@@ -292,7 +292,7 @@ decode: {{replicas: 1, cpus_per_rank: 1, kv_blocks: 512, max_batch_size: 16}}
 
     submitted = subprocess.run(
         [*ray, "submit", "--address", address, "--submission-id", namespace, "--no-wait",
-         "--working-dir", ".", "--", "python", "-m", "launch.ray_job", "--config", str(config)],
+         "--working-dir", ".", "--", "python", "-m", "pdserve.launch.ray_job", "--config", str(config)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     phase("submitted")

@@ -6,8 +6,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pbg
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pbg
 from router_harness import Cluster, codec, wait_for
 
 MODEL = "gpt-oss-test"

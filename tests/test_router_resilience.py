@@ -185,11 +185,11 @@ def test_cli_serves_and_shuts_down_on_sigterm(cluster):
     port, grpc_port = _free_port(), _free_port()
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.main", "--port", str(port), "--grpc-port", str(grpc_port),
+        [sys.executable, "-m", "pdserve.router.main", "--port", str(port), "--grpc-port", str(grpc_port),
          "--served-model-name", MODEL, "--discovery", "static",
          "--prefill", ",".join(p.address for p in cluster.prefill),
          "--decode", cluster.decode[0].address, "--decode", cluster.decode[1].address],
-        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+        cwd=repo,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def healthy():

@@ -7,16 +7,16 @@ import random
 import grpc
 import pytest
 
-from proto import pdserve_pb2 as pb
-from router.circuit_breaker import BreakerState, CircuitBreaker
-from router.config import ConfigError, RouterConfig
-from router.detokenizer import IncrementalDetokenizer
-from router.discovery import WorkerEndpoint
-from router.metrics import RouterMetrics
-from router.policy import LoadAwarePolicy, kv_blocks_needed
-from router.registry import Worker, WorkerRegistry
-from router.retry import backoff_delay
-from router.stop_strings import StopStringMatcher
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.router.circuit_breaker import BreakerState, CircuitBreaker
+from pdserve.router.config import ConfigError, RouterConfig
+from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.discovery import WorkerEndpoint
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import LoadAwarePolicy, kv_blocks_needed
+from pdserve.router.registry import Worker, WorkerRegistry
+from pdserve.router.retry import backoff_delay
+from pdserve.router.stop_strings import StopStringMatcher
 from router_harness import FakeDecode, FakePrefill, KVFabric, Script, codec, fast_config
 
 

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from launch.serve import ClusterSpec, LocalCluster
+from pdserve.launch.serve import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,8 @@ def free_port() -> int:
 
 
 def worker_loads(cluster: LocalCluster) -> dict:
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     out = {}
     for name, addr in cluster.addresses.items():
@@ -64,8 +64,8 @@ def client(cluster):
 
 
 def grpc_generate(cluster: LocalCluster, prompt: list[int], **sampling) -> tuple[list[int], int]:
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{cluster.spec.grpc_port}") as ch:
         stub = pb_grpc.GeneratorStub(ch)
@@ -100,8 +100,8 @@ def test_openai_client_chat_and_stream(client, cluster):
 def test_greedy_and_seeded_output_equals_single_process(cluster, tiny_runner, n):
     """KV computed on a prefill worker, moved over NIXL into a decode worker's blocks, then decoded
     in a shared batch: the tokens equal one process running everything."""
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
 
     prompt = [random.Random(n).randrange(201088) for _ in range(n)]
     for sampling in (dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=11)):
@@ -211,7 +211,7 @@ def test_worker_killed_under_load(cluster, client):
 def tool_cluster(tmp_path_factory):
     import openai_harmony as oh
 
-    from router.harmony import ensure_offline_vocab
+    from pdserve.router.harmony import ensure_offline_vocab
     from scripted_model import make_scripted_checkpoint
 
     ensure_offline_vocab()

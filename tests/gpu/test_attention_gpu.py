@@ -18,8 +18,8 @@ pytestmark = [
 ]
 pytest.importorskip("flashinfer")
 
-from kernels.attention import PagedBatch, TorchSinkAttention  # noqa: E402
-from kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
+from pdserve.kernels.attention import PagedBatch, TorchSinkAttention  # noqa: E402
+from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
 
 HQ, HKV, D = 64, 8, 64
 PAGE = 16
@@ -150,7 +150,7 @@ def test_plan_rejects_bad_batches():
 
 
 def test_make_sink_attention_picks_flashinfer():
-    from kernels.attention import make_sink_attention
+    from pdserve.kernels.attention import make_sink_attention
 
     attn = make_sink_attention(DEV, window_left=127, sm_scale=SM_SCALE, num_qo_heads=HQ,
                                num_kv_heads=HKV, head_dim=D, page_size=PAGE)

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from engine.checkpoint_writer import make_random_checkpoint
-from engine.config import preset
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.checkpoint_writer import make_random_checkpoint
+from pdserve.engine.config import preset
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
 from tests.numerics import rel_l2
 
 pytestmark = pytest.mark.gpu

@@ -25,16 +25,16 @@ pytestmark = [
 ]
 triton = pytest.importorskip("triton")
 
-from kernels import triton_moe as tm  # noqa: E402
-from kernels.fp8 import (  # noqa: E402
+from pdserve.kernels import triton_moe as tm  # noqa: E402
+from pdserve.kernels.fp8 import (  # noqa: E402
     dequantize_act_fp8,
     fp8_linear_ref,
     pad_intermediate,
     quantize_act_fp8,
     quantize_weight_fp8,
 )
-from kernels.moe import ExpertWeights, experts_forward_ref, route  # noqa: E402
-from kernels.swiglu import swiglu  # noqa: E402
+from pdserve.kernels.moe import ExpertWeights, experts_forward_ref, route  # noqa: E402
+from pdserve.kernels.swiglu import swiglu  # noqa: E402
 
 H = 2880
 I = pad_intermediate(2880)  # 3072
@@ -252,7 +252,7 @@ def test_gpu_reference_precision():
 
 
 def test_dispatch_from_moe_module():
-    from kernels import moe
+    from pdserve.kernels import moe
 
     w = experts(32)
     x, weights, ids = routed(5, 32, seed=5)
@@ -286,7 +286,7 @@ def test_gemm_uses_hopper_fp8_wgmma():
     r = tm.align_routing(ids, 0, 32, cfg.route_m)
     xq, xs = tm.quantize_act(x)
     tm.gate_up_swiglu(xq, xs, r, w, 7.0, 1.702, cfg.gate_up)
-    from kernels.triton_fp8_gemm import _gate_up_kernel
+    from pdserve.kernels.triton_fp8_gemm import _gate_up_kernel
 
     kernels = [k for cache in _gate_up_kernel.device_caches.values() for k in cache[0].values()]
     ptx = [k.asm["ptx"] for k in kernels]
@@ -303,8 +303,8 @@ def test_gemm_uses_hopper_fp8_wgmma():
 # 3e-3: both sides quantise activations ~1e-7 apart, which now and then moves one element across
 # an e4m3 rounding boundary (a 6 % step of that element, ~5e-4 of a batch-1 layer), as for the
 # mma.sync tiles above (3e-5..3e-4); fused-quantisation activations 1e-2, as gate/up above.
-from kernels import triton_moe_gemv as tg  # noqa: E402
-from kernels.fp8 import dequantize_weight_fp8  # noqa: E402
+from pdserve.kernels import triton_moe_gemv as tg  # noqa: E402
+from pdserve.kernels.fp8 import dequantize_weight_fp8  # noqa: E402
 
 GEMV_CFGS = {
     "default": tg.DEFAULT_CONFIG,

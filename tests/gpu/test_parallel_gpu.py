@@ -76,8 +76,8 @@ FULL_ARGMAX = 0.05
 def ckpt_20b():
     """A random 24-layer gpt-oss-20b checkpoint (MXFP4 experts, ~13 GB). Written to a temporary
     directory removed afterwards, or kept in $PDSERVE_GPU_CKPT (reused by a later run there)."""
-    from engine.checkpoint_writer import make_random_checkpoint
-    from engine.config import preset
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.config import preset
 
     keep = os.environ.get("PDSERVE_GPU_CKPT")
     if keep and (Path(keep) / "config.json").is_file():
@@ -97,7 +97,7 @@ def ckpt_20b():
 
 def depth_view(ckpt: Path, layers: int, dst: Path) -> Path:
     """The model made of the first `layers` blocks of `ckpt` (same files, shorter config)."""
-    from engine.config import ModelConfig
+    from pdserve.engine.config import ModelConfig
 
     if (dst / "config.json").is_file():
         return dst
@@ -122,7 +122,7 @@ def views(ckpt_20b):
 def prompt():
     seed = random.randrange(1 << 30)
     print(f"\n[parallel-gpu] prompt of {PROMPT_TOKENS} random ids (seed {seed})", flush=True)
-    from engine.config import VOCAB_SIZE
+    from pdserve.engine.config import VOCAB_SIZE
 
     return torch.randint(0, VOCAB_SIZE, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -151,7 +151,7 @@ def describe(name: str, m: dict) -> str:
 
 def run_layouts(model_dir: Path, ids: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """TP1 logits (one spawned rank on cuda:0) and each 2-rank layout's (one set of NCCL ranks)."""
-    from launch.parallel_logits import parallel_prompt_logits, parallel_prompt_logits_layouts
+    from pdserve.launch.parallel_logits import parallel_prompt_logits, parallel_prompt_logits_layouts
 
     t = time.perf_counter()
     ref = parallel_prompt_logits(str(model_dir), ids, tp=1, device="cuda")
@@ -171,7 +171,7 @@ def _backends() -> str:
 
 @two_gpus
 def test_shallow_layouts_match_tp1(views, prompt):
-    from launch.parallel_logits import parallel_prompt_logits
+    from pdserve.launch.parallel_logits import parallel_prompt_logits
 
     print(f"\n[parallel-gpu] {SHALLOW} layers, {_backends()}", flush=True)
     ref, got = run_layouts(views(SHALLOW), prompt)
