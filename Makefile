@@ -33,7 +33,7 @@ clean:
 	rm -rf $(VENV)
 
 # Regenerate the gRPC stubs from proto/pdserve.proto (they import `pdserve.proto.pdserve_pb2`).
-proto: $(STAMP)
+proto:
 	rm -rf .proto-gen && mkdir -p .proto-gen/src/pdserve/proto
 	cp proto/pdserve.proto .proto-gen/src/pdserve/proto/
 	$(BIN)/python -m grpc_tools.protoc -I.proto-gen/src --python_out=.proto-gen --grpc_python_out=.proto-gen .proto-gen/src/pdserve/proto/pdserve.proto

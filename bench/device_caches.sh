@@ -2,6 +2,7 @@
 # build caches earlier device calls brought back into .gpu (FlashInfer JIT modules, Triton cache),
 # unpacks the tvm-ffi release DeepGEMM's child process needs, and defines save_caches to write
 # refreshed copies to $OUT for the next call. Uses the caller's `log`.
+source bench/device_pkg.sh
 _site=${GPU_SITE:-/tmp/gpu-site}
 _aot="$_site/flashinfer/data/aot"
 mkdir -p "$_aot"

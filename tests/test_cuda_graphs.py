@@ -13,7 +13,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kernels.attention import PagedBatch
-from tests.numerics import rel_l2
+from numerics import rel_l2
 
 
 def test_capture_sizes():

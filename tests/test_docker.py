@@ -46,8 +46,7 @@ def expand(text: str, args: dict[str, str]) -> str:
 
 def packages() -> list[str]:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    return sorted({pattern.rstrip("*").rstrip(".") for pattern in include})
+    return sorted(pyproject["tool"]["setuptools"]["package-dir"].values())
 
 
 @pytest.fixture(params=["Dockerfile", "Dockerfile.cpu"])

@@ -14,7 +14,7 @@ from pdserve.engine.config import preset
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
-from tests.numerics import rel_l2
+from numerics import rel_l2
 
 pytestmark = pytest.mark.gpu
 
