@@ -70,6 +70,7 @@ class LocalCluster:
         self.spec = spec
         self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-"))
         self.log_dir = Path(log_dir) if log_dir else self.tmp
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
         self.model = str(builtin_tiny_model()) if spec.model == "tiny" else spec.model
