@@ -55,12 +55,14 @@ class DecodeScheduler:
         max_batch_size: int = 128,
         kv_quarantine_s: float = 2.0,
         idle_wait_s: float = 0.002,
+        clock=time.monotonic,
     ):
         self.runner = runner
         self.cache = runner.cache
         self.max_batch_size = max_batch_size
         self.kv_quarantine_s = kv_quarantine_s
         self.idle_wait_s = idle_wait_s
+        self.clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._reservations: dict[str, Reservation] = {}
@@ -92,7 +94,7 @@ class DecodeScheduler:
             if request_id in self._reservations:
                 raise ValueError(f"request {request_id} already holds a reservation")
             blocks = self.cache.reserve(max_tokens)  # KVCacheFull -> backpressure
-            r = Reservation(request_id, blocks, num_prompt_tokens, time.monotonic() + ttl_s)
+            r = Reservation(request_id, blocks, num_prompt_tokens, self.clock() + ttl_s)
             self._reservations[request_id] = r
         return r
 
@@ -110,7 +112,7 @@ class DecodeScheduler:
             seq = Sequence(request_id, list(prompt_ids), params, blocks=r.blocks)
             seq.num_cached = len(prompt_ids)
             r.seq = seq
-            r.expires_at = time.monotonic() + kv_wait_s  # now: deadline for the KV to arrive
+            r.expires_at = self.clock() + kv_wait_s  # now: deadline for the KV to arrive
             done = seq.append(first_token, self.runner.cfg.eos_token_ids, self.runner.max_context)
             if done:
                 r.events.put(TokenEvent([], seq.finish_reason))
@@ -151,7 +153,7 @@ class DecodeScheduler:
         if r.kv_arrived or self.kv_quarantine_s <= 0:
             self.cache.release(r.blocks)
         else:
-            self._quarantine.append((time.monotonic() + self.kv_quarantine_s, r.blocks))
+            self._quarantine.append((self.clock() + self.kv_quarantine_s, r.blocks))
 
     def _poll_notifications(self) -> None:
         if self.notification_source is None:
@@ -160,7 +162,7 @@ class DecodeScheduler:
             self._notifications.add(n.decode() if isinstance(n, bytes) else n)
 
     def _housekeeping(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._poll_notifications()
         with self._lock:
             for rid in list(self._notifications):
@@ -184,7 +186,8 @@ class DecodeScheduler:
                 if r.cancelled:
                     r.events.put(TokenEvent([], FinishReason.CANCELLED))
                     self._retire(r)
-                elif now > r.expires_at:
+                elif now > r.expires_at and not (r.seq is not None and r.kv_arrived):
+                    # a started request whose KV is here waits for a batch slot as long as it takes
                     what = "KV transfer did not arrive" if r.seq else "reservation expired before decode started"
                     r.events.put(TokenEvent([], FinishReason.ERROR, what))
                     log.warning("request %s: %s", r.request_id, what)
@@ -199,16 +202,21 @@ class DecodeScheduler:
                 self.cache.adopt_transferred(r.blocks, r.num_prompt_tokens)
                 self._running.append(r)
 
+    def run_once(self) -> bool:
+        """One loop iteration: housekeeping, then one decode step if anything runs (True)."""
+        self._housekeeping()
+        batch = list(self._running)
+        if not batch:
+            return False
+        self._step(batch)
+        return True
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._housekeeping()
-                batch = list(self._running)
-                if not batch:
+                if not self.run_once():
                     self._wake.wait(self.idle_wait_s if self._reservations else 0.05)
                     self._wake.clear()
-                    continue
-                self._step(batch)
             except Exception as e:  # one bad step must not kill the worker: fail the batch
                 log.exception("decode step failed")
                 with self._lock:
