@@ -183,5 +183,5 @@ def test_without_interleaving_disagrees(tiny_mxfp4, prompt, reference_logits, mo
         half = x.shape[-1] // 2
         return swiglu(torch.stack([x[..., :half], x[..., half:]], dim=-1).flatten(-2), limit, alpha)
 
-    monkeypatch.setattr(kernels.moe, "swiglu", split_halves)
+    monkeypatch.setattr(moe, "swiglu", split_halves)
     assert _ablated_error(tiny_mxfp4, prompt, reference_logits, lambda r: None) > 5 * TOL
