@@ -161,6 +161,7 @@ class Generation:
         self._aborted = asyncio.Event()
         self._finished = False
         self._released = False
+        self._kv_blocks = 0  # the router's estimate of what the reservation holds
 
     @property
     def aborted(self) -> bool:
@@ -219,6 +220,7 @@ class Generation:
                 self._orch.registry.report_failure(worker, f"kv write {failure}", fatal=True)
                 self._orch.send_cancel(worker, self.request_id)
                 self._metrics.retries.labels("kv_transfer", "ABORTED").inc()
+                self._give_back_blocks()
                 self.decode_worker = None
         raise NoHealthyWorkersError(
             f"KV transfer to {len(broken_decode)} decode worker(s) failed; retry later.",
@@ -242,15 +244,21 @@ class Generation:
             request = pdserve_pb2.ReserveRequest(
                 request_id=self.request_id, num_prompt_tokens=num_prompt, max_new_tokens=max_new,
                 ttl_seconds=remaining)
+            # counted on the worker now, not when Reserve returns: the next request of a burst
+            # must already see it
+            blocks = kv_blocks_needed(num_prompt + max_new, worker.load.page_size if worker.load else 0)
+            placed = worker.pending_kv.add(blocks)
             call = worker.stub.Reserve(request, timeout=timeout)
             self._call = call
             try:
                 response = await call
             except asyncio.CancelledError:
+                worker.pending_kv.withdraw(placed)
                 if self.aborted:
                     return False
                 raise
             except grpc.aio.AioRpcError as error:
+                worker.pending_kv.withdraw(placed)
                 if self.aborted:
                     return False
                 code = error.code()
@@ -270,15 +278,13 @@ class Generation:
                 self._orch.send_cancel(worker, self.request_id)
                 self._metrics.retries.labels("reserve", code.name).inc()
                 continue
+            worker.pending_kv.confirm(placed)
+            self.decode_worker = worker
+            self._kv_blocks = blocks
             if self.aborted:  # client left while the reservation was in flight
-                self.decode_worker = worker
                 self._release()
                 return False
-            self.decode_worker = worker
             self.placements = list(response.placements)
-            load = worker.load
-            worker.pending_kv_blocks += kv_blocks_needed(num_prompt + max_new,
-                                                         load.page_size if load else 0)
             return True
         if full:
             raise OverloadedError(
@@ -306,7 +312,7 @@ class Generation:
             worker = candidates[0]
             tried.add(worker.endpoint.address)
             self.prefill_worker = worker
-            worker.pending_prompt_tokens += len(self.prompt_token_ids)
+            queued = worker.pending_prompt.add(len(self.prompt_token_ids))  # until it answers
             call = worker.stub.Prefill(request, timeout=self._remaining())
             self._call = call
             try:
@@ -344,6 +350,8 @@ class Generation:
                     return None
                 except asyncio.TimeoutError:
                     pass
+            finally:
+                worker.pending_prompt.withdraw(queued)
         if full and not gone:
             raise OverloadedError("Every prefill queue is full; retry later.", code="queue_full",
                                   retry_after=self._config.overload_retry_after)
@@ -374,6 +382,7 @@ class Generation:
                                         code="decode_failed")
                 if chunk.finish_reason:
                     self._finished = True
+                    self._give_back_blocks()
                 yield TokenEvent(list(chunk.token_ids), chunk.finish_reason)
                 if self._finished:
                     return
@@ -412,3 +421,10 @@ class Generation:
         for worker in (self.decode_worker, self.prefill_worker):
             if worker is not None:
                 self._orch.send_cancel(worker, self.request_id)
+        self._give_back_blocks()
+
+    def _give_back_blocks(self) -> None:
+        """The reservation ends (finish or Cancel): its blocks count as free again at once."""
+        if self.decode_worker is not None and self._kv_blocks:
+            self.decode_worker.pending_kv.confirm(self.decode_worker.pending_kv.add(-self._kv_blocks))
+            self._kv_blocks = 0

@@ -9,7 +9,9 @@ discovery callbacks from other threads are handed over with `call_soon_threadsaf
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
 from typing import Callable
 
 import grpc
@@ -36,11 +38,53 @@ _GRPC_OPTIONS = [
 ]
 
 
+class PendingLoad:
+    """Load this router put on (or took off) one worker that its last LoadReport may not show yet.
+
+    A placement counts from the moment the router picks the worker, before any RPC returns, so a
+    burst of requests spreads instead of all landing on the worker that looked emptiest. It stays
+    counted until it is withdrawn (the worker refused it, or the work left the worker), or until
+    it is confirmed (the worker holds it) and a LoadReport asked for after the confirmation came
+    back: that report shows it. Negative amounts are work the worker has let go of since.
+    """
+
+    def __init__(self) -> None:
+        self._amounts: dict[int, int] = {}
+        self._confirmed_at: dict[int, float] = {}
+        self._handles = itertools.count()
+        self.total = 0
+
+    def add(self, amount: int) -> int:
+        """Count `amount` now; returns a handle for `confirm` / `withdraw`."""
+        handle = next(self._handles)
+        self._amounts[handle] = amount
+        self.total += amount
+        return handle
+
+    def confirm(self, handle: int) -> None:
+        """The worker now holds it: the next LoadReport asked for from now on includes it."""
+        if handle in self._amounts:
+            self._confirmed_at[handle] = time.monotonic()
+
+    def withdraw(self, handle: int) -> None:
+        amount = self._amounts.pop(handle, None)
+        if amount is not None:
+            self.total -= amount
+            self._confirmed_at.pop(handle, None)
+
+    def reported(self, asked_at: float) -> None:
+        """A LoadReport asked for at `asked_at` (time.monotonic) arrived: it covers everything
+        confirmed before that."""
+        for handle, at in list(self._confirmed_at.items()):
+            if at <= asked_at:
+                self.withdraw(handle)
+
+
 class Worker:
     """One worker as the router sees it: its channel and stubs, last LoadReport and breaker.
 
-    `pending_*` count what this router sent the worker since its last LoadReport, so a burst of
-    requests between two polls does not all land on the worker that looked emptiest.
+    `pending_kv` (decode: KV blocks) and `pending_prompt` (prefill: queued prompt tokens) hold
+    what this router placed since the last LoadReport (see `PendingLoad`).
     """
 
     def __init__(self, endpoint: WorkerEndpoint, channel: grpc.aio.Channel, breaker: CircuitBreaker):
@@ -53,8 +97,8 @@ class Worker:
         self.breaker = breaker
         self.load: pdserve_pb2.LoadReport | None = None
         self.serving = False
-        self.pending_kv_blocks = 0
-        self.pending_prompt_tokens = 0
+        self.pending_kv = PendingLoad()
+        self.pending_prompt = PendingLoad()
 
     @property
     def role(self) -> str:
@@ -72,11 +116,11 @@ class Worker:
 
     @property
     def free_kv_blocks(self) -> int:
-        return 0 if self.load is None else self.load.kv_blocks_free - self.pending_kv_blocks
+        return 0 if self.load is None else self.load.kv_blocks_free - self.pending_kv.total
 
     @property
     def queued_prompt_tokens(self) -> int:
-        return 0 if self.load is None else self.load.queued_prompt_tokens + self.pending_prompt_tokens
+        return 0 if self.load is None else self.load.queued_prompt_tokens + self.pending_prompt.total
 
     def __repr__(self) -> str:
         return f"Worker({self.role}, {self.name}, routable={self.routable})"
@@ -196,6 +240,7 @@ class WorkerRegistry:
     async def _probe(self, worker: Worker) -> None:
         timeout = self._config.probe_timeout
         epoch = worker.breaker.epoch
+        asked_at = time.monotonic()
         health, load = await asyncio.gather(
             worker.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout),
             worker.stub.Load(pdserve_pb2.LoadRequest(), timeout=timeout),
@@ -216,8 +261,8 @@ class WorkerRegistry:
         worker.breaker.record_success(epoch)
         worker.load = load
         worker.serving = health is None or health.status == health_pb2.HealthCheckResponse.SERVING
-        worker.pending_kv_blocks = 0
-        worker.pending_prompt_tokens = 0
+        worker.pending_kv.reported(asked_at)
+        worker.pending_prompt.reported(asked_at)
         self._metrics.observe_worker(worker)
 
     def _changed(self) -> None:

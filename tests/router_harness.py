@@ -116,6 +116,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         self.refuse_reserve = False     # Reserve answers RESOURCE_EXHAUSTED, Load says free (stale)
         self.chunk_size = 2
         self.token_delay = 0.0          # seconds before each chunk
+        self.reserve_delay = 0.0        # seconds Reserve takes
         self.die_after_chunks: int | None = None
         self.server = _Server(pbg.add_DecodeWorkerServicer_to_server, self)
 
@@ -131,10 +132,12 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             self.cancelled.clear()
         self.exhausted = self.refuse_reserve = False
         self.chunk_size, self.token_delay, self.die_after_chunks = 2, 0.0, None
+        self.reserve_delay = 0.0
 
     def Reserve(self, request, context):
         with self.lock:
             self.reserve_requests.append(request)
+        time.sleep(self.reserve_delay)
         if self.exhausted or self.refuse_reserve:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
         total = request.num_prompt_tokens + request.max_new_tokens
@@ -218,6 +221,7 @@ class FakePrefill(pbg.PrefillWorkerServicer):
         self.cancelled: list[str] = []
         self.mode = "ok"  # ok | unavailable | exhausted | die | hang
         self.unreachable_decode: str | None = None  # KV writes to this decode worker fail
+        self.delay = 0.0  # seconds a prefill takes
         self.server = _Server(pbg.add_PrefillWorkerServicer_to_server, self)
 
     @property
@@ -228,7 +232,7 @@ class FakePrefill(pbg.PrefillWorkerServicer):
         with self.lock:
             self.requests.clear()
             self.cancelled.clear()
-        self.mode, self.unreachable_decode = "ok", None
+        self.mode, self.unreachable_decode, self.delay = "ok", None, 0.0
 
     def Prefill(self, request, context):
         with self.lock:
@@ -245,6 +249,7 @@ class FakePrefill(pbg.PrefillWorkerServicer):
             while context.is_active() and request.request_id not in self.cancelled:
                 time.sleep(0.01)
             context.abort(grpc.StatusCode.CANCELLED, "cancelled")
+        time.sleep(self.delay)
         if not request.placements:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no KV placements")
         if request.placements[0].decode_worker_id == self.unreachable_decode:

@@ -139,7 +139,7 @@ def test_policy_ranks_decode_by_free_blocks_among_those_that_fit():
         workers = [tiny, small, big, draining, short]
         # 1000 + 600 tokens = 100 blocks of 16: tiny cannot hold it, short's context cannot
         assert policy.rank_decode(workers, 1000, 600) == [big, small]
-        big.pending_kv_blocks = 450  # reserved by this router since big's last report
+        big.pending_kv.add(450)  # reserved by this router since big's last report
         assert policy.rank_decode(workers, 1000, 600) == [small]
         assert big.free_kv_blocks == 50
 
@@ -147,7 +147,7 @@ def test_policy_ranks_decode_by_free_blocks_among_those_that_fit():
         p2 = _worker("prefill", 12, queued_prompt_tokens=100)
         p3 = _worker("prefill", 13, queued_prompt_tokens=0, draining=True)
         assert policy.rank_prefill([p1, p2, p3], 50) == [p2, p1]
-        p2.pending_prompt_tokens = 10_000
+        p2.pending_prompt.add(10_000)
         assert policy.select_pair([p1, p2], [small, big], 1000, 600) == (p1, small)
         assert policy.select_pair([p3], [small], 10, 10) is None
         for w in workers + [p1, p2, p3]:
