@@ -8,107 +8,13 @@ OpenAPI-derived JSON schemas that kubernetes-validate ships, in strict mode (unk
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
-from pathlib import Path
-
 import helm_python as helm
 import kubernetes_validate
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-CHART = REPO / "helm" / "pdserve"
-RELEASE, NAMESPACE = "pd", "serving"
-FULLNAME = "pd-pdserve"
-KUBE_VERSION = kubernetes_validate.utils.latest_version()  # newest schema set it ships
-# CRDs kubernetes-validate has no schema for; each is checked by hand below.
-NO_SCHEMA_KINDS = {"ServiceMonitor"}
-
-VALUES_FILES = {
-    "default": None,
-    "cpu": "values-cpu.yaml",
-    "gpt-oss-20b": "values-gpt-oss-20b.yaml",
-    "gpt-oss-120b": "values-gpt-oss-120b.yaml",
-}
-# Every optional template switched on, on top of the default values.
-ALL_FEATURES = {
-    "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
-    "decode": {"autoscaling": {"enabled": True, "metrics": [{
-        "type": "Object",
-        "object": {"metric": {"name": "pdserve_decode_kv_usage_ratio"},
-                   "describedObject": {"apiVersion": "v1", "kind": "Service",
-                                       "name": f"{FULLNAME}-router"},
-                   "target": {"type": "Value", "value": "800m"}}}]}},
-    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-    "engine": {"files": {"engine.yaml": "max_model_len: 131072\n"}},
-    "networkPolicy": {"routerIngressFrom": [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": "ingress-nginx"}}}]},
-    "workers": {"podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"},
-                "env": {"UCX_NET_DEVICES": "mlx5_0:1"}},
-}
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def user_values(name: str) -> dict:
-    if name == "all-features":
-        return copy.deepcopy(ALL_FEATURES)
-    if name == "static":
-        return {"router": {"discovery": "static",
-                           "staticWorkers": {"prefill": ["10.0.0.1:50061"],
-                                             "decode": ["10.0.0.2:50062", "10.0.0.3:50062"]}}}
-    file = VALUES_FILES[name]
-    return yaml.safe_load((CHART / file).read_text()) if file else {}
-
-
-@functools.cache
-def _rendered(name: str) -> tuple[str, str]:
-    values = user_values(name)
-    with helm.Chart.load(str(CHART)) as chart:
-        merged = chart.merge_values(values)
-        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    docs = [doc for path, text in sorted(manifests.items()) if path.endswith((".yaml", ".yml"))
-            for doc in yaml.safe_load_all(text) if doc]
-    return json.dumps(docs), json.dumps(merged)
-
-
-def render(name: str) -> tuple[list[dict], dict]:
-    """(manifests, the values Helm used after merging the chart's defaults)."""
-    docs, merged = _rendered(name)
-    return json.loads(docs), json.loads(merged)
-
-
-def find(docs, kind, name=None):
-    hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-    return hits
-
-
-def one(docs, kind, name):
-    hits = find(docs, kind, name)
-    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
-    return hits[0]
-
-
-def container(deployment):
-    containers = deployment["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    return containers[0]
-
-
-def flag(args, name):
-    assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
-    return args[args.index(name) + 1]
-
+from helm_chart import (ALL_FEATURES, CHART, FULLNAME, KUBE_VERSION, NAMESPACE, NO_SCHEMA_KINDS, RELEASE,
+                        VALUES_FILES, container, container_env, expand_refs, find, flag, one, pod_containers,
+                        render, user_values)
 
 ALL_CONFIGS = [*VALUES_FILES, "all-features", "static"]
 
@@ -213,8 +119,8 @@ def test_router_rbac_is_read_only_discovery_in_its_namespace(name):
     (role,) = find(docs, "Role")
     rules = sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"])))
                    for r in role["rules"])
-    assert rules == [(("",), ("pods",), ("get", "list", "watch")),
-                     (("discovery.k8s.io",), ("endpointslices",), ("get", "list", "watch"))]
+    # exactly what router/discovery_k8s.py reads: EndpointSlices (list + watch), nothing else
+    assert rules == [(("discovery.k8s.io",), ("endpointslices",), ("list", "watch"))]
     assert not any(r.get("resourceNames") for r in role["rules"])
     (binding,) = find(docs, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
@@ -421,3 +327,41 @@ def test_engine_configmap_and_rollout_checksum():
     assert container(one(changed, "Deployment", f"{FULLNAME}-router"))  # renders
     other = one(changed, "Deployment", f"{FULLNAME}-decode")["spec"]["template"]["metadata"]
     assert other["annotations"]["checksum/engine"] != checksums[f"{FULLNAME}-decode"]
+
+
+# -- every rendered command line is one the pdserve CLI accepts -----------------------------------
+
+POD_FIELDS = {"metadata.name": "pod-0", "metadata.namespace": NAMESPACE, "status.podIP": "10.1.2.3"}
+
+
+def parse_cli(args: list[str]):
+    """Parse a container's args with pdserve's own parser (the image's entrypoint is `pdserve`)."""
+    import contextlib
+    import io
+
+    from pdserve.launch.cli import build_parser
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"`pdserve {' '.join(args)}` is rejected by the CLI: {stderr.getvalue().strip()}")
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_every_container_command_line_parses_with_the_pdserve_cli(name):
+    docs, values = render(name)
+    seen = set()
+    for workload, c in pod_containers(docs):
+        assert "command" not in c, "containers run the image's entrypoint (pdserve under tini)"
+        env = container_env(docs, c, POD_FIELDS)
+        args = [expand_refs(a, env) for a in c["args"]]
+        assert not any("$(" in a for a in args), f"unresolved reference in {args}"
+        parsed = parse_cli(args)
+        seen.add(parsed.cmd)
+        if parsed.cmd.endswith("-worker"):
+            assert parsed.model == values["model"]["path"]
+            assert parsed.kv_host == POD_FIELDS["status.podIP"]
+            assert parsed.device == values["device"]
+    assert seen == {"router", "prefill-worker", "decode-worker"}
