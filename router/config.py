@@ -22,6 +22,9 @@ class RouterConfig:
     served_model_name: str = "gpt-oss"
     default_max_tokens: int = 4096
     request_timeout: float = 600.0
+    # untrusted input, bounded before parsing and tokenizing (router/request_limits.py)
+    max_request_bytes: int = 8 << 20     # larger bodies get 413
+    max_text_chars: int = 1 << 20        # characters of text in one request (~4x a 131k context)
     # worker health
     probe_interval: float = 1.0          # how often each worker's Load + health are polled
     probe_timeout: float = 1.0           # deadline of one probe RPC
@@ -46,7 +49,8 @@ class RouterConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("default_max_tokens", "breaker_failure_threshold", "max_prefill_attempts",
+        for name in ("default_max_tokens", "max_request_bytes", "max_text_chars",
+                     "breaker_failure_threshold", "max_prefill_attempts",
                      "max_decode_attempts",
                      "overload_retry_after", "unavailable_retry_after"):
             if getattr(self, name) < 1:

@@ -37,6 +37,14 @@ class InvalidRequestError(RouterError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class PayloadTooLargeError(RouterError):
+    """The request body is over the router's size limit."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class ModelNotFoundError(RouterError):
     http_status = 404
     error_type = "invalid_request_error"

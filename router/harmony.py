@@ -42,6 +42,7 @@ So pure noise without special tokens parses to `content == decode(ids)`.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
 import hashlib
 import importlib.resources
@@ -374,6 +375,21 @@ def _drop_old_reasoning(messages: list[oh.Message]) -> list[oh.Message]:
     return [m for i, m in enumerate(messages) if not (i < last_final and m.channel == "analysis")]
 
 
+@contextlib.contextmanager
+def _tokenizer_errors(what: str, param: str):
+    """openai-harmony's failures on a request's text as `HarmonyError` (400): its own errors,
+    ValueErrors (text it cannot encode), and Rust panics, which reach Python as pyo3's
+    PanicException, a BaseException that no `except Exception` catches."""
+    try:
+        yield
+    except (oh.HarmonyError, ValueError) as e:
+        raise HarmonyError(f"{what}: {e}", param=param) from e
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise HarmonyError(f"{what}: the tokenizer failed on this text ({e})", param=param) from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Codec
 # ----------------------------------------------------------------------------------------------
@@ -481,15 +497,13 @@ class HarmonyCodec:
 
         options = oh.RenderOptions(conversation_has_function_tools=with_tools)
         ids: list[int] = []
-        try:
+        with _tokenizer_errors("cannot render the conversation", "messages"):
             for m in head + _drop_old_reasoning(body):
                 rendered = self._encoding.render(m, options)
                 if m.author.role == oh.Role.ASSISTANT and m.channel and " to=" in m.channel \
                         and rendered[-1] == self.end_id:
                     rendered[-1] = self.call_id  # a tool call ends with <|call|>, not <|end|>
                 ids.extend(rendered)
-        except oh.HarmonyError as e:
-            raise HarmonyError(f"cannot render the conversation: {e}", param="messages") from e
         ids.append(self.start_id)
         ids.extend(self._assistant_ids)
         return ids
@@ -521,7 +535,8 @@ class HarmonyCodec:
                 raise HarmonyError(f"prompt contains the special token text {m.group()!r}; "
                                    f"special tokens are not allowed in plain-text prompts "
                                    f"(send token ids instead)", param="prompt")
-        return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
+        with _tokenizer_errors("cannot tokenize the prompt", "prompt"):
+            return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of ids (special tokens spelled out; invalid UTF-8 becomes U+FFFD)."""

@@ -33,6 +33,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="completion budget when the request sets none (capped by the context)")
     g.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
                    help="seconds a request may take end to end")
+    g.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                   help="largest request body accepted (larger: HTTP 413)")
+    g.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
+                   help="most characters of text in one request, checked before tokenizing")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -54,7 +58,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
                         served_model_name=args.served_model_name,
                         default_max_tokens=args.default_max_tokens,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout,
+                        max_request_bytes=args.max_request_bytes,
+                        max_text_chars=args.max_text_chars)
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:

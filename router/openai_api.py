@@ -34,6 +34,7 @@ from pdserve.router.orchestrator import (FINISH_LENGTH, FINISH_STOP, Generation,
                                  TokenEvent)
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.request_limits import check_strings, read_json_body
 from pdserve.router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -51,15 +52,6 @@ def _sse(payload: dict) -> str:
 
 
 _SSE_DONE = "data: [DONE]\n\n"
-
-
-async def _read_json(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidRequestError(f"The request body is not valid JSON: {error}",
-                                  code="invalid_json") from None
 
 
 async def _cancel_on_disconnect(request: Request, generations: list[Generation]) -> None:
@@ -230,6 +222,12 @@ class OpenAIFrontend:
         self.metrics = metrics
 
     # ---- shared ----------------------------------------------------------------------------
+    async def read_body(self, request: Request) -> Any:
+        """The JSON body, bounded before any tokenizing (413/400 past the limits)."""
+        body = await read_json_body(request, self.config.max_request_bytes)
+        check_strings(body, self.config.max_text_chars)
+        return body
+
     def _check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
             raise ModelNotFoundError(model, self.config.served_model_name)
@@ -295,7 +293,7 @@ class OpenAIFrontend:
 
     # ---- chat ------------------------------------------------------------------------------
     async def chat_completions(self, request: Request, arrival: float) -> Response:
-        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await _read_json(request))
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self.read_body(request))
         self._check_model(body.model)
         tool_choice = body.tool_choice
         if isinstance(tool_choice, NamedToolChoice):
@@ -444,7 +442,7 @@ class OpenAIFrontend:
         return prompt
 
     async def completions(self, request: Request, arrival: float) -> Response:
-        body: CompletionRequest = parse_body(CompletionRequest, await _read_json(request))
+        body: CompletionRequest = parse_body(CompletionRequest, await self.read_body(request))
         self._check_model(body.model)
         prompts = await asyncio.to_thread(
             lambda: [self._prompt_ids(p, i) for i, p in enumerate(body.prompts())])

@@ -6,7 +6,7 @@ what only it knows (roles in context, tool-call history, tool names) when it ren
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import jsonschema
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
@@ -17,33 +17,78 @@ from pdserve.router.errors import InvalidRequestError
 _MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
+# Strict: `max_tokens: true` or `stream: "yes"` are type errors (400), not coerced to 1 / True.
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == n for n in neutral)
+
+
+# Fields of the OpenAI API (and the vLLM extensions clients send) that would change the output
+# and that this server does not honour (yet): a request that sets one to anything but its neutral
+# value gets a 400 naming it, never a silently different answer. Implementing one = removing it
+# here and declaring it on the model.
+NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logit_bias": _absent_or({}),
+    "top_logprobs": _absent_or(0),
+    "prediction": _absent_or(),
+    "audio": _absent_or(),
+    "modalities": _absent_or(["text"]),
+    "functions": _absent_or([]),
+    "function_call": _absent_or("none", "auto"),
+    "min_p": _absent_or(0),
+    "repetition_penalty": _absent_or(1),
+    "ignore_eos": _absent_or(False),
+    "min_tokens": _absent_or(0),
+    "stop_token_ids": _absent_or([]),
+    "guided_json": _absent_or(),
+    "guided_regex": _absent_or(),
+    "guided_choice": _absent_or(),
+    "guided_grammar": _absent_or(),
+    "structured_outputs": _absent_or(),
+}
+
+
+def refuse_not_honoured(data: Any, fields: dict[str, Callable[[Any], bool]]) -> Any:
+    """Raise (400, naming the field) if `data` sets one of `fields` to a non-neutral value."""
+    if isinstance(data, dict):
+        for name, neutral in fields.items():
+            if name in data and not neutral(data[name]):
+                raise InvalidRequestError(
+                    f"{name} is not supported by this server; remove it or send its default",
+                    param=name, code="unsupported_parameter")
+    return data
+
+
 class _Body(BaseModel):
     # Unknown fields (user, metadata, service_tier, ...) are accepted and ignored, as most
     # OpenAI-compatible servers do; anything we cannot honour but would change the output is refused.
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     name: str
     arguments: str | dict[str, Any] = ""
 
 
 class ToolCallIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -64,7 +109,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -88,22 +133,24 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class NamedFunction(BaseModel):
+    model_config = _STRICT
     name: str
 
 
 class NamedToolChoice(BaseModel):
+    model_config = _STRICT
     type: Literal["function"]
     function: NamedFunction
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
@@ -122,6 +169,11 @@ class _Sampling(_Body):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_honoured(cls, data: Any) -> Any:
+        return refuse_not_honoured(data, NOT_HONOURED)
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,173 @@
+"""Hostile or malformed input is a 4xx with an OpenAI error body, counted, never a 500.
+
+Repros of issue 13: lone surrogates, JSON nested 100k deep, megabytes of one character, loosely
+typed fields, and fields that would change the output but are not honoured.
+"""
+
+import json
+import random
+
+import httpx
+import pytest
+
+from pdserve.router.harmony import HarmonyError, _tokenizer_errors
+from pdserve.router.request_limits import MAX_JSON_DEPTH, MAX_RUN_CHARS
+from router_harness import Cluster, harmony_ids
+from test_router_errors import assert_error
+
+MODEL = "gpt-oss-test"
+SCRIPT = "<|channel|>final<|message|>ok<|return|>"
+USER = [{"role": "user", "content": "Hi!"}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(num_prefill=1, num_decode=1, script=harmony_ids(SCRIPT), max_context=4096)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def fresh(cluster):
+    cluster.reset()
+    return cluster
+
+
+def post(cluster, path, *, body=None, content=None):
+    if body is not None:
+        content = json.dumps(body)
+    return httpx.post(cluster.base_url + path, content=content, timeout=30,
+                      headers={"Content-Type": "application/json"})
+
+
+def chat(**overrides):
+    return {"model": MODEL, "messages": USER, **overrides}
+
+
+def count(cluster, endpoint, status) -> float:
+    text = httpx.get(cluster.base_url + "/metrics").text
+    line = f'pdserve_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+    return next((float(s.removeprefix(line)) for s in text.splitlines() if s.startswith(line)), 0.0)
+
+
+def test_lone_surrogate_is_400_and_a_pair_is_fine(fresh):
+    lone = random.choice(["\\ud800", "\\udbff", "\\udc00", "\\udfff"])
+    raw = '{"model": "%s", "messages": [{"role": "user", "content": "a%sb"}]}' % (MODEL, lone)
+    before = count(fresh, "chat_completions", 400)
+    assert_error(post(fresh, "/v1/chat/completions", content=raw), 400, param="messages",
+                 code="invalid_unicode")
+    assert count(fresh, "chat_completions", 400) == before + 1
+    raw = '{"model": "%s", "prompt": "x%sy"}' % (MODEL, lone)
+    assert_error(post(fresh, "/v1/completions", content=raw), 400, param="prompt")
+    pair = '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud83d\\ude00b"}]}' % MODEL
+    assert post(fresh, "/v1/chat/completions", content=pair).status_code == 200
+    assert not fresh.prefill[0].requests[1:]  # only the valid one reached a worker
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+def test_deeply_nested_json_is_400(fresh, depth):
+    raw = '{"model": "%s", "messages": %s}' % (MODEL, "[" * depth + "]" * depth)
+    assert_error(post(fresh, "/v1/chat/completions", content=raw), 400, code="invalid_json")
+
+
+def test_a_nested_tool_schema_within_the_bound_is_fine(fresh):
+    schema = {"type": "object", "properties": {}}
+    inner = schema
+    for _ in range(8):
+        child = {"type": "object", "properties": {}}
+        inner["properties"]["x"] = child
+        inner = child
+    r = post(fresh, "/v1/chat/completions", body=chat(tools=[
+        {"type": "function", "function": {"name": "f", "parameters": schema}}]))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("size", [100_000, 1_000_000])
+def test_a_long_run_of_one_character_is_400_without_tokenizing(fresh, size):
+    char = random.choice("aZé ._=-")
+    text = char * size
+    assert_error(post(fresh, "/v1/chat/completions",
+                      body=chat(messages=[{"role": "user", "content": text}])), 400,
+                 param="messages")
+    assert_error(post(fresh, "/v1/completions", body={"model": MODEL, "prompt": "hi " + text}),
+                 400, param="prompt")
+    assert not fresh.prefill[0].requests
+
+
+def test_a_run_at_the_bound_is_tokenized(fresh):
+    r = post(fresh, "/v1/completions", body={"model": MODEL, "prompt": "a" * MAX_RUN_CHARS,
+                                            "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] < MAX_RUN_CHARS
+
+
+def test_too_much_text_is_400(fresh):
+    words = " ".join(random.choice(["alpha", "beta", "gamma"]) for _ in range(200_000))
+    assert len(words) > 1 << 20
+    assert_error(post(fresh, "/v1/completions", body={"model": MODEL, "prompt": words}), 400,
+                 param="prompt", code="context_length_exceeded")
+
+
+def test_a_body_over_the_size_limit_is_413_and_counted(fresh):
+    before = count(fresh, "completions", 413)
+    text = random.choice("ab") * (10 << 20)
+    error = assert_error(post(fresh, "/v1/completions", body={"model": MODEL, "prompt": text}),
+                         413, code="request_too_large")
+    assert error["type"] == "invalid_request_error"
+    assert count(fresh, "completions", 413) == before + 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", "5"), ("stream", "yes"),
+    ("stream", 1), ("temperature", True), ("temperature", "0.5"), ("seed", False),
+    ("n", "1"), ("top_k", True), ("logprobs", "false"), ("max_completion_tokens", True),
+])
+def test_loosely_typed_fields_are_400(fresh, field, value):
+    assert_error(post(fresh, "/v1/chat/completions", body=chat(**{field: value})), 400,
+                 param=field)
+
+
+def test_strict_types_still_take_ints_for_floats(fresh):
+    r = post(fresh, "/v1/chat/completions", body=chat(temperature=1, top_p=1, max_tokens=5))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("response_format", {"type": "json_object"}),
+    ("logit_bias", {"42": 100}),
+    ("top_logprobs", 3),
+    ("ignore_eos", True),
+    ("min_p", 0.1),
+    ("functions", [{"name": "f"}]),
+    ("guided_json", {"type": "object"}),
+])
+def test_fields_that_would_change_the_output_and_are_not_honoured_are_400(fresh, field, value):
+    for path, body in (("/v1/chat/completions", chat(**{field: value})),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi", field: value})):
+        error = assert_error(post(fresh, path, body=body), 400, param=field,
+                             code="unsupported_parameter")
+        assert field in error["message"]
+    assert not fresh.prefill[0].requests
+
+
+def test_neutral_values_of_unhonoured_fields_are_accepted(fresh):
+    r = post(fresh, "/v1/chat/completions", body=chat(
+        response_format={"type": "text"}, logit_bias={}, top_logprobs=0, ignore_eos=False,
+        user="someone", metadata={"k": "v"}))
+    assert r.status_code == 200, r.text
+
+
+class PanicException(BaseException):
+    """Stands in for pyo3's PanicException (openai-harmony's Rust panics)."""
+
+
+def test_tokenizer_panics_and_value_errors_become_400_errors():
+    for failure in (PanicException("index out of bounds"), ValueError("invalid message JSON")):
+        with pytest.raises(HarmonyError) as info:
+            with _tokenizer_errors("cannot tokenize", "prompt"):
+                raise failure
+        assert info.value.param == "prompt"
+    with pytest.raises(KeyboardInterrupt):
+        with _tokenizer_errors("cannot tokenize", "prompt"):
+            raise KeyboardInterrupt
