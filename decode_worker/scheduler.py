@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache import KVCacheFull, SeqBlocks
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling import SamplingParams, sample
+from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
 from pdserve.engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class TokenEvent:
     tokens: list[int]
     finish_reason: FinishReason | None = None
     error: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
 
 
 @dataclass(eq=False)
@@ -228,13 +229,14 @@ class DecodeScheduler:
     def _step(self, batch: list[Reservation]) -> None:
         seqs = [r.seq for r in batch]
         logits = self.runner.decode(seqs)
-        tokens = sample(logits, [s.params for s in seqs], [len(s.output_ids) for s in seqs])
-        self.steps += 1
         cfg = self.runner.cfg
+        out = sample(logits, [s.params for s in seqs], [s.output_ids for s in seqs], stop_ids=cfg.eos_token_ids)
+        self.steps += 1
         with self._lock:
-            for r, seq, tok in zip(batch, seqs, tokens):
-                done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context)
-                r.events.put(TokenEvent([tok], seq.finish_reason if done else None))
+            for r, seq, tok, lp in zip(batch, seqs, out.tokens, out.logprobs):
+                done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context, lp)
+                r.events.put(TokenEvent([tok], seq.finish_reason if done else None,
+                                        logprobs=[lp] if lp is not None else []))
                 if done:
                     self._running.remove(r)
                     self._retire(r)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from .kv_cache import KVCacheFull
 from .model_runner import InvalidRequest, ModelRunner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenLogprob, sample
 from .sequence import FinishReason, Sequence
 
 
@@ -24,6 +24,7 @@ class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: FinishReason
+    output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 class LLMEngine:
@@ -36,6 +37,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         self.runner.validate_prompt(prompt_ids)
+        params.check_vocab(self.runner.cfg.vocab_size)
         rid = request_id or f"req-{next(self._ids)}"
         seq = Sequence(rid, list(prompt_ids), params)
         if seq.max_tokens > self.runner.max_context:
@@ -47,9 +49,9 @@ class LLMEngine:
         self.waiting.append(seq)
         return seq
 
-    def _accept(self, seq: Sequence, token: int, on_token) -> bool:
+    def _accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None, on_token) -> bool:
         """Record a sampled token; a finished request gives its blocks back. True if it runs on."""
-        done = seq.append(token, self.runner.cfg.eos_token_ids, self.runner.max_context)
+        done = seq.append(token, self.runner.cfg.eos_token_ids, self.runner.max_context, logprob)
         if on_token:
             on_token(seq, [token])
         if done:
@@ -70,14 +72,15 @@ class LLMEngine:
                 break  # wait for running requests to free blocks
             self.waiting.popleft()
             logits = self.runner.prefill(seq)
-            tok = sample(logits[None], [seq.params], [0])[0]
-            (self.running if self._accept(seq, tok, on_token) else finished).append(seq)
+            out = sample(logits[None], [seq.params], [[]], stop_ids=self.runner.cfg.eos_token_ids)
+            (self.running if self._accept(seq, out.tokens[0], out.logprobs[0], on_token) else finished).append(seq)
         if self.running:
             batch, self.running = self.running, []
             logits = self.runner.decode(batch)
-            toks = sample(logits, [s.params for s in batch], [len(s.output_ids) for s in batch])
-            for seq, tok in zip(batch, toks):
-                (self.running if self._accept(seq, tok, on_token) else finished).append(seq)
+            out = sample(logits, [s.params for s in batch], [s.output_ids for s in batch],
+                         stop_ids=self.runner.cfg.eos_token_ids)
+            for seq, tok, lp in zip(batch, out.tokens, out.logprobs):
+                (self.running if self._accept(seq, tok, lp, on_token) else finished).append(seq)
         return finished
 
     def generate(
@@ -92,4 +95,5 @@ class LLMEngine:
             self.step(on_token)
             if self.waiting and not self.running and before == (len(self.waiting), 0):
                 raise KVCacheFull("a waiting request can never fit the KV cache")
-        return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]
+        return [GenerationResult(s.request_id, s.prompt_ids, s.output_ids, s.finish_reason, s.output_logprobs)
+                for s in seqs]

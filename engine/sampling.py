@@ -1,16 +1,32 @@
-"""Per-request sampling inside one batch: greedy, temperature, top-k, top-p, seeded streams.
+"""Per-request sampling inside one batch, on the device, vectorised over the batch.
 
-A request's randomness depends only on (seed, index of the token it samples), never on the batch
-it shares or the worker it runs on, so a prefill worker's first token and a decode worker's later
-tokens form the same stream a single process would produce.
+What a step does to each row's logits, in OpenAI's order: frequency and presence penalties (over
+the tokens the request has generated), `logit_bias`, then `min_tokens` (stop ids masked until
+enough tokens were generated), an optional token bitmask (structured outputs: a packed allowed-set
+per row), temperature. The log-softmax of those processed logits is what `logprobs` reports; top-k
+and top-p then cut the distribution and one token is drawn.
+
+No step loops over the vocabulary in Python or synchronises with the device more than once: the
+per-row parameters travel as small tensors, built on the host from what it already knows, and
+every result (tokens, logprobs, alternatives) comes back in one device-to-host copy.
+
+Randomness: a row draws with one uniform number u from a counter-based hash of (seed, index of
+the token it samples), by inverting the cumulative distribution (the first token whose cumulative
+probability exceeds u). It depends on nothing else (not the batch, not the worker), so a prefill
+worker's first token and a decode worker's later tokens form the stream a single process would
+produce. Choice i of an n > 1 request samples with seed + i (mod 2**64).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_LOGIT_BIAS = 100.0
+_SEED_MOD = 2**64
 
 
 class SamplingError(ValueError):
@@ -19,6 +35,14 @@ class SamplingError(ValueError):
 
 @dataclass
 class SamplingParams:
+    """One request's (or one choice's) sampling rules.
+
+    logprobs : None = off; k >= 0 = the sampled token's logprob and the k most likely alternatives.
+    prompt_logprobs : None = off; k >= 0 = each prompt token's logprob (from the prefill) and k
+        alternatives at each position.
+    n : choices sampled from one prompt; choice i uses seed + i.
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -26,6 +50,13 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature <= 100):
@@ -36,6 +67,23 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias.items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+            if token < 0:
+                raise SamplingError(f"logit_bias names token id {token}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise SamplingError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                                f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise SamplingError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if self.n < 1:
+            raise SamplingError(f"n must be >= 1, got {self.n}")
         if self.seed is None:
             self.seed = random.getrandbits(63)
 
@@ -43,36 +91,194 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
-def _token_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (2**63))
-    return g
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the parameters must exist (an out-of-range index on the device
+        would kill the worker)."""
+        for what, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingError(f"{what} names token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice `index` of an n > 1 request: its own seed, one choice."""
+        return replace(self, seed=(self.seed + index) % _SEED_MOD, n=1,
+                       stop_token_ids=list(self.stop_token_ids), logit_bias=dict(self.logit_bias))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-    """logits [B, V] float32; indices[i] = how many tokens request i has sampled before.
+@dataclass
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely tokens at its position, best first."""
 
-    Greedy rows take the argmax of their logits; the others the argmax of their filtered,
-    Gumbel-perturbed logits. One argmax over the whole batch and one device-to-host copy per
-    step (a per-row `int()` would synchronise with the GPU once per request)."""
-    scores = logits
-    for i, (p, idx) in enumerate(zip(params, indices)):
-        if p.greedy:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]  # per row; None where the row did not ask for logprobs
+
+
+# -- randomness ---------------------------------------------------------------------------------
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) % _SEED_MOD
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % _SEED_MOD
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % _SEED_MOD
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) with which a request of `seed` samples token `index`."""
+    return (_splitmix64(_splitmix64(seed % _SEED_MOD) ^ index) >> 11) / float(1 << 53)
+
+
+# -- the sampler --------------------------------------------------------------------------------
+def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values -> device without waiting for the device (pinned staging on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallow tokens whose bit is clear. bitmask int32 [B, ceil(V / 32)]: bit j of word w is
+    token 32 * w + j (the layout xgrammar and llguidance fill); an all-ones row leaves a row free."""
+    b, v = logits.shape
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    bits = (bitmask.to(logits.device, torch.int32).unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(b, -1)[:, :v].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+             stop_ids: tuple[int, ...], token_bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Penalties, logit_bias, min_tokens, bitmask, temperature: float32 [B, V], a new tensor."""
+    dev = logits.device
+    b, v = logits.shape
+    x = logits.float().clone()
+    pen = [i for i, p in enumerate(params) if p.penalised and outputs[i]]
+    if pen:
+        longest = max(len(outputs[i]) for i in pen)
+        ids = _tensor([outputs[i] + [v] * (longest - len(outputs[i])) for i in pen], torch.long, dev)
+        counts = torch.zeros(len(pen), v + 1, device=dev).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
+        counts = counts[:, :v]
+        freq = _tensor([params[i].frequency_penalty for i in pen], torch.float, dev)
+        pres = _tensor([params[i].presence_penalty for i in pen], torch.float, dev)
+        rows = _tensor(pen, torch.long, dev)
+        x[rows] -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            rows.append(i), cols.append(token), vals.append(bias)
+    if rows:
+        x.index_put_((_tensor(rows, torch.long, dev), _tensor(cols, torch.long, dev)),
+                     _tensor(vals, torch.float, dev), accumulate=True)
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if len(outputs[i]) < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_ids))
+            rows.extend([i] * len(stops)), cols.extend(stops)
+    if rows:
+        x.index_put_((_tensor(rows, torch.long, dev), _tensor(cols, torch.long, dev)),
+                     torch.tensor(float("-inf"), device=dev))
+    if token_bitmask is not None:
+        x = apply_token_bitmask(x, token_bitmask)
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temps):
+        x = x / _tensor(temps, torch.float, dev)[:, None]
+    return x
+
+
+def _draw(x: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling of the top-k/top-p cut distribution: [B] long."""
+    dev = x.device
+    b, v = x.shape
+    u = _tensor([uniform(p.seed, len(o)) for p, o in zip(params, outputs)], torch.float64, dev)
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        k = _tensor([p.top_k if p.top_k else v for p in params], torch.long, dev)
+        top_p = _tensor([p.top_p for p in params], torch.float, dev)
+        rank = torch.arange(v, device=dev)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (rank[None] >= k[:, None]) | ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None])
+        probs = probs.masked_fill(drop, 0.0)
+    else:
+        order = None
+        probs = torch.softmax(x, dim=-1)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=v - 1)
+    return (order.gather(1, idx) if order is not None else idx).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]], *,
+           stop_ids: tuple[int, ...] = (), token_bitmask: torch.Tensor | None = None) -> SampleOutput:
+    """Sample one token per row.
+
+    logits : float [B, V] on any device.
+    params : per row.
+    outputs : per row, the tokens it generated so far (penalties, min_tokens, and the index of
+        the token being sampled, which with the seed fixes the random draw).
+    stop_ids : the model's end-of-turn ids, masked with the row's stop_token_ids while a row has
+        fewer than min_tokens (unless it ignores EOS).
+    token_bitmask : optional int32 [B, ceil(V / 32)] allowed-token bits (see apply_token_bitmask).
+    """
+    b, v = logits.shape
+    x = _process(logits, params, outputs, stop_ids, token_bitmask)
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        tokens = torch.argmax(x, dim=-1)
+    else:
+        tokens = _draw(x, params, outputs)
+        if any(greedy):
+            tokens = torch.where(_tensor(greedy, torch.bool, x.device), torch.argmax(x, dim=-1), tokens)
+    want = [p.logprobs for p in params]
+    if all(k is None for k in want):
+        return SampleOutput(tokens.tolist(), [None] * b)
+    logprobs = torch.log_softmax(x, dim=-1)
+    k = max(w or 0 for w in want)
+    parts = [tokens.double()[:, None], logprobs.gather(1, tokens[:, None]).double()]
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        parts += [top.indices.double(), top.values.double()]
+    host = torch.cat(parts, dim=1).cpu()  # the step's one device-to-host copy
+    out = []
+    for i, w in enumerate(want):
+        row = host[i].tolist()
+        if w is None:
+            out.append(None)
             continue
-        if scores is logits:
-            scores = logits.float().clone()
-        x = logits[i].float() / p.temperature
-        if p.top_k and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            # drop a token when the mass before it already reaches top_p (the first always stays)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-        g = _token_generator(p.seed, idx, x.device)
-        u = torch.rand(x.shape, generator=g, device=x.device).clamp_(1e-20, 1.0)
-        scores[i] = x - torch.log(-torch.log(u))  # Gumbel-max
-    return torch.argmax(scores, dim=-1).tolist()
+        top = list(zip((int(t) for t in row[2:2 + w]), row[2 + k:2 + k + w])) if w else []
+        out.append(TokenLogprob(int(row[0]), row[1], top))
+    return SampleOutput([int(t) for t in host[:, 0].tolist()], out)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int, chunk: int = 1024) -> list[TokenLogprob]:
+    """Logprob of each prompt token after the first given the ones before it (raw logits, as
+    prompts are not sampled), with the k most likely tokens at its position.
+
+    logits : float [L, V], row i = the distribution after prompt_ids[: i + 1]; taken `chunk` rows
+    at a time so a long prompt needs no second [L, V] buffer."""
+    n = len(prompt_ids) - 1
+    parts = []
+    for start in range(0, max(n, 0), chunk):
+        end = min(n, start + chunk)
+        logprobs = torch.log_softmax(logits[start:end].float(), dim=-1)
+        nxt = torch.tensor(prompt_ids[start + 1:end + 1], dtype=torch.long, device=logits.device)
+        cols = [logprobs.gather(1, nxt[:, None]).double()]
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            cols += [top.indices.double(), top.values.double()]
+        parts.append(torch.cat(cols, dim=1))
+    if not parts:
+        return []
+    host = torch.cat(parts).cpu().tolist()  # one device-to-host copy
+    return [TokenLogprob(prompt_ids[i + 1], row[0], list(zip((int(t) for t in row[1:1 + k]), row[1 + k:])))
+            for i, row in enumerate(host)]

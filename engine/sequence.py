@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .kv_cache import SeqBlocks
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
 
 class FinishReason(str, enum.Enum):
@@ -22,6 +22,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
     blocks: SeqBlocks | None = None
     num_cached: int = 0  # positions whose K/V are in the cache
     finish_reason: FinishReason | None = None
@@ -38,9 +39,12 @@ class Sequence:
     def max_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_new_tokens
 
-    def append(self, token: int, eos_ids: tuple[int, ...], max_context: int) -> bool:
+    def append(self, token: int, eos_ids: tuple[int, ...], max_context: int,
+               logprob: TokenLogprob | None = None) -> bool:
         """Record a sampled token; returns True when the request is finished."""
         self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         stops = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             stops.update(eos_ids)

@@ -182,7 +182,7 @@ class PrefillExecutor:
         seq.blocks = cache.reserve(n, local_prompt_tokens=n)
         try:
             logits = self.runner.prefill(seq)
-            first = sample(logits[None], [job.params], [0])[0]
+            first = sample(logits[None], [job.params], [[]], stop_ids=self.runner.cfg.eos_token_ids).tokens[0]
             computed = time.monotonic()
             if job.cancelled:
                 raise InterruptedError(f"request {job.request_id} was cancelled")

@@ -80,12 +80,13 @@ def test_sampler_rules():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 1000, generator=g)
     top = logits.argmax(-1).tolist()
-    assert sample(logits, [SamplingParams(temperature=0)] * 3, [0, 0, 0]) == top
-    assert sample(logits, [SamplingParams(top_k=1, seed=1)] * 3, [0, 0, 0]) == top
-    assert sample(logits, [SamplingParams(top_p=1e-6, seed=1)] * 3, [0, 0, 0]) == top
+    none = [[], [], []]
+    assert sample(logits, [SamplingParams(temperature=0)] * 3, none).tokens == top
+    assert sample(logits, [SamplingParams(top_k=1, seed=1)] * 3, none).tokens == top
+    assert sample(logits, [SamplingParams(top_p=1e-6, seed=1)] * 3, none).tokens == top
     # top-k confines samples to the k best
     best5 = set(torch.topk(logits[0], 5).indices.tolist())
-    draws = {sample(logits[:1], [SamplingParams(top_k=5, temperature=5.0, seed=s)], [0])[0] for s in range(50)}
+    draws = {sample(logits[:1], [SamplingParams(top_k=5, temperature=5.0, seed=s)], [[]]).tokens[0] for s in range(50)}
     assert draws <= best5 and len(draws) > 1
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_new_tokens=0)):
         with pytest.raises(SamplingError):
