@@ -20,8 +20,10 @@ time; around it these rules apply, and nothing ever raises:
 2. `<|start|>` or `<|channel|>` inside a message body ends that message and opens a new header (the
    model skipped `<|end|><|start|>assistant`).
 3. A header is what follows `<|start|>role` up to `<|message|>`. If it grows past
-   `MAX_HEADER_TOKENS`, is interrupted by another special token, or Harmony's header parser rejects
-   it, it was no header: its text is kept as text (see 5). A header that named a channel and is
+   `MAX_HEADER_TOKENS`, is interrupted by another special token, holds text before any channel
+   that no header can start with (anything but a role, a recipient and a content type; checked
+   token by token, so noise is released at once), or Harmony's header parser rejects it, it was
+   no header: its text is kept as text (see 5). A header that named a channel and is
    cut by a stop token is recovered with Harmony's non-strict rule (channel kept, the rest of the
    header is the message text); one cut by the end of the output (max_tokens) yields nothing,
    except a tool-call header complete up to its content type, which yields a call with empty
@@ -59,6 +61,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import openai_harmony as oh
+import regex
 
 log = logging.getLogger(__name__)
 
@@ -558,6 +561,11 @@ class HarmonyCodec:
 # ----------------------------------------------------------------------------------------------
 
 _BETWEEN, _HEADER, _CONTENT = "between", "header", "content"
+# What a header may hold before its `<|channel|>` (if any): a recipient (` to=functions.x`) and a
+# content type (` json`, `<|constrain|>json`); after `<|start|>` mid-output, first the role.
+_BEFORE_CHANNEL = r"\s*(?:to=[^\s<|]+\s*)?(?:(?:<\|constrain\|>)?[^\s<|]+\s*)?"
+_HEADER_START = regex.compile(_BEFORE_CHANNEL)
+_HEADER_START_WITH_ROLE = regex.compile(r"[^\s<|]+" + _BEFORE_CHANNEL)
 _KIND_OF_CHANNEL = {"analysis": "reasoning", "commentary": "commentary"}
 
 
@@ -649,7 +657,7 @@ class HarmonyStreamParser:
                 self._open_message(out)
             elif not special or tok in (c.channel_id, c.constrain_id):
                 self._header.append(tok)
-                if len(self._header) > MAX_HEADER_TOKENS:
+                if len(self._header) > MAX_HEADER_TOKENS or not self._may_be_header():
                     self._reject_header(out)
             elif tok in c._stop_ids:
                 self._header_cut(out, by_stop=True)
@@ -662,6 +670,16 @@ class HarmonyStreamParser:
                 self._open_header(out, role_known=tok == c.channel_id, first=tok)
             elif not special:
                 self._loose_text(self._loose_kind, c._token_bytes(tok), out)
+
+    def _may_be_header(self) -> bool:
+        """Whether the open header can still become one: text that cannot is released at once
+        instead of being held for up to MAX_HEADER_TOKENS tokens. Once a header named a channel it
+        is a header attempt and is kept (a stop token may end it: see `_header_cut`)."""
+        c = self._c
+        if c.channel_id in self._header:
+            return True
+        start = _HEADER_START if self._role_known else _HEADER_START_WITH_ROLE
+        return start.fullmatch(c._encoding.decode(self._header), partial=True) is not None
 
     def _open_header(self, out: list[Delta], *, role_known: bool, first: int | None = None) -> None:
         self._flush_loose(out)

@@ -421,3 +421,17 @@ def test_offline_with_clean_environment(tmp_path):
     assert out["base"] == out["env"] == str(mine)
     out = _run_clean(tmp_path, TIKTOKEN_ENCODINGS_BASE=str(tmp_path / "empty"))
     assert "has no o200k_base.tiktoken" in out["error"]
+
+
+def test_text_that_cannot_be_a_header_is_released_at_once(codec, rng):
+    """Output that does not open with a header streams as it comes, not after 64 tokens."""
+    words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+                     for _ in range(rng.randint(2, 30)))
+    ids = codec.encode(words)
+    parser = codec.stream_parser()
+    before_flush = [d for t in ids for d in parser.feed(t)]
+    assert "".join(d.text for d in before_flush if d.kind == "content") == words
+    assert parser.finish().content == words
+    # a header that may still come (recipient, content type) is held until it cannot
+    parser = codec.stream_parser()
+    assert [d for t in codec.encode(" to=functions.get_weather json") for d in parser.feed(t)] == []

@@ -111,6 +111,18 @@ def test_chat_streamed(fresh, client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_chat_stream_releases_text_that_is_no_header(fresh, client):
+    """Noise without a Harmony header (a random-weights model) streams as it comes."""
+    words = " ".join(random.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(20))
+    fresh.reset(codec().encode(words) + harmony_ids("<|return|>"))
+    pieces = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=USER, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append((chunk.choices[0].delta.content, chunk.choices[0].finish_reason))
+    assert "".join(p for p, _ in pieces) == words
+    assert len(pieces) >= 5  # chunk by chunk, not all at the end
+
+
 def test_tool_call(fresh, client):
     fresh.reset(harmony_ids(TOOL_SCRIPT))
     r = client.chat.completions.create(model=MODEL, messages=[
