@@ -14,7 +14,7 @@ import pytest
 
 from helm_chart import (ALL_FEATURES, CHART, FULLNAME, KUBE_VERSION, NAMESPACE, NO_SCHEMA_KINDS, RELEASE,
                         VALUES_FILES, container, container_env, expand_refs, find, flag, one, pod_containers,
-                        render, user_values)
+                        render, render_values, user_values)
 
 ALL_CONFIGS = [*VALUES_FILES, "all-features", "static"]
 
@@ -190,8 +190,17 @@ def test_one_pod_per_replica_holds_all_its_gpus(name):
             assert ep == values["decode"]["ep"] and tp % ep == 0
             assert int(flag(args, "--max-batch-size")) == values["decode"]["maxBatchSize"]
         rdma = values["workers"]["rdma"]
-        for resource, count in rdma["resources"].items():
-            assert resources["limits"][resource] == count == resources["requests"][resource]
+        expected = {}
+        if cuda and rdma["enabled"]:  # per pod, plus per GPU x the pool's GPUs
+            expected = dict(rdma["resources"])
+            for resource, per_gpu in rdma["resourcesPerGpu"].items():
+                expected[resource] = expected.get(resource, 0) + per_gpu * tp
+            assert expected, "RDMA on without an RDMA device in the pod"
+        extended = {k: v for k, v in resources.get("limits", {}).items()
+                    if k not in ("cpu", "memory", gpu)}
+        assert extended == expected
+        assert {k: v for k, v in resources.get("requests", {}).items()
+                if k not in ("cpu", "memory", gpu)} == expected
         capabilities = c["securityContext"]["capabilities"]
         assert capabilities["drop"] == ["ALL"]
         assert capabilities.get("add", []) == (["IPC_LOCK"] if cuda and rdma["enabled"] else [])
@@ -304,9 +313,14 @@ def test_disruption_budgets_and_spread(name):
     for pool in ("prefill", "decode"):
         pod = one(docs, "Deployment", f"{FULLNAME}-{pool}")["spec"]["template"]["spec"]
         spread = values[pool]["spreadReplicas"]
-        anti = (pod.get("affinity") or {}).get("podAntiAffinity")
-        if spread == "none":
+        affinity = pod.get("affinity") or {}
+        anti = affinity.get("podAntiAffinity")
+        if spread in ("none", "pack"):
             assert anti is None
+            if spread == "pack":  # every replica on the node of the others
+                (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                assert term["topologyKey"] == "kubernetes.io/hostname"
+                assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == pool
             continue
         key = ("requiredDuringSchedulingIgnoredDuringExecution" if spread == "required"
                else "preferredDuringSchedulingIgnoredDuringExecution")
@@ -365,3 +379,159 @@ def test_every_container_command_line_parses_with_the_pdserve_cli(name):
             assert parsed.kv_host == POD_FIELDS["status.podIP"]
             assert parsed.device == values["device"]
     assert seen == {"router", "prefill-worker", "decode-worker"}
+
+
+# -- the sized layouts fit the node shape they state -----------------------------------------------
+
+# An H200 node as the sized values files state it: 8 GPUs, 96 vCPUs, 1,800 GiB (e.g. Azure ND H200
+# v5). Of that, 8 vCPUs and 100 GiB are left to the kubelet, the system and the GPU/network
+# operators' DaemonSets. Memory limits must fit too (no overcommit: /dev/shm and the page cache of
+# the weights count against them).
+NODE_GPUS, NODE_CPU, NODE_MEMORY_GIB = 8, 96 - 8, 1800 - 100
+NODES = {"default": 1, "gpt-oss-20b": 1, "gpt-oss-120b": 2}
+
+
+def quantity(text) -> float:
+    """Kubernetes quantity -> number (CPUs, or GiB for byte quantities)."""
+    units = {"m": 1e-3, "Ki": 2 ** -20, "Mi": 2 ** -10, "Gi": 1, "Ti": 2 ** 10}
+    text = str(text)
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text)
+
+
+def worker_pods(docs, values) -> list[dict]:
+    pods = []
+    gpu = values["workers"]["gpuResourceName"]
+    for pool in ("prefill", "decode"):
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{pool}")
+        res = container(deployment)["resources"]
+        affinity = deployment["spec"]["template"]["spec"].get("affinity") or {}
+        pods += [{"pool": pool, "gpus": res["requests"][gpu], "cpu": quantity(res["requests"]["cpu"]),
+                  "memory": quantity(res["requests"]["memory"]),
+                  "limit": quantity(res["limits"]["memory"]),
+                  "pack": "requiredDuringSchedulingIgnoredDuringExecution" in affinity.get("podAffinity", {}),
+                  "alone": "requiredDuringSchedulingIgnoredDuringExecution" in affinity.get("podAntiAffinity", {})}
+                 ] * deployment["spec"]["replicas"]
+    return pods
+
+
+def fits(node: list[dict], pod: dict) -> bool:
+    if sum(p["gpus"] for p in node) + pod["gpus"] > NODE_GPUS:
+        return False
+    if sum(p["cpu"] for p in node) + pod["cpu"] > NODE_CPU:
+        return False
+    if max(sum(p["memory"] for p in node) + pod["memory"],
+           sum(p["limit"] for p in node) + pod["limit"]) > NODE_MEMORY_GIB:
+        return False
+    return not (pod["alone"] and any(p["pool"] == pod["pool"] for p in node))
+
+
+def every_schedule_completes(pending: tuple, nodes: tuple, seen: set) -> str | None:
+    """Depth-first over every pod order and every node a scheduler may pick for it (preferred
+    rules are not guarantees, so any feasible node); returns a stuck state, or None."""
+    if not pending:
+        return None
+    key = (pending, tuple(sorted(nodes)))
+    if key in seen:
+        return None
+    seen.add(key)
+    for i, pod in enumerate(pending):
+        if pending.index(pod) != i:
+            continue  # identical replicas: one order of them is enough
+        pod_d = dict(pod)
+        placed_with = [k for k, n in enumerate(nodes) if any(dict(p)["pool"] == pod_d["pool"] for p in n)]
+        options = [k for k, n in enumerate(nodes) if fits([dict(p) for p in n], pod_d)]
+        if pod_d["pack"] and placed_with:
+            options = [k for k in options if k in placed_with]
+        if not options:
+            return f"{pod_d['pool']} pod has no node; nodes hold {[[dict(p)['pool'] for p in n] for n in nodes]}"
+        for k in options:
+            nxt = list(nodes)
+            nxt[k] = tuple(sorted(nodes[k] + (pod,)))
+            stuck = every_schedule_completes(pending[:i] + pending[i + 1:], tuple(nxt), seen)
+            if stuck:
+                return stuck
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(NODES))
+def test_sized_layouts_fit_their_stated_nodes_in_every_placement_order(name):
+    docs, values = render(name)
+    pods = worker_pods(docs, values)
+    for pod in pods:  # a whole replica fits one node
+        assert fits([], pod), f"a {pod['pool']} replica does not fit an empty node: {pod}"
+    assert sum(p["gpus"] for p in pods) <= NODES[name] * NODE_GPUS
+    pending = tuple(sorted(tuple(sorted(p.items())) for p in pods))
+    stuck = every_schedule_completes(pending, ((),) * NODES[name], set())
+    assert stuck is None, f"{name}: a scheduler can leave a pod Pending: {stuck}"
+
+
+def test_spread_prefill_replicas_would_leave_120b_pending():
+    """The check above catches the layout the chart shipped before: spread TP2 prefill replicas."""
+    docs, values = render("gpt-oss-120b")
+    pods = worker_pods(docs, values)
+    for p in pods:
+        if p["pool"] == "prefill":
+            p["pack"], p["alone"] = False, True
+    pending = tuple(sorted(tuple(sorted(p.items())) for p in pods))
+    assert every_schedule_completes(pending, ((), ()), set()) is not None
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_priority_class_and_gang(name):
+    docs, values = render(name)
+    created = find(docs, "PriorityClass")
+    if values["scheduling"]["priorityClass"]["create"]:
+        (pc,) = created
+        assert pc["metadata"]["name"] == f"{FULLNAME}-{NAMESPACE}" and pc["globalDefault"] is False
+        for deployment in find(docs, "Deployment"):
+            assert deployment["spec"]["template"]["spec"]["priorityClassName"] == pc["metadata"]["name"]
+    else:
+        assert not created
+    assert not find(docs, "PodGroup")  # gang scheduling is opt-in
+
+
+def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group():
+    docs, values = render_values({**user_values("gpt-oss-120b"), "scheduling": {"gang": {"enabled": True}}})
+    (group,) = find(docs, "PodGroup")
+    assert group["apiVersion"] == "scheduling.x-k8s.io/v1alpha1"
+    assert group["spec"]["minMember"] == values["prefill"]["replicas"] + values["decode"]["replicas"] == 5
+    for pool in ("prefill", "decode"):
+        pod = one(docs, "Deployment", f"{FULLNAME}-{pool}")["spec"]["template"]
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == group["metadata"]["name"]
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+    router = one(docs, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]
+    assert "schedulerName" not in router  # routers hold no GPUs: the default scheduler places them
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_worker_transports_caches_and_stop_sequence(name):
+    docs, values = render(name)
+    rdma = values["device"] == "cuda" and values["workers"]["rdma"]["enabled"]
+    jit = values["workers"]["jitCache"]
+    for pool in ("prefill", "decode"):
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{pool}")
+        pod = deployment["spec"]["template"]["spec"]
+        c = container(deployment)
+        env = container_env(docs, c, POD_FIELDS)
+        transports = set(env["UCX_TLS"].split(","))
+        # pods share neither PID nor IPC namespaces: no cuda_ipc, no shared memory between them
+        assert not transports & {"cuda_ipc", "sm", "posix", "sysv", "cma", "all"}
+        if rdma:
+            assert "rc" in transports and "tcp" not in transports  # no silent fallback to TCP
+        else:
+            assert "tcp" in transports
+        assert env["UCX_PROTO_INFO"] == "y"  # the log names the transport UCX picked per peer
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["jit-cache"] == jit["mountPath"]
+        for var in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"):
+            assert env[var].startswith(jit["mountPath"] + "/")
+        volume = {v["name"]: v for v in pod["volumes"]}["jit-cache"]
+        assert {"hostPath": "hostPath", "pvc": "persistentVolumeClaim", "emptyDir": "emptyDir"}[jit["type"]] in volume
+        # stop: preStop pause (routers see the endpoint go), then SIGTERM and the drain, all
+        # inside the grace period
+        (sleep, seconds) = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep == "sleep" and int(seconds) == values["workers"]["preStopSleepSeconds"]
+        assert int(seconds) < pod["terminationGracePeriodSeconds"]

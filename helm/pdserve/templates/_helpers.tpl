@@ -83,6 +83,16 @@ the decode pool's experts are spread (EP) over the same tp GPUs as its attention
 {{- if and (eq .Values.model.volume.type "hostPath") (empty .Values.model.volume.hostPath) }}
 {{- fail "model.volume.hostPath is required with model.volume.type=hostPath" }}
 {{- end }}
+{{- if and .Values.workers.rdma.enabled (eq .Values.device "cuda") (empty .Values.workers.rdma.resources) (empty .Values.workers.rdma.resourcesPerGpu) }}
+{{- fail "workers.rdma.enabled needs workers.rdma.resources or workers.rdma.resourcesPerGpu (your RDMA device plugin's resource, e.g. {\"rdma/rdma_shared_device_a\": 1}); without an RDMA device in the pod UCX has no HCA and KV cannot move over RDMA. Set workers.rdma.enabled=false to move KV over TCP" }}
+{{- end }}
+{{- $jit := .Values.workers.jitCache }}
+{{- if and (eq $jit.type "pvc") (empty $jit.claimName) }}
+{{- fail "workers.jitCache.type=pvc needs workers.jitCache.claimName (a ReadWriteMany claim)" }}
+{{- end }}
+{{- if and (eq $jit.type "hostPath") (not (and .Values.workers.rdma.enabled (eq .Values.device "cuda"))) }}
+{{- fail "workers.jitCache.type=hostPath needs root workers (RDMA on CUDA): a directory the kubelet creates is root's, and non-root workers could not write it; use emptyDir or pvc" }}
+{{- end }}
 {{- if and .Values.decode.autoscaling.enabled (empty .Values.decode.autoscaling.metrics) }}
 {{- fail "decode.autoscaling.enabled needs decode.autoscaling.metrics (custom/external metrics: CPU says nothing about decode load)" }}
 {{- end }}
@@ -134,12 +144,16 @@ the decode pool's experts are spread (EP) over the same tp GPUs as its attention
 {{- end }}
 {{- end }}
 
-{{/* Scheduling of a pool's pods: user affinity plus podAntiAffinity from spreadReplicas. */}}
+{{/* Scheduling of a pool's pods: user affinity plus pod (anti-)affinity from spreadReplicas:
+"pack" puts every replica of the pool on one node (required podAffinity to each other; the first
+replica may go anywhere), "preferred"/"required" spread them over nodes. */}}
 {{- define "pdserve.poolAffinity" -}}
 {{- $pool := index .root.Values .role }}
 {{- $affinity := deepCopy ($pool.affinity | default dict) }}
-{{- if and (ne $pool.spreadReplicas "none") (not (hasKey $affinity "podAntiAffinity")) }}
 {{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "pdserve.selectorLabels" (dict "root" .root "component" .role) | fromYaml)) }}
+{{- if and (eq $pool.spreadReplicas "pack") (not (hasKey $affinity "podAffinity")) }}
+{{- $_ := set $affinity "podAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+{{- else if and (has $pool.spreadReplicas (list "preferred" "required")) (not (hasKey $affinity "podAntiAffinity")) }}
 {{- if eq $pool.spreadReplicas "required" }}
 {{- $_ := set $affinity "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
 {{- else }}
@@ -151,8 +165,9 @@ the decode pool's experts are spread (EP) over the same tp GPUs as its attention
 {{- end }}
 {{- end }}
 
-{{/* Container resources of a pool: the user's cpu/memory plus GPUs and RDMA devices. Extended
-resources cannot be overcommitted, so requests equal limits for them. */}}
+{{/* Container resources of a pool: the user's cpu/memory plus GPUs and RDMA devices (a fixed
+count per pod, e.g. one shared HCA, and/or a count per GPU, e.g. one SR-IOV VF per GPU's NIC).
+Extended resources cannot be overcommitted, so requests equal limits for them. */}}
 {{- define "pdserve.poolResources" -}}
 {{- $pool := index .root.Values .role }}
 {{- $resources := deepCopy ($pool.resources | default dict) }}
@@ -163,13 +178,40 @@ resources cannot be overcommitted, so requests equal limits for them. */}}
 {{- $_ := set $limits .root.Values.workers.gpuResourceName $gpus }}
 {{- $_ := set $requests .root.Values.workers.gpuResourceName $gpus }}
 {{- end }}
-{{- if .root.Values.workers.rdma.enabled }}
+{{- if and .root.Values.workers.rdma.enabled (gt $gpus 0) }}
 {{- range $name, $count := .root.Values.workers.rdma.resources }}
 {{- $_ := set $limits $name $count }}
 {{- $_ := set $requests $name $count }}
+{{- end }}
+{{- range $name, $count := .root.Values.workers.rdma.resourcesPerGpu }}
+{{- $_ := set $limits $name (mul $count $gpus) }}
+{{- $_ := set $requests $name (mul $count $gpus) }}
 {{- end }}
 {{- end }}
 {{- $_ := set $resources "limits" $limits }}
 {{- $_ := set $resources "requests" $requests }}
 {{- toYaml $resources }}
+{{- end }}
+
+{{/* PriorityClass of a component: its own priorityClassName, else the one the chart creates. */}}
+{{- define "pdserve.priorityClassName" -}}
+{{- $own := (index .root.Values .component).priorityClassName }}
+{{- if $own }}{{ $own }}
+{{- else if .root.Values.scheduling.priorityClass.create }}{{ include "pdserve.priorityClassCreated" .root }}
+{{- end }}
+{{- end }}
+
+{{/* PriorityClasses are cluster-scoped: the name carries the namespace too. */}}
+{{- define "pdserve.priorityClassCreated" -}}
+{{- printf "%s-%s" (include "pdserve.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.podGroup" -}}
+{{- printf "%s-workers" (include "pdserve.fullname" .) }}
+{{- end }}
+
+{{/* Pods a gang needs at once: every prefill and decode replica (the HPA's floor when autoscaled). */}}
+{{- define "pdserve.gangSize" -}}
+{{- $decode := ternary .Values.decode.autoscaling.minReplicas .Values.decode.replicas .Values.decode.autoscaling.enabled }}
+{{- add .Values.prefill.replicas $decode }}
 {{- end }}
