@@ -162,15 +162,22 @@ class ModelRunner:
             return self.group.run(plan, self.execute)
         return self.execute(plan)
 
-    def prefill(self, seq: Sequence, all_logits: bool = False) -> torch.Tensor:
-        """Run the whole prompt (batch size 1) into the request's blocks; float32 logits of the
-        last position [V] (or of every position [L, V] with all_logits)."""
-        n = len(seq.prompt_ids)
-        slots = self.cache.prepare(seq.blocks, 0, n)
-        batches = make_batches(self.cache, [self.cache.tables(seq.blocks, n)], [n])
-        logits = self._step(StepPlan(list(seq.prompt_ids), list(range(n)), slots, batches, [n], all_logits))
+    def prefill(self, seq: Sequence, all_logits: bool = False, *, finish: bool = True) -> torch.Tensor:
+        """Run the prompt (batch size 1) into the request's blocks from position `seq.num_cached`
+        on: the KV of the positions before it are already in its pages (a cached prefix; its
+        sliding table must start at the window of that position). Float32 logits of the last
+        position [V] (or of every computed position [L - num_cached, V] with all_logits).
+        `finish=False` keeps every sliding page in the table (a prefix cache adopts them)."""
+        start, n = seq.num_cached, len(seq.prompt_ids)
+        if not 0 <= start < n:
+            raise ValueError(f"prefill from position {start} of a {n}-token prompt computes nothing")
+        slots = self.cache.prepare(seq.blocks, start, n - start)
+        batches = make_batches(self.cache, [self.cache.tables(seq.blocks, n)], [n - start])
+        logits = self._step(StepPlan(list(seq.prompt_ids[start:]), list(range(start, n)), slots, batches,
+                                     [n - start], all_logits))
         seq.num_cached = n
-        self.cache.finish_prefill(seq.blocks, n)
+        if finish:
+            self.cache.finish_prefill(seq.blocks, n)
         return logits if all_logits else logits[0]
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

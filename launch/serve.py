@@ -61,6 +61,7 @@ class ClusterSpec:
     kv_blocks: int | None = None
     extra_router_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
+    extra_prefill_args: list[str] = field(default_factory=list)  # e.g. --prefix-cache-tokens 0
 
 
 class LocalCluster:
@@ -128,7 +129,7 @@ class LocalCluster:
         args = [f"{role}-worker", "--model", self.model, "--host", s.host, "--port", "0", "--device", s.device,
                 "--ready-file", str(ready), "--worker-id", name, *s.extra_worker_args]
         if role == "prefill":
-            args += ["--tp", str(s.prefill_tp)]
+            args += ["--tp", str(s.prefill_tp), *s.extra_prefill_args]
         else:
             args += ["--tp", str(s.decode_tp), "--ep", str(s.decode_ep or s.decode_tp),
                      "--max-batch-size", str(s.max_batch_size)]

@@ -1,8 +1,9 @@
 """Batch-size-1 prefill: a bounded FIFO of prompts, one executor thread, KV pushed over NIXL.
 
-Each job: take local KV blocks for the whole prompt, run it, sample the first token, write every
-page the decode worker needs straight into the blocks it reserved (full-attention pages; the
-sliding-window pages still inside the window), wait for the transfer, give the local blocks back.
+Each job: pin the longest cached prefix of the prompt and take local KV blocks for the rest, run
+the rest, sample the first token, write every page the decode worker needs straight into the
+blocks it reserved (full-attention pages; the sliding-window pages still inside the window), wait
+for the transfer, then hand the prompt's complete pages to the prefix cache and the rest back.
 
 The push is planned once (`KVPush`: which local block goes to which block of every decode rank)
 and executed by every rank of the prefill worker (`push_kv`): each rank writes the KV heads it
@@ -21,12 +22,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, sample
 from pdserve.engine.sequence import Sequence
 from pdserve.kvtransfer import heads_overlap
 from pdserve.kvtransfer.notify import kv_notification
 
 log = logging.getLogger(__name__)
+
+
+def prefill_kv_blocks(max_context: int, page_size: int, prefix_cache_tokens: int) -> int:
+    """KV blocks of a prefill worker: the longest prompt, plus room for cached prefixes."""
+    return -(-(max_context + max(0, prefix_cache_tokens)) // page_size)
 
 
 class QueueFull(RuntimeError):
@@ -44,6 +51,7 @@ class PrefillResult:
     transfer_s: float
     queue_s: float
     compute_s: float
+    cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -52,6 +60,7 @@ class PrefillJob:
     prompt_ids: list[int]
     params: SamplingParams
     placements: list  # proto KVPlacement, one per decode rank
+    sample_index: int = 0  # the prompt's last tokens that the request sampled before (migrated)
     future: Future = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
@@ -93,8 +102,13 @@ def push_kv(agent, push: KVPush, timeout_s: float) -> int:
 
 class PrefillExecutor:
     def __init__(self, runner: ModelRunner, agent, *, max_queue: int = 64, max_queued_tokens: int = 1 << 20,
-                 transfer_timeout_s: float = 30.0):
+                 transfer_timeout_s: float = 30.0, prefix_cache: bool = True):
+        """prefix_cache: keep the KV pages of earlier prompts in the runner's free blocks and
+        compute only the part of a prompt that is not cached (engine.prefix_cache)."""
         self.runner = runner
+        self.prefix_cache = PrefixCache(runner.cache, enabled=prefix_cache)
+        self.cached_tokens_total = 0
+        self.prompt_tokens_total = 0
         self.agent = agent
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
@@ -177,20 +191,27 @@ class PrefillExecutor:
     def _run(self, job: PrefillJob) -> PrefillResult:
         started = time.monotonic()
         n = len(job.prompt_ids)
-        cache = self.runner.cache
-        seq = Sequence(job.request_id, job.prompt_ids, job.params)
-        seq.blocks = cache.reserve(n, local_prompt_tokens=n)
+        lease = self.prefix_cache.acquire(job.prompt_ids)  # cached prefix pinned, blocks for the rest
+        seq = Sequence(job.request_id, job.prompt_ids, job.params, blocks=lease.blocks,
+                       num_cached=lease.num_cached)
+        computed_ok = False
         try:
-            logits = self.runner.prefill(seq)
-            first = sample(logits[None], [job.params], [[]], stop_ids=self.runner.cfg.eos_token_ids).tokens[0]
+            logits = self.runner.prefill(seq, finish=False)
+            computed_ok = True
+            before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
+            first = sample(logits[None], [job.params], [before],
+                           stop_ids=self.runner.cfg.eos_token_ids).tokens[0]
             computed = time.monotonic()
             if job.cancelled:
                 raise InterruptedError(f"request {job.request_id} was cancelled")
             nbytes = self._push_kv(job, seq.blocks, n)
             done = time.monotonic()
         finally:
-            cache.release(seq.blocks)
-        return PrefillResult(first, nbytes, done - computed, started - job.enqueued_at, computed - started)
+            self.prefix_cache.release(lease, computed=computed_ok)
+        self.cached_tokens_total += lease.num_cached
+        self.prompt_tokens_total += n
+        return PrefillResult(first, nbytes, done - computed, started - job.enqueued_at, computed - started,
+                             cached_tokens=lease.num_cached)
 
     def _push_kv(self, job: PrefillJob, blocks, n: int) -> int:
         return self.push(self.plan_push(job, blocks, n))

@@ -24,18 +24,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="queued prompts before RESOURCE_EXHAUSTED")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 20)
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    p.add_argument("--prefix-cache-tokens", type=int, default=65536,
+                   help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--ready-file", default=None, help="write {address, ...} here once serving")
 
 
 def run(a: argparse.Namespace) -> int:
-    from pdserve.engine.kv_cache import cdiv
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.kvtransfer import KVTransferAgent
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
     from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
 
-    from .executor import PrefillExecutor
+    from .executor import PrefillExecutor, prefill_kv_blocks
     from .server import PrefillService
 
     if a.tp != 1:
@@ -46,13 +47,14 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.engine.config import ModelConfig
 
     cfg = ModelConfig.load(a.model)
-    blocks = cdiv(cfg.max_context, a.page_size)  # one prompt at a time: the longest one fits
+    blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
     runner = ModelRunner(a.model, device=a.device, precision=a.precision, page_size=a.page_size,
                          num_kv_blocks=blocks)
     agent = KVTransferAgent(f"{worker_id}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=(0, cfg.num_key_value_heads), listen_host=a.kv_host or a.host)
     executor = PrefillExecutor(runner, agent, max_queue=a.max_queue, max_queued_tokens=a.max_queued_tokens,
-                               transfer_timeout_s=a.kv_transfer_timeout)
+                               transfer_timeout_s=a.kv_transfer_timeout,
+                               prefix_cache=a.prefix_cache_tokens > 0)
     service = PrefillService(executor, worker_id=worker_id)
     server = make_server(max_workers=a.max_queue + 16)
     pb_grpc.add_PrefillWorkerServicer_to_server(service, server)

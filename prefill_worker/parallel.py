@@ -37,11 +37,12 @@ def _push_report(agent, push, timeout_s: float):
 
 def _make_runner(a: argparse.Namespace, group):
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.kv_cache import cdiv
     from pdserve.engine.model_runner import ModelRunner
 
+    from .executor import prefill_kv_blocks
+
     cfg = ModelConfig.load(a.model)
-    blocks = cdiv(cfg.max_context, a.page_size)  # one prompt at a time: the longest one fits
+    blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
     return ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
                        num_kv_blocks=blocks, shard=group.shard)
 
@@ -86,7 +87,8 @@ def run_parallel(a: argparse.Namespace) -> int:
     leader = LeaderGroup(group, procs)
     runner.group = leader
     executor = PrefillExecutor(runner, agent, max_queue=a.max_queue, max_queued_tokens=a.max_queued_tokens,
-                               transfer_timeout_s=a.kv_transfer_timeout)
+                               transfer_timeout_s=a.kv_transfer_timeout,
+                               prefix_cache=a.prefix_cache_tokens > 0)
 
     def push_on_all_ranks(push) -> int:
         reports = leader.call("push", push, lambda p: _push_report(agent, p, a.kv_transfer_timeout),

@@ -35,8 +35,12 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if not request.placements:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no KV placement given")
         try:
+            if not 0 <= request.num_generated < len(request.prompt_token_ids):
+                raise ValueError(f"num_generated {request.num_generated} is not within the "
+                                 f"{len(request.prompt_token_ids)}-token prompt")
             job = PrefillJob(request.request_id, list(request.prompt_token_ids),
-                             SamplingParams(**sampling_kwargs(request.sampling)), list(request.placements))
+                             SamplingParams(**sampling_kwargs(request.sampling)), list(request.placements),
+                             sample_index=request.num_generated)
             future = self.executor.submit(job)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -64,7 +68,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
         return pb.PrefillResponse(request_id=request.request_id, first_token_id=r.first_token,
                                   kv_bytes=r.kv_bytes, kv_transfer_seconds=r.transfer_s,
-                                  queue_seconds=r.queue_s, compute_seconds=r.compute_s)
+                                  queue_seconds=r.queue_s, compute_seconds=r.compute_s,
+                                  cached_tokens=r.cached_tokens)
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(found=self.executor.cancel(request.request_id))
@@ -72,9 +77,11 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def Load(self, request, context) -> pb.LoadReport:
         s = self.executor.load()
         cache = self.executor.runner.cache
+        idle_cached = self.executor.prefix_cache.num_evictable_pages  # reusable at once: not "used"
         return pb.LoadReport(
             worker_id=self.worker_id, role="prefill", queued_requests=s["queued"],
             queued_prompt_tokens=s["queued_tokens"], kv_blocks_total=cache.num_total_blocks,
-            kv_blocks_used=cache.allocators["full"].num_used, kv_blocks_free=cache.num_free_blocks,
+            kv_blocks_used=cache.allocators["full"].num_used - idle_cached,
+            kv_blocks_free=cache.num_free_blocks + idle_cached,
             page_size=cache.page_size, max_context=self.executor.runner.max_context, draining=self.draining,
         )

@@ -1,0 +1,132 @@
+"""Prefix cache: a prompt served from a cached prefix computes only its suffix and gets the same
+logits as from scratch; exact block accounting under random reuse and eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from numerics import rel_l2
+from pdserve.engine.kv_cache import KVCacheFull, PagedKVCache
+from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import Sequence
+
+PAGE = 4  # the tiny model's 16-token window spans 4-5 pages: windows start mid-prompt
+
+
+def _ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(201088) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_mxfp4):
+    from pdserve.engine.model_runner import ModelRunner
+
+    return ModelRunner(str(tiny_mxfp4), precision="bf16", page_size=PAGE, num_kv_blocks=96)
+
+
+def _prefill(runner, cache: PrefixCache, tokens: list[int]):
+    """What a prefill worker does: lease, compute the suffix, cache the pages, give back."""
+    lease = cache.acquire(tokens)
+    seq = Sequence("r", list(tokens), SamplingParams(temperature=0), blocks=lease.blocks,
+                   num_cached=lease.num_cached)
+    try:
+        logits = runner.prefill(seq, all_logits=True, finish=False)
+    except BaseException:
+        cache.release(lease, computed=False)
+        raise
+    cache.release(lease, computed=True)
+    return lease.num_cached, logits
+
+
+@pytest.mark.parametrize("prefix_len", [10, 16, 45])  # ends inside / at / past the 16-token window
+def test_cached_prefix_logits_equal_from_scratch(runner, prefix_len):
+    rng = random.Random(prefix_len)
+    cache = PrefixCache(runner.cache)
+    system = _ids(prefix_len, rng)
+    first = system + _ids(rng.randrange(1, 9), rng)
+    cached, _ = _prefill(runner, cache, first)
+    assert cached == 0
+    for turn in range(2):  # a conversation growing on top of the cached prompt, then a sibling
+        prompt = (first if turn == 0 else system) + _ids(rng.randrange(3, 30), rng)
+        cached, logits = _prefill(runner, cache, prompt)
+        shared = len(first) if turn == 0 else prefix_len
+        assert cached == (min(shared, len(prompt) - 1) // PAGE) * PAGE > 0
+        assert logits.shape[0] == len(prompt) - cached  # only the suffix was computed
+        scratch = runner.prompt_logits(prompt)[cached:]
+        assert rel_l2(logits, scratch) <= 1e-2
+        assert (logits.argmax(-1) == scratch.argmax(-1)).float().mean() >= 0.9
+    cache.clear()
+    assert runner.cache.num_used_blocks == 0
+
+
+def test_missing_sliding_window_backs_off_to_a_whole_window(runner):
+    """A page whose sliding block was evicted may not end a usable window; the match backs off
+    to one that does, and the recomputed page gets its window back."""
+    rng = random.Random(7)
+    cache = PrefixCache(runner.cache)
+    prompt = _ids(41, rng)
+    _prefill(runner, cache, prompt)  # 10 complete pages cached
+    probe = cache.acquire(prompt)
+    victim = cache._entries[probe.keys[7]]
+    cache.release(probe, computed=False)
+    victim.sliding_block, freed = None, victim.sliding_block
+    runner.cache.allocators["sliding"].free([freed])
+    longer = prompt + _ids(6, rng)
+    cached, logits = _prefill(runner, cache, longer)
+    assert cached == 7 * PAGE  # windows ending after page 8 or 9 need page 7's sliding block
+    assert rel_l2(logits, runner.prompt_logits(longer)[cached:]) <= 1e-2
+    assert victim.sliding_block is not None  # the recomputed page filled the gap
+    cache.clear()
+    assert runner.cache.num_used_blocks == 0
+
+
+def test_random_reuse_and_eviction_keep_exact_accounting(tiny_cfg):
+    """Random prompts sharing prefixes, leases held across others, a pool too small for all:
+    a pinned block is never handed out again, every block is owned exactly once, nothing leaks."""
+    rng = random.Random()
+    kv = PagedKVCache(tiny_cfg, num_blocks=40, page_size=PAGE)
+    cache = PrefixCache(kv)
+    roots = [_ids(rng.randrange(4, 30), rng) for _ in range(4)]
+    held = []
+    for _ in range(300):
+        if held and (len(held) > 3 or rng.random() < 0.4):
+            lease = held.pop(rng.randrange(len(held)))
+            cache.release(lease, computed=rng.random() < 0.9)
+        else:
+            tokens = rng.choice(roots)[: rng.randrange(1, 30)] + _ids(rng.randrange(0, 20), rng)
+            try:
+                lease = cache.acquire(tokens)
+            except KVCacheFull:
+                assert held  # only pinned pages and other prompts' blocks can make it fail
+                continue
+            n = len(tokens)
+            kv.prepare(lease.blocks, lease.num_cached, n - lease.num_cached)  # the prefill's tables
+            held.append(lease)
+        _check_ownership(kv, cache, held)
+        assert cache.num_pinned_pages() == sum(1 for e in cache._entries.values() if e.refs)
+    for lease in held:
+        cache.release(lease, computed=True)
+    _check_ownership(kv, cache, [])
+    assert cache.num_pinned_pages() == 0
+    cache.clear()
+    assert kv.num_used_blocks == 0 and cache.num_cached_pages == 0
+
+
+def _check_ownership(kv: PagedKVCache, cache: PrefixCache, held) -> None:
+    owned = cache.cached_blocks()
+    for pool in kv.pools:
+        mine = list(owned[pool])
+        for lease in held:
+            mine += lease.own_full if pool == "full" else lease.own_sliding
+        assert len(mine) == len(set(mine)), f"{pool} block owned twice"
+        assert set(mine) == kv.allocators[pool]._used, f"{pool} pool accounting"
+    for lease in held:  # every page a held prompt reads is still there
+        for e in lease.pinned:
+            assert e.alive and e.refs > 0
+            assert cache._entries[e.key] is e
+        n_cached = lease.num_cached // PAGE
+        assert [e.full_block for e in lease.pinned] == lease.blocks.full[:n_cached]
