@@ -8,10 +8,9 @@ the stream with FINISH_REASON_ERROR and `error`, as the contract says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from typing import AsyncIterator
-
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -38,8 +37,10 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
         self.vocab_size = vocab_size
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext) -> None:
+        """Streams with `context.write`, not as an async generator: a client's cancel then lands
+        in this coroutine, whose `aclosing` closes the event stream at once (its finally sends
+        Cancel to the workers), instead of whenever the garbage collector finds the generator."""
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         self.metrics.in_flight.labels(ENDPOINT).inc()
@@ -55,24 +56,25 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
                                                     sampling, arrival=arrival)
             completion_tokens = 0
             prompt_tokens = len(request.prompt_token_ids)
-            async for event in generation.events():
-                completion_tokens += len(event.token_ids)
-                sent_any = True
-                yield pdserve_pb2.GenerateResponse(
-                    request_id=request_id, token_ids=event.token_ids,
-                    finish_reason=event.finish_reason, prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens)
-                if event.finish_reason:
-                    status = grpc.StatusCode.OK
+            async with contextlib.aclosing(generation.events()) as events:
+                async for event in events:
+                    completion_tokens += len(event.token_ids)
+                    sent_any = True
+                    await context.write(pdserve_pb2.GenerateResponse(
+                        request_id=request_id, token_ids=event.token_ids,
+                        finish_reason=event.finish_reason, prompt_tokens=prompt_tokens,
+                        completion_tokens=completion_tokens))
+                    if event.finish_reason:
+                        status = grpc.StatusCode.OK
         except RouterError as error:
             status = error.grpc_code
             if not sent_any:
                 metadata = (("retry-after", str(error.retry_after)),) if error.retry_after else ()
                 await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
             log.warning("Generate %s failed mid-stream: %s", request_id, error.message)
-            yield pdserve_pb2.GenerateResponse(request_id=request_id,
-                                               finish_reason=pdserve_pb2.FINISH_REASON_ERROR,
-                                               error=error.message)
+            await context.write(pdserve_pb2.GenerateResponse(
+                request_id=request_id, finish_reason=pdserve_pb2.FINISH_REASON_ERROR,
+                error=error.message))
         finally:
             self.metrics.in_flight.labels(ENDPOINT).dec()
             self.metrics.requests.labels(ENDPOINT, status.name).inc()

@@ -24,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.accounting import CLIENT_CLOSED, Outcome, RequestAccounting, outcome_of
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import InvalidRequestError, ModelNotFoundError, RouterError
 from pdserve.router.harmony import Delta, HarmonyCodec, HarmonyError
@@ -38,8 +39,6 @@ from pdserve.router.request_limits import check_strings, read_json_body
 from pdserve.router.stop_strings import StopStringMatcher
 
 log = logging.getLogger(__name__)
-
-CLIENT_CLOSED = 499  # status recorded in metrics when the client left before the answer
 
 
 def error_response(error: RouterError) -> JSONResponse:
@@ -241,34 +240,16 @@ class OpenAIFrontend:
             sampling.seed = body.seed
         return sampling
 
-    def _finish(self, endpoint: str, status: int, arrival: float) -> None:
-        self.metrics.requests.labels(endpoint, str(status)).inc()
-        self.metrics.e2e.labels(endpoint).observe(asyncio.get_running_loop().time() - arrival)
-
     async def _run(self, endpoint: str, handler: Callable[[Request, float], Any],
                    request: Request) -> Response:
-        """Common frame: in-flight gauge, errors -> OpenAI bodies, metrics for non-streamed ends."""
+        """Common frame: errors -> OpenAI bodies (`RequestAccounting` counts every response)."""
         arrival = asyncio.get_running_loop().time()
-        self.metrics.in_flight.labels(endpoint).inc()
-        streaming = False
         try:
-            response = await handler(request, arrival)
-            streaming = isinstance(response, StreamingResponse)
-            return response
+            return await handler(request, arrival)
         except RouterError as error:
             if error.http_status >= 500:
                 log.warning("%s failed: %s", endpoint, error.message)
-            self._finish(endpoint, error.http_status, arrival)
             return error_response(error)
-        except Exception as error:  # a bug: answer in OpenAI shape, keep the traceback in the log
-            log.exception("%s: unexpected error", endpoint)
-            self._finish(endpoint, 500, arrival)
-            return JSONResponse({"error": {"message": f"Internal server error: {error!r}",
-                                           "type": "internal_error", "param": None, "code": None}},
-                                status_code=500)
-        finally:
-            if not streaming:
-                self.metrics.in_flight.labels(endpoint).dec()
 
     async def _start(self, generations: list[Generation], watcher: asyncio.Task
                      ) -> list[tuple[AsyncIterator[TokenEvent], TokenEvent | None]]:
@@ -315,17 +296,17 @@ class OpenAIFrontend:
         meta = {"id": request_id, "created": int(time.time()), "model": body.model}
         if body.stream:
             async def unstarted() -> None:
-                await self._end_stream("chat_completions", CLIENT_CLOSED, arrival, watcher, [generation], events)
+                await self._end_stream(watcher, [generation], events)
 
             return _event_stream(self._chat_stream(events, first, generation, output, meta, len(prompt),
-                                                   body.include_usage, watcher, arrival), unstarted)
+                                                   body.include_usage, watcher,
+                                                   outcome_of(request.scope)), unstarted)
         try:
             finish = await self._chat_collect(events, first, generation, output)
         finally:
             watcher.cancel()
             await events.aclose()
         if finish is None:
-            self._finish("chat_completions", CLIENT_CLOSED, arrival)
             return Response(status_code=CLIENT_CLOSED)
         _, parsed = output.finish()
         content = "".join(output.content) if output.stopped else parsed.content
@@ -338,7 +319,6 @@ class OpenAIFrontend:
                  "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
             message["content"] = content or None
         finish_reason = self._chat_finish_reason(finish, output, bool(message.get("tool_calls")))
-        self._finish("chat_completions", 200, arrival)
         return JSONResponse({
             **meta, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -368,9 +348,9 @@ class OpenAIFrontend:
 
     async def _chat_stream(self, events, first, generation, output: ChatOutput, meta: dict,
                            prompt_tokens: int, include_usage: bool, watcher: asyncio.Task,
-                           arrival: float) -> AsyncIterator[str]:
+                           outcome: Outcome) -> AsyncIterator[str]:
         endpoint = "chat_completions"
-        status = CLIENT_CLOSED
+        outcome.status = CLIENT_CLOSED  # until the end is sent
         usage_field = {"usage": None} if include_usage else {}
 
         def chunk(delta: dict, finish_reason: str | None = None) -> str:
@@ -404,27 +384,26 @@ class OpenAIFrontend:
                 yield _sse({**meta, "object": "chat.completion.chunk", "choices": [],
                             "usage": _usage(prompt_tokens, output.completion_tokens)})
             yield _SSE_DONE
-            status = 200
+            outcome.status = 200
         except RouterError as error:
             log.warning("%s stream %s failed: %s", endpoint, meta["id"], error.message)
-            status = error.http_status
+            outcome.status = error.http_status
             yield _sse(error.to_openai())
             yield _SSE_DONE
         finally:
-            await self._end_stream(endpoint, status, arrival, watcher, [generation], events)
+            await self._end_stream(watcher, [generation], events)
 
-    async def _end_stream(self, endpoint: str, status: int, arrival: float, watcher: asyncio.Task,
-                          generations: list[Generation], events: AsyncIterator | None = None) -> None:
-        """Once per streamed request: stop watching, cancel what still runs on the workers (a
-        no-op after a normal finish), count the request and leave the in-flight gauge."""
+    @staticmethod
+    async def _end_stream(watcher: asyncio.Task, generations: list[Generation],
+                          events: AsyncIterator | None = None) -> None:
+        """Once per streamed request: stop watching and cancel what still runs on the workers
+        (a no-op after a normal finish)."""
         watcher.cancel()
         for generation in generations:
             generation.cancel("stream closed")
         if events is not None:
             with contextlib.suppress(BaseException):
                 await events.aclose()
-        self._finish(endpoint, status, arrival)
-        self.metrics.in_flight.labels(endpoint).dec()
 
     # ---- completions -----------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
@@ -462,10 +441,11 @@ class OpenAIFrontend:
                    for i, ((events, first), gen, out) in enumerate(zip(started, generations, outputs))]
         if body.stream:
             async def unstarted() -> None:
-                await self._end_stream("completions", CLIENT_CLOSED, arrival, watcher, generations)
+                await self._end_stream(watcher, generations)
 
             return _event_stream(self._completion_stream(choices, generations, outputs, meta, prompt_tokens,
-                                                         body.include_usage, watcher, arrival), unstarted)
+                                                         body.include_usage, watcher,
+                                                         outcome_of(request.scope)), unstarted)
         finishes: list[str | None] = [None] * len(choices)
 
         async def drain(index: int, choice: AsyncIterator[tuple[int, str, str | None]]) -> None:
@@ -481,9 +461,7 @@ class OpenAIFrontend:
         finally:
             watcher.cancel()
         if any(f is None for f in finishes):
-            self._finish("completions", CLIENT_CLOSED, arrival)
             return Response(status_code=CLIENT_CLOSED)
-        self._finish("completions", 200, arrival)
         return JSONResponse({
             **meta, "object": "text_completion",
             "choices": [{"index": i, "text": "".join(out.text), "logprobs": None,
@@ -512,9 +490,9 @@ class OpenAIFrontend:
                 await events.aclose()
 
     async def _completion_stream(self, choices, generations, outputs, meta, prompt_tokens,
-                                 include_usage, watcher, arrival) -> AsyncIterator[str]:
+                                 include_usage, watcher, outcome: Outcome) -> AsyncIterator[str]:
         endpoint = "completions"
-        status = CLIENT_CLOSED
+        outcome.status = CLIENT_CLOSED  # until the end is sent
         usage_field = {"usage": None} if include_usage else {}
         done = 0
         try:
@@ -531,14 +509,14 @@ class OpenAIFrontend:
                 yield _sse({**meta, "object": "text_completion", "choices": [],
                             "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
             yield _SSE_DONE
-            status = 200
+            outcome.status = 200
         except RouterError as error:
             log.warning("%s stream %s failed: %s", endpoint, meta["id"], error.message)
-            status = error.http_status
+            outcome.status = error.http_status
             yield _sse(error.to_openai())
             yield _SSE_DONE
         finally:
-            await self._end_stream(endpoint, status, arrival, watcher, generations)
+            await self._end_stream(watcher, generations)
 
     # ---- misc ------------------------------------------------------------------------------
     def models(self) -> dict:
@@ -638,11 +616,5 @@ def create_app(frontend: OpenAIFrontend) -> FastAPI:
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
         return error_response(InvalidRequestError(f"Invalid request: {exc.errors()[:3]}"))
 
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unhandled error")
-        return JSONResponse({"error": {"message": f"Internal server error: {exc!r}",
-                                       "type": "internal_error", "param": None, "code": None}},
-                            status_code=500)
-
+    app.add_middleware(RequestAccounting, metrics=frontend.metrics)
     return app

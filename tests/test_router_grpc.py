@@ -114,6 +114,29 @@ def test_generate_cancel_reaches_both_workers(cluster, stub):
     assert wait_for(lambda: "to-cancel" in decode.cancelled and "to-cancel" in prefill.cancelled)
 
 
+def test_generate_cancel_is_immediate_without_garbage_collection(cluster, stub):
+    """A cancelled Generate closes its event stream itself (aclosing), so Cancel reaches the
+    workers even when no garbage collection ever runs."""
+    import gc
+
+    new_script(cluster, length=2000)
+    for d in cluster.decode:
+        d.chunk_size, d.token_delay = 1, 0.0  # the router is mostly busy writing tokens
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(10):
+            rid = f"no-gc-{i}"
+            call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2]),
+                                 timeout=10)
+            next(call), next(call)  # the second one comes from decode
+            call.cancel()
+            decode = next(d for d in cluster.decode if any(r.request_id == rid for r in d.decode_requests))
+            assert wait_for(lambda: rid in decode.cancelled, timeout=3), rid
+    finally:
+        gc.enable()
+
+
 def test_generate_decode_death_ends_with_error_message():
     stop = codec().stop_token_ids()[0]
     cluster = Cluster(script=list(range(100, 160)) + [stop], decode_kv_blocks=[8192, 1024])
