@@ -162,6 +162,7 @@ class Generation:
         self._finished = False
         self._released = False
         self._kv_blocks = 0  # the router's estimate of what the reservation holds
+        self._held: Worker | None = None  # the decode worker kept connected for this request
 
     @property
     def aborted(self) -> bool:
@@ -192,6 +193,7 @@ class Generation:
         finally:
             if not self._finished:
                 self._release()
+            self._unhold()
 
     # ---- steps ----------------------------------------------------------------------------
     def _remaining(self) -> float:
@@ -221,6 +223,7 @@ class Generation:
                 self._orch.send_cancel(worker, self.request_id)
                 self._metrics.retries.labels("kv_transfer", "ABORTED").inc()
                 self._give_back_blocks()
+                self._unhold()
                 self.decode_worker = None
         raise NoHealthyWorkersError(
             f"KV transfer to {len(broken_decode)} decode worker(s) failed; retry later.",
@@ -279,6 +282,8 @@ class Generation:
                 self._metrics.retries.labels("reserve", code.name).inc()
                 continue
             worker.pending_kv.confirm(placed)
+            registry.hold(worker)  # until the stream ends, even if the worker starts draining
+            self._held = worker
             self.decode_worker = worker
             self._kv_blocks = blocks
             if self.aborted:  # client left while the reservation was in flight
@@ -422,6 +427,11 @@ class Generation:
             if worker is not None:
                 self._orch.send_cancel(worker, self.request_id)
         self._give_back_blocks()
+
+    def _unhold(self) -> None:
+        if self._held is not None:
+            self._orch.registry.unhold(self._held)
+            self._held = None
 
     def _give_back_blocks(self) -> None:
         """The reservation ends (finish or Cancel): its blocks count as free again at once."""

@@ -99,6 +99,8 @@ class Worker:
         self.serving = False
         self.pending_kv = PendingLoad()
         self.pending_prompt = PendingLoad()
+        self.requests = 0  # requests placed here whose stream has not ended (WorkerRegistry.hold)
+        self.departed = False  # discovery no longer lists it: no new work, kept while requests > 0
 
     @property
     def role(self) -> str:
@@ -110,9 +112,9 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        """Probed at least once, healthy, serving, not draining, breaker closed."""
+        """Probed at least once, healthy, serving, not draining or departed, breaker closed."""
         return (self.load is not None and self.serving and not self.load.draining
-                and self.breaker.closed)
+                and not self.departed and self.breaker.closed)
 
     @property
     def free_kv_blocks(self) -> int:
@@ -142,6 +144,8 @@ class WorkerRegistry:
         self._probe_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._closing: set[asyncio.Task] = set()
+        # workers discovery dropped (pod terminating) that still stream requests placed on them
+        self._departing: set[Worker] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self, discovery: Discovery) -> None:
@@ -156,10 +160,11 @@ class WorkerRegistry:
         if self._probe_task is not None:
             self._probe_task.cancel()
             await asyncio.gather(self._probe_task, return_exceptions=True)
-        for worker in list(self._workers.values()):
+        for worker in list(self._workers.values()) + list(self._departing):
             self._metrics.forget_worker(worker)
             await worker.channel.close()
         self._workers.clear()
+        self._departing.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
     def add_listener(self, callback: Callable[[], None]) -> None:
@@ -194,6 +199,29 @@ class WorkerRegistry:
             log.warning("%s worker %s taken out of rotation: %s", worker.role, worker.name, reason)
         self._changed()
 
+    # ---- requests on a worker --------------------------------------------------------------
+    def hold(self, worker: Worker) -> None:
+        """A request was placed on `worker`: keep its connection until `unhold`, even if
+        discovery drops the worker meanwhile (a terminating pod finishing its streams)."""
+        worker.requests += 1
+
+    def unhold(self, worker: Worker) -> None:
+        """The request placed on `worker` ended; a departed worker's last one closes its channel."""
+        worker.requests -= 1
+        if worker.departed and worker.requests <= 0 and worker in self._departing:
+            self._departing.discard(worker)
+            log.info("%s worker %s: last request ended, disconnecting", worker.role, worker.name)
+            self._close_later(worker, self._config.cancel_timeout)
+
+    def departing(self) -> list[Worker]:
+        """Workers discovery no longer lists that still have requests placed on them."""
+        return list(self._departing)
+
+    def _close_later(self, worker: Worker, grace: float) -> None:
+        task = asyncio.create_task(worker.channel.close(grace=grace))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     # ---- discovery -------------------------------------------------------------------------
     def _on_discovery_change(self, endpoints: list[WorkerEndpoint]) -> None:
         if self._loop is None:
@@ -204,13 +232,18 @@ class WorkerRegistry:
         wanted = {(e.role, e.address): e for e in endpoints}
         for key in [k for k in self._workers if k not in wanted]:
             worker = self._workers.pop(key)
-            log.info("%s worker %s left", worker.role, worker.name)
+            worker.departed = True  # nothing new goes there from now on
             self._metrics.forget_worker(worker)
-            # let requests still on it finish (bounded), then drop the connection
-            task = asyncio.create_task(
-                worker.channel.close(grace=self._config.graceful_shutdown_timeout))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            if worker.requests > 0:
+                # a terminating pod drains: its streams (and the Decode calls of requests whose
+                # KV is on its way there) go on over this channel until the last one ends
+                log.info("%s worker %s left; keeping it for its %d request(s)", worker.role,
+                         worker.name, worker.requests)
+                self._departing.add(worker)
+            else:
+                log.info("%s worker %s left", worker.role, worker.name)
+                # an RPC still in flight (a prefill) cannot outlive its request's deadline
+                self._close_later(worker, self._config.request_timeout)
         for key, endpoint in wanted.items():
             if key not in self._workers:
                 log.info("%s worker %s joined at %s", endpoint.role, endpoint.name, endpoint.address)

@@ -282,10 +282,10 @@ def fast_config(**overrides) -> RouterConfig:
 class RouterThread:
     """A router serving on 127.0.0.1 (free ports) on its own event loop in a thread."""
 
-    def __init__(self, prefill: list[str], decode: list[str], **config) -> None:
-        self.router: Router = build_router(fast_config(**config),
-                                           make_discovery("static", prefill=prefill, decode=decode),
-                                           codec=codec())
+    def __init__(self, prefill: list[str], decode: list[str], *, discovery=None, **config) -> None:
+        """Static discovery of `prefill` and `decode`, or the given `discovery` backend."""
+        discovery = discovery or make_discovery("static", prefill=prefill, decode=decode)
+        self.router: Router = build_router(fast_config(**config), discovery, codec=codec())
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
