@@ -53,6 +53,26 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
     return predicate()
 
 
+class ListDiscovery:
+    """A discovery backend whose worker set the test changes, as EndpointSlice updates would."""
+
+    def __init__(self, endpoints):
+        self.endpoints = list(endpoints)
+        self.on_change = None
+        self.stopped = False
+
+    def start(self, on_change):
+        self.on_change = on_change
+        on_change(list(self.endpoints))
+
+    def set(self, endpoints):
+        self.endpoints = list(endpoints)
+        self.on_change(list(self.endpoints))
+
+    def stop(self):
+        self.stopped = True
+
+
 class KVFabric:
     """Which (decode worker, request id) pairs have received their KV from a prefill."""
 

@@ -13,28 +13,11 @@ import threading
 
 import httpx
 
-from router_harness import FakeDecode, FakePrefill, KVFabric, RouterThread, Script, harmony_ids, wait_for
+from router_harness import (FakeDecode, FakePrefill, KVFabric, ListDiscovery, RouterThread, Script,
+                            harmony_ids, wait_for)
 from pdserve.router.discovery import WorkerEndpoint
 
 MODEL = "gpt-oss-test"
-
-
-class ListDiscovery:
-    """Discovery whose worker set the test changes, as EndpointSlice updates would."""
-
-    def __init__(self, endpoints):
-        self.endpoints, self.on_change = list(endpoints), None
-
-    def start(self, on_change):
-        self.on_change = on_change
-        on_change(list(self.endpoints))
-
-    def set(self, endpoints):
-        self.endpoints = list(endpoints)
-        self.on_change(list(self.endpoints))
-
-    def stop(self):
-        pass
 
 
 def stream_chat(base_url: str, out: dict, key: int) -> None:

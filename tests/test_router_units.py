@@ -17,7 +17,7 @@ from pdserve.router.policy import LoadAwarePolicy, kv_blocks_needed
 from pdserve.router.registry import Worker, WorkerRegistry
 from pdserve.router.retry import backoff_delay
 from pdserve.router.stop_strings import StopStringMatcher
-from router_harness import FakeDecode, FakePrefill, KVFabric, Script, codec, fast_config
+from router_harness import FakeDecode, FakePrefill, KVFabric, ListDiscovery, Script, codec, fast_config
 
 
 def random_pieces(text: str, rng: random.Random) -> list[str]:
@@ -164,26 +164,6 @@ def test_config_rejects_bad_values():
         RouterConfig(port=70000)
     with pytest.raises(ConfigError, match="served_model_name"):
         RouterConfig(served_model_name="")
-
-
-class ListDiscovery:
-    """A discovery backend whose worker set the test changes (the interface of router.discovery)."""
-
-    def __init__(self, endpoints):
-        self.endpoints = list(endpoints)
-        self.on_change = None
-        self.stopped = False
-
-    def start(self, on_change):
-        self.on_change = on_change
-        on_change(list(self.endpoints))
-
-    def set(self, endpoints):
-        self.endpoints = list(endpoints)
-        self.on_change(list(self.endpoints))
-
-    def stop(self):
-        self.stopped = True
 
 
 def test_registry_follows_discovery_and_health():
