@@ -25,6 +25,9 @@ class RouterConfig:
     # untrusted input, bounded before parsing and tokenizing (router/request_limits.py)
     max_request_bytes: int = 8 << 20     # larger bodies get 413
     max_text_chars: int = 1 << 20        # characters of text in one request (~4x a 131k context)
+    # /v1/responses kept for previous_response_id (store: true only), in memory
+    responses_store_size: int = 1024     # most responses kept (the oldest go first)
+    responses_store_ttl: float = 3600.0  # seconds one is kept
     # worker health
     probe_interval: float = 1.0          # how often each worker's Load + health are polled
     probe_timeout: float = 1.0           # deadline of one probe RPC
@@ -43,13 +46,14 @@ class RouterConfig:
     graceful_shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        positive = ("request_timeout", "probe_interval", "probe_timeout", "breaker_reset_timeout",
+        positive = ("request_timeout", "responses_store_ttl", "probe_interval", "probe_timeout", "breaker_reset_timeout",
                     "breaker_max_reset_timeout", "reserve_timeout", "cancel_timeout",
                     "retry_max_delay", "graceful_shutdown_timeout")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("default_max_tokens", "max_request_bytes", "max_text_chars",
+                     "responses_store_size",
                      "breaker_failure_threshold", "max_prefill_attempts",
                      "max_decode_attempts",
                      "overload_retry_after", "unavailable_retry_after"):

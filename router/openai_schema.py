@@ -21,7 +21,7 @@ _MAX_STOP_STRINGS = 4  # OpenAI's limit
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
-def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
+def absent_or(*neutral: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or any(value == n for n in neutral)
 
 
@@ -31,23 +31,23 @@ def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
 # here and declaring it on the model.
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "logit_bias": _absent_or({}),
-    "top_logprobs": _absent_or(0),
-    "prediction": _absent_or(),
-    "audio": _absent_or(),
-    "modalities": _absent_or(["text"]),
-    "functions": _absent_or([]),
-    "function_call": _absent_or("none", "auto"),
-    "min_p": _absent_or(0),
-    "repetition_penalty": _absent_or(1),
-    "ignore_eos": _absent_or(False),
-    "min_tokens": _absent_or(0),
-    "stop_token_ids": _absent_or([]),
-    "guided_json": _absent_or(),
-    "guided_regex": _absent_or(),
-    "guided_choice": _absent_or(),
-    "guided_grammar": _absent_or(),
-    "structured_outputs": _absent_or(),
+    "logit_bias": absent_or({}),
+    "top_logprobs": absent_or(0),
+    "prediction": absent_or(),
+    "audio": absent_or(),
+    "modalities": absent_or(["text"]),
+    "functions": absent_or([]),
+    "function_call": absent_or("none", "auto"),
+    "min_p": absent_or(0),
+    "repetition_penalty": absent_or(1),
+    "ignore_eos": absent_or(False),
+    "min_tokens": absent_or(0),
+    "stop_token_ids": absent_or([]),
+    "guided_json": absent_or(),
+    "guided_regex": absent_or(),
+    "guided_choice": absent_or(),
+    "guided_grammar": absent_or(),
+    "structured_outputs": absent_or(),
 }
 
 

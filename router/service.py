@@ -24,6 +24,7 @@ from pdserve.router.openai_api import OpenAIFrontend, create_app
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policy import LoadAwarePolicy, RoutingPolicy
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.responses import ResponsesAPI, ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class Router:
         self.orchestrator = Orchestrator(config, self.registry, policy, metrics)
         self.frontend = OpenAIFrontend(config, self.orchestrator, self.registry, codec, metrics)
         self.app = create_app(self.frontend)
+        self.responses = ResponsesAPI(self.frontend, ResponseStore(config.responses_store_size,
+                                                                   config.responses_store_ttl))
+        self.responses.register(self.app)
         self.health = HealthReporter(self.registry)
         self.generator = GeneratorService(config, self.orchestrator, metrics, codec.vocab_size)
         self.grpc_server: grpc.aio.Server | None = None

@@ -240,6 +240,7 @@ def _refuses_connections(base_url: str) -> bool:
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", {"model": MODEL, "messages": USER, "stream": True}),
     ("/v1/completions", {"model": MODEL, "prompt": "Once", "stream": True}),
+    ("/v1/responses", {"model": MODEL, "input": "Once", "stream": True}),
 ])
 def test_disconnect_before_the_stream_starts_leaves_nothing_behind(cluster, path, body):
     """The client is gone when the streamed body would start: the ASGI server never iterates the
@@ -251,7 +252,7 @@ def test_disconnect_before_the_stream_starts_leaves_nothing_behind(cluster, path
     for d in cluster.decode:
         d.chunk_size, d.token_delay = 1, 0.02
     router = cluster.router.router
-    endpoint = "chat_completions" if "chat" in path else "completions"
+    endpoint = path.removeprefix("/v1/").replace("chat/", "chat_")
     gauge = router.metrics.in_flight.labels(endpoint)
     closed = router.metrics.requests.labels(endpoint, "499")
     before = cluster.router.call(lambda: (gauge._value.get(), closed._value.get()))
