@@ -39,6 +39,9 @@ class RouterConfig:
     cancel_timeout: float = 2.0
     max_prefill_attempts: int = 3        # prefill workers tried per request
     max_decode_attempts: int = 2         # decode workers tried when KV transfer to one fails
+    # admission: requests no decode worker has KV room for wait, first come first served
+    max_queued_requests: int = 512       # waiting beyond this: 429 at once (0 = no waiting)
+    max_queue_wait: float = 60.0         # seconds one request may wait for room, then 429
     retry_base_delay: float = 0.05       # backoff before retry k is uniform in [0, base * 2**k]
     retry_max_delay: float = 1.0
     overload_retry_after: int = 1        # Retry-After for 429
@@ -48,7 +51,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         positive = ("request_timeout", "responses_store_ttl", "probe_interval", "probe_timeout", "breaker_reset_timeout",
                     "breaker_max_reset_timeout", "reserve_timeout", "cancel_timeout",
-                    "retry_max_delay", "graceful_shutdown_timeout")
+                    "retry_max_delay", "graceful_shutdown_timeout", "max_queue_wait")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -59,6 +62,8 @@ class RouterConfig:
                      "overload_retry_after", "unavailable_retry_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests!r}")
         if self.retry_base_delay < 0:
             raise ConfigError(f"retry_base_delay must be >= 0, got {self.retry_base_delay!r}")
         for name in ("port", "grpc_port"):

@@ -37,6 +37,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="largest request body accepted (larger: HTTP 413)")
     g.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
                    help="most characters of text in one request, checked before tokenizing")
+    g.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                   help="requests that may wait at the router for decode KV room; more get "
+                        "429 at once (0 = no waiting)")
+    g.add_argument("--max-queue-wait", type=float, default=defaults.max_queue_wait,
+                   help="seconds a request may wait for decode KV room before it gets 429")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -60,7 +65,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         default_max_tokens=args.default_max_tokens,
                         request_timeout=args.request_timeout,
                         max_request_bytes=args.max_request_bytes,
-                        max_text_chars=args.max_text_chars)
+                        max_text_chars=args.max_text_chars,
+                        max_queued_requests=args.max_queued_requests,
+                        max_queue_wait=args.max_queue_wait)
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.admission import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (InvalidRequestError, NoHealthyWorkersError, OverloadedError,
                            RequestTimeoutError, RouterError, UpstreamError)
@@ -48,6 +49,10 @@ class _KVDestinationFailed(Exception):
     """Prefill said ABORTED: writing the KV into the reserved decode blocks failed."""
 
 
+class _NoRoom(Exception):
+    """No decode worker has KV room for the request now (estimate, or every Reserve refused)."""
+
+
 def _finish_name(finish_reason: int) -> str:
     return pdserve_pb2.FinishReason.Name(finish_reason)
 
@@ -66,6 +71,9 @@ class Orchestrator:
         self.policy = policy
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
+        self.admission = AdmissionQueue(config.max_queued_requests, config.overload_retry_after,
+                                        metrics)
+        registry.add_listener(self.admission.wake)  # a load report may show room again
 
     def admit(self, num_prompt_tokens: int, max_tokens: int | None, *, param: str) -> int:
         """Check the request against the pools and the context limit; return max_new_tokens.
@@ -163,6 +171,7 @@ class Generation:
         self._released = False
         self._kv_blocks = 0  # the router's estimate of what the reservation holds
         self._held: Worker | None = None  # the decode worker kept connected for this request
+        self._queue_place: asyncio.Future | None = None  # while waiting for KV room
 
     @property
     def aborted(self) -> bool:
@@ -177,6 +186,8 @@ class Generation:
             return
         log.info("request %s cancelled: %s", self.request_id, reason)
         self._aborted.set()
+        if self._queue_place is not None:
+            self._queue_place.cancel()
         self._release()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -230,16 +241,78 @@ class Generation:
             code="kv_transfer_failed", retry_after=self._config.unavailable_retry_after)
 
     async def _reserve(self, exclude: set[str]) -> bool:
-        """Reserve KV blocks on the best decode worker that accepts; False if cancelled."""
+        """Reserve KV blocks on a decode worker, waiting in the admission queue while none has
+        room (behind those already waiting); False if cancelled meanwhile."""
+        admission = self._orch.admission
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time() if admission.waiting else None
+        if queued_at is not None and not await self._wait_for_room(queued_at, front=False):
+            return False
+        while True:
+            try:
+                reserved = await self._try_reserve(exclude)
+            except _NoRoom as no_room:
+                woken = queued_at is not None  # it was this one's turn: it keeps its place
+                if queued_at is None:
+                    queued_at = loop.time()
+                if not await self._wait_for_room(queued_at, front=woken, reason=str(no_room)):
+                    return False
+                continue
+            except BaseException:
+                if queued_at is not None:
+                    admission.wake()  # this one leaves the queue for good: the next one's turn
+                raise
+            if queued_at is not None:
+                self._metrics.admission_wait.observe(loop.time() - queued_at)
+                admission.wake()  # there may be room for the next one too
+            return reserved
+
+    async def _wait_for_room(self, queued_at: float, *, front: bool, reason: str = "") -> bool:
+        """Wait for this request's turn to try again; False if cancelled meanwhile.
+
+        Refused (429) when the queue is full or the wait would exceed `max_queue_wait`; a request
+        deadline that comes first is a timeout (504).
+        """
+        loop = asyncio.get_running_loop()
+        give_up = queued_at + self._config.max_queue_wait
+        timeout = min(give_up, self.deadline) - loop.time()
+        if timeout <= 0:
+            self._raise_wait_exceeded(give_up, reason)
+        place = self._orch.admission.enter(front=front)
+        self._queue_place = place
+        try:
+            await asyncio.wait_for(place, timeout)
+        except asyncio.TimeoutError:
+            self._raise_wait_exceeded(give_up, reason)
+        except asyncio.CancelledError:
+            if self.aborted:
+                return False
+            raise
+        finally:
+            self._orch.admission.leave(place)
+            self._queue_place = None
+        return not self.aborted
+
+    def _raise_wait_exceeded(self, give_up: float, reason: str) -> None:
+        if give_up <= self.deadline:
+            raise OverloadedError(
+                f"No decode worker had KV room for this request within "
+                f"{self._config.max_queue_wait:g}s ({reason or 'others waited first'}); "
+                "retry later.", code="kv_cache_full", retry_after=self._config.overload_retry_after)
+        raise RequestTimeoutError(f"Request {self.request_id} timed out waiting for KV room.",
+                                  code="timeout")
+
+    async def _try_reserve(self, exclude: set[str]) -> bool:
+        """Reserve KV blocks on the best decode worker that accepts; False if cancelled.
+
+        Raises `_NoRoom` when none has room now."""
         registry, policy = self._orch.registry, self._orch.policy
         num_prompt = len(self.prompt_token_ids)
         max_new = self.sampling.max_new_tokens
         alive = [w for w in registry.routable("decode") if w.endpoint.address not in exclude]
         candidates = policy.rank_decode(alive, num_prompt, max_new)
         if alive and not candidates:
-            raise OverloadedError(
-                f"No decode worker has free KV blocks for {num_prompt + max_new} tokens; "
-                "retry later.", code="kv_cache_full", retry_after=self._config.overload_retry_after)
+            raise _NoRoom(f"no decode worker has free KV blocks for {num_prompt + max_new} tokens")
         full = 0
         for worker in candidates:
             remaining = self._remaining()
@@ -292,9 +365,7 @@ class Generation:
             self.placements = list(response.placements)
             return True
         if full:
-            raise OverloadedError(
-                f"All {full} decode workers are out of KV blocks; retry later.",
-                code="kv_cache_full", retry_after=self._config.overload_retry_after)
+            raise _NoRoom(f"all {full} decode workers refused: out of KV blocks")
         raise NoHealthyWorkersError("No decode worker could be reached; retry later.",
                                     code="no_healthy_workers",
                                     retry_after=self._config.unavailable_retry_after)
@@ -438,3 +509,4 @@ class Generation:
         if self.decode_worker is not None and self._kv_blocks:
             self.decode_worker.pending_kv.confirm(self.decode_worker.pending_kv.add(-self._kv_blocks))
             self._kv_blocks = 0
+            self._orch.admission.wake()

@@ -137,6 +137,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         self.chunk_size = 2
         self.token_delay = 0.0          # seconds before each chunk
         self.reserve_delay = 0.0        # seconds Reserve takes
+        self.peak_kv_blocks = 0
         self.die_after_chunks: int | None = None
         self.server = _Server(pbg.add_DecodeWorkerServicer_to_server, self)
 
@@ -152,7 +153,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             self.cancelled.clear()
         self.exhausted = self.refuse_reserve = False
         self.chunk_size, self.token_delay, self.die_after_chunks = 2, 0.0, None
-        self.reserve_delay = 0.0
+        self.reserve_delay, self.peak_kv_blocks = 0.0, 0
 
     def Reserve(self, request, context):
         with self.lock:
@@ -163,7 +164,11 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         total = request.num_prompt_tokens + request.max_new_tokens
         blocks = -(-total // self.page_size)
         with self.lock:
+            used = sum(self.reservations.values())
+            if used + blocks > self.kv_blocks_total:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
             self.reservations[request.request_id] = blocks
+            self.peak_kv_blocks = max(self.peak_kv_blocks, used + blocks)
         return pb.ReserveResponse(placements=[pb.KVPlacement(
             decode_worker_id=self.name, kv_agent_name=f"{self.name}-rank0",
             full_block_ids=list(range(blocks)), page_size=self.page_size, tp_rank=0, tp_size=1)])
@@ -294,7 +299,8 @@ class FakePrefill(pbg.PrefillWorkerServicer):
 def fast_config(**overrides) -> RouterConfig:
     values = dict(port=0, grpc_port=0, probe_interval=0.05, probe_timeout=0.5,
                   breaker_reset_timeout=30.0, graceful_shutdown_timeout=1.0,
-                  retry_base_delay=0.01, retry_max_delay=0.05, served_model_name="gpt-oss-test")
+                  retry_base_delay=0.01, retry_max_delay=0.05, served_model_name="gpt-oss-test",
+                  max_queued_requests=0)  # back-pressure at once; admission tests turn it on
     values.update(overrides)
     return RouterConfig(**values)
 

@@ -1,11 +1,13 @@
 """Load at the router: placements counted the moment a worker is picked (bursts spread)."""
 
 import asyncio
+import contextlib
+import json
 
 import httpx
 import pytest
 
-from router_harness import Cluster, harmony_ids
+from router_harness import Cluster, harmony_ids, wait_for
 from pdserve.router.registry import PendingLoad
 
 MODEL = "gpt-oss-test"
@@ -57,5 +59,100 @@ def test_a_burst_spreads_over_decode_and_prefill_workers(n):
                                (cluster.prefill, lambda p: p.requests)):
             shares = [len(calls(w)) / n for w in workers]
             assert sum(shares) == 1 and all(0.4 <= s <= 0.6 for s in shares), shares
+    finally:
+        cluster.close()
+
+
+# ---- admission: requests without KV room wait in a bounded queue --------------------------
+def _admission_cluster(**config) -> tuple[Cluster, int]:
+    """2 decode workers with room for exactly 2 requests each; returns (cluster, blocks/request)."""
+    cluster = Cluster(script=harmony_ids(SCRIPT), router_config=config)
+    r = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=10, json=_BODY)
+    assert r.status_code == 200
+    reserve = next(d for d in cluster.decode if d.reserve_requests).reserve_requests[0]
+    blocks = -(-(reserve.num_prompt_tokens + reserve.max_new_tokens) // 16)
+    for d in cluster.decode:
+        d.kv_blocks_total = 2 * blocks
+        d.chunk_size, d.token_delay = 1, 0.04
+    cluster.reset()
+    return cluster, blocks
+
+
+_BODY = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "How are you?"}]}
+
+
+async def _streams(base_url: str, n: int, cancel_first: int = 0) -> list[tuple[int, str]]:
+    """n concurrent streamed chats: (status, content or error code) each; the first
+    `cancel_first` are given up by their clients after 0.3 s."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        async def one(i: int) -> tuple[int, str]:
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={**_BODY, "stream": True, "seed": i}) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    assert r.headers.get("retry-after")
+                    return r.status_code, r.json()["error"]["code"]
+                text = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            return 200, event["error"]["code"]
+                        text += "".join(c["delta"].get("content") or "" for c in event["choices"])
+                return 200, text
+
+        async def cancelled(i: int) -> tuple[int, str]:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(one(i), 0.3)
+            return 0, "gave up"
+        return await asyncio.gather(*(cancelled(i) if i < cancel_first else one(i)
+                                      for i in range(n)))
+
+
+def test_requests_without_kv_room_wait_and_all_finish():
+    """12 streams, room for 4 at a time: the rest wait at the router, none is refused or cut,
+    and no decode worker is ever asked for more than it has."""
+    cluster, blocks = _admission_cluster(max_queued_requests=64, max_queue_wait=20)
+    try:
+        results = asyncio.run(_streams(cluster.base_url, 12))
+        assert results == [(200, "Fine, thanks.")] * 12
+        assert all(d.peak_kv_blocks == 2 * blocks for d in cluster.decode)
+        metrics = cluster.router.router.metrics
+        waited = cluster.router.call(lambda: metrics.admission_wait._sum.get())
+        assert waited > 0
+        assert wait_for(lambda: cluster.router.call(lambda: metrics.admission_waiting._value.get()) == 0)
+        assert wait_for(lambda: not any(d.reservations for d in cluster.decode))
+    finally:
+        cluster.close()
+
+
+def test_a_full_queue_refuses_at_once_with_429():
+    """Room for 4, 2 may wait: of 10 at once, 4 run, 2 wait and run, 4 get 429 up front."""
+    cluster, _ = _admission_cluster(max_queued_requests=2, max_queue_wait=20)
+    try:
+        results = asyncio.run(_streams(cluster.base_url, 10))
+        assert sorted(results).count((200, "Fine, thanks.")) == 6, results
+        assert sorted(results).count((429, "kv_cache_full")) == 4, results
+    finally:
+        cluster.close()
+
+
+def test_a_wait_past_max_queue_wait_is_429_and_clients_may_give_up_while_waiting():
+    cluster, _ = _admission_cluster(max_queued_requests=64, max_queue_wait=0.5)
+    try:
+        for d in cluster.decode:
+            d.token_delay = 0.2  # the first 4 hold their room for ~2 s
+        results = asyncio.run(_streams(cluster.base_url, 12, cancel_first=0))
+        assert sorted(results).count((200, "Fine, thanks.")) == 4, results
+        assert sorted(results).count((429, "kv_cache_full")) == 8, results
+        # clients that give up while waiting leave the queue; nothing is reserved for them
+        cluster.reset()
+        for d in cluster.decode:
+            d.chunk_size, d.token_delay = 1, 0.2
+        results = asyncio.run(_streams(cluster.base_url, 8, cancel_first=8))
+        metrics = cluster.router.router.metrics
+        assert wait_for(lambda: cluster.router.call(lambda: metrics.admission_waiting._value.get()) == 0)
+        assert sum(len(d.reserve_requests) for d in cluster.decode) == 4
+        assert wait_for(lambda: not any(d.reservations for d in cluster.decode), timeout=10)
     finally:
         cluster.close()
