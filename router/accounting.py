@@ -26,8 +26,9 @@ _ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "co
 
 def endpoint_label(path: str) -> str:
     """A bounded label for a request path (unknown paths share one)."""
-    if path == "/v1/models" or path.startswith("/v1/models/"):
-        return "models"
+    for prefix, label in (("/v1/models", "models"), ("/v1/responses", "responses")):
+        if path == prefix or path.startswith(prefix + "/"):
+            return label
     return _ENDPOINTS.get(path, "other")
 
 

@@ -33,7 +33,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequestError, RouterError
 from pdserve.router.harmony import Delta, HarmonyError
-from pdserve.router.openai_api import CLIENT_CLOSED, _cancel_on_disconnect, _event_stream
+from pdserve.router.accounting import CLIENT_CLOSED, Outcome, outcome_of
+from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream
 from pdserve.router.openai_schema import (FunctionDefinition, absent_or, parse_body,
                                           refuse_not_honoured)
 from pdserve.router.orchestrator import FINISH_LENGTH, Generation, TokenEvent
@@ -469,16 +470,14 @@ class ResponsesAPI:
         run = _Run(self, body, response_id, items, len(prompt), generation, events, first)
         if body.stream:
             async def unstarted() -> None:
-                await self.frontend._end_stream(ENDPOINT, CLIENT_CLOSED, arrival, watcher,
-                                                [generation], events)
+                await self.frontend._end_stream(watcher, [generation], events)
 
-            return _event_stream(run.stream(watcher, arrival), unstarted)
+            return _event_stream(run.stream(watcher, outcome_of(request.scope)), unstarted)
         try:
             status = await run.collect()
         finally:
             watcher.cancel()
             await events.aclose()
-        self.frontend._finish(ENDPOINT, 200 if status else CLIENT_CLOSED, arrival)
         if status is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(run.finished(status))
@@ -554,8 +553,8 @@ class _Run:
                 return "incomplete" if incomplete else "completed"
         return None
 
-    async def stream(self, watcher: asyncio.Task, arrival: float) -> AsyncIterator[str]:
-        status_code = CLIENT_CLOSED
+    async def stream(self, watcher: asyncio.Task, outcome: Outcome) -> AsyncIterator[str]:
+        outcome.status = CLIENT_CLOSED  # until the end is sent
         try:
             started = self.response("in_progress")
             yield self._event({"type": "response.created", "response": started})
@@ -570,16 +569,15 @@ class _Run:
                     status = "incomplete" if incomplete else "completed"
                     yield self._event({"type": f"response.{status}",
                                        "response": self.finished(status)})
-                    status_code = 200
+                    outcome.status = 200
         except RouterError as error:
             log.warning("responses stream %s failed: %s", self.id, error.message)
-            status_code = error.http_status
+            outcome.status = error.http_status
             failed = self.response("failed", error={"code": error.code or error.error_type,
                                                     "message": error.message})
             yield self._event({"type": "response.failed", "response": failed})
         finally:
-            await self.api.frontend._end_stream(ENDPOINT, status_code, arrival, watcher,
-                                                [self.generation], self.events)
+            await self.api.frontend._end_stream(watcher, [self.generation], self.events)
 
     def _event(self, event: dict) -> str:
         event["sequence_number"] = self._sequence

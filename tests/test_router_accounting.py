@@ -42,10 +42,11 @@ def test_responses_made_outside_the_handlers_are_counted(cluster):
         assert h.get("/nowhere").status_code == 404
         assert h.get("/v1/models/nope").status_code == 404
         assert h.get("/v1/models").status_code == 200
+        assert h.get("/v1/responses/resp_nope").status_code == 404
         assert h.get("/v1/chat/completions").status_code == 405
         assert h.post("/v1/chat/completions", content=b"{").status_code == 400
     assert delta(before, counts(cluster)) == {
-        ("other", "404"): 1, ("models", "404"): 1, ("models", "200"): 1,
+        ("other", "404"): 1, ("models", "404"): 1, ("models", "200"): 1, ("responses", "404"): 1,
         ("chat_completions", "405"): 1, ("chat_completions", "400"): 1}
 
 
