@@ -47,6 +47,10 @@ class RouterConfig:
     overload_retry_after: int = 1        # Retry-After for 429
     unavailable_retry_after: int = 5     # Retry-After for 503
     graceful_shutdown_timeout: float = 30.0
+    # client-facing security (router/auth.py): None = open, plain text
+    api_key_file: str | None = None      # accepted keys, one per line; /v1 and gRPC need one
+    tls_cert_file: str | None = None     # PEM certificate (chain) for HTTPS and gRPC TLS
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("request_timeout", "responses_store_ttl", "probe_interval", "probe_timeout", "breaker_reset_timeout",
@@ -72,3 +76,5 @@ class RouterConfig:
                                   f"got {getattr(self, name)!r}")
         if not self.served_model_name:
             raise ConfigError("served_model_name must not be empty")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("TLS needs both tls_cert_file and tls_key_file")

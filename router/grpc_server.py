@@ -130,8 +130,9 @@ class HealthReporter:
         self.update()
 
 
-def create_grpc_server(service: GeneratorService, health: HealthReporter) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+def create_grpc_server(service: GeneratorService, health: HealthReporter,
+                       interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors or None)
     pdserve_pb2_grpc.add_GeneratorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     return server

@@ -42,6 +42,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         "429 at once (0 = no waiting)")
     g.add_argument("--max-queue-wait", type=float, default=defaults.max_queue_wait,
                    help="seconds a request may wait for decode KV room before it gets 429")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=defaults.graceful_shutdown_timeout,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--api-key-file", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1 and gRPC; the file holds the "
+                        "accepted keys, one per line, and is re-read when it changes")
+    g.add_argument("--tls-cert-file", default=None,
+                   help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
+    g.add_argument("--tls-key-file", default=None, help="the PEM private key of --tls-cert-file")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -67,7 +75,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         max_request_bytes=args.max_request_bytes,
                         max_text_chars=args.max_text_chars,
                         max_queued_requests=args.max_queued_requests,
-                        max_queue_wait=args.max_queue_wait)
+                        max_queue_wait=args.max_queue_wait,
+                        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+                        api_key_file=args.api_key_file, tls_cert_file=args.tls_cert_file,
+                        tls_key_file=args.tls_key_file)
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:

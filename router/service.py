@@ -15,6 +15,7 @@ from typing import Callable
 import grpc
 import uvicorn
 
+from pdserve.router.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, TLSFiles
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
 from pdserve.router.grpc_server import GeneratorService, HealthReporter, create_grpc_server
@@ -46,6 +47,11 @@ class Router:
         self.responses = ResponsesAPI(self.frontend, ResponseStore(config.responses_store_size,
                                                                    config.responses_store_ttl))
         self.responses.register(self.app)
+        self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+        if self.api_keys is not None:
+            self.app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, metrics=metrics)
+        self.tls = (TLSFiles(config.tls_cert_file, config.tls_key_file)
+                    if config.tls_cert_file else None)
         self.health = HealthReporter(self.registry)
         self.generator = GeneratorService(config, self.orchestrator, metrics, codec.vocab_size)
         self.grpc_server: grpc.aio.Server | None = None
@@ -77,16 +83,20 @@ async def serve_router(router: Router, stop: asyncio.Event,
     config = router.config
     await router.registry.start(router.discovery)
     router.health.update()
-    grpc_server = create_grpc_server(router.generator, router.health)
+    interceptors = [ApiKeyInterceptor(router.api_keys)] if router.api_keys else None
+    grpc_server = create_grpc_server(router.generator, router.health, interceptors)
     router.grpc_server = grpc_server
     host = f"[{config.host}]" if ":" in config.host else config.host  # IPv6 literal
-    router.grpc_port = grpc_server.add_insecure_port(f"{host}:{config.grpc_port}")
+    address = f"{host}:{config.grpc_port}"
+    router.grpc_port = (grpc_server.add_secure_port(address, router.tls.grpc_credentials())
+                        if router.tls else grpc_server.add_insecure_port(address))
     if router.grpc_port == 0:
         raise OSError(f"cannot bind the gRPC port {config.host}:{config.grpc_port}")
     await grpc_server.start()
     http = _UvicornServer(uvicorn.Config(
         router.app, host=config.host, port=config.port, log_config=None, lifespan="off",
-        timeout_graceful_shutdown=config.graceful_shutdown_timeout, access_log=False))
+        timeout_graceful_shutdown=config.graceful_shutdown_timeout, access_log=False,
+        **(router.tls.uvicorn_options() if router.tls else {})))
     http_task = asyncio.create_task(http.serve(), name="pdserve-http")
     try:
         while not http.started:
