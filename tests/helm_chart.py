@@ -29,7 +29,9 @@ VALUES_FILES = {
 }
 # Every optional template switched on, on top of the default values.
 ALL_FEATURES = {
-    "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
+    "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"},
+               "auth": {"enabled": True, "existingSecret": "pd-api-keys"},
+               "tls": {"enabled": True, "secretName": "pd-router-tls"}},
     "decode": {"autoscaling": {"enabled": True, "metrics": [{
         "type": "Object",
         "object": {"metric": {"name": "pdserve_decode_kv_usage_ratio"},

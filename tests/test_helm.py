@@ -60,7 +60,9 @@ def test_optional_resources_are_off_by_default_and_render_when_enabled():
     monitor = one(docs, "ServiceMonitor", f"{FULLNAME}-router")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics",
-                                             "interval": "15s", "scrapeTimeout": "10s"}]
+                                             "interval": "15s", "scrapeTimeout": "10s",
+                                             "scheme": "https",  # router.tls is on here
+                                             "tlsConfig": {"insecureSkipVerify": True}}]
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     router_service = one(docs, "Service", f"{FULLNAME}-router")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= router_service["metadata"]["labels"].items()
@@ -266,7 +268,8 @@ def test_probes(name):
         assert budget_s >= (900 if values["device"] == "cuda" else 300)
         assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] >= 30
     router = container(one(docs, "Deployment", f"{FULLNAME}-router"))
-    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    scheme = {"scheme": "HTTPS"} if values["router"]["tls"]["enabled"] else {}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", **scheme}
     # liveness must not depend on workers being up: that would restart every router at once
     assert router["livenessProbe"]["httpGet"]["path"] != "/health"
     assert router["startupProbe"]["httpGet"]["port"] == "http"
@@ -535,3 +538,45 @@ def test_worker_transports_caches_and_stop_sequence(name):
         (sleep, seconds) = c["lifecycle"]["preStop"]["exec"]["command"]
         assert sleep == "sleep" and int(seconds) == values["workers"]["preStopSleepSeconds"]
         assert int(seconds) < pod["terminationGracePeriodSeconds"]
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_router_auth_and_tls_wiring(name):
+    docs, values = render(name)
+    r = values["router"]
+    deployment = one(docs, "Deployment", f"{FULLNAME}-router")
+    c = container(deployment)
+    parsed = parse_cli(c["args"])
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "model" not in volumes  # the router reads no weights (the vocabulary is in the image)
+    if r["auth"]["enabled"]:
+        directory, _, key = parsed.api_key_file.rpartition("/")
+        assert key == r["auth"]["secretKey"]
+        assert volumes[mounts[directory]]["secret"]["secretName"] == r["auth"]["existingSecret"]
+    else:
+        assert parsed.api_key_file is None
+    if r["tls"]["enabled"]:
+        directory = parsed.tls_cert_file.rpartition("/")[0]
+        assert parsed.tls_key_file.rpartition("/")[0] == directory
+        assert volumes[mounts[directory]]["secret"]["secretName"] == r["tls"]["secretName"]
+    else:
+        assert parsed.tls_cert_file is None and parsed.tls_key_file is None
+    # in-flight requests finish inside the pod's grace period
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert 0 < parsed.graceful_shutdown_timeout < grace
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"router": {"service": {"type": "LoadBalancer"}}}, "turn on router.auth"),
+    ({"router": {"service": {"type": "NodePort"}}}, "turn on router.auth"),
+    ({"router": {"auth": {"enabled": True}}}, "existingSecret"),
+    ({"router": {"tls": {"enabled": True}}}, "secretName"),
+])
+def test_exposure_without_keys_is_refused(values, message):
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmRenderError, match=message):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    opened = {"router": {"service": {"type": "LoadBalancer", "allowUnauthenticated": True}}}
+    docs, _ = render_values(opened)
+    assert one(docs, "Service", f"{FULLNAME}-router")["spec"]["type"] == "LoadBalancer"

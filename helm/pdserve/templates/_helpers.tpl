@@ -86,6 +86,16 @@ the decode pool's experts are spread (EP) over the same tp GPUs as its attention
 {{- if and .Values.workers.rdma.enabled (eq .Values.device "cuda") (empty .Values.workers.rdma.resources) (empty .Values.workers.rdma.resourcesPerGpu) }}
 {{- fail "workers.rdma.enabled needs workers.rdma.resources or workers.rdma.resourcesPerGpu (your RDMA device plugin's resource, e.g. {\"rdma/rdma_shared_device_a\": 1}); without an RDMA device in the pod UCX has no HCA and KV cannot move over RDMA. Set workers.rdma.enabled=false to move KV over TCP" }}
 {{- end }}
+{{- $r := .Values.router }}
+{{- if and $r.auth.enabled (empty $r.auth.existingSecret) }}
+{{- fail "router.auth.enabled needs router.auth.existingSecret: a Secret whose key router.auth.secretKey holds the API keys, one per line (kubectl create secret generic pdserve-api-keys --from-file=api-keys=./keys.txt)" }}
+{{- end }}
+{{- if and $r.tls.enabled (empty $r.tls.secretName) }}
+{{- fail "router.tls.enabled needs router.tls.secretName: a kubernetes.io/tls Secret (tls.crt, tls.key), e.g. from cert-manager" }}
+{{- end }}
+{{- if and (ne $r.service.type "ClusterIP") (not $r.auth.enabled) (not $r.service.allowUnauthenticated) }}
+{{- fail (printf "router.service.type=%s exposes the router beyond the cluster: turn on router.auth (API keys; router.tls too), or set router.service.allowUnauthenticated=true to expose it without keys" $r.service.type) }}
+{{- end }}
 {{- $jit := .Values.workers.jitCache }}
 {{- if and (eq $jit.type "pvc") (empty $jit.claimName) }}
 {{- fail "workers.jitCache.type=pvc needs workers.jitCache.claimName (a ReadWriteMany claim)" }}
