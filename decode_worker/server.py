@@ -18,7 +18,7 @@ from pdserve.engine.sampling import SamplingError, SamplingParams
 from pdserve.engine.sequence import FinishReason
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.proto.rpc import sampling_kwargs
+from pdserve.proto.rpc import logprob_message, sampling_kwargs
 
 from .scheduler import DecodeScheduler, ReservationError
 
@@ -70,6 +70,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     def Decode(self, request: pb.DecodeRequest, context):
         try:
             params = SamplingParams(**sampling_kwargs(request.sampling))
+            params.check_vocab(self.scheduler.runner.cfg.vocab_size)
             r = self.scheduler.start(request.request_id, request.first_token_id, list(request.prompt_token_ids),
                                      params, kv_wait_s=self.kv_wait_s)
         except ReservationError as e:
@@ -87,15 +88,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                     self.scheduler.cancel(rid)
                     return
                 continue
-            tokens = list(ev.tokens)
+            tokens, logprobs = list(ev.tokens), list(ev.logprobs)
             while ev.finish_reason is None:  # coalesce what is already there
                 try:
                     nxt = r.events.get_nowait()
                 except queue.Empty:
                     break
                 tokens.extend(nxt.tokens)
+                logprobs.extend(nxt.logprobs)
                 ev = nxt
-            chunk = pb.TokenChunk(token_ids=tokens)
+            chunk = pb.TokenChunk(token_ids=tokens, logprobs=[logprob_message(lp) for lp in logprobs])
             if ev.finish_reason is not None:
                 chunk.finish_reason = FINISH[ev.finish_reason]
                 chunk.error = ev.error

@@ -105,16 +105,17 @@ class PrefixCache:
         return out
 
     # -- per prompt -------------------------------------------------------------------------------
-    def acquire(self, tokens: list[int]) -> PrefixLease:
+    def acquire(self, tokens: list[int], *, reuse: bool = True) -> PrefixLease:
         """Pin the longest usable cached prefix of `tokens` and take blocks for the rest of the
         prompt (evicting unpinned entries as needed); KVCacheFull, holding nothing, when the pools
-        cannot hold the prompt even after evicting everything unpinned."""
+        cannot hold the prompt even after evicting everything unpinned. `reuse=False` matches
+        nothing (a prompt whose every position needs its logits) but may still fill the cache."""
         n, ps = len(tokens), self.page_size
         if n < 1:
             raise ValueError("empty prompt")
         keys = chain_keys(tokens, ps, n // ps)
         matched: list[_Entry] = []
-        if self.enabled:
+        if self.enabled and reuse:
             for key in keys[:(n - 1) // ps]:
                 e = self._entries.get(key)
                 if e is None:

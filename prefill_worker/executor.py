@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import PrefixCache
-from pdserve.engine.sampling import SamplingParams, sample
+from pdserve.engine.sampling import SamplingParams, TokenLogprob, prompt_logprobs, sample
 from pdserve.engine.sequence import Sequence
 from pdserve.kvtransfer import heads_overlap
 from pdserve.kvtransfer.notify import kv_notification
@@ -52,6 +52,8 @@ class PrefillResult:
     queue_s: float
     compute_s: float
     cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache
+    first_logprob: TokenLogprob | None = None  # when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.prompt_logprobs is set
 
 
 @dataclass(eq=False)
@@ -135,6 +137,7 @@ class PrefillExecutor:
     # -- API ----------------------------------------------------------------------------------
     def submit(self, job: PrefillJob) -> Future:
         self.runner.validate_prompt(job.prompt_ids)  # InvalidRequest -> INVALID_ARGUMENT
+        job.params.check_vocab(self.runner.cfg.vocab_size)  # SamplingError -> INVALID_ARGUMENT
         with self._cv:
             if self._stop:
                 raise QueueFull("prefill worker is shutting down")
@@ -191,16 +194,19 @@ class PrefillExecutor:
     def _run(self, job: PrefillJob) -> PrefillResult:
         started = time.monotonic()
         n = len(job.prompt_ids)
-        lease = self.prefix_cache.acquire(job.prompt_ids)  # cached prefix pinned, blocks for the rest
+        # cached prefix pinned, blocks for the rest; prompt logprobs need every position computed
+        lease = self.prefix_cache.acquire(job.prompt_ids, reuse=job.params.prompt_logprobs is None)
         seq = Sequence(job.request_id, job.prompt_ids, job.params, blocks=lease.blocks,
                        num_cached=lease.num_cached)
         computed_ok = False
         try:
-            logits = self.runner.prefill(seq, finish=False)
+            k = job.params.prompt_logprobs
+            logits = self.runner.prefill(seq, all_logits=k is not None, finish=False)
             computed_ok = True
+            prompt_lps = prompt_logprobs(logits, job.prompt_ids, k) if k is not None else []
+            last = logits[-1:] if k is not None else logits[None]
             before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
-            first = sample(logits[None], [job.params], [before],
-                           stop_ids=self.runner.cfg.eos_token_ids).tokens[0]
+            out = sample(last, [job.params], [before], stop_ids=self.runner.cfg.eos_token_ids)
             computed = time.monotonic()
             if job.cancelled:
                 raise InterruptedError(f"request {job.request_id} was cancelled")
@@ -210,8 +216,9 @@ class PrefillExecutor:
             self.prefix_cache.release(lease, computed=computed_ok)
         self.cached_tokens_total += lease.num_cached
         self.prompt_tokens_total += n
-        return PrefillResult(first, nbytes, done - computed, started - job.enqueued_at, computed - started,
-                             cached_tokens=lease.num_cached)
+        return PrefillResult(out.tokens[0], nbytes, done - computed, started - job.enqueued_at, computed - started,
+                             cached_tokens=lease.num_cached, first_logprob=out.logprobs[0],
+                             prompt_logprobs=prompt_lps)
 
     def _push_kv(self, job: PrefillJob, blocks, n: int) -> int:
         return self.push(self.plan_push(job, blocks, n))

@@ -16,7 +16,7 @@ from pdserve.engine.sampling import SamplingError, SamplingParams
 from pdserve.kvtransfer import KVTransferError
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.proto.rpc import sampling_kwargs
+from pdserve.proto.rpc import logprob_message, sampling_kwargs
 
 from .executor import PlacementError, PrefillExecutor, PrefillJob, QueueFull
 
@@ -66,10 +66,14 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         except Exception as e:  # noqa: BLE001 - one failed prompt must not take the worker down
             log.exception("prefill of %s failed", request.request_id)
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
-        return pb.PrefillResponse(request_id=request.request_id, first_token_id=r.first_token,
-                                  kv_bytes=r.kv_bytes, kv_transfer_seconds=r.transfer_s,
-                                  queue_seconds=r.queue_s, compute_seconds=r.compute_s,
-                                  cached_tokens=r.cached_tokens)
+        response = pb.PrefillResponse(request_id=request.request_id, first_token_id=r.first_token,
+                                      kv_bytes=r.kv_bytes, kv_transfer_seconds=r.transfer_s,
+                                      queue_seconds=r.queue_s, compute_seconds=r.compute_s,
+                                      cached_tokens=r.cached_tokens,
+                                      prompt_logprobs=[logprob_message(lp) for lp in r.prompt_logprobs])
+        if r.first_logprob is not None:
+            response.first_token_logprob.CopyFrom(logprob_message(r.first_logprob))
+        return response
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(found=self.executor.cancel(request.request_id))

@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.proto import pdserve_pb2
+
 # Large enough for every in-flight stream (one handler thread each) plus control calls.
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -66,4 +68,15 @@ def sampling_kwargs(s) -> dict:
         temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, max_new_tokens=s.max_new_tokens,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
+
+
+def logprob_message(lp) -> pdserve_pb2.TokenLogprob:
+    """engine.sampling.TokenLogprob -> pdserve.v1.TokenLogprob."""
+    return pdserve_pb2.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
+                                    top_token_ids=[t for t, _ in lp.top],
+                                    top_logprobs=[x for _, x in lp.top])

@@ -550,6 +550,10 @@ class HarmonyCodec:
                                param="prompt")
         return self._encoding.decode(ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (what logprobs report as `bytes`)."""
+        return self._token_bytes(token_id)
+
     def _token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (a token may hold part of a UTF-8 character)."""
         return self._encoding.decode([token_id], errors="surrogateescape").encode(

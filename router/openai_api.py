@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from pdserve.router.openai_schema import (ChatCompletionRequest, CompletionReque
 from pdserve.router.orchestrator import (FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
                                  TokenEvent)
 from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.router.logprobs import LogprobFormatter, merge_completion_logprobs
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.request_limits import check_strings, read_json_body
 from pdserve.router.stop_strings import StopStringMatcher
@@ -101,18 +103,21 @@ class ChatOutput:
         self._tools_started: set[int] = set()
         self.content: list[str] = []
         self.completion_tokens = 0
+        self.logprobs: list = []  # pdserve_pb2.TokenLogprob of each consumed token, when asked
 
     @property
     def stopped(self) -> bool:
         """A stop string was hit: the choice is over, whatever the model does next."""
         return self._stops.stopped
 
-    def feed(self, token_ids: list[int]) -> list[dict]:
+    def feed(self, token_ids: list[int], logprobs: list = ()) -> list[dict]:
         deltas: list[dict] = []
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             if self.stopped:
                 break
             self.completion_tokens += 1
+            if i < len(logprobs):
+                self.logprobs.append(logprobs[i])
             deltas.extend(self._convert(self._parser.feed(token_id)))
         return _coalesce(deltas)
 
@@ -180,8 +185,10 @@ class TextOutput:
         self._stops = StopStringMatcher(stops)
         self._first_special_id = codec.first_special_id
         self._held: list[int] = []
+        self._held_logprobs: list = []
         self.text: list[str] = []
         self.completion_tokens = 0
+        self.logprobs: list = []  # pdserve_pb2.TokenLogprob of each token of the text, when asked
 
     @property
     def stopped(self) -> bool:
@@ -192,13 +199,18 @@ class TextOutput:
             return ""
         self.completion_tokens += len(event.token_ids)
         ids = self._held + event.token_ids
-        self._held = []
+        logprobs = self._held_logprobs + list(event.logprobs)
+        self._held, self._held_logprobs = [], []
         if event.finish_reason == FINISH_STOP and ids:
             ids = ids[:-1]  # the stop token ends the text; it is not part of it
+            logprobs = logprobs[:len(ids)]
         elif not event.finish_reason and ids and ids[-1] >= self._first_special_id:
             # a special token may be the stop token, which the worker confirms only in the next
             # chunk (e.g. the first token, from prefill): hold it until then
             self._held = [ids.pop()]
+            self._held_logprobs = logprobs[len(ids):]
+            logprobs = logprobs[:len(ids)]
+        self.logprobs.extend(logprobs)
         piece = self._stops.feed(self._detok.push(ids))
         if event.finish_reason and not self.stopped:
             piece += self._stops.feed(self._detok.flush())
@@ -206,6 +218,16 @@ class TextOutput:
         if piece:
             self.text.append(piece)
         return piece
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextChoice:
+    """What one completion choice shows besides its generated text."""
+
+    echo_text: str | None  # the prompt, shown first (echo)
+    prompt_ids: list[int]
+    logprobs_top: int | None  # legacy `logprobs`: alternatives per token; None = no logprobs
+    prompt_only: bool  # max_tokens 0: the one sampled token is dropped
 
 
 # ---- the app ----------------------------------------------------------------------------------
@@ -219,6 +241,7 @@ class OpenAIFrontend:
         self.registry = registry
         self.codec = codec
         self.metrics = metrics
+        self.logprob_format = LogprobFormatter(codec)
 
     # ---- shared ----------------------------------------------------------------------------
     async def read_body(self, request: Request) -> Any:
@@ -231,13 +254,32 @@ class OpenAIFrontend:
         if model != self.config.served_model_name:
             raise ModelNotFoundError(model, self.config.served_model_name)
 
-    def _sampling(self, body: ChatCompletionRequest | CompletionRequest,
-                  max_new_tokens: int) -> pdserve_pb2.SamplingParams:
+    def _sampling(self, body: ChatCompletionRequest | CompletionRequest, max_new_tokens: int, *,
+                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> pdserve_pb2.SamplingParams:
+        """The workers' sampling parameters. `ignore_eos` drops Harmony's end-of-turn ids too (so
+        exactly max_tokens come back); explicit `stop_token_ids` always stop."""
+        vocab = self.codec.vocab_size
+        for param, ids in (("logit_bias", body.token_bias), ("stop_token_ids", body.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{param} names token id {bad[0]}, outside the vocabulary "
+                                          f"[0, {vocab})", param=param)
+        if body.min_tokens > max_new_tokens:
+            raise InvalidRequestError(f"min_tokens ({body.min_tokens}) exceeds the {max_new_tokens} "
+                                      "tokens this request may generate", param="min_tokens")
+        stops = [] if body.ignore_eos else self.codec.stop_token_ids()
         sampling = pdserve_pb2.SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            max_new_tokens=max_new_tokens, stop_token_ids=self.codec.stop_token_ids())
+            max_new_tokens=max_new_tokens, stop_token_ids=sorted(set(stops) | set(body.stop_token_ids or [])),
+            ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logit_bias=body.token_bias,
+            min_tokens=body.min_tokens)
         if body.seed is not None:
             sampling.seed = body.seed
+        if logprobs is not None:
+            sampling.logprobs = logprobs
+        if prompt_logprobs is not None:
+            sampling.prompt_logprobs = prompt_logprobs
         return sampling
 
     async def _run(self, endpoint: str, handler: Callable[[Request, float], Any],
@@ -288,7 +330,8 @@ class OpenAIFrontend:
             raise InvalidRequestError(str(error), param=error.param) from None
         max_new = self.orchestrator.admit(len(prompt), body.requested_max_tokens, param="messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = self.orchestrator.generate(request_id, prompt, self._sampling(body, max_new),
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        generation = self.orchestrator.generate(request_id, prompt, self._sampling(body, max_new, logprobs=top),
                                                 arrival=arrival)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, [generation]))
         [(events, first)] = await self._start([generation], watcher)
@@ -299,8 +342,9 @@ class OpenAIFrontend:
                 await self._end_stream(watcher, [generation], events)
 
             return _event_stream(self._chat_stream(events, first, generation, output, meta, len(prompt),
-                                                   body.include_usage, watcher,
-                                                   outcome_of(request.scope)), unstarted)
+                                                   body.include_usage, watcher, outcome_of(request.scope),
+                                                   logprobs_top=top, continuous_usage=body.continuous_usage),
+                                 unstarted)
         try:
             finish = await self._chat_collect(events, first, generation, output)
         finally:
@@ -321,7 +365,8 @@ class OpenAIFrontend:
         finish_reason = self._chat_finish_reason(finish, output, bool(message.get("tool_calls")))
         return JSONResponse({
             **meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": self.logprob_format.chat(output.logprobs, top) if top is not None else None,
                          "finish_reason": finish_reason}],
             "usage": _usage(len(prompt), output.completion_tokens)})
 
@@ -337,7 +382,7 @@ class OpenAIFrontend:
         """Consume the stream; the decode finish reason, or None if the client left."""
         event = first
         while event is not None:
-            output.feed(event.token_ids)
+            output.feed(event.token_ids, event.logprobs)
             if output.stopped:
                 generation.cancel("stop string")
                 return FINISH_STOP
@@ -348,23 +393,36 @@ class OpenAIFrontend:
 
     async def _chat_stream(self, events, first, generation, output: ChatOutput, meta: dict,
                            prompt_tokens: int, include_usage: bool, watcher: asyncio.Task,
-                           outcome: Outcome) -> AsyncIterator[str]:
+                           outcome: Outcome, *, logprobs_top: int | None = None,
+                           continuous_usage: bool = False) -> AsyncIterator[str]:
+        """`logprobs_top`: logprobs were asked (with that many alternatives); each event's ride on
+        its last delta (or an empty one). `continuous_usage`: every chunk carries the usage so far."""
         endpoint = "chat_completions"
         outcome.status = CLIENT_CLOSED  # until the end is sent
-        usage_field = {"usage": None} if include_usage else {}
 
-        def chunk(delta: dict, finish_reason: str | None = None) -> str:
+        def chunk(delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+            usage = {}
+            if continuous_usage:
+                usage = {"usage": _usage(prompt_tokens, output.completion_tokens)}
+            elif include_usage:
+                usage = {"usage": None}
+            formatted = self.logprob_format.chat(logprobs, logprobs_top) if logprobs else None
             return _sse({**meta, "object": "chat.completion.chunk",
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish_reason}], **usage_field})
+                         "choices": [{"index": 0, "delta": delta, "logprobs": formatted,
+                                      "finish_reason": finish_reason}], **usage})
         try:
             yield chunk({"role": "assistant", "content": ""})
             event, finish = first, None
             tool_calls = False
             while event is not None:
-                for delta in output.feed(event.token_ids):
+                consumed = len(output.logprobs)
+                deltas = output.feed(event.token_ids, event.logprobs)
+                new_logprobs = output.logprobs[consumed:]
+                if new_logprobs and not deltas:
+                    deltas = [{}]
+                for i, delta in enumerate(deltas):
                     tool_calls = tool_calls or "tool_calls" in delta
-                    yield chunk(delta)
+                    yield chunk(delta, logprobs=new_logprobs if i == len(deltas) - 1 else None)
                 if output.stopped:
                     generation.cancel("stop string")
                     finish = FINISH_STOP
@@ -423,33 +481,45 @@ class OpenAIFrontend:
     async def completions(self, request: Request, arrival: float) -> Response:
         body: CompletionRequest = parse_body(CompletionRequest, await self.read_body(request))
         self._check_model(body.model)
-        prompts = await asyncio.to_thread(
-            lambda: [self._prompt_ids(p, i) for i, p in enumerate(body.prompts())])
-        max_news = [self.orchestrator.admit(len(p), body.requested_max_tokens, param="prompt")
-                    for p in prompts]
+        items = body.prompts()
+        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, i) for i, p in enumerate(items)])
+        # max_tokens 0 (with echo: scoring a prompt) still samples one token, which is dropped
+        prompt_only = body.requested_max_tokens == 0
+        max_news = [self.orchestrator.admit(len(p), 1 if prompt_only else body.requested_max_tokens,
+                                            param="prompt") for p in prompts]
+        k = body.logprobs
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generations = [
-            self.orchestrator.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                       p, self._sampling(body, max_new), arrival=arrival)
+            self.orchestrator.generate(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}", p,
+                self._sampling(body, max_new, logprobs=k, prompt_logprobs=k if body.echo else None),
+                arrival=arrival)
             for i, (p, max_new) in enumerate(zip(prompts, max_news))]
         watcher = asyncio.create_task(_cancel_on_disconnect(request, generations))
         started = await self._start(generations, watcher)
         outputs = [TextOutput(self.codec, body.stop) for _ in generations]
         meta = {"id": request_id, "created": int(time.time()), "model": body.model}
         prompt_tokens = sum(len(p) for p in prompts)
-        choices = [self._completion_choice(i, events, first, gen, out)
-                   for i, ((events, first), gen, out) in enumerate(zip(started, generations, outputs))]
+        shown = [_TextChoice(item if isinstance(item, str) else self.codec.decode(ids), ids, k, prompt_only)
+                 if body.echo else _TextChoice(None, ids, k, prompt_only) for item, ids in zip(items, prompts)]
+        choices = [self._completion_choice(i, events, first, gen, out, show)
+                   for i, ((events, first), gen, out, show) in enumerate(zip(started, generations, outputs, shown))]
         if body.stream:
             async def unstarted() -> None:
                 await self._end_stream(watcher, generations)
 
             return _event_stream(self._completion_stream(choices, generations, outputs, meta, prompt_tokens,
-                                                         body.include_usage, watcher,
-                                                         outcome_of(request.scope)), unstarted)
+                                                         body.include_usage, watcher, outcome_of(request.scope),
+                                                         continuous_usage=body.continuous_usage), unstarted)
         finishes: list[str | None] = [None] * len(choices)
+        texts: list[list[str]] = [[] for _ in choices]
+        logprobs: list[list[dict]] = [[] for _ in choices]
 
-        async def drain(index: int, choice: AsyncIterator[tuple[int, str, str | None]]) -> None:
-            async for _, _, finish in choice:
+        async def drain(index: int, choice: AsyncIterator[tuple[int, str, str | None, dict | None]]) -> None:
+            async for _, text, finish, piece in choice:
+                texts[index].append(text)
+                if piece:
+                    logprobs[index].append(piece)
                 if finish:
                     finishes[index] = finish
         try:
@@ -464,24 +534,45 @@ class OpenAIFrontend:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse({
             **meta, "object": "text_completion",
-            "choices": [{"index": i, "text": "".join(out.text), "logprobs": None,
-                         "finish_reason": finishes[i]} for i, out in enumerate(outputs)],
-            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
+            "choices": [{"index": i, "text": "".join(texts[i]),
+                         "logprobs": merge_completion_logprobs(logprobs[i]) if k is not None else None,
+                         "finish_reason": finishes[i]} for i in range(len(choices))],
+            "usage": _usage(prompt_tokens, sum(0 if prompt_only else o.completion_tokens for o in outputs))})
 
     async def _completion_choice(self, index: int, events: AsyncIterator[TokenEvent],
                                  first: TokenEvent | None, generation: Generation,
-                                 output: TextOutput) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(index, new text, finish reason or None) per decode event of one prompt."""
+                                 output: TextOutput, show: "_TextChoice"
+                                 ) -> AsyncIterator[tuple[int, str, str | None, dict | None]]:
+        """(index, new text, finish reason or None, legacy logprobs of that text or None) per
+        decode event of one prompt; with echo the prompt (and its logprobs) comes first."""
+        fmt = self.logprob_format
+        offset = 0
         try:
+            if show.echo_text is not None and first is not None:
+                piece = None
+                if show.logprobs_top is not None:
+                    piece = fmt.completion(generation.prompt_logprobs, show.logprobs_top,
+                                           prompt_first_token=show.prompt_ids[0])
+                    offset = sum(len(t) for t in piece["tokens"])
+                yield index, show.echo_text, None, piece
             event = first
             while event is not None:
+                consumed = len(output.logprobs)
                 text = output.feed(event)
+                piece = None
+                if show.prompt_only:
+                    text = ""
+                elif show.logprobs_top is not None:
+                    piece = fmt.completion(output.logprobs[consumed:], show.logprobs_top, offset=offset)
+                    offset += sum(len(t) for t in piece["tokens"])
                 if output.stopped:
                     generation.cancel("stop string")
-                    yield index, text, "stop"
+                    yield index, text, "stop", piece
                     return
                 finish = _finish_name(event.finish_reason) if event.finish_reason else None
-                yield index, text, finish
+                if show.prompt_only and finish:
+                    finish = "length"
+                yield index, text, finish, piece
                 if finish:
                     return
                 event = await anext(events, None)
@@ -490,24 +581,27 @@ class OpenAIFrontend:
                 await events.aclose()
 
     async def _completion_stream(self, choices, generations, outputs, meta, prompt_tokens,
-                                 include_usage, watcher, outcome: Outcome) -> AsyncIterator[str]:
+                                 include_usage, watcher, outcome: Outcome, *,
+                                 continuous_usage: bool = False) -> AsyncIterator[str]:
         endpoint = "completions"
         outcome.status = CLIENT_CLOSED  # until the end is sent
-        usage_field = {"usage": None} if include_usage else {}
         done = 0
+
+        def usage() -> dict:
+            return _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))
         try:
-            async for index, text, finish in _merge(choices):
-                if not text and not finish:
+            async for index, text, finish, piece in _merge(choices):
+                if not text and not finish and not (piece and piece["tokens"]):
                     continue
+                usage_field = {"usage": usage()} if continuous_usage else {"usage": None} if include_usage else {}
                 yield _sse({**meta, "object": "text_completion", **usage_field,
-                            "choices": [{"index": index, "text": text, "logprobs": None,
+                            "choices": [{"index": index, "text": text, "logprobs": piece,
                                          "finish_reason": finish}]})
                 done += finish is not None
             if done < len(choices):
                 return  # the client is gone
             if include_usage:
-                yield _sse({**meta, "object": "text_completion", "choices": [],
-                            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
+                yield _sse({**meta, "object": "text_completion", "choices": [], "usage": usage()})
             yield _SSE_DONE
             outcome.status = 200
         except RouterError as error:

@@ -31,8 +31,6 @@ def absent_or(*neutral: Any) -> Callable[[Any], bool]:
 # here and declaring it on the model.
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v is None or v == {"type": "text"},
-    "logit_bias": absent_or({}),
-    "top_logprobs": absent_or(0),
     "prediction": absent_or(),
     "audio": absent_or(),
     "modalities": absent_or(["text"]),
@@ -40,9 +38,6 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "function_call": absent_or("none", "auto"),
     "min_p": absent_or(0),
     "repetition_penalty": absent_or(1),
-    "ignore_eos": absent_or(False),
-    "min_tokens": absent_or(0),
-    "stop_token_ids": absent_or([]),
     "guided_json": absent_or(),
     "guided_regex": absent_or(),
     "guided_choice": absent_or(),
@@ -152,6 +147,11 @@ class NamedToolChoice(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): usage in every chunk
+
+
+_MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 class _Sampling(_Body):
@@ -167,8 +167,13 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # extensions benchmark clients send (vLLM-style)
+    ignore_eos: bool = False  # do not stop at the model's end-of-turn tokens
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -182,12 +187,23 @@ class _Sampling(_Body):
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("presence/frequency penalties are not supported (must be 0)")
-        return value
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if not bias:
+            return bias
+        if len(bias) > _MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {_MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are allowed")
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for {key}")
+        return bias
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -203,6 +219,10 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -211,14 +231,15 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = Field(default=False, description="logprobs are not supported")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("logprobs are not supported by this server")
-        return value
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
 
     @field_validator("tool_choice")
     @classmethod
@@ -239,17 +260,17 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
+    echo: bool = False  # the prompt precedes the completion (with its logprobs when logprobs is set)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens 0 is only meaningful with echo (scoring the prompt)",
+                                      param="max_tokens")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of not in (None, 1):

@@ -39,10 +39,12 @@ FINISH_ERROR = pdserve_pb2.FINISH_REASON_ERROR
 
 @dataclasses.dataclass(slots=True)
 class TokenEvent:
-    """New token ids; `finish_reason` (a pdserve_pb2.FinishReason) is non-zero on the last event."""
+    """New token ids; `finish_reason` (a pdserve_pb2.FinishReason) is non-zero on the last event;
+    `logprobs` (pdserve_pb2.TokenLogprob, one per id) when the sampling parameters asked for them."""
 
     token_ids: list[int]
     finish_reason: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)
 
 
 class _KVDestinationFailed(Exception):
@@ -165,6 +167,7 @@ class Generation:
         self.decode_worker: Worker | None = None
         self.prefill_worker: Worker | None = None
         self.placements: list[pdserve_pb2.KVPlacement] = []
+        self.prompt_logprobs: list[pdserve_pb2.TokenLogprob] = []  # from the prefill, when asked
         self._call: grpc.aio.Call | None = None
         self._aborted = asyncio.Event()
         self._finished = False
@@ -198,7 +201,9 @@ class Generation:
             self._metrics.observe_prefill(response)
             last = asyncio.get_running_loop().time()
             self._metrics.observe_tokens(1, last - self.arrival, first=True)
-            yield TokenEvent([response.first_token_id])
+            self.prompt_logprobs = list(response.prompt_logprobs)
+            first_logprobs = [response.first_token_logprob] if response.HasField("first_token_logprob") else []
+            yield TokenEvent([response.first_token_id], logprobs=first_logprobs)
             async for event in self._decode(response.first_token_id, last):
                 yield event
         finally:
@@ -459,7 +464,7 @@ class Generation:
                 if chunk.finish_reason:
                     self._finished = True
                     self._give_back_blocks()
-                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason)
+                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason, list(chunk.logprobs))
                 if self._finished:
                     return
         except asyncio.CancelledError:

@@ -1,0 +1,149 @@
+"""Sampling controls and logprobs through the whole system (router, prefill and decode worker
+processes, NIXL over TCP) with the official `openai` client, checked against the engine's logits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.launch.serve import ClusterSpec, LocalCluster
+from pdserve.router.harmony import HarmonyCodec
+from test_serving_e2e import free_port, wait_kv_drained
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gpt-oss"
+RETURN = 200002  # <|return|>: a Harmony end-of-turn id
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_mxfp4, tmp_path_factory):
+    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(),
+                       max_batch_size=16, kv_blocks=512)
+    with LocalCluster(spec, tmp_path_factory.mktemp("logs")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return HarmonyCodec()
+
+
+def _text_ids(n: int) -> list[int]:
+    return [random.randrange(1000, 100000) for _ in range(n)]
+
+
+def _processed_logprobs(runner, ids: list[int], n_prompt: int, p: SamplingParams) -> torch.Tensor:
+    """[len(output), V]: the distribution each output token was drawn from, recomputed from a
+    fresh prefill of the whole sequence with OpenAI's penalties, bias and temperature."""
+    logits = runner.prompt_logits(ids[:-1])[n_prompt - 1:]
+    out = []
+    for i, row in enumerate(logits):
+        x = row.clone()
+        generated = ids[n_prompt:n_prompt + i]
+        for t in set(generated):
+            x[t] -= p.frequency_penalty * generated.count(t) + p.presence_penalty
+        for t, b in p.logit_bias.items():
+            x[t] += b
+        out.append(torch.log_softmax(x / (p.temperature or 1.0), dim=-1))
+    return torch.stack(out)
+
+
+def test_completion_logprobs_with_echo_match_the_engine(client, cluster, tiny_runner, codec):
+    """echo + logprobs (what lm-eval's loglikelihood tasks send), with penalties and a bias: the
+    tokens equal a single-process run with the same seed, every logprob matches a recomputation
+    from the engine's logits, prompt logprobs come from the prefill."""
+    prompt = _text_ids(10)
+    bias_token = random.randrange(1000, 100000)
+    p = SamplingParams(temperature=0.8, seed=random.getrandbits(63), max_new_tokens=6, ignore_eos=True,
+                       presence_penalty=1.5, frequency_penalty=0.7, logit_bias={bias_token: 3.0}, logprobs=4)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0.8, seed=p.seed, logprobs=4, echo=True,
+        presence_penalty=1.5, frequency_penalty=0.7, logit_bias={str(bias_token): 3.0},
+        extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    expected = LLMEngine(tiny_runner).generate([prompt], p)[0].output_ids
+    lp = choice.logprobs
+    assert lp.tokens == [codec.decode([t]) for t in prompt + expected]
+    assert choice.text == codec.decode(prompt) + codec.decode(expected)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[:2] == [0, len(codec.decode(prompt[:1]))]
+    raw = torch.log_softmax(tiny_runner.prompt_logits(prompt), dim=-1)
+    for i in range(1, len(prompt)):
+        assert lp.token_logprobs[i] == pytest.approx(float(raw[i - 1, prompt[i]]), abs=2e-3)
+        assert len(lp.top_logprobs[i]) in (4, 5)  # the prompt token joins its 4 alternatives
+    ref = _processed_logprobs(tiny_runner, prompt + expected, len(prompt), p)
+    for i, t in enumerate(expected):
+        got = lp.token_logprobs[len(prompt) + i]
+        assert got == pytest.approx(float(ref[i, t]), abs=0.05)
+        best = torch.topk(ref[i], 4)
+        top = lp.top_logprobs[len(prompt) + i]
+        assert max(top.values()) == pytest.approx(float(best.values[0]), abs=0.05)
+    assert r.usage.completion_tokens == 6
+    wait_kv_drained(cluster)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(client):
+    prompt = _text_ids(7)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                  temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 7 and lp.token_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs_streamed_equal_non_streamed_with_usage_in_every_chunk(client, codec):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0.9,
+              seed=random.getrandbits(63), logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens == 9
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6
+    streamed, usages = [], []
+    for chunk in client.chat.completions.create(stream=True, stream_options={"continuous_usage_stats": True},
+                                                **kw):
+        usages.append(chunk.usage.completion_tokens)
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+    assert usages == sorted(usages) and usages[-1] == 9
+
+
+def test_a_bias_of_100_is_always_sampled_and_ignore_eos_gives_max_tokens(client, codec):
+    favourite = random.randrange(1000, 100000)
+    r = client.completions.create(model=MODEL, prompt=_text_ids(5), max_tokens=6, temperature=1.0,
+                                  logit_bias={str(favourite): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [codec.decode([favourite])] * 6
+    # +100 on the end-of-turn id: without ignore_eos the first token ends the turn, with it the
+    # request runs to exactly max_tokens
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+                logit_bias={str(RETURN): 100})
+    assert client.chat.completions.create(**chat).usage.completion_tokens == 1
+    r = client.chat.completions.create(**chat, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+
+
+def test_min_tokens_holds_back_the_end_of_turn(client):
+    r = client.completions.create(model=MODEL, prompt=_text_ids(5), max_tokens=10, temperature=1.0,
+                                  logit_bias={str(RETURN): 100}, extra_body={"min_tokens": 4})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=_text_ids(5), max_tokens=10, temperature=1.0,
+                                  logit_bias={str(RETURN): 100}, extra_body={"stop_token_ids": [RETURN],
+                                                                             "ignore_eos": True})
+    assert r.usage.completion_tokens == 1
