@@ -93,14 +93,20 @@ def test_completion_logprobs_with_echo_match_the_engine(client, cluster, tiny_ru
     wait_kv_drained(cluster)
 
 
-def test_max_tokens_0_with_echo_scores_the_prompt(client):
-    prompt = _text_ids(7)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
-                                  temperature=0)
-    lp = r.choices[0].logprobs
-    assert len(lp.tokens) == 7 and lp.token_logprobs[0] is None
-    assert all(x <= 0 for x in lp.token_logprobs[1:])
-    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+def test_max_tokens_0_with_echo_scores_the_prompt_even_when_cached(client):
+    """Scoring a prompt twice: the second prefill finds its pages in the prefix cache but must
+    still compute every position for the prompt logprobs."""
+    prompt = _text_ids(40)
+    scores = []
+    for _ in range(2):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                      temperature=0)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == 40 and lp.token_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+        assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+        scores.append(lp.token_logprobs)
+    assert scores[0] == pytest.approx(scores[1], abs=1e-4)
 
 
 def test_chat_logprobs_streamed_equal_non_streamed_with_usage_in_every_chunk(client, codec):
