@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # status recorded when the client left before the whole answer
 _SCOPE_KEY = "pdserve.outcome"
 _ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
-              "/health": "health", "/metrics": "metrics"}
+              "/health": "health", "/metrics": "metrics", "/tokenize": "tokenize",
+              "/detokenize": "detokenize", "/tokenizer_info": "tokenizer_info"}
 
 
 def endpoint_label(path: str) -> str:
@@ -101,7 +102,7 @@ class RequestAccounting:
                 "message": f"Internal server error: {error!r}", "type": "internal_error",
                 "param": None, "code": None}}).encode()})
         finally:
-            status = self._status(outcome, started, complete, gone, failed)
+            status = outcome.status = self._status(outcome, started, complete, gone, failed)
             self.metrics.in_flight.labels(endpoint).dec()
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.e2e.labels(endpoint).observe(time.monotonic() - begin)

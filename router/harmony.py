@@ -511,6 +511,11 @@ class HarmonyCodec:
         ids.extend(self._assistant_ids)
         return ids
 
+    @property
+    def assistant_prompt_ids(self) -> list[int]:
+        """The ids every chat prompt ends with (`<|start|>assistant`): the turn the model writes."""
+        return [self.start_id, *self._assistant_ids]
+
     # -- sampling and parsing ------------------------------------------------------------------
 
     def stop_token_ids(self) -> list[int]:

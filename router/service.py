@@ -15,6 +15,7 @@ from typing import Callable
 import grpc
 import uvicorn
 
+from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, TLSFiles
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Discovery
@@ -26,6 +27,7 @@ from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.policy import LoadAwarePolicy, RoutingPolicy
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.responses import ResponsesAPI, ResponseStore
+from pdserve.router.tokenizer_api import TokenizerAPI
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +49,13 @@ class Router:
         self.responses = ResponsesAPI(self.frontend, ResponseStore(config.responses_store_size,
                                                                    config.responses_store_ttl))
         self.responses.register(self.app)
+        TokenizerAPI(self.frontend).register(self.app)
         self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
         if self.api_keys is not None:
             self.app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, metrics=metrics)
         self.tls = (TLSFiles(config.tls_cert_file, config.tls_key_file)
                     if config.tls_cert_file else None)
+        self.app.add_middleware(AccessLog)  # outside the accounting: logs the status it counts
         self.health = HealthReporter(self.registry)
         self.generator = GeneratorService(config, self.orchestrator, metrics, codec.vocab_size)
         self.grpc_server: grpc.aio.Server | None = None
