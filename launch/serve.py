@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.launch.child import PARENT_PID_ENV
+
 log = logging.getLogger("pdserve.serve")
 
 
@@ -64,11 +66,22 @@ class ClusterSpec:
     extra_prefill_args: list[str] = field(default_factory=list)  # e.g. --prefix-cache-tokens 0
 
 
-class LocalCluster:
-    """Starts, watches and stops the processes of one local deployment."""
+class StartInterrupted(Exception):
+    """`LocalCluster.start` was cancelled (Ctrl-C or SIGTERM during start-up)."""
 
-    def __init__(self, spec: ClusterSpec, log_dir: str | Path | None = None):
+
+class LocalCluster:
+    """Starts, watches and stops the processes of one local deployment.
+
+    Every process dies with the thread that started it (see launch/child.py): start, restart and
+    stop it from a thread that lives as long as the cluster. Setting `cancel` makes a `start` in
+    progress stop what it started and raise StartInterrupted.
+    """
+
+    def __init__(self, spec: ClusterSpec, log_dir: str | Path | None = None,
+                 cancel: threading.Event | None = None):
         self.spec = spec
+        self.cancel = cancel
         self.tmp = Path(tempfile.mkdtemp(prefix="pdserve-"))
         self.log_dir = Path(log_dir) if log_dir else self.tmp
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,24 +122,27 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **(extra_env or {})}
         if self.spec.device == "cpu":  # DRAM over TCP; on GPU hosts UCX's default includes cuda
             env.setdefault("UCX_TLS", "tcp,self,sm")
             # the processes share the cores: one torch thread each per core share, not per core
             s = self.spec
             procs = 1 + s.prefill_workers * s.prefill_tp + s.decode_workers * s.decode_tp
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
-        p = subprocess.Popen([sys.executable, "-m", "pdserve.launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
+        try:
+            p = subprocess.Popen([sys.executable, "-m", "pdserve.launch.child", *args], stdout=out,
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        finally:
+            out.close()  # the child holds its own descriptor
         self.procs[name] = p
         return p
 
-    def start_worker(self, role: str, index: int) -> str:
+    def start_worker(self, role: str, index: int, port: int = 0) -> str:
         s = self.spec
         name = f"{role}-{index}"
         ready = self.tmp / f"{name}.ready"
         ready.unlink(missing_ok=True)
-        args = [f"{role}-worker", "--model", self.model, "--host", s.host, "--port", "0", "--device", s.device,
+        args = [f"{role}-worker", "--model", self.model, "--host", s.host, "--port", str(port), "--device", s.device,
                 "--ready-file", str(ready), "--worker-id", name, *s.extra_worker_args]
         if role == "prefill":
             args += ["--tp", str(s.prefill_tp), *s.extra_prefill_args]
@@ -139,14 +155,24 @@ class LocalCluster:
         self._spawn(name, args, {"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
         return name
 
+    def ready_address(self, name: str) -> str | None:
+        """The address worker `name` wrote once serving (None until then)."""
+        f = self.tmp / f"{name}.ready"
+        return json.loads(f.read_text())["address"] if f.is_file() else None
+
+    def _check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise StartInterrupted("start-up interrupted")
+
     def _wait_ready(self, names: list[str], timeout: float) -> None:
         end = time.monotonic() + timeout
         pending = set(names)
         while pending:
+            self._check_cancel()
             for name in list(pending):
-                f = self.tmp / f"{name}.ready"
-                if f.is_file():
-                    self.addresses[name] = json.loads(f.read_text())["address"]
+                address = self.ready_address(name)
+                if address is not None:
+                    self.addresses[name] = address
                     pending.discard(name)
                 elif self.procs[name].poll() is not None:
                     raise RuntimeError(f"{name} exited with code {self.procs[name].returncode}; see {self.log_dir / (name + '.log')}:\n"
@@ -168,20 +194,40 @@ class LocalCluster:
         names += [self.start_worker("decode", i) for i in range(s.decode_workers)]
         try:
             self._wait_ready(names, timeout)
-            prefill = ",".join(self.addresses[n] for n in names if n.startswith("prefill"))
-            decode = ",".join(self.addresses[n] for n in names if n.startswith("decode"))
-            self._spawn("router", ["router", "--host", s.host, "--port", str(s.port), "--grpc-port", str(s.grpc_port),
-                                   "--served-model-name", s.served_model_name, "--discovery", "static",
-                                   "--prefill", prefill, "--decode", decode, *s.extra_router_args])
+            self.start_router()
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def start_router(self) -> str:
+        """The router, on the workers' addresses (static discovery: a restarted worker keeps its own)."""
+        s = self.spec
+        prefill = ",".join(a for n, a in self.addresses.items() if n.startswith("prefill"))
+        decode = ",".join(a for n, a in self.addresses.items() if n.startswith("decode"))
+        self._spawn("router", ["router", "--host", s.host, "--port", str(s.port), "--grpc-port", str(s.grpc_port),
+                               "--served-model-name", s.served_model_name, "--discovery", "static",
+                               "--prefill", prefill, "--decode", decode,
+                               # a worker restarted here is probed back within 2 s (probes are cheap)
+                               "--breaker-reset-timeout", "1", "--breaker-max-reset-timeout", "2",
+                               *s.extra_router_args])
+        return "router"
+
+    def restart(self, name: str) -> None:
+        """Start the exited process `name` again, on the address it had."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        if name == "router":
+            self.start_router()
+            return
+        role, index = name.rsplit("-", 1)
+        self.start_worker(role, int(index), port=int(self.addresses[name].rsplit(":", 1)[1]))
+
     def wait_healthy(self, timeout: float) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
+            self._check_cancel()
             if self.procs["router"].poll() is not None:
                 raise RuntimeError("router exited:\n" + self.tail("router"))
             try:
@@ -226,6 +272,85 @@ class LocalCluster:
         self.stop()
 
 
+@dataclass
+class RestartPolicy:
+    """How `Supervisor` restarts an exited process: after `backoff_s`, doubled for each restart in
+    a row (capped at `max_backoff_s`), at most `max_restarts` in a row (0: never). A process that
+    ran `stable_s` seconds has its count reset."""
+
+    max_restarts: int = 5
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    stable_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"--restart-backoff must be in (0, {self.max_backoff_s}], got {self.backoff_s}")
+
+
+@dataclass
+class _Life:
+    started_at: float
+    in_a_row: int = 0
+    restart_at: float | None = None  # exited: when it starts again
+    given_up: bool = False
+    announced: bool = True  # "serving again" printed (workers write a ready file)
+
+
+class Supervisor:
+    """Keeps a LocalCluster's processes running: one that exits is started again on its address
+    (the router's static discovery probes it there and routes to it once it answers healthy).
+
+    `poll()` does one pass and says whether the cluster can still serve; call it from the thread
+    that started the cluster (children die with it).
+    """
+
+    def __init__(self, cluster: LocalCluster, policy: RestartPolicy, out=sys.stderr,
+                 clock=time.monotonic):
+        self.cluster = cluster
+        self.policy = policy
+        self.out = out
+        self.clock = clock
+        now = clock()
+        self.lives = {name: _Life(now) for name in cluster.procs}
+
+    def _say(self, text: str) -> None:
+        print(f"pdserve: {text}", file=self.out, flush=True)
+
+    def poll(self) -> bool:
+        now, p = self.clock(), self.policy
+        for name, proc in self.cluster.procs.items():
+            life = self.lives.setdefault(name, _Life(now))
+            if life.given_up:
+                continue
+            if life.restart_at is not None:
+                if now >= life.restart_at:
+                    life.restart_at, life.started_at, life.announced = None, now, name == "router"
+                    self.cluster.restart(name)
+                continue
+            if proc.poll() is None:
+                if not life.announced and self.cluster.ready_address(name) is not None:
+                    life.announced = True
+                    self._say(f"{name} is serving again")
+                if now - life.started_at >= p.stable_s:
+                    life.in_a_row = 0
+                continue
+            if life.in_a_row >= p.max_restarts:
+                life.given_up = True
+                self._say(f"{name} exited (code {proc.returncode}); not restarting it "
+                          f"({p.max_restarts} restarts in a row); see {self.cluster.log_dir / (name + '.log')}")
+                continue
+            delay = min(p.backoff_s * 2 ** life.in_a_row, p.max_backoff_s)
+            life.in_a_row += 1
+            life.restart_at = now + delay
+            self._say(f"{name} exited (code {proc.returncode}); restarting it in {delay:.0f} s "
+                      f"({life.in_a_row}/{p.max_restarts})")
+        left = {n.split("-")[0] for n, life in self.lives.items() if not life.given_up}
+        return {"router", "prefill", "decode"} <= left
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="checkpoint directory, or `tiny` (built-in random model)")
     p.add_argument("--served-model-name", default="gpt-oss")
@@ -241,6 +366,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel groups of a decode worker, dividing --decode-tp (default: --decode-tp)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="restarts of an exited process in a row before serve gives up on it (0 = never "
+                        "restart; the count resets once it has run %d s) (default: %%(default)s)"
+                   % RestartPolicy.stable_s)
+    p.add_argument("--restart-backoff", type=float, default=RestartPolicy.backoff_s,
+                   help="seconds before the first restart, doubled for each one in a row up to %d s "
+                        "(default: %%(default)s)" % RestartPolicy.max_backoff_s)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -251,32 +383,38 @@ def run(a: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if a.decode_tp % a.decode_ep:
         raise ValueError(f"--decode-ep {a.decode_ep} must divide --decode-tp {a.decode_tp}")
+    policy = RestartPolicy(max_restarts=a.max_restarts, backoff_s=a.restart_backoff,
+                           max_backoff_s=max(a.restart_backoff, RestartPolicy.max_backoff_s))
     spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
                        grpc_port=a.grpc_port, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                        device=a.device, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp, decode_ep=a.decode_ep,
                        max_batch_size=a.max_batch_size)
-    cluster = LocalCluster(spec, a.log_dir)
     stop = threading.Event()
+    signals: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        signals.append(signum)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+    cluster = LocalCluster(spec, a.log_dir, cancel=stop)
     print(f"pdserve: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode workers "
           f"({cluster.model}); logs in {cluster.log_dir}", flush=True)
-    cluster.start()
+    try:
+        cluster.start()
+    except StartInterrupted:
+        print("pdserve: stopped during start-up", flush=True)
+        return 128 + signals[0]
     print(f"pdserve: serving {spec.served_model_name} at {cluster.url}/v1 (gRPC {spec.host}:{spec.grpc_port})"
           " - Ctrl-C to stop", flush=True)
-    reported: set[str] = set()
+    supervisor = Supervisor(cluster, policy)
     try:
         while not stop.is_set():
-            dead = {n for n, p in cluster.procs.items() if p.poll() is not None}
-            for n in dead - reported:
-                print(f"pdserve: {n} exited (code {cluster.procs[n].returncode}); the router routes around it",
-                      file=sys.stderr, flush=True)
-            reported |= dead
-            roles_alive = {n.split("-")[0] for n in cluster.procs if n not in dead}
-            if not {"router", "prefill", "decode"} <= roles_alive:
+            if not supervisor.poll():
                 print("pdserve: no router, prefill or decode worker left; stopping", file=sys.stderr, flush=True)
                 break
-            stop.wait(0.5)
+            stop.wait(0.2)
     finally:
         cluster.stop()
         print("pdserve: stopped", flush=True)

@@ -50,6 +50,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-cert-file", default=None,
                    help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
     g.add_argument("--tls-key-file", default=None, help="the PEM private key of --tls-cert-file")
+    g.add_argument("--breaker-reset-timeout", type=float, default=defaults.breaker_reset_timeout,
+                   help="seconds a worker taken out of rotation waits before it is probed again; "
+                        "the wait doubles while probes fail")
+    g.add_argument("--breaker-max-reset-timeout", type=float, default=defaults.breaker_max_reset_timeout,
+                   help="longest wait between probes of a worker out of rotation (how soon one "
+                        "restarted on its address is back)")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -78,7 +84,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         max_queue_wait=args.max_queue_wait,
                         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                         api_key_file=args.api_key_file, tls_cert_file=args.tls_cert_file,
-                        tls_key_file=args.tls_key_file)
+                        tls_key_file=args.tls_key_file,
+                        breaker_reset_timeout=args.breaker_reset_timeout,
+                        breaker_max_reset_timeout=args.breaker_max_reset_timeout)
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:

@@ -81,18 +81,21 @@ class RouterMetrics:
                                     worker_labels, registry=r)
         self.kv_blocks_total = Gauge("pdserve_worker_kv_blocks_total", "KV blocks (LoadReport)",
                                      worker_labels, registry=r)
-        self._worker_gauges = (self.worker_healthy, self.worker_queued, self.worker_queued_tokens,
-                               self.worker_running, self.kv_blocks_used, self.kv_blocks_total)
+        self._load_gauges = (self.worker_queued, self.worker_queued_tokens, self.worker_running,
+                             self.kv_blocks_used, self.kv_blocks_total)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     # ---- per worker ------------------------------------------------------------------------
     def observe_worker(self, worker: Worker) -> None:
+        """Export the worker's last LoadReport; none while it is out of rotation for failing
+        (its last report says nothing of it now), only pdserve_worker_healthy 0."""
         labels = (worker.role, worker.name)
         self.worker_healthy.labels(*labels).set(1 if worker.routable else 0)
         load = worker.load
-        if load is None:
+        if load is None or not worker.breaker.closed:
+            self._remove(worker, self._load_gauges)
             return
         self.worker_queued.labels(*labels).set(load.queued_requests)
         self.worker_queued_tokens.labels(*labels).set(load.queued_prompt_tokens)
@@ -102,7 +105,11 @@ class RouterMetrics:
             self.kv_blocks_total.labels(*labels).set(load.kv_blocks_total)
 
     def forget_worker(self, worker: Worker) -> None:
-        for gauge in self._worker_gauges:
+        self._remove(worker, (self.worker_healthy, *self._load_gauges))
+
+    @staticmethod
+    def _remove(worker: Worker, gauges) -> None:
+        for gauge in gauges:
             try:
                 gauge.remove(worker.role, worker.name)
             except KeyError:
@@ -110,7 +117,7 @@ class RouterMetrics:
 
     def worker_failure(self, worker: Worker, code: str) -> None:
         self.worker_failures.labels(worker.role, worker.name, code).inc()
-        self.worker_healthy.labels(worker.role, worker.name).set(1 if worker.routable else 0)
+        self.observe_worker(worker)
 
     # ---- per request -----------------------------------------------------------------------
     def observe_prefill(self, response: PrefillResponse) -> None:

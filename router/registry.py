@@ -30,7 +30,13 @@ log = logging.getLogger(__name__)
 # Worker servers must accept them: grpc.http2.min_recv_ping_interval_without_data_ms <= 20000
 # (or grpc.http2.max_ping_strikes = 0), else they answer with GOAWAY "too_many_pings".
 WORKER_PING_INTERVAL_MS = 20_000
+# A worker that died and came back on its address (restarted by `pdserve serve`, systemd, ...)
+# must be reachable at the next probe: gRPC's reconnect backoff would otherwise grow to 2 minutes
+# while it was away and refuse every call until then.
+WORKER_RECONNECT_BACKOFF_MAX_MS = 1_000
 _GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", WORKER_RECONNECT_BACKOFF_MAX_MS),
     ("grpc.keepalive_time_ms", WORKER_PING_INTERVAL_MS),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0),

@@ -99,17 +99,24 @@ class Script:
 class _Server:
     """A gRPC server for one fake worker, with standard health checking."""
 
-    def __init__(self, add_servicer, servicer) -> None:
+    def __init__(self, add_servicer, servicer, port: int = 0) -> None:
+        self._add_servicer, self._servicer = add_servicer, servicer
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # router keepalive
             ("grpc.http2.max_ping_strikes", 0)])
         add_servicer(servicer, self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{self.port}"
         self.server.start()
         self.alive = True
+
+    def revive(self) -> None:
+        """A dead worker started again on its address (what a supervisor's restart looks like)."""
+        assert not self.alive
+        self.server.stop(0).wait()
+        self.__init__(self._add_servicer, self._servicer, self.port)
 
     def die(self) -> None:
         """Stop serving at once, in-flight calls included (what a crashed process looks like)."""

@@ -34,6 +34,7 @@ import grpc
 import pytest
 
 from pdserve.launch.serve import ClusterSpec, LocalCluster
+from processes import alive
 
 LAYOUTS = {"prefill-0": (2, 1), "prefill-1": (1, 1), "decode-0": (2, 2), "decode-1": (1, 1)}  # (tp, ep)
 MAX_NEW = 16
@@ -43,11 +44,11 @@ DELTA = 1.0
 class MixedCluster(LocalCluster):
     """A LocalCluster whose workers have different layouts (LAYOUTS, by worker name)."""
 
-    def start_worker(self, role: str, index: int) -> str:
+    def start_worker(self, role: str, index: int, port: int = 0) -> str:
         tp, ep = LAYOUTS[f"{role}-{index}"]
         self.spec = replace(self.spec, prefill_tp=tp) if role == "prefill" else replace(
             self.spec, decode_tp=tp, decode_ep=ep)
-        return super().start_worker(role, index)
+        return super().start_worker(role, index, port)
 
     def rank_pids(self, name: str) -> list[int]:
         return json.loads((self.tmp / f"{name}.ready").read_text())["rank_pids"]
@@ -221,18 +222,10 @@ def _wait_drained(cluster: LocalCluster, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids: list[int], timeout: float) -> None:
     end = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < end, [p for p in pids if _alive(p)]
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < end, [p for p in pids if alive(p)]
         time.sleep(0.1)
 
 

@@ -181,7 +181,8 @@ def test_registry_follows_discovery_and_health():
 
     async def run():
         metrics = RouterMetrics()
-        registry = WorkerRegistry(fast_config(), metrics)
+        registry = WorkerRegistry(fast_config(breaker_reset_timeout=0.2, breaker_max_reset_timeout=0.5),
+                                  metrics)
         changes = []
         registry.add_listener(lambda: changes.append(registry.ready()))
         discovery = ListDiscovery([ep("prefill", p0), ep("decode", d0)])
@@ -199,10 +200,17 @@ def test_registry_follows_discovery_and_health():
         d1.server.set_serving(True)
         assert await until(registry.ready)
 
+        p0_load = 'pdserve_worker_queued_prompt_tokens{role="prefill",worker="p0"}'
+        assert p0_load in metrics.render().decode()
         p0.server.die()  # probes fail: after the breaker's threshold it is out
         assert await until(lambda: not registry.routable("prefill"))
-        assert 'pdserve_worker_healthy{role="prefill",worker="p0"} 0.0' in metrics.render().decode()
+        text = metrics.render().decode()
+        assert 'pdserve_worker_healthy{role="prefill",worker="p0"} 0.0' in text
+        assert p0_load not in text  # no frozen load figures of a dead worker
         assert True in changes and False in changes
+        p0.server.revive()  # restarted on its address: probed back into rotation
+        assert await until(registry.ready)
+        assert p0_load in metrics.render().decode()
         await registry.stop()
         assert discovery.stopped and not registry.workers("decode")
     try:
@@ -210,3 +218,37 @@ def test_registry_follows_discovery_and_health():
     finally:
         for w in (p0, d0, d1):
             w.server.die()
+
+
+@pytest.mark.slow
+def test_worker_back_on_its_address_after_a_long_absence_is_readmitted_promptly():
+    """A worker restarted after 20 s away is routable about a second after it answers: neither
+    the breaker nor the channel's reconnect backoff (which grows while it is away) holds it out."""
+    fabric, script = KVFabric(), Script([1])
+    p0, d0 = FakePrefill("p0", fabric, script), FakeDecode("d0", fabric, script)
+
+    async def run():
+        registry = WorkerRegistry(fast_config(breaker_reset_timeout=0.2, breaker_max_reset_timeout=0.5),
+                                  RouterMetrics())
+        await registry.start(ListDiscovery([WorkerEndpoint("prefill", p0.address, "p0"),
+                                            WorkerEndpoint("decode", d0.address, "d0")]))
+        assert await _until(registry.ready, 5.0)
+        d0.server.die()
+        assert await _until(lambda: not registry.ready(), 5.0)
+        await asyncio.sleep(20.0)
+        d0.server.revive()
+        assert await _until(registry.ready, 2.5)
+        await registry.stop()
+    try:
+        asyncio.run(run())
+    finally:
+        p0.server.die()
+        d0.server.die()
+
+
+async def _until(predicate, timeout: float) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
