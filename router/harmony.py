@@ -534,16 +534,19 @@ class HarmonyCodec:
 
     # -- plain text ----------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of plain text (for /v1/completions); text spelling a special token is refused."""
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """Ids of plain text (for /v1/completions); text spelling a special token is refused,
+        unless `special_tokens` (as `/tokenize` does), which encodes it as that token."""
         if not isinstance(text, str):
             raise HarmonyError("prompt must be a string", param="prompt")
-        for m in _SPECIAL_TEXT.finditer(text):
+        for m in () if special_tokens else _SPECIAL_TEXT.finditer(text):
             if m.group() in self._special_texts:
                 raise HarmonyError(f"prompt contains the special token text {m.group()!r}; "
                                    f"special tokens are not allowed in plain-text prompts "
                                    f"(send token ids instead)", param="prompt")
         with _tokenizer_errors("cannot tokenize the prompt", "prompt"):
+            if special_tokens:
+                return self._encoding.encode(text, allowed_special="all")
             return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, token_ids: list[int]) -> str:

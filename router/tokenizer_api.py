@@ -2,7 +2,8 @@
 
 Clients count tokens, build prompts from ids, and evaluation harnesses (lm-eval's remote
 tokenizer) tokenize contexts with the server's own tokenizer. `/tokenize` takes a plain-text
-`prompt` (as `/v1/completions` encodes it) or chat `messages` (as `/v1/chat/completions` renders
+`prompt` (as `/v1/completions` encodes it, except that text spelling a special token is that
+token, as in vLLM) or chat `messages` (as `/v1/chat/completions` renders
 them with Harmony, ending with `<|start|>assistant` unless `add_generation_prompt` is false).
 The same input bounds as generation apply.
 """
@@ -82,7 +83,9 @@ class TokenizerAPI:
         return JSONResponse(answer)
 
     def _text_ids(self, body: TokenizeText) -> list[int]:
-        return self.codec.encode(body.prompt)
+        # as vLLM's tokenizer does, text spelling a special token is that token (lm-eval finds
+        # the id of the eos token this way); /v1/completions refuses such text instead
+        return self.codec.encode(body.prompt, special_tokens=True)
 
     def _chat_ids(self, body: TokenizeChat) -> list[int]:
         ids = self.codec.render_chat(
