@@ -67,6 +67,10 @@ class RouterMetrics:
                                         "waited)", buckets=_LATENCY_BUCKETS, registry=r)
         self.worker_failures = Counter("pdserve_worker_failures", "Request-path worker failures",
                                        ["role", "worker", "code"], registry=r)
+        self.decode_kv_usage = Gauge("pdserve_decode_kv_usage_ratio",
+                                     "KV blocks in use over all KV blocks of the routable decode "
+                                     "workers (0 with none): the decode pool's load, for "
+                                     "autoscaling", registry=r)
         worker_labels = ["role", "worker"]
         self.worker_healthy = Gauge("pdserve_worker_healthy", "1 if the worker is routable",
                                     worker_labels, registry=r)

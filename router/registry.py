@@ -188,6 +188,12 @@ class WorkerRegistry:
         """At least one routable prefill and one routable decode worker."""
         return bool(self.routable("prefill")) and bool(self.routable("decode"))
 
+    def decode_kv_usage(self) -> float:
+        """Share of the routable decode workers' KV blocks in use, by their last LoadReports."""
+        loads = [w.load for w in self.routable("decode")]
+        total = sum(load.kv_blocks_total for load in loads)
+        return sum(load.kv_blocks_used for load in loads) / total if total else 0.0
+
     def max_context(self) -> int:
         """Largest context any routable decode worker admits (0 if none reported one)."""
         return max((w.load.max_context for w in self.routable("decode")), default=0)

@@ -43,6 +43,7 @@ class Router:
         self.codec = codec
         self.metrics = metrics
         self.registry = WorkerRegistry(config, metrics, channel_factory)
+        metrics.decode_kv_usage.set_function(self.registry.decode_kv_usage)  # read at scrape time
         self.orchestrator = Orchestrator(config, self.registry, policy, metrics)
         self.frontend = OpenAIFrontend(config, self.orchestrator, self.registry, codec, metrics)
         self.app = create_app(self.frontend)

@@ -19,7 +19,7 @@ RELEASE, NAMESPACE = "pd", "serving"
 FULLNAME = "pd-pdserve"
 KUBE_VERSION = kubernetes_validate.utils.latest_version()  # newest schema set it ships
 # CRDs kubernetes-validate has no schema for; each is checked by hand below.
-NO_SCHEMA_KINDS = {"ServiceMonitor"}
+NO_SCHEMA_KINDS = {"ServiceMonitor", "ScaledObject", "PodGroup"}
 
 VALUES_FILES = {
     "default": None,
@@ -39,6 +39,7 @@ ALL_FEATURES = {
                                        "name": f"{FULLNAME}-router"},
                    "target": {"type": "Value", "value": "800m"}}}]}},
     "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "grafanaDashboard": {"enabled": True},
     "engine": {"files": {"engine.yaml": "max_model_len: 131072\n"}},
     "networkPolicy": {"routerIngressFrom": [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "ingress-nginx"}}}]},

@@ -8,6 +8,8 @@ OpenAPI-derived JSON schemas that kubernetes-validate ships, in strict mode (unk
 
 from __future__ import annotations
 
+import json
+
 import helm_python as helm
 import kubernetes_validate
 import pytest
@@ -580,3 +582,36 @@ def test_exposure_without_keys_is_refused(values, message):
     opened = {"router": {"service": {"type": "LoadBalancer", "allowUnauthenticated": True}}}
     docs, _ = render_values(opened)
     assert one(docs, "Service", f"{FULLNAME}-router")["spec"]["type"] == "LoadBalancer"
+
+
+def test_keda_scales_decode_on_router_metrics():
+    docs, values = render_values({"decode": {"keda": {"enabled": True}}, "serviceMonitor": {"enabled": True}})
+    (scaled,) = find(docs, "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"]["name"] == f"{FULLNAME}-decode"
+    assert "replicas" not in one(docs, "Deployment", f"{FULLNAME}-decode")["spec"]  # KEDA owns it
+    assert not find(docs, "HorizontalPodAutoscaler")
+    triggers = {t["name"]: t for t in scaled["spec"]["triggers"]}
+    series = f'{{namespace="{NAMESPACE}", service="{FULLNAME}-router"}}'
+    assert triggers["kv-usage"]["metadata"]["query"] == f"max(pdserve_decode_kv_usage_ratio{series})"
+    assert triggers["kv-usage"]["metricType"] == "Value"  # a ratio, not a per-replica amount
+    assert triggers["waiting-requests"]["metadata"]["query"] == f"sum(pdserve_admission_queue_requests{series})"
+    assert scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == \
+        values["decode"]["autoscaling"]["behavior"]
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmRenderError, match="fight"):
+            chart.render({"decode": {"keda": {"enabled": True}, "autoscaling": {
+                "enabled": True, "metrics": ALL_FEATURES["decode"]["autoscaling"]["metrics"]}}},
+                name=RELEASE, namespace=NAMESPACE)
+
+
+def test_grafana_dashboard_configmap():
+    docs, _ = render("all-features")
+    config_map = one(docs, "ConfigMap", f"{FULLNAME}-dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["pdserve.json"])
+    titles = " | ".join(p["title"] for p in dashboard["panels"])
+    for topic in ("Time to first token", "Time per output token", "KV usage", "KV transfer bandwidth"):
+        assert topic in titles
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert all('namespace="$namespace"' in e for e in exprs)

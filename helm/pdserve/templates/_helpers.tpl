@@ -103,6 +103,9 @@ the decode pool's experts are spread (EP) over the same tp GPUs as its attention
 {{- if and (eq $jit.type "hostPath") (not (and .Values.workers.rdma.enabled (eq .Values.device "cuda"))) }}
 {{- fail "workers.jitCache.type=hostPath needs root workers (RDMA on CUDA): a directory the kubelet creates is root's, and non-root workers could not write it; use emptyDir or pvc" }}
 {{- end }}
+{{- if and .Values.decode.autoscaling.enabled .Values.decode.keda.enabled }}
+{{- fail "decode.autoscaling (an HPA) and decode.keda (a ScaledObject, which makes its own HPA) would fight over the decode pool: enable one" }}
+{{- end }}
 {{- if and .Values.decode.autoscaling.enabled (empty .Values.decode.autoscaling.metrics) }}
 {{- fail "decode.autoscaling.enabled needs decode.autoscaling.metrics (custom/external metrics: CPU says nothing about decode load)" }}
 {{- end }}
@@ -222,6 +225,8 @@ Extended resources cannot be overcommitted, so requests equal limits for them. *
 
 {{/* Pods a gang needs at once: every prefill and decode replica (the HPA's floor when autoscaled). */}}
 {{- define "pdserve.gangSize" -}}
-{{- $decode := ternary .Values.decode.autoscaling.minReplicas .Values.decode.replicas .Values.decode.autoscaling.enabled }}
+{{- $decode := .Values.decode.replicas }}
+{{- if .Values.decode.autoscaling.enabled }}{{ $decode = .Values.decode.autoscaling.minReplicas }}{{ end }}
+{{- if .Values.decode.keda.enabled }}{{ $decode = .Values.decode.keda.minReplicas }}{{ end }}
 {{- add .Values.prefill.replicas $decode }}
 {{- end }}
