@@ -54,6 +54,8 @@ class PrefillResult:
     cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache
     first_logprob: TokenLogprob | None = None  # when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.prompt_logprobs is set
+    choice_tokens: list[int] = field(default_factory=list)  # params.n > 1: every choice's first token
+    choice_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # ... and its logprob
 
 
 @dataclass(eq=False)
@@ -206,7 +208,10 @@ class PrefillExecutor:
             prompt_lps = prompt_logprobs(logits, job.prompt_ids, k) if k is not None else []
             last = logits[-1:] if k is not None else logits[None]
             before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
-            out = sample(last, [job.params], [before], stop_ids=self.runner.cfg.eos_token_ids)
+            # n > 1: every choice draws its first token from the one prefill's logits
+            choices = [job.params.for_choice(i) for i in range(job.params.n)] if job.params.n > 1 else [job.params]
+            out = sample(last.expand(len(choices), -1), choices, [before] * len(choices),
+                         stop_ids=self.runner.cfg.eos_token_ids)
             computed = time.monotonic()
             if job.cancelled:
                 raise InterruptedError(f"request {job.request_id} was cancelled")
@@ -218,7 +223,9 @@ class PrefillExecutor:
         self.prompt_tokens_total += n
         return PrefillResult(out.tokens[0], nbytes, done - computed, started - job.enqueued_at, computed - started,
                              cached_tokens=lease.num_cached, first_logprob=out.logprobs[0],
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps,
+                             choice_tokens=out.tokens if len(choices) > 1 else [],
+                             choice_logprobs=out.logprobs if len(choices) > 1 else [])
 
     def _push_kv(self, job: PrefillJob, blocks, n: int) -> int:
         return self.push(self.plan_push(job, blocks, n))

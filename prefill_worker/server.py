@@ -73,6 +73,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                       prompt_logprobs=[logprob_message(lp) for lp in r.prompt_logprobs])
         if r.first_logprob is not None:
             response.first_token_logprob.CopyFrom(logprob_message(r.first_logprob))
+        response.first_token_ids.extend(r.choice_tokens)
+        response.first_token_logprobs.extend(logprob_message(lp) for lp in r.choice_logprobs if lp is not None)
         return response
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:

@@ -63,7 +63,7 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
                     await context.write(pdserve_pb2.GenerateResponse(
                         request_id=request_id, token_ids=event.token_ids,
                         finish_reason=event.finish_reason, prompt_tokens=prompt_tokens,
-                        completion_tokens=completion_tokens))
+                        completion_tokens=completion_tokens, logprobs=event.logprobs, choice=event.choice))
                     if event.finish_reason:
                         status = grpc.StatusCode.OK
         except RouterError as error:
@@ -99,6 +99,8 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
             raise InvalidRequestError("sampling.top_p must be in [0, 1]", param="sampling.top_p")
         if sampling.top_k < 0:
             raise InvalidRequestError("sampling.top_k must be >= 0", param="sampling.top_k")
+        if not 0 <= sampling.n <= 1:  # decode workers run one sequence per request for now
+            raise InvalidRequestError("sampling.n > 1 is not supported yet", param="sampling.n")
         return sampling
 
 

@@ -32,7 +32,7 @@ from pdserve.router.harmony import Delta, HarmonyCodec, HarmonyError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_schema import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
                                   parse_body)
-from pdserve.router.orchestrator import (FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
+from pdserve.router.orchestrator import (ChoiceSplitter, FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
                                  TokenEvent)
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.logprobs import LogprobFormatter, merge_completion_logprobs
@@ -220,6 +220,16 @@ class TextOutput:
         return piece
 
 
+def _choice_streams(generation: Generation, events: AsyncIterator[TokenEvent], first: TokenEvent | None
+                    ) -> list[tuple[AsyncIterator[TokenEvent], TokenEvent | None]]:
+    """(events, first event) per choice of a started generation: its own stream when it has one
+    choice, else per-choice streams split from it (each then starts with its own first event)."""
+    if generation.num_choices == 1:
+        return [(events, first)]
+    splitter = ChoiceSplitter(first, events, generation.num_choices)
+    return [(splitter.stream(i), None) for i in range(generation.num_choices)]
+
+
 @dataclasses.dataclass(frozen=True)
 class _TextChoice:
     """What one completion choice shows besides its generated text."""
@@ -335,23 +345,36 @@ class OpenAIFrontend:
                                                 arrival=arrival)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, [generation]))
         [(events, first)] = await self._start([generation], watcher)
-        output = ChatOutput(self.codec, body.stop)
+        choices = _choice_streams(generation, events, first)
+        outputs = [ChatOutput(self.codec, body.stop) for _ in choices]
         meta = {"id": request_id, "created": int(time.time()), "model": body.model}
         if body.stream:
             async def unstarted() -> None:
                 await self._end_stream(watcher, [generation], events)
 
-            return _event_stream(self._chat_stream(events, first, generation, output, meta, len(prompt),
+            return _event_stream(self._chat_stream(choices, events, generation, outputs, meta, len(prompt),
                                                    body.include_usage, watcher, outcome_of(request.scope),
                                                    logprobs_top=top, continuous_usage=body.continuous_usage),
                                  unstarted)
         try:
-            finish = await self._chat_collect(events, first, generation, output)
+            finishes = await asyncio.gather(*(self._chat_collect(stream, first_event, generation, output)
+                                               for (stream, first_event), output in zip(choices, outputs)))
+        except RouterError:
+            generation.cancel("another choice failed")
+            raise
         finally:
             watcher.cancel()
             await events.aclose()
-        if finish is None:
+        if any(finish is None for finish in finishes):
             return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse({
+            **meta, "object": "chat.completion",
+            "choices": [self._chat_choice(i, output, finish, top)
+                        for i, (output, finish) in enumerate(zip(outputs, finishes))],
+            "usage": _usage(len(prompt), sum(o.completion_tokens for o in outputs))})
+
+    def _chat_choice(self, index: int, output: ChatOutput, finish: int, top: int | None) -> dict:
+        """One finished choice of a non-streamed chat completion."""
         _, parsed = output.finish()
         content = "".join(output.content) if output.stopped else parsed.content
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -363,12 +386,9 @@ class OpenAIFrontend:
                  "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
             message["content"] = content or None
         finish_reason = self._chat_finish_reason(finish, output, bool(message.get("tool_calls")))
-        return JSONResponse({
-            **meta, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": self.logprob_format.chat(output.logprobs, top) if top is not None else None,
-                         "finish_reason": finish_reason}],
-            "usage": _usage(len(prompt), output.completion_tokens)})
+        return {"index": index, "message": message,
+                "logprobs": self.logprob_format.chat(output.logprobs, top) if top is not None else None,
+                "finish_reason": finish_reason}
 
     @staticmethod
     def _chat_finish_reason(finish: int, output: ChatOutput, has_tool_calls: bool) -> str:
@@ -379,68 +399,52 @@ class OpenAIFrontend:
         return _finish_name(finish)
 
     async def _chat_collect(self, events, first, generation, output) -> int | None:
-        """Consume the stream; the decode finish reason, or None if the client left."""
-        event = first
+        """Consume one choice's stream; the decode finish reason, or None if the client left."""
+        event = first if first is not None else await anext(events, None)
         while event is not None:
             output.feed(event.token_ids, event.logprobs)
             if output.stopped:
-                generation.cancel("stop string")
+                if generation.num_choices == 1:  # other choices of the request run on
+                    generation.cancel("stop string")
                 return FINISH_STOP
             if event.finish_reason:
                 return event.finish_reason
             event = await anext(events, None)
         return None
 
-    async def _chat_stream(self, events, first, generation, output: ChatOutput, meta: dict,
+    async def _chat_stream(self, choices, events, generation, outputs: list[ChatOutput], meta: dict,
                            prompt_tokens: int, include_usage: bool, watcher: asyncio.Task,
                            outcome: Outcome, *, logprobs_top: int | None = None,
                            continuous_usage: bool = False) -> AsyncIterator[str]:
-        """`logprobs_top`: logprobs were asked (with that many alternatives); each event's ride on
-        its last delta (or an empty one). `continuous_usage`: every chunk carries the usage so far."""
+        """The chunks of every choice as they come. `logprobs_top`: logprobs were asked (with that
+        many alternatives); each event's ride on its last delta (or an empty one).
+        `continuous_usage`: every chunk carries the usage so far."""
         endpoint = "chat_completions"
         outcome.status = CLIENT_CLOSED  # until the end is sent
 
-        def chunk(delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
             usage = {}
             if continuous_usage:
-                usage = {"usage": _usage(prompt_tokens, output.completion_tokens)}
+                usage = {"usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))}
             elif include_usage:
                 usage = {"usage": None}
             formatted = self.logprob_format.chat(logprobs, logprobs_top) if logprobs else None
             return _sse({**meta, "object": "chat.completion.chunk",
-                         "choices": [{"index": 0, "delta": delta, "logprobs": formatted,
+                         "choices": [{"index": index, "delta": delta, "logprobs": formatted,
                                       "finish_reason": finish_reason}], **usage})
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            event, finish = first, None
-            tool_calls = False
-            while event is not None:
-                consumed = len(output.logprobs)
-                deltas = output.feed(event.token_ids, event.logprobs)
-                new_logprobs = output.logprobs[consumed:]
-                if new_logprobs and not deltas:
-                    deltas = [{}]
-                for i, delta in enumerate(deltas):
-                    tool_calls = tool_calls or "tool_calls" in delta
-                    yield chunk(delta, logprobs=new_logprobs if i == len(deltas) - 1 else None)
-                if output.stopped:
-                    generation.cancel("stop string")
-                    finish = FINISH_STOP
-                    break
-                if event.finish_reason:
-                    finish = event.finish_reason
-                    break
-                event = await anext(events, None)
-            if finish is None:
+            done = 0
+            async for item in _merge([self._chat_choice_chunks(i, stream, first, generation, output, chunk)
+                                      for i, ((stream, first), output) in enumerate(zip(choices, outputs))]):
+                if item is None:
+                    done += 1
+                else:
+                    yield item
+            if done < len(choices):
                 return  # the client is gone
-            deltas, parsed = output.finish()
-            for delta in deltas:
-                yield chunk(delta)
-            tool_calls = tool_calls or bool(parsed.tool_calls)
-            yield chunk({}, self._chat_finish_reason(finish, output, tool_calls))
             if include_usage:
                 yield _sse({**meta, "object": "chat.completion.chunk", "choices": [],
-                            "usage": _usage(prompt_tokens, output.completion_tokens)})
+                            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
             yield _SSE_DONE
             outcome.status = 200
         except RouterError as error:
@@ -450,6 +454,40 @@ class OpenAIFrontend:
             yield _SSE_DONE
         finally:
             await self._end_stream(watcher, [generation], events)
+
+    async def _chat_choice_chunks(self, index: int, events, first, generation, output: ChatOutput,
+                                  chunk: Callable[..., str]) -> AsyncIterator[str | None]:
+        """One choice's SSE chunks; a last None says it finished (rather than the client leaving)."""
+        yield chunk(index, {"role": "assistant", "content": ""})
+        event = first if first is not None else await anext(events, None)
+        finish = None
+        tool_calls = False
+        while event is not None:
+            consumed = len(output.logprobs)
+            deltas = output.feed(event.token_ids, event.logprobs)
+            new_logprobs = output.logprobs[consumed:]
+            if new_logprobs and not deltas:
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                tool_calls = tool_calls or "tool_calls" in delta
+                yield chunk(index, delta, logprobs=new_logprobs if i == len(deltas) - 1 else None)
+            if output.stopped:
+                if generation.num_choices == 1:  # other choices of the request run on
+                    generation.cancel("stop string")
+                finish = FINISH_STOP
+                break
+            if event.finish_reason:
+                finish = event.finish_reason
+                break
+            event = await anext(events, None)
+        if finish is None:
+            return  # the client is gone
+        deltas, parsed = output.finish()
+        for delta in deltas:
+            yield chunk(index, delta)
+        tool_calls = tool_calls or bool(parsed.tool_calls)
+        yield chunk(index, {}, self._chat_finish_reason(finish, output, tool_calls))
+        yield None
 
     @staticmethod
     async def _end_stream(watcher: asyncio.Task, generations: list[Generation],
@@ -497,13 +535,16 @@ class OpenAIFrontend:
             for i, (p, max_new) in enumerate(zip(prompts, max_news))]
         watcher = asyncio.create_task(_cancel_on_disconnect(request, generations))
         started = await self._start(generations, watcher)
-        outputs = [TextOutput(self.codec, body.stop) for _ in generations]
         meta = {"id": request_id, "created": int(time.time()), "model": body.model}
         prompt_tokens = sum(len(p) for p in prompts)
-        shown = [_TextChoice(item if isinstance(item, str) else self.codec.decode(ids), ids, k, prompt_only)
-                 if body.echo else _TextChoice(None, ids, k, prompt_only) for item, ids in zip(items, prompts)]
-        choices = [self._completion_choice(i, events, first, gen, out, show)
-                   for i, ((events, first), gen, out, show) in enumerate(zip(started, generations, outputs, shown))]
+        # choice index = prompt index * n + choice of that prompt, as OpenAI numbers them
+        choices, outputs = [], []
+        for item, ids, (events, first), gen in zip(items, prompts, started, generations):
+            echo_text = (item if isinstance(item, str) else self.codec.decode(ids)) if body.echo else None
+            show = _TextChoice(echo_text, ids, k, prompt_only)
+            for stream, first_event in _choice_streams(gen, events, first):
+                outputs.append(TextOutput(self.codec, body.stop))
+                choices.append(self._completion_choice(len(choices), stream, first_event, gen, outputs[-1], show))
         if body.stream:
             async def unstarted() -> None:
                 await self._end_stream(watcher, generations)
@@ -548,6 +589,8 @@ class OpenAIFrontend:
         fmt = self.logprob_format
         offset = 0
         try:
+            if first is None:
+                first = await anext(events, None)
             if show.echo_text is not None and first is not None:
                 piece = None
                 if show.logprobs_top is not None:
@@ -566,7 +609,8 @@ class OpenAIFrontend:
                     piece = fmt.completion(output.logprobs[consumed:], show.logprobs_top, offset=offset)
                     offset += sum(len(t) for t in piece["tokens"])
                 if output.stopped:
-                    generation.cancel("stop string")
+                    if generation.num_choices == 1:  # other choices of the request run on
+                        generation.cancel("stop string")
                     yield index, text, "stop", piece
                     return
                 finish = _finish_name(event.finish_reason) if event.finish_reason else None

@@ -13,6 +13,7 @@ Every RPC carries a deadline; one request id is used on every worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from typing import AsyncIterator
@@ -45,6 +46,54 @@ class TokenEvent:
     token_ids: list[int]
     finish_reason: int = 0
     logprobs: list = dataclasses.field(default_factory=list)
+    choice: int = 0  # sampling.n > 1: which choice; `finish_reason` then ends that choice only
+
+
+class ChoiceSplitter:
+    """One generation's events (its first one already taken) as one stream per choice, each ending
+    with its choice's finish. A pump task reads the generation while any choice stream is read; an
+    error reaches every stream; the generation's stream closes once every choice stream has."""
+
+    def __init__(self, first: TokenEvent | None, events: AsyncIterator[TokenEvent], num_choices: int) -> None:
+        self._events = events
+        self._queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(num_choices)]
+        self._pump_task: asyncio.Task | None = None
+        self._open = num_choices
+        if first is None:  # the client left before the first token
+            for queue in self._queues:
+                queue.put_nowait(None)
+        else:
+            self._queues[first.choice].put_nowait(first)
+
+    async def _pump(self) -> None:
+        try:
+            async for event in self._events:
+                self._queues[event.choice].put_nowait(event)
+            end: object = None
+        except BaseException as error:  # noqa: BLE001 - handed to every choice
+            end = error
+        for queue in self._queues:
+            queue.put_nowait(end)
+
+    async def stream(self, choice: int) -> AsyncIterator[TokenEvent]:
+        if self._pump_task is None:
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+        try:
+            while True:
+                item = await self._queues[choice].get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            self._open -= 1
+            if not self._open:
+                self._pump_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._events.aclose()
 
 
 class _KVDestinationFailed(Exception):
@@ -180,6 +229,10 @@ class Generation:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    @property
+    def num_choices(self) -> int:
+        return max(1, self.sampling.n)
+
     def cancel(self, reason: str) -> None:
         """Stop the request now (client gone, stop string hit); Cancel goes to both workers.
 
@@ -202,9 +255,16 @@ class Generation:
             last = asyncio.get_running_loop().time()
             self._metrics.observe_tokens(1, last - self.arrival, first=True)
             self.prompt_logprobs = list(response.prompt_logprobs)
-            first_logprobs = [response.first_token_logprob] if response.HasField("first_token_logprob") else []
-            yield TokenEvent([response.first_token_id], logprobs=first_logprobs)
-            async for event in self._decode(response.first_token_id, last):
+            if self.num_choices > 1:  # one prefill sampled every choice's first token
+                firsts = list(response.first_token_ids)
+                for i, token in enumerate(firsts):
+                    logprobs = [response.first_token_logprobs[i]] if response.first_token_logprobs else []
+                    yield TokenEvent([token], logprobs=logprobs, choice=i)
+            else:
+                firsts = [response.first_token_id]
+                first_logprobs = [response.first_token_logprob] if response.HasField("first_token_logprob") else []
+                yield TokenEvent([response.first_token_id], logprobs=first_logprobs)
+            async for event in self._decode(firsts, last):
                 yield event
         finally:
             if not self._finished:
@@ -324,10 +384,14 @@ class Generation:
             timeout = min(self._config.reserve_timeout, remaining)
             request = pdserve_pb2.ReserveRequest(
                 request_id=self.request_id, num_prompt_tokens=num_prompt, max_new_tokens=max_new,
-                ttl_seconds=remaining)
+                ttl_seconds=remaining, n=self.sampling.n)
             # counted on the worker now, not when Reserve returns: the next request of a burst
-            # must already see it
-            blocks = kv_blocks_needed(num_prompt + max_new, worker.load.page_size if worker.load else 0)
+            # must already see it; choices after the first add their own pages (and a copy of
+            # the prompt's last, partial one)
+            page_size = worker.load.page_size if worker.load else 0
+            blocks = kv_blocks_needed(num_prompt + max_new, page_size)
+            if self.num_choices > 1 and page_size:
+                blocks += (self.num_choices - 1) * (kv_blocks_needed(max_new, page_size) + 1)
             placed = worker.pending_kv.add(blocks)
             call = worker.stub.Reserve(request, timeout=timeout)
             self._call = call
@@ -444,12 +508,14 @@ class Generation:
                                     code="prefill_failed",
                                     retry_after=self._config.unavailable_retry_after)
 
-    async def _decode(self, first_token_id: int, last: float) -> AsyncIterator[TokenEvent]:
+    async def _decode(self, first_token_ids: list[int], last: float) -> AsyncIterator[TokenEvent]:
         worker = self.decode_worker
         loop = asyncio.get_running_loop()
         request = pdserve_pb2.DecodeRequest(
-            request_id=self.request_id, first_token_id=first_token_id,
-            prompt_token_ids=self.prompt_token_ids, sampling=self.sampling)
+            request_id=self.request_id, first_token_id=first_token_ids[0],
+            prompt_token_ids=self.prompt_token_ids, sampling=self.sampling,
+            first_token_ids=first_token_ids if self.num_choices > 1 else [])
+        unfinished = self.num_choices
         call = worker.stub.Decode(request, timeout=self._remaining())
         self._call = call
         try:
@@ -461,10 +527,11 @@ class Generation:
                     raise UpstreamError(f"Decode worker {worker.name} ended the request: "
                                         f"{chunk.error or _finish_name(chunk.finish_reason)}",
                                         code="decode_failed")
-                if chunk.finish_reason:
+                unfinished -= bool(chunk.finish_reason)
+                if not unfinished:
                     self._finished = True
                     self._give_back_blocks()
-                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason, list(chunk.logprobs))
+                yield TokenEvent(list(chunk.token_ids), chunk.finish_reason, list(chunk.logprobs), chunk.choice)
                 if self._finished:
                     return
         except asyncio.CancelledError:
