@@ -56,6 +56,7 @@ from pdserve.kvtransfer.plan import (
     plan_staging_nbytes,
 )
 from pdserve.kvtransfer.staging import StagingBuffer
+from pdserve.kvtransfer.ucx_info import ucx_summary
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +258,8 @@ class KVTransferAgent:
             raise KVTransferError(f"cannot start NIXL agent {name!r} with backend {backend} "
                                   f"(UCX_TLS={tls}, {env}; NIXL's log above says why): "
                                   f"{type(e).__name__}: {e}") from e
-        log.info("KV agent %s: pools %s, heads %s, UCX_NET_DEVICES=%s", name,
-                 {g: lay.shape for g, lay in self._layouts.items()}, head_range,
+        log.info("KV agent %s: pools %s, heads %s; %s (UCX_NET_DEVICES here: %s)", name,
+                 {g: lay.shape for g, lay in self._layouts.items()}, head_range, ucx_summary(),
                  env.get("UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES", "<all>")))
 
     # -- handshake ------------------------------------------------------------------------------

@@ -54,20 +54,41 @@ def dockerfile(request):
     return DOCKER / request.param
 
 
-def test_known_instructions_and_single_stage(dockerfile):
+def stages(steps) -> dict[str, list[tuple[str, str]]]:
+    """Steps by stage name (`FROM image AS name`), in order."""
+    out: dict[str, list] = {}
+    current = None
+    for k, a in steps:
+        if k == "FROM":
+            parts = a.split()
+            assert len(parts) == 3 and parts[1].upper() == "AS", f"unnamed stage: FROM {a}"
+            current = out.setdefault(parts[2], [])
+        current is not None and current.append((k, a))
+    return out
+
+
+def test_two_stages_and_a_final_stage_without_build_tools(dockerfile):
     steps = instructions(dockerfile)
     known = {"ARG", "FROM", "LABEL", "ENV", "RUN", "WORKDIR", "COPY", "USER", "EXPOSE",
              "ENTRYPOINT", "CMD"}
     assert {k for k, _ in steps} <= known
     before_from = [k for k, _ in steps[: [k for k, _ in steps].index("FROM")]]
     assert set(before_from) <= {"ARG"}, "only ARGs may precede FROM"
-    assert [k for k, _ in steps].count("FROM") == 1
+    by_stage = stages(steps)
+    assert list(by_stage) == ["build", "runtime"]
+    final = by_stage["runtime"]
+    assert not _pip_installs(final, {}), "the final stage installs nothing with pip"
+    copies = [a for k, a in final if k == "COPY"]
+    assert copies == ["--from=build /opt/pdserve /opt/pdserve"]  # the virtualenv and vocabulary
 
 
-def test_entrypoint_is_the_cli_and_user_is_not_root(dockerfile):
+def test_entrypoint_is_the_cli_under_an_init_and_user_is_not_root(dockerfile):
     steps = instructions(dockerfile)
     entry = [a for k, a in steps if k == "ENTRYPOINT"]
-    assert len(entry) == 1 and json.loads(entry[0]) == ["pdserve"]  # exec form: signals reach it
+    # exec form; tini is PID 1: it forwards SIGTERM to pdserve and reaps the worker's ranks
+    assert len(entry) == 1 and json.loads(entry[0]) == ["/usr/bin/tini", "--", "pdserve"]
+    final_runs = " ".join(a for k, a in stages(steps)["runtime"] if k == "RUN")
+    assert re.search(r"apt-get install [^&]*\btini\b", final_runs), "tini is installed in the final stage"
     users = [a for k, a in steps if k == "USER"]
     assert users and users[-1].split(":")[0] == "1000"  # numeric: runAsNonRoot can verify it
     last_user = max(i for i, (k, _) in enumerate(steps) if k == "USER")
@@ -78,16 +99,46 @@ def test_every_package_of_the_distribution_is_copied(dockerfile):
     steps = instructions(dockerfile)
     sources = set()
     for k, a in steps:
-        if k == "COPY":
+        if k == "COPY" and not a.startswith("--from="):
             *src, _dest = shlex.split(a)
             sources |= {s.rstrip("/") for s in src if not s.startswith("--")}
     missing = set(packages()) - sources
     assert not missing, f"{dockerfile.name} does not COPY {sorted(missing)}"
-    assert "pyproject.toml" in sources
+    assert {"pyproject.toml", "docker/constraints.txt"} <= sources
     for source in sorted(sources):
         assert (REPO / source).exists(), (
             f"{dockerfile.name} copies {source}, which the repository lacks: the build would fail"
         )
+
+
+def constraints() -> dict[str, str]:
+    pins = {}
+    for line in (DOCKER / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[name] = version
+    return pins
+
+
+def test_the_kv_transfer_stack_is_pinned_inside_pyproject_ranges(dockerfile):
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    pins = constraints()
+    assert "nixl" in pins  # nixl's wheels bundle UCX: pinning nixl pins UCX
+    deps = {Requirement(d).name: Requirement(d) for d in
+            tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert deps["nixl"].specifier.contains(pins["nixl"])
+    assert version("nixl") == pins["nixl"], "the tests run on another nixl than the images ship"
+    from pdserve.kvtransfer.ucx_info import ucx_version
+
+    (stated,) = set(re.findall(r"UCX (\d+\.\d+\.\d+)", (DOCKER / "constraints.txt").read_text()))
+    assert ucx_version() == stated  # what the workers log at start
+    steps = instructions(dockerfile)
+    package = [argv for _, argv in _pip_installs(steps, arg_defaults(steps)) if "." in argv or ".[gpu]" in argv]
+    assert len(package) == 1 and _option(package[0], "-c") == "docker/constraints.txt"
 
 
 def _pip_installs(steps, args):
@@ -110,8 +161,10 @@ def _option(argv, name):
 def test_cpu_image_installs_cpu_torch_before_the_package():
     steps = instructions(DOCKER / "Dockerfile.cpu")
     args = arg_defaults(steps)
-    base = expand(next(a for k, a in steps if k == "FROM"), args)
-    assert re.fullmatch(r"python:3\.1[0-9]-slim(-\w+)?", base), base
+    bases = [expand(a.split()[0], args) for k, a in steps if k == "FROM"]
+    for base in bases:
+        assert re.fullmatch(r"python:3\.1[0-9]-slim(-\w+)?", base), base
+    assert len(set(bases)) == 1  # the virtualenv's python is the final stage's python
     installs = _pip_installs(steps, args)
     torch = [(i, argv) for i, argv in installs if "torch==2.13.0" in argv]
     package = [(i, argv) for i, argv in installs if "." in argv]
@@ -124,9 +177,13 @@ def test_cpu_image_installs_cpu_torch_before_the_package():
 def test_gpu_image_is_cuda_with_gpu_extra():
     steps = instructions(DOCKER / "Dockerfile")
     args = arg_defaults(steps)
-    base = expand(next(a for k, a in steps if k == "FROM"), args)
-    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-(devel|runtime)-ubuntu(\d+\.\d+)", base)
-    assert match, base
+    build, runtime = [expand(a.split()[0], args) for k, a in steps if k == "FROM"]
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-devel-ubuntu(\d+\.\d+)", build)
+    assert match, build
+    assert runtime == build.replace("-devel-", "-runtime-"), runtime  # same CUDA, same Python
+    final_runs = " ".join(a for k, a in stages(steps)["runtime"] if k == "RUN")
+    for package in ("cuda-nvcc", "cuda-cudart-dev", "cuda-cccl", "gcc", "python3-dev"):  # run-time JIT
+        assert package in final_runs, package
     installs = _pip_installs(steps, args)
     torch = [(i, argv) for i, argv in installs if any(a.startswith("torch==") for a in argv)]
     package = [(i, argv) for i, argv in installs if ".[gpu]" in argv]
