@@ -10,7 +10,7 @@ own KV heads, experts and vocabulary shard.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -47,6 +47,8 @@ class StepPlan:
     batches : pool -> PagedBatch (per request: query rows, pages, last-page length) for attention.
     qo_lens : new tokens per request (sum = T).
     all_logits : logits of every row, else of each request's last row.
+    block_copies : pool -> [(source block, destination block)] copied before the forward (the
+        partial last prompt page, and the sliding pages, of each choice forked from a prompt).
     """
 
     input_ids: list[int]
@@ -55,6 +57,7 @@ class StepPlan:
     batches: dict[str, PagedBatch]
     qo_lens: list[int]
     all_logits: bool = False
+    block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class StepGroup(Protocol):
@@ -143,6 +146,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one planned forward pass on this rank: float32 logits [rows, V] (rows: see
         StepPlan.all_logits), gathered over vocabulary shards."""
+        self._copy_blocks(plan.block_copies)
         graphs = self.decode_graphs
         if (graphs is not None and not plan.all_logits and len(plan.input_ids) == len(plan.qo_lens)
                 and len(plan.qo_lens) <= graphs.max_batch):
@@ -180,9 +184,21 @@ class ModelRunner:
             self.cache.finish_prefill(seq.blocks, n)
         return logits if all_logits else logits[0]
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for each request (its last sampled one at position num_cached): [B, V]."""
-        logits = self._step(self.decode_plan(seqs))
+    def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
+        """Copy whole blocks (every layer of the pool) on this rank's KV."""
+        for pool, pairs in copies.items():
+            if pairs:
+                src = torch.tensor([a for a, _ in pairs], device=self.device)
+                dst = torch.tensor([b for _, b in pairs], device=self.device)
+                self.cache.pools[pool][:, dst] = self.cache.pools[pool][:, src]
+
+    def decode(self, seqs: list[Sequence], block_copies: dict[str, list[tuple[int, int]]] | None = None
+               ) -> torch.Tensor:
+        """One token for each request (its last sampled one at position num_cached): [B, V].
+        `block_copies` (see StepPlan) run first, on every rank."""
+        plan = self.decode_plan(seqs)
+        plan.block_copies = block_copies or {}
+        logits = self._step(plan)
         for s in seqs:
             s.num_cached += 1
         return logits
