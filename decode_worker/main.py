@@ -16,22 +16,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
     p.add_argument("--port", type=int, default=50062, help="gRPC port (0 = any free port)")
-    p.add_argument("--kv-host", default=None, help="address NIXL/UCX listens on (default: --host)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--precision", default=None, choices=["bf16", "fp8"])
+    p.add_argument("--kv-host", default=None, help="address NIXL/UCX listens on (none: --host)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
+                   help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA)")
     p.add_argument("--tp", type=int, default=1, help="ranks of this worker (attention TP)")
     p.add_argument("--ep", type=int, default=None,
-                   help="expert-parallel groups, dividing --tp (default: --tp, i.e. EP4 TP4 on 4 GPUs)")
-    p.add_argument("--max-batch-size", type=int, default=128)
+                   help="expert-parallel groups, dividing --tp (none: --tp, i.e. EP4 TP4 on 4 GPUs)")
+    p.add_argument("--max-batch-size", type=int, default=128,
+                   help="requests decoded together; more wait (with their KV) for a slot")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="decode batches up to this size replay CUDA graphs captured at start "
                         "(default on CUDA with --tp 1: --max-batch-size; 0 = eager; single-rank only)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
-    p.add_argument("--kv-memory-fraction", type=float, default=0.85, help="of free GPU memory, for KV")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks of --page-size tokens (none: sized from free memory)")
+    p.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                   help="share of the free GPU memory given to KV blocks (without --kv-blocks)")
     p.add_argument("--reservation-ttl", type=float, default=60.0, help="seconds a reservation waits for Decode")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--ready-file", default=None, help="write {address, ...} here once serving")
+    p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {address, ...} here once serving (for launchers)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -12,11 +12,13 @@ Everything is memory-mapped and read per tensor, and only the slice a rank owns 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8_exact
 from pdserve.kernels.moe import ExpertWeights
@@ -131,8 +133,12 @@ def load_weights(
     shard: ShardSpec = ShardSpec(),
     precision: str = "bf16",
     device: torch.device | str = "cpu",
+    progress: bool | None = None,
 ) -> ModelWeights:
-    """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8)."""
+    """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8).
+
+    `progress`: a bar per layer on stderr (None: when stderr is a terminal, on rank 0 only).
+    """
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be bf16 or fp8, not {precision!r}")
     r = CheckpointReader(model_dir)
@@ -153,7 +159,10 @@ def load_weights(
     q0, q1 = shard.q_head_range(cfg.num_attention_heads)
     k0, k1 = shard.kv_head_range(cfg.num_key_value_heads)
     layers = []
-    for i in range(cfg.num_hidden_layers):
+    if progress is None:
+        progress = sys.stderr.isatty() and shard.tp_rank == 0
+    for i in tqdm(range(cfg.num_hidden_layers), desc=f"loading {Path(model_dir).name}",
+                  unit="layer", file=sys.stderr, disable=not progress, leave=False):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads

@@ -1,4 +1,8 @@
-"""`pdserve` command line: one subcommand per job, errors as one line on stderr."""
+"""pdserve: prefill/decode-disaggregated serving of gpt-oss.
+
+One subcommand per job; `pdserve COMMAND --help` describes each. User errors are printed as one
+line on stderr (exit code 1); Ctrl-C stops any command cleanly (exit code 130).
+"""
 
 from __future__ import annotations
 
@@ -69,8 +73,9 @@ def cmd_logits(a: argparse.Namespace) -> int:
         logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision)
     else:
         runner = _runner(a)
-        logits = runner.prompt_logits(_parse_ids(a.prompt_ids)).numpy()
-    np.save(a.out, logits.astype(np.float32))
+        # on the host, in float32, whatever device and dtype the model computed in
+        logits = runner.prompt_logits(_parse_ids(a.prompt_ids)).detach().float().cpu().numpy()
+    np.save(a.out, np.asarray(logits, dtype=np.float32))
     print(f"saved float32 logits {tuple(logits.shape)} to {a.out}")
     return 0
 
@@ -120,98 +125,145 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 # -- parser -------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in --help; descriptions keep their line breaks (examples)."""
+
+
+def _paragraphs(text: str) -> str:
+    """Wrap each paragraph of a description; indented lines (examples) stay as they are."""
+    import textwrap
+
+    return "\n\n".join(p if p.startswith("  ") else textwrap.fill(p, 90) for p in text.split("\n\n"))
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF gpt-oss layout)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
-                   help="expert weights in compute: bf16 (default on CPU) or fp8 128x128 (default on CUDA)")
+                   help="expert weights in compute: bf16 (the default on CPU) or FP8 128x128 "
+                        "(the default on CUDA)")
+
+
+# (name, one-line help, description, module, function adding its flags, function running it);
+# the server modules are imported only to add their flags and stay light: what they serve with
+# (uvicorn, FastAPI, gRPC servers, the engine) is imported when the command runs
+_SERVERS = (
+    ("serve", "serve gpt-oss on this machine: router, prefill and decode workers as processes",
+     "Serve a local cluster until Ctrl-C: the router (OpenAI HTTP API and gRPC Generate) and the "
+     "prefill and decode workers, each its own process. With no flags: the built-in tiny random "
+     "model on CPU.\n\n  pdserve serve --model /models/gpt-oss-20b --device cuda "
+     "--decode-workers 2",
+     "pdserve.launch.serve", "add_args", "run"),
+    ("router", "serve the OpenAI API in front of prefill and decode workers running elsewhere",
+     "The router: OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+     "/v1/responses, /v1/models, /health, /metrics) and the token-level gRPC Generate API, in "
+     "front of prefill and decode workers it finds by discovery.\n\n  pdserve router "
+     "--discovery static --prefill 10.0.0.1:50061,10.0.0.2:50061 --decode 10.0.0.3:50062",
+     "pdserve.router.main", "add_router_args", "run_router"),
+    ("prefill-worker", "run one prefill worker (gRPC): prompts at batch size 1, KV sent to decode",
+     "A prefill worker: runs each prompt at batch size 1 on its TP group and writes the KV "
+     "cache straight into the decode worker's reserved blocks over NIXL.",
+     "pdserve.prefill_worker.main", "add_args", "run"),
+    ("decode-worker", "run one decode worker (gRPC): continuous batching, token streams",
+     "A decode worker: reserves KV blocks for requests, receives their KV from prefill workers "
+     "over NIXL, batches them continuously and streams the tokens back.",
+     "pdserve.decode_worker.main", "add_args", "run"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    ap.add_argument("-v", "--verbose", action="store_true")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=_HelpFormatter)
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("make-checkpoint", help="write a random checkpoint in the real HF layout")
-    p.add_argument("dir")
-    p.add_argument("--config", required=True, help="tiny | 20b | 120b | PATH/config.json")
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"])
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        description = description or help[0].upper() + help[1:] + "."
+        return sub.add_parser(name, help=help, description=_paragraphs(description),
+                              formatter_class=_HelpFormatter)
+
+    p = command("make-checkpoint", "write a random checkpoint in the published HF layout")
+    p.add_argument("dir", help="directory to create")
+    p.add_argument("--config", required=True, help="model shape: tiny | 20b | 120b | PATH/config.json")
+    p.add_argument("--seed", type=int, required=True, help="random seed of the weights")
+    p.add_argument("--experts", default="mxfp4", choices=["mxfp4", "bf16"],
+                   help="how the MoE experts are stored")
     p.set_defaults(fn=cmd_make_checkpoint)
 
-    p = sub.add_parser("convert", help="convert MXFP4/bf16 experts to FP8 128x128 block-scaled")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p = command("convert", "convert a checkpoint's MXFP4/bf16 experts to FP8 128x128 block-scaled")
+    p.add_argument("src", help="checkpoint directory to read")
+    p.add_argument("dst", help="checkpoint directory to write")
     p.set_defaults(fn=cmd_convert)
 
-    p = sub.add_parser("generate", help="generate from a prompt in this process")
+    p = command("generate", "generate from a prompt in this process (no servers)")
     _add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text (no chat template)")
     src.add_argument("--chat", help="a user message, rendered with Harmony")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--reasoning-effort", default="medium", choices=["low", "medium", "high"])
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
+    p.add_argument("--reasoning-effort", default="medium", choices=["low", "medium", "high"],
+                   help="with --chat: the system message's reasoning effort")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("logits", help="float32 logits of every prompt position, saved as .npy")
+    p = command("logits", "save the float32 logits of every prompt position as .npy")
     _add_model_args(p)
-    p.add_argument("--prompt-ids", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    p.add_argument("--out", required=True, help=".npy file to write")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes on CPU)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups (divides --tp)")
     p.set_defaults(fn=cmd_logits)
 
-    servers = (("serve", "pdserve.launch.serve", "add_args", "run"),
-               ("router", "pdserve.router.main", "add_router_args", "run_router"),
-               ("prefill-worker", "pdserve.prefill_worker.main", "add_args", "run"),
-               ("decode-worker", "pdserve.decode_worker.main", "add_args", "run"))
-    for name, module, add, run in servers:
-        _add_server(sub, name, module, add, run)
+    import importlib
+
+    for name, help, description, module, add, run in _SERVERS:
+        mod = importlib.import_module(module)
+        p = command(name, help, description)
+        getattr(mod, add)(p)
+        p.set_defaults(fn=getattr(mod, run))
     return ap
 
 
-def _add_server(sub, name: str, module: str, add: str, run: str) -> None:
-    """Server subcommands take their flags from their own package."""
-    import importlib
+# Errors that are the user's to fix, by the module that defines them: (module, class names)
+_USER_ERRORS = (
+    ("pdserve.engine.checkpoint", ("CheckpointError",)),
+    ("pdserve.engine.config", ("ConfigError",)),
+    ("pdserve.engine.kv_cache", ("KVCacheFull",)),
+    ("pdserve.engine.model_runner", ("InvalidRequest",)),
+    ("pdserve.engine.sampling", ("SamplingError",)),
+    ("pdserve.router.config", ("ConfigError",)),
+    ("pdserve.router.harmony", ("HarmonyError",)),
+    ("pdserve.proto.rpc", ("PortInUse",)),
+)
 
-    mod = importlib.import_module(module)
-    doc = (mod.__doc__ or "").strip().splitlines()
-    p = sub.add_parser(name, help=doc[0] if doc else None)
-    getattr(mod, add)(p)
-    p.set_defaults(fn=getattr(mod, run))
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The user-error classes of the modules this command imported (no others can be raised:
+    looking them up must not import the engine or the servers)."""
+    found: list[type[BaseException]] = [CLIError, FileExistsError, FileNotFoundError]
+    for module, names in _USER_ERRORS:
+        if module in sys.modules:
+            found += [getattr(sys.modules[module], name) for name in names]
+    return tuple(found)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.engine.checkpoint import CheckpointError
-    from pdserve.engine.config import ConfigError
-    from pdserve.engine.kv_cache import KVCacheFull
-    from pdserve.engine.model_runner import InvalidRequest
-    from pdserve.engine.sampling import SamplingError
-
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    user_errors = (CLIError, ConfigError, CheckpointError, InvalidRequest, SamplingError, KVCacheFull,
-                   FileExistsError, FileNotFoundError)
     try:
-        from pdserve.router.harmony import HarmonyError
-
-        user_errors += (HarmonyError,)
-    except ImportError:
-        pass
-    try:
-        return args.fn(args)
-    except user_errors as e:
-        print(f"pdserve {args.cmd}: error: {e}", file=sys.stderr)
-        return 1
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return args.fn(args) or 0
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"pdserve {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

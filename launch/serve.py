@@ -353,19 +353,20 @@ class Supervisor:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="checkpoint directory, or `tiny` (built-in random model)")
-    p.add_argument("--served-model-name", default="gpt-oss")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--served-model-name", default="gpt-oss", help="the model name clients send")
+    p.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     p.add_argument("--grpc-port", type=int, default=50051, help="port of the token-level gRPC API")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--prefill-tp", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
+    p.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    p.add_argument("--prefill-tp", type=int, default=1, help="GPUs (tensor-parallel ranks) per prefill worker")
+    p.add_argument("--decode-tp", type=int, default=1, help="GPUs (tensor-parallel ranks) per decode worker")
     p.add_argument("--decode-ep", type=int, default=None,
-                   help="expert-parallel groups of a decode worker, dividing --decode-tp (default: --decode-tp)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
+                   help="expert-parallel groups of a decode worker, dividing --decode-tp (none: --decode-tp)")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="requests each decode worker decodes together; more wait for a slot")
+    p.add_argument("--log-dir", default=None, help="where process logs go (none: a temp dir)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of an exited process in a row before serve gives up on it (0 = never "
                         "restart; the count resets once it has run %d s) (default: %%(default)s)"

@@ -16,18 +16,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
     p.add_argument("--port", type=int, default=50061, help="gRPC port (0 = any free port)")
-    p.add_argument("--kv-host", default=None, help="address NIXL/UCX listens on (default: --host)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--precision", default=None, choices=["bf16", "fp8"])
+    p.add_argument("--kv-host", default=None, help="address NIXL/UCX listens on (none: --host)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
+                   help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-queue", type=int, default=256, help="queued prompts before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-queued-tokens", type=int, default=1 << 20)
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    p.add_argument("--max-queued-tokens", type=int, default=1 << 20,
+                   help="queued prompt tokens before RESOURCE_EXHAUSTED")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds one prompt's KV may take to reach its decode worker")
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--ready-file", default=None, help="write {address, ...} here once serving")
+    p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {address, ...} here once serving (for launchers)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -1,10 +1,13 @@
 """gRPC plumbing shared by the workers: a threaded server with standard health checking, bound
-to a given address (port 0 picks a free one), and the ready file launchers wait for."""
+to a given address (port 0 picks a free one), and the ready file launchers wait for; the check
+that a listen address is free, made before a server spends minutes loading a model."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 from concurrent import futures
 from pathlib import Path
 
@@ -44,12 +47,37 @@ def set_serving(servicer: health.HealthServicer, services: list[str], serving: b
         servicer.set(name, status)
 
 
-def bind(server: grpc.Server, host: str, port: int) -> int:
+class PortInUse(OSError):
+    """A listen address is taken (or unusable); the message names the flag that sets it."""
+
+
+def ensure_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """Raise `PortInUse` unless `host:port` can be listened on now (port 0 always can)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise PortInUse(f"{host}:{port} is already in use (is another server running "
+                                f"there?); choose another port with {flag}") from None
+            raise PortInUse(f"cannot listen on {host}:{port} ({flag}): "
+                            f"{error.strerror or error}") from None
+
+
+def bind(server: grpc.Server, host: str, port: int, flag: str = "--port") -> int:
     """Bind an insecure port; returns the port actually bound (port 0 = any free one)."""
+    ensure_port_free(host, port, flag)  # a clear error rather than gRPC's log line
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(target)
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError:  # taken between the check and now
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {target}")
+        raise PortInUse(f"cannot listen on {target}; choose another port with {flag}")
     return bound
 
 

@@ -1,6 +1,8 @@
 """Router command line: `add_router_args` + `run_router` (used by the `pdserve` CLI and launchers).
 
     pdserve router --discovery static --prefill 10.0.0.1:50061,10.0.0.2:50061 --decode 10.0.0.3:50071
+
+Adding the flags imports nothing heavy; the servers (uvicorn, FastAPI, gRPC) load in `run_router`.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ import argparse
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.discovery import Discovery, make_discovery
-from pdserve.router.service import Router, build_router, serve_router
 
-__all__ = ["add_router_args", "run_router", "build_router", "config_from_args",
-           "discovery_from_args", "Router", "serve_router"]
+if TYPE_CHECKING:
+    from pdserve.router.discovery import Discovery
+
+__all__ = ["add_router_args", "run_router", "config_from_args", "discovery_from_args"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:
+    from pdserve.router.discovery import make_discovery
+
     if args.discovery == "static":
         return make_discovery("static", prefill=args.prefill, decode=args.decode)
     if args.discovery == "kubernetes":
@@ -106,7 +111,12 @@ def run_router(args: argparse.Namespace) -> None:
     """Run the router until SIGTERM/SIGINT, then shut down gracefully (blocks)."""
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.proto.rpc import ensure_port_free
+    from pdserve.router.service import build_router, serve_router
+
     config = config_from_args(args)
+    ensure_port_free(config.host, config.port, "--port")
+    ensure_port_free(config.host, config.grpc_port, "--grpc-port")
     router = build_router(config, discovery_from_args(args))
 
     async def main() -> None:
@@ -121,7 +131,7 @@ def run_router(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pdserve-router", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_router_args(parser)
     run_router(parser.parse_args(argv))
 

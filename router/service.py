@@ -15,6 +15,7 @@ from typing import Callable
 import grpc
 import uvicorn
 
+from pdserve.proto.rpc import PortInUse
 from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, TLSFiles
 from pdserve.router.config import RouterConfig
@@ -93,10 +94,14 @@ async def serve_router(router: Router, stop: asyncio.Event,
     router.grpc_server = grpc_server
     host = f"[{config.host}]" if ":" in config.host else config.host  # IPv6 literal
     address = f"{host}:{config.grpc_port}"
-    router.grpc_port = (grpc_server.add_secure_port(address, router.tls.grpc_credentials())
-                        if router.tls else grpc_server.add_insecure_port(address))
+    try:
+        router.grpc_port = (grpc_server.add_secure_port(address, router.tls.grpc_credentials())
+                            if router.tls else grpc_server.add_insecure_port(address))
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        router.grpc_port = 0
     if router.grpc_port == 0:
-        raise OSError(f"cannot bind the gRPC port {config.host}:{config.grpc_port}")
+        raise PortInUse(f"cannot listen on {config.host}:{config.grpc_port}; choose another "
+                        "port with --grpc-port")
     await grpc_server.start()
     http = _UvicornServer(uvicorn.Config(
         router.app, host=config.host, port=config.port, log_config=None, lifespan="off",

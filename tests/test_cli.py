@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -95,3 +97,87 @@ def test_entry_point_and_convert(tiny_mxfp4, tmp_path):
     p = subprocess.run([sys.executable, "-m", "pdserve.launch.cli", "generate", "--model", str(tmp_path / "nope"),
                         "--prompt-ids", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# ---- CLI polish: imports, help, devices, ports, progress --------------------------------------
+_SERVER_STACK = ("uvicorn", "fastapi", "starlette", "grpc", "pdserve.router.service",
+                 "pdserve.proto.rpc", "openai_harmony")
+
+
+def test_engine_commands_do_not_import_the_server_stack(tiny_mxfp4, tmp_path):
+    """`pdserve logits` (and building the parser for any command) loads no web or RPC server."""
+    script = (
+        "import sys\n"
+        "from pdserve.launch.cli import main\n"
+        f"code = main(['logits', '--model', {str(tiny_mxfp4)!r}, '--prompt-ids', '1,2',"
+        f" '--out', {str(tmp_path / 'l.npy')!r}])\n"
+        f"print(code, sorted(m for m in {_SERVER_STACK!r} if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[-2] == "0 []", p.stdout
+
+
+def _commands():
+    from pdserve.launch.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices, {c.dest: c.help for c in sub._choices_actions}
+
+
+def test_every_command_has_a_description_and_every_flag_help_with_its_default():
+    commands, one_liners = _commands()
+    assert set(commands) >= {"serve", "router", "prefill-worker", "decode-worker", "generate",
+                             "logits", "make-checkpoint", "convert"}
+    for name, parser in commands.items():
+        assert parser.description and one_liners[name], name
+        assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter), name
+        for action in parser._actions:
+            assert action.help and action.help.strip(), f"pdserve {name} {action.option_strings or action.dest}"
+    assert "add_router_args" not in one_liners["router"] and "router" not in one_liners["router"].split()[0]
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+def test_a_port_in_use_is_one_line(flag, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--grpc-port": "0", flag: str(port)}
+        p = subprocess.run([sys.executable, "-m", "pdserve.launch.cli", "router", "--host", "127.0.0.1",
+                            "--port", ports["--port"], "--grpc-port", ports["--grpc-port"],
+                            "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and flag in lines[0] and "in use" in lines[0]
+
+
+def test_logits_of_a_model_computed_off_the_host_or_in_bf16(monkeypatch, tmp_path, capsys):
+    """The runner's logits may live on the GPU, in bf16, with autograd on: saved as float32."""
+    import torch
+
+    from pdserve.launch import cli
+
+    expected = torch.randn(3, 11)
+
+    class Runner:
+        def prompt_logits(self, ids):
+            return expected.to(torch.bfloat16).requires_grad_()
+    monkeypatch.setattr(cli, "_runner", lambda a: Runner())
+    out = tmp_path / "l.npy"
+    code, _, err = run_cli(capsys, "logits", "--model", tmp_path, "--prompt-ids", "1,2,3", "--out", out)
+    assert code == 0, err
+    saved = np.load(out)
+    assert saved.dtype == np.float32
+    np.testing.assert_array_equal(saved, expected.to(torch.bfloat16).float().numpy())
+
+
+def test_loading_a_checkpoint_shows_progress(tiny_mxfp4, tiny_cfg, capsys):
+    from pdserve.engine.checkpoint import load_weights
+
+    load_weights(tiny_mxfp4, tiny_cfg, progress=True)
+    err = capsys.readouterr().err
+    assert f"loading {tiny_mxfp4.name}" in err and f"{tiny_cfg.num_hidden_layers}/{tiny_cfg.num_hidden_layers}" in err
+    load_weights(tiny_mxfp4, tiny_cfg)  # not a terminal: quiet
+    assert capsys.readouterr().err == ""
