@@ -85,8 +85,12 @@ class RouterMetrics:
                                     worker_labels, registry=r)
         self.kv_blocks_total = Gauge("pdserve_worker_kv_blocks_total", "KV blocks (LoadReport)",
                                      worker_labels, registry=r)
+        self.kv_selftest = Gauge("pdserve_worker_kv_selftest_bytes_per_second",
+                                 "The worker's start-up KV transfer self-test (kvtransfer/selftest.py): "
+                                 "tens of GB/s over RDMA, ~1 GB/s or less over TCP (LoadReport)",
+                                 worker_labels, registry=r)
         self._load_gauges = (self.worker_queued, self.worker_queued_tokens, self.worker_running,
-                             self.kv_blocks_used, self.kv_blocks_total)
+                             self.kv_blocks_used, self.kv_blocks_total, self.kv_selftest)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -104,6 +108,8 @@ class RouterMetrics:
         self.worker_queued.labels(*labels).set(load.queued_requests)
         self.worker_queued_tokens.labels(*labels).set(load.queued_prompt_tokens)
         self.worker_running.labels(*labels).set(load.running_requests)
+        if load.kv_selftest_bytes_per_second:
+            self.kv_selftest.labels(*labels).set(load.kv_selftest_bytes_per_second)
         if worker.role == "decode":
             self.kv_blocks_used.labels(*labels).set(load.kv_blocks_used)
             self.kv_blocks_total.labels(*labels).set(load.kv_blocks_total)

@@ -146,6 +146,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         self.reserve_delay = 0.0        # seconds Reserve takes
         self.peak_kv_blocks = 0
         self.die_after_chunks: int | None = None
+        self.kv_selftest = 0.0          # kv_selftest_bytes_per_second its LoadReports carry
         self.server = _Server(pbg.add_DecodeWorkerServicer_to_server, self)
 
     @property
@@ -237,7 +238,8 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         return pb.LoadReport(worker_id=self.name, role="decode", running_requests=running,
                              kv_blocks_total=self.kv_blocks_total, kv_blocks_used=used,
                              kv_blocks_free=self.kv_blocks_total - used, max_batch_size=64,
-                             page_size=self.page_size, max_context=self.max_context)
+                             page_size=self.page_size, max_context=self.max_context,
+                             kv_selftest_bytes_per_second=self.kv_selftest)
 
     def KVMetadata(self, request, context):
         return pb.KVMetadataResponse(agent_names=[f"{self.name}-rank0"], agent_metadata=[b""])
