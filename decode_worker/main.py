@@ -43,12 +43,14 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.kvtransfer import KVTransferAgent
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-    from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+    from pdserve.proto.rpc import (add_health, bind, ensure_port_free, make_server, set_serving,
+                                   write_ready_file)
 
     from .parallel import KVArrivals
     from .scheduler import DecodeScheduler
     from .server import DecodeService
 
+    ensure_port_free(a.host, a.port)  # before minutes of model loading, not after
     if a.max_batch_size < 1 or a.max_batch_size > 1024:
         raise ValueError("--max-batch-size must be in [1, 1024]")
     if a.ep is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.launch.child import PARENT_PID_ENV
+from pdserve.router.config import RouterConfig
 
 log = logging.getLogger("pdserve.serve")
 
@@ -64,6 +65,7 @@ class ClusterSpec:
     extra_router_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
     extra_prefill_args: list[str] = field(default_factory=list)  # e.g. --prefix-cache-tokens 0
+    extra_decode_args: list[str] = field(default_factory=list)  # e.g. --reservation-ttl 30
 
 
 class StartInterrupted(Exception):
@@ -151,6 +153,7 @@ class LocalCluster:
                      "--max-batch-size", str(s.max_batch_size)]
             if s.kv_blocks:
                 args += ["--kv-blocks", str(s.kv_blocks)]
+            args += s.extra_decode_args
         gpus = self._gpus.get(name)
         self._spawn(name, args, {"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
         return name
@@ -366,6 +369,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel groups of a decode worker, dividing --decode-tp (none: --decode-tp)")
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="requests each decode worker decodes together; more wait for a slot")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks of 16 tokens per decode worker (none: sized from free memory)")
+    p.add_argument("--reservation-ttl", type=float, default=60.0,
+                   help="seconds a decode worker keeps KV blocks reserved for a request whose "
+                        "router set no deadline")
+    router = RouterConfig()
+    p.add_argument("--request-timeout", type=float, default=router.request_timeout,
+                   help="seconds a request may take end to end (waiting included)")
+    p.add_argument("--max-queued-requests", type=int, default=router.max_queued_requests,
+                   help="requests that may wait at the router for decode KV room; more get 429 "
+                        "at once (0 = no waiting)")
+    p.add_argument("--max-queue-wait", type=float, default=router.max_queue_wait,
+                   help="seconds a request may wait for decode KV room before it gets 429")
     p.add_argument("--log-dir", default=None, help="where process logs go (none: a temp dir)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of an exited process in a row before serve gives up on it (0 = never "
@@ -389,7 +405,16 @@ def run(a: argparse.Namespace) -> int:
     spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, host=a.host, port=a.port,
                        grpc_port=a.grpc_port, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                        device=a.device, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp, decode_ep=a.decode_ep,
-                       max_batch_size=a.max_batch_size)
+                       max_batch_size=a.max_batch_size, kv_blocks=a.kv_blocks,
+                       extra_router_args=["--request-timeout", str(a.request_timeout),
+                                          "--max-queued-requests", str(a.max_queued_requests),
+                                          "--max-queue-wait", str(a.max_queue_wait)],
+                       extra_decode_args=["--reservation-ttl", str(a.reservation_ttl)])
+    from pdserve.proto.rpc import ensure_port_free
+
+    # before starting anything: a taken port is one line now, not a router failure later
+    ensure_port_free(a.host, a.port, "--port")
+    ensure_port_free(a.host, a.grpc_port, "--grpc-port")
     stop = threading.Event()
     signals: list[int] = []
 

@@ -38,11 +38,13 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.kvtransfer import KVTransferAgent
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-    from pdserve.proto.rpc import add_health, bind, make_server, set_serving, write_ready_file
+    from pdserve.proto.rpc import (add_health, bind, ensure_port_free, make_server, set_serving,
+                                   write_ready_file)
 
     from .executor import PrefillExecutor, prefill_kv_blocks
     from .server import PrefillService
 
+    ensure_port_free(a.host, a.port)  # before minutes of model loading, not after
     if a.tp != 1:
         from .parallel import run_parallel
 

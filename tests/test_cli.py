@@ -136,21 +136,28 @@ def test_every_command_has_a_description_and_every_flag_help_with_its_default():
     assert "add_router_args" not in one_liners["router"] and "router" not in one_liners["router"].split()[0]
 
 
-@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
-def test_a_port_in_use_is_one_line(flag, tmp_path):
+@pytest.mark.parametrize("command, flag", [
+    ("router", "--port"), ("router", "--grpc-port"), ("serve", "--port"), ("serve", "--grpc-port"),
+    ("decode-worker", "--port"), ("prefill-worker", "--port")])
+def test_a_port_in_use_is_one_line_before_anything_starts(command, flag, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ports = {"--port": "0", "--grpc-port": "0", flag: str(port)}
-        p = subprocess.run([sys.executable, "-m", "pdserve.launch.cli", "router", "--host", "127.0.0.1",
-                            "--port", ports["--port"], "--grpc-port", ports["--grpc-port"],
-                            "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"],
+        args = {"router": ["--port", "0", "--grpc-port", "0", "--prefill", "127.0.0.1:1",
+                           "--decode", "127.0.0.1:2"],
+                "serve": ["--port", "0", "--grpc-port", "0", "--log-dir", tmp_path / "logs"],
+                # the model is not even looked at: the port is checked before loading it
+                "decode-worker": ["--model", tmp_path / "not-loaded"],
+                "prefill-worker": ["--model", tmp_path / "not-loaded"]}[command]
+        p = subprocess.run([sys.executable, "-m", "pdserve.launch.cli", command, "--host", "127.0.0.1",
+                            *map(str, args), flag, str(port)],
                            capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert f"127.0.0.1:{port}" in lines[0] and flag in lines[0] and "in use" in lines[0]
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
 
 
 def test_logits_of_a_model_computed_off_the_host_or_in_bf16(monkeypatch, tmp_path, capsys):
