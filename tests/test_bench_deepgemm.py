@@ -85,7 +85,16 @@ def test_child_checks_results_and_pads_k_only_when_needed(cpu, monkeypatch, caps
     monkeypatch.setitem(sys.modules, "deep_gemm", fake)
     monkeypatch.setitem(sys.modules, "tvm_ffi", type(sys)("tvm_ffi"))
     sys.modules["tvm_ffi"].__version__ = "0.0-fake"
-    monkeypatch.setattr(kernels, "time_graph", lambda fn, reps=25: (fn(), 1e-3)[1])
+    timed = []  # (K of the grouped GEMM the timed function ran, the time handed back)
+
+    def time_graph(fn, reps=25):
+        before = len(fake.k_seen)
+        fn()
+        ran = fake.k_seen[before:]
+        assert len(ran) == 1, ran  # a timed function runs exactly one grouped GEMM
+        timed.append((ran[0], 1e-3 * (len(timed) + 1)))  # a distinct time per call
+        return timed[-1][1]
+    monkeypatch.setattr(kernels, "time_graph", time_graph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(kernels, "MODELS", {"tiny": 4})
@@ -97,11 +106,17 @@ def test_child_checks_results_and_pads_k_only_when_needed(cpu, monkeypatch, caps
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("DEEPGEMM_JSON ")]
     res = json.loads(lines[-1][len("DEEPGEMM_JSON "):])
     assert res["smoke_rel_err"] < 1e-2
+    # only the attempt whose results were right is timed, plain then with the bias add, and each
+    # time lands in its own field
+    gate_up_k = 200 if k_tail else 256
+    assert [k for k, _ in timed] == [gate_up_k, gate_up_k, 128, 128] * 2
+    times = iter(t for _, t in timed)
     for t in (1024, 8192):
         case = res[f"tiny/{t}"]
-        assert case["gate_up_k"] == (200 if k_tail else 256) and case["down_k"] == 128
+        assert case["gate_up_k"] == gate_up_k and case["down_k"] == 128
         assert case["gate_up_rel_err"] < 1e-2 and case["down_rel_err"] < 1e-2
-        assert case["gate_up"] == case["down"] == 1e-3
+        assert [case[f] for f in ("gate_up", "gate_up_bias", "down", "down_bias")] == \
+            [next(times) for _ in range(4)]
     runs = [k for i, k in enumerate(fake.k_seen) if i == 0 or fake.k_seen[i - 1] != k]
     assert runs == ([200, 128] * 2 if k_tail else [200, 256, 128] * 2)  # padded only if needed
 
