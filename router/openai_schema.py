@@ -154,19 +154,13 @@ _MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOP_LOGPROBS = 20
 
 
-class _Sampling(_Body):
-    """Fields shared by chat and completions."""
+class SamplingControls(_Body):
+    """How tokens are drawn: shared by chat, completions and responses."""
 
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # extension (vLLM-style); 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -179,13 +173,6 @@ class _Sampling(_Body):
     @classmethod
     def _not_honoured(cls, data: Any) -> Any:
         return refuse_not_honoured(data, NOT_HONOURED)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -204,6 +191,24 @@ class _Sampling(_Body):
     @property
     def token_bias(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+class _Sampling(SamplingControls):
+    """Fields shared by chat and completions."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
 
     @field_validator("stop")
     @classmethod

@@ -30,13 +30,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator,
                       model_validator)
 
-from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequestError, RouterError
 from pdserve.router.harmony import Delta, HarmonyError
 from pdserve.router.accounting import CLIENT_CLOSED, Outcome, outcome_of
 from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream
-from pdserve.router.openai_schema import (FunctionDefinition, absent_or, parse_body,
-                                          refuse_not_honoured)
+from pdserve.router.openai_schema import NOT_HONOURED as CHAT_NOT_HONOURED
+from pdserve.router.openai_schema import (FunctionDefinition, SamplingControls, absent_or,
+                                          parse_body, refuse_not_honoured)
 from pdserve.router.orchestrator import FINISH_LENGTH, Generation, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 
 # Fields that would change the output and are not honoured: 400 naming them (see openai_schema).
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
+    **CHAT_NOT_HONOURED,
+    "stop": absent_or([]),  # not part of this API; benchmark clients send null
+    "max_tokens": absent_or(),  # this API's budget is max_output_tokens
     "background": absent_or(False),
     "conversation": absent_or(),
     "prompt": absent_or(),
@@ -163,8 +166,7 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = _STRICT
+class ResponsesRequest(SamplingControls):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None
@@ -174,10 +176,6 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # extension, as on chat
-    seed: int | None = Field(default=None, ge=0, lt=2 ** 64)  # extension, as on chat
     stream: bool = False
     store: bool = False
     metadata: dict[str, str] | None = None
@@ -459,12 +457,9 @@ class ResponsesAPI:
                 error.param = "max_output_tokens"
             raise
         response_id = _new_id("resp")
-        sampling = pdserve_pb2.SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            max_new_tokens=max_new, stop_token_ids=self.codec.stop_token_ids())
-        if body.seed is not None:
-            sampling.seed = body.seed
-        generation = self.orchestrator.generate(response_id, prompt, sampling, arrival=arrival)
+        generation = self.orchestrator.generate(response_id, prompt,
+                                                self.frontend._sampling(body, max_new),
+                                                arrival=arrival)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, [generation]))
         [(events, first)] = await self.frontend._start([generation], watcher)
         run = _Run(self, body, response_id, items, len(prompt), generation, events, first)

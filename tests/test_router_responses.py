@@ -151,6 +151,17 @@ def test_max_output_tokens_makes_an_incomplete_response(fresh, client):
     assert r.usage.output_tokens == 4
 
 
+def test_benchmark_extensions_ignore_eos_exact_length(fresh):
+    """guidellm sends ignore_eos (and stop: null) for exact output lengths."""
+    n = random.randint(3, len(fresh.script.token_ids) - 2)
+    r = post(fresh, {"model": MODEL, "input": "Hi!", "max_output_tokens": n, "ignore_eos": True,
+                     "stop": None, "min_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["output_tokens"] == n and r.json()["status"] == "incomplete"
+    sampling = fresh.decode[0].decode_requests[0].sampling
+    assert sampling.ignore_eos and sampling.min_tokens == 2 and not sampling.stop_token_ids
+
+
 def post(cluster, body):
     return httpx.post(cluster.base_url + "/v1/responses", json=body, timeout=10)
 
@@ -172,6 +183,10 @@ def post(cluster, body):
     ({"input": [{"type": "function_call_output", "call_id": "call_nowhere", "output": "1"}]},
      "input"),
     ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ({"stop": ["x"]}, "stop"),
+    ({"max_tokens": 5}, "max_tokens"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias"),
 ])
 def test_invalid_or_unsupported_requests_are_400(fresh, overrides, param):
     body = {"model": MODEL, "input": "Hi!", **overrides}
