@@ -100,8 +100,12 @@ class DecodeScheduler:
         return r
 
     def start(self, request_id: str, first_token: int, prompt_ids: list[int], params: SamplingParams,
-              kv_wait_s: float = 30.0) -> Reservation:
-        """Hand over the first token; the request joins the batch once its KV has arrived."""
+              kv_wait_s: float = 30.0, num_generated: int = 0) -> Reservation:
+        """Hand over the first token; the request joins the batch once its KV has arrived.
+        num_generated: the last prompt ids are the request's own earlier samples (a migrated
+        stream): they count as its output (max_new_tokens, penalties, the sampling index)."""
+        if not 0 <= num_generated < len(prompt_ids):
+            raise ValueError(f"num_generated {num_generated} is not within the {len(prompt_ids)}-token prompt")
         with self._lock:
             r = self._reservations.get(request_id)
             if r is None or r.cancelled:
@@ -110,7 +114,9 @@ class DecodeScheduler:
                 raise ReservationError(f"request {request_id} was already started")
             if len(prompt_ids) != r.num_prompt_tokens:
                 raise ValueError(f"reservation was for {r.num_prompt_tokens} prompt tokens, got {len(prompt_ids)}")
-            seq = Sequence(request_id, list(prompt_ids), params, blocks=r.blocks)
+            cut = len(prompt_ids) - num_generated
+            seq = Sequence(request_id, list(prompt_ids[:cut]), params, output_ids=list(prompt_ids[cut:]),
+                           blocks=r.blocks)
             seq.num_cached = len(prompt_ids)
             r.seq = seq
             r.expires_at = self.clock() + kv_wait_s  # now: deadline for the KV to arrive

@@ -72,7 +72,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             params = SamplingParams(**sampling_kwargs(request.sampling))
             params.check_vocab(self.scheduler.runner.cfg.vocab_size)
             r = self.scheduler.start(request.request_id, request.first_token_id, list(request.prompt_token_ids),
-                                     params, kv_wait_s=self.kv_wait_s)
+                                     params, kv_wait_s=self.kv_wait_s, num_generated=request.num_generated)
         except ReservationError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (ValueError, SamplingError) as e:

@@ -51,6 +51,11 @@ class RouterConfig:
     api_key_file: str | None = None      # accepted keys, one per line; /v1 and gRPC need one
     tls_cert_file: str | None = None     # PEM certificate (chain) for HTTPS and gRPC TLS
     tls_key_file: str | None = None
+    # prefix caching and migration
+    routing_policy: str = "cache_aware"  # cache_aware | load (router.policy)
+    prefix_imbalance_tokens: int = 8192  # cache_aware: queued-token gap that overrides a match
+    prefix_index_tokens: int = 65536     # cache_aware: tokens remembered per prefill worker
+    max_migrations: int = 2              # times a stream moves on when its decode worker fails
 
     def __post_init__(self) -> None:
         positive = ("request_timeout", "responses_store_ttl", "probe_interval", "probe_timeout", "breaker_reset_timeout",
@@ -74,6 +79,13 @@ class RouterConfig:
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name} must be a TCP port (0 = any free one), "
                                   f"got {getattr(self, name)!r}")
+        if self.routing_policy not in ("cache_aware", "load"):
+            raise ConfigError(f"routing_policy must be cache_aware or load, got {self.routing_policy!r}")
+        for name in ("prefix_imbalance_tokens", "max_migrations"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.prefix_index_tokens < 16:
+            raise ConfigError(f"prefix_index_tokens must be >= 16, got {self.prefix_index_tokens!r}")
         if not self.served_model_name:
             raise ConfigError("served_model_name must not be empty")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

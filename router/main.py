@@ -59,6 +59,17 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--breaker-max-reset-timeout", type=float, default=defaults.breaker_max_reset_timeout,
                    help="longest wait between probes of a worker out of rotation (how soon one "
                         "restarted on its address is back)")
+    g.add_argument("--routing-policy", default=defaults.routing_policy, choices=["cache_aware", "load"],
+                   help="prefill placement: the worker caching the longest prompt prefix (cache_aware) "
+                        "or the least loaded (load)")
+    g.add_argument("--prefix-imbalance-tokens", type=int, default=defaults.prefix_imbalance_tokens,
+                   help="cache_aware: route by load instead when the best match's queue holds this "
+                        "many more prompt tokens than the least-loaded worker's")
+    g.add_argument("--prefix-index-tokens", type=int, default=defaults.prefix_index_tokens,
+                   help="cache_aware: prompt tokens remembered per prefill worker")
+    g.add_argument("--max-migrations", type=int, default=defaults.max_migrations,
+                   help="times a stream is re-prefilled and continued elsewhere when its decode "
+                        "worker dies or drops it (0 = the stream ends in an error)")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -89,7 +100,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         api_key_file=args.api_key_file, tls_cert_file=args.tls_cert_file,
                         tls_key_file=args.tls_key_file,
                         breaker_reset_timeout=args.breaker_reset_timeout,
-                        breaker_max_reset_timeout=args.breaker_max_reset_timeout)
+                        breaker_max_reset_timeout=args.breaker_max_reset_timeout,
+                        routing_policy=args.routing_policy,
+                        prefix_imbalance_tokens=args.prefix_imbalance_tokens,
+                        prefix_index_tokens=args.prefix_index_tokens,
+                        max_migrations=args.max_migrations)
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:

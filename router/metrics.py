@@ -71,6 +71,20 @@ class RouterMetrics:
                                      "KV blocks in use over all KV blocks of the routable decode "
                                      "workers (0 with none): the decode pool's load, for "
                                      "autoscaling", registry=r)
+        self.prefill_prompt_tokens = Counter(
+            "pdserve_prefill_prompt_tokens", "Prompt tokens sent to prefill workers (re-prefills "
+            "of migrated streams included)", registry=r)
+        self.prefill_cached_tokens = Counter(
+            "pdserve_prefill_cached_tokens", "Prompt tokens whose KV a prefill worker's prefix "
+            "cache already held (not computed)", registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "pdserve_prefix_cache_hit_rate", "Cached / prompt tokens over all prefills so far",
+            registry=r)
+        self.migrations = Counter("pdserve_migrations", "Streams whose decode worker failed: "
+                                  "continued elsewhere (migrated), ended at the limit (limit) or with no "
+                                  "pair to go to (failed)",
+                                  ["outcome"], registry=r)
+        self._prefix_totals = [0, 0]  # prompt, cached tokens (for the hit-rate gauge)
         worker_labels = ["role", "worker"]
         self.worker_healthy = Gauge("pdserve_worker_healthy", "1 if the worker is routable",
                                     worker_labels, registry=r)
@@ -135,6 +149,14 @@ class RouterMetrics:
         self.kv_seconds.observe(response.kv_transfer_seconds)
         self.prefill_queue.observe(response.queue_seconds)
         self.prefill_compute.observe(response.compute_seconds)
+
+    def observe_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefill_prompt_tokens.inc(prompt_tokens)
+        self.prefill_cached_tokens.inc(cached_tokens)
+        self._prefix_totals[0] += prompt_tokens
+        self._prefix_totals[1] += cached_tokens
+        total, cached = self._prefix_totals
+        self.prefix_cache_hit_rate.set(cached / total if total else 0.0)
 
     def observe_tokens(self, num_tokens: int, wait_seconds: float, *, first: bool) -> None:
         """`num_tokens` arrived after `wait_seconds` (since arrival if `first`, else since the last)."""

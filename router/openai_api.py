@@ -371,7 +371,8 @@ class OpenAIFrontend:
             **meta, "object": "chat.completion",
             "choices": [self._chat_choice(i, output, finish, top)
                         for i, (output, finish) in enumerate(zip(outputs, finishes))],
-            "usage": _usage(len(prompt), sum(o.completion_tokens for o in outputs))})
+            "usage": _usage(len(prompt), sum(o.completion_tokens for o in outputs),
+                            generation.cached_tokens)})
 
     def _chat_choice(self, index: int, output: ChatOutput, finish: int, top: int | None) -> dict:
         """One finished choice of a non-streamed chat completion."""
@@ -425,7 +426,8 @@ class OpenAIFrontend:
         def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> str:
             usage = {}
             if continuous_usage:
-                usage = {"usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))}
+                usage = {"usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs),
+                                         generation.cached_tokens)}
             elif include_usage:
                 usage = {"usage": None}
             formatted = self.logprob_format.chat(logprobs, logprobs_top) if logprobs else None
@@ -444,7 +446,8 @@ class OpenAIFrontend:
                 return  # the client is gone
             if include_usage:
                 yield _sse({**meta, "object": "chat.completion.chunk", "choices": [],
-                            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))})
+                            "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs),
+                                            generation.cached_tokens)})
             yield _SSE_DONE
             outcome.status = 200
         except RouterError as error:
@@ -578,7 +581,8 @@ class OpenAIFrontend:
             "choices": [{"index": i, "text": "".join(texts[i]),
                          "logprobs": merge_completion_logprobs(logprobs[i]) if k is not None else None,
                          "finish_reason": finishes[i]} for i in range(len(choices))],
-            "usage": _usage(prompt_tokens, sum(0 if prompt_only else o.completion_tokens for o in outputs))})
+            "usage": _usage(prompt_tokens, sum(0 if prompt_only else o.completion_tokens for o in outputs),
+                            sum(g.cached_tokens for g in generations))})
 
     async def _completion_choice(self, index: int, events: AsyncIterator[TokenEvent],
                                  first: TokenEvent | None, generation: Generation,
@@ -632,7 +636,8 @@ class OpenAIFrontend:
         done = 0
 
         def usage() -> dict:
-            return _usage(prompt_tokens, sum(o.completion_tokens for o in outputs))
+            return _usage(prompt_tokens, sum(o.completion_tokens for o in outputs),
+                          sum(g.cached_tokens for g in generations))
         try:
             async for index, text, finish, piece in _merge(choices):
                 if not text and not finish and not (piece and piece["tokens"]):
@@ -709,9 +714,11 @@ async def _merge(streams: list[AsyncIterator]) -> AsyncIterator:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI usage; cached_tokens: prompt tokens whose KV a prefill worker had cached."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def create_app(frontend: OpenAIFrontend) -> FastAPI:

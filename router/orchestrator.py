@@ -4,8 +4,11 @@ Retries happen only on retryable statuses: a decode worker that is full or gone 
 next-ranked one; a prefill worker that is full, dying or gone is retried on another prefill worker
 after a jittered backoff, reusing the same KV reservation; a prefill that answers ABORTED (its KV
 could not reach the decode worker) blames the decode worker and the request starts over on
-another. A decode worker that dies mid-stream ends the stream with an error and is taken out of
-rotation. Whatever ends a request early (client
+another. A decode worker that dies or drops a stream mid-way is taken out of rotation and the
+stream migrates (up to `max_migrations` times): prompt + the tokens already streamed are
+re-prefilled on another pair (mostly from the prefill worker's prefix cache) and decoding goes on
+from the next token, with the same seed and token index, so the caller sees one stream with no
+token repeated or skipped. Whatever ends a request early (client
 gone, stop string, error, timeout) sends Cancel to both workers so the KV blocks are freed.
 Every RPC carries a deadline; one request id is used on every worker.
 """
@@ -102,6 +105,14 @@ class _KVDestinationFailed(Exception):
 
 class _NoRoom(Exception):
     """No decode worker has KV room for the request now (estimate, or every Reserve refused)."""
+
+
+class _DecodeLost(Exception):
+    """The decode worker died or dropped the stream; `error` ends the stream unless it migrates."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _finish_name(finish_reason: int) -> str:
@@ -224,6 +235,10 @@ class Generation:
         self._kv_blocks = 0  # the router's estimate of what the reservation holds
         self._held: Worker | None = None  # the decode worker kept connected for this request
         self._queue_place: asyncio.Future | None = None  # while waiting for KV room
+        self.generated: list[int] = []  # tokens streamed to the caller so far
+        self._prefilled_generated = 0  # of those, how many the current prefill's prompt holds
+        self.cached_tokens = 0  # prompt tokens the (first) prefill found in its prefix cache
+        self.migrations = 0
 
     @property
     def aborted(self) -> bool:
@@ -247,12 +262,13 @@ class Generation:
         self._release()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
         try:
-            response = await self._admit()
+            response = await self._admit(set())
             if response is None:
                 return
-            self._metrics.observe_prefill(response)
-            last = asyncio.get_running_loop().time()
+            self.cached_tokens = response.cached_tokens
+            last = loop.time()
             self._metrics.observe_tokens(1, last - self.arrival, first=True)
             self.prompt_logprobs = list(response.prompt_logprobs)
             if self.num_choices > 1:  # one prefill sampled every choice's first token
@@ -260,16 +276,64 @@ class Generation:
                 for i, token in enumerate(firsts):
                     logprobs = [response.first_token_logprobs[i]] if response.first_token_logprobs else []
                     yield TokenEvent([token], logprobs=logprobs, choice=i)
-            else:
-                firsts = [response.first_token_id]
-                first_logprobs = [response.first_token_logprob] if response.HasField("first_token_logprob") else []
+                try:
+                    async for event in self._decode(firsts, last):
+                        yield event
+                except _DecodeLost as lost:  # n choices share one decode: they do not migrate
+                    raise lost.error from None
+                return
+            while True:
+                self.generated.append(response.first_token_id)
+                first_logprobs = ([response.first_token_logprob]
+                                  if response.HasField("first_token_logprob") else [])
                 yield TokenEvent([response.first_token_id], logprobs=first_logprobs)
-            async for event in self._decode(firsts, last):
-                yield event
+                try:
+                    async for event in self._decode([response.first_token_id], last):
+                        self.generated.extend(event.token_ids)
+                        yield event
+                    return
+                except _DecodeLost as lost:
+                    response = await self._migrate(lost)
+                if response is None:
+                    return
+                now = loop.time()
+                self._metrics.observe_tokens(1, now - last, first=False)
+                last = now
         finally:
             if not self._finished:
                 self._release()
             self._unhold()
+
+    def _prompt(self) -> list[int]:
+        """What a prefill runs now: the prompt, then the tokens already streamed (migration)."""
+        return self.prompt_token_ids + self.generated
+
+    async def _migrate(self, lost: _DecodeLost) -> pdserve_pb2.PrefillResponse | None:
+        """Re-prefill prompt + streamed tokens on another pair and continue the same stream (its
+        seed and token index carry over); the stream's error when over the migration limit."""
+        if self.aborted:
+            return None
+        if self.migrations >= self._config.max_migrations:
+            self._metrics.migrations.labels("limit").inc()
+            raise lost.error
+        self.migrations += 1
+        old = self.decode_worker
+        log.warning("request %s: %s; migrating after %d tokens (%d/%d)", self.request_id,
+                    lost.error.message, len(self.generated), self.migrations,
+                    self._config.max_migrations)
+        self._orch.send_cancel(old, self.request_id)
+        self._give_back_blocks()
+        self._unhold()
+        self.decode_worker, self._call = None, None
+        try:
+            response = await self._admit({old.endpoint.address})
+        except RouterError as error:  # nowhere to go: the stream ends with what broke it
+            log.warning("request %s could not migrate: %s", self.request_id, error.message)
+            self._metrics.migrations.labels("failed").inc()
+            raise lost.error from None
+        if response is not None:
+            self._metrics.migrations.labels("migrated").inc()
+        return response
 
     # ---- steps ----------------------------------------------------------------------------
     def _remaining(self) -> float:
@@ -280,18 +344,22 @@ class Generation:
                 f"{self._config.request_timeout:g}s.", code="timeout")
         return remaining
 
-    async def _admit(self) -> pdserve_pb2.PrefillResponse | None:
-        """Reserve on a decode worker, then prefill into it; None if cancelled meanwhile.
+    async def _admit(self, broken_decode: set[str]) -> pdserve_pb2.PrefillResponse | None:
+        """Reserve on a decode worker (not one in `broken_decode`), then prefill into it; None if
+        cancelled meanwhile.
 
         A prefill that fails because the KV could not reach the decode worker (ABORTED) blames
         that decode worker: its reservation is cancelled and the request starts over elsewhere.
         """
-        broken_decode: set[str] = set()
+        broken_decode = set(broken_decode)
         for _ in range(self._config.max_decode_attempts):
             if self.aborted or not await self._reserve(broken_decode):
                 return None
             try:
-                return await self._prefill()
+                response = await self._prefill()
+                if response is not None:
+                    self._metrics.observe_prefill(response)
+                return response
             except _KVDestinationFailed as failure:
                 worker = self.decode_worker
                 broken_decode.add(worker.endpoint.address)
@@ -372,8 +440,8 @@ class Generation:
 
         Raises `_NoRoom` when none has room now."""
         registry, policy = self._orch.registry, self._orch.policy
-        num_prompt = len(self.prompt_token_ids)
-        max_new = self.sampling.max_new_tokens
+        num_prompt = len(self.prompt_token_ids) + len(self.generated)
+        max_new = self.sampling.max_new_tokens - len(self.generated)
         alive = [w for w in registry.routable("decode") if w.endpoint.address not in exclude]
         candidates = policy.rank_decode(alive, num_prompt, max_new)
         if alive and not candidates:
@@ -442,26 +510,31 @@ class Generation:
     async def _prefill(self) -> pdserve_pb2.PrefillResponse | None:
         """Run the prompt on a prefill worker, retrying elsewhere; None if aborted."""
         registry, policy = self._orch.registry, self._orch.policy
+        prompt = self._prompt()
+        self._prefilled_generated = len(self.generated)
         request = pdserve_pb2.PrefillRequest(
-            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-            sampling=self.sampling, placements=self.placements)
+            request_id=self.request_id, prompt_token_ids=prompt, sampling=self.sampling,
+            placements=self.placements, num_generated=len(self.generated))
         tried: set[str] = set()
         full = gone = 0
         last_error = ""
         for attempt in range(self._config.max_prefill_attempts):
-            candidates = [w for w in policy.rank_prefill(registry.routable("prefill"),
-                                                         len(self.prompt_token_ids))
+            candidates = [w for w in policy.rank_prefill(registry.routable("prefill"), len(prompt),
+                                                         prompt)
                           if w.endpoint.address not in tried]
             if not candidates:
                 break
             worker = candidates[0]
             tried.add(worker.endpoint.address)
             self.prefill_worker = worker
-            queued = worker.pending_prompt.add(len(self.prompt_token_ids))  # until it answers
+            queued = worker.pending_prompt.add(len(prompt))  # until it answers
             call = worker.stub.Prefill(request, timeout=self._remaining())
             self._call = call
             try:
-                return await call
+                response = await call
+                policy.prefilled(worker, prompt)
+                self._metrics.observe_prefix(len(prompt), response.cached_tokens)
+                return response
             except asyncio.CancelledError:
                 if self.aborted:
                     return None
@@ -486,6 +559,7 @@ class Generation:
                     full += 1
                     continue
                 gone += 1
+                policy.forget(worker)
                 registry.report_failure(worker, f"prefill {_rpc_reason(error)}", fatal=True)
                 self._orch.send_cancel(worker, self.request_id)  # stop a zombie writing our KV
                 delay = backoff_delay(attempt, self._config.retry_base_delay,
@@ -511,10 +585,11 @@ class Generation:
     async def _decode(self, first_token_ids: list[int], last: float) -> AsyncIterator[TokenEvent]:
         worker = self.decode_worker
         loop = asyncio.get_running_loop()
+        done = self._prefilled_generated
         request = pdserve_pb2.DecodeRequest(
             request_id=self.request_id, first_token_id=first_token_ids[0],
-            prompt_token_ids=self.prompt_token_ids, sampling=self.sampling,
-            first_token_ids=first_token_ids if self.num_choices > 1 else [])
+            prompt_token_ids=self.prompt_token_ids + self.generated[:done], sampling=self.sampling,
+            first_token_ids=first_token_ids if self.num_choices > 1 else [], num_generated=done)
         unfinished = self.num_choices
         call = worker.stub.Decode(request, timeout=self._remaining())
         self._call = call
@@ -524,9 +599,11 @@ class Generation:
                 self._metrics.observe_tokens(len(chunk.token_ids), now - last, first=False)
                 last = now
                 if chunk.finish_reason in (FINISH_ERROR, FINISH_CANCELLED):
-                    raise UpstreamError(f"Decode worker {worker.name} ended the request: "
-                                        f"{chunk.error or _finish_name(chunk.finish_reason)}",
-                                        code="decode_failed")
+                    if self.aborted:
+                        return
+                    raise _DecodeLost(UpstreamError(
+                        f"Decode worker {worker.name} ended the request: "
+                        f"{chunk.error or _finish_name(chunk.finish_reason)}", code="decode_failed"))
                 unfinished -= bool(chunk.finish_reason)
                 if not unfinished:
                     self._finished = True
@@ -541,10 +618,13 @@ class Generation:
         except grpc.aio.AioRpcError as error:
             if self.aborted:
                 return
-            raise self._decode_failure(worker, error) from None
+            failure = self._decode_failure(worker, error)
+            if error.code() in WORKER_DIED or error.code() in WORKER_GONE:
+                raise _DecodeLost(failure) from None
+            raise failure from None
         if not self.aborted:
-            raise UpstreamError(f"Decode worker {worker.name} closed the stream without a finish "
-                                "reason.", code="decode_failed")
+            raise _DecodeLost(UpstreamError(f"Decode worker {worker.name} closed the stream "
+                                            "without a finish reason.", code="decode_failed"))
 
     def _decode_failure(self, worker: Worker, error: grpc.aio.AioRpcError) -> RouterError:
         code = error.code()

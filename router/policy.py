@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 from typing import Sequence
 
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Worker
 
 
@@ -28,8 +29,15 @@ class RoutingPolicy(abc.ABC):
         """Decode workers that can admit prompt + max_new_tokens, best first (may be empty)."""
 
     @abc.abstractmethod
-    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int) -> list[Worker]:
+    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int,
+                     prompt_token_ids: Sequence[int] = ()) -> list[Worker]:
         """Prefill workers, best first."""
+
+    def prefilled(self, worker: Worker, prompt_token_ids: Sequence[int]) -> None:
+        """`worker` ran this prompt (a cache-aware policy remembers it)."""
+
+    def forget(self, worker: Worker) -> None:
+        """`worker` died: whatever it cached is gone."""
 
     def select_pair(self, prefill: Sequence[Worker], decode: Sequence[Worker],
                     num_prompt_tokens: int, max_new_tokens: int) -> tuple[Worker, Worker] | None:
@@ -64,6 +72,40 @@ class LoadAwarePolicy(RoutingPolicy):
             fits.append(worker)
         return sorted(fits, key=lambda w: (-w.free_kv_blocks, w.load.running_requests, w.name))
 
-    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int) -> list[Worker]:
+    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int,
+                     prompt_token_ids: Sequence[int] = ()) -> list[Worker]:
         alive = [w for w in workers if w.load is not None and not w.load.draining]
         return sorted(alive, key=lambda w: (w.queued_prompt_tokens, w.load.queued_requests, w.name))
+
+
+class CacheAwarePolicy(LoadAwarePolicy):
+    """Prefill: the worker that probably caches the longest prefix of the prompt (router-side
+    `PrefixIndex` of what was sent where), unless its queue holds more than `imbalance_tokens`
+    prompt tokens beyond the least-loaded worker's: then the least-loaded, as without a cache.
+    The others follow by load (fallbacks). Decode: as LoadAwarePolicy.
+    """
+
+    def __init__(self, index: PrefixIndex | None = None, *, imbalance_tokens: int = 8192) -> None:
+        if imbalance_tokens < 0:
+            raise ValueError("imbalance_tokens must be >= 0")
+        self.index = index or PrefixIndex()
+        self.imbalance_tokens = imbalance_tokens
+
+    def rank_prefill(self, workers: Sequence[Worker], num_prompt_tokens: int,
+                     prompt_token_ids: Sequence[int] = ()) -> list[Worker]:
+        by_load = super().rank_prefill(workers, num_prompt_tokens)
+        if len(by_load) < 2 or not prompt_token_ids:
+            return by_load
+        matched = self.index.match(prompt_token_ids, [w.name for w in by_load])
+        best = max(by_load, key=lambda w: matched[w.name])  # ties: the less loaded (stable order)
+        if matched[best.name] == 0:
+            return by_load
+        if best.queued_prompt_tokens - by_load[0].queued_prompt_tokens > self.imbalance_tokens:
+            return by_load
+        return [best] + [w for w in by_load if w is not best]
+
+    def prefilled(self, worker: Worker, prompt_token_ids: Sequence[int]) -> None:
+        self.index.record(worker.name, prompt_token_ids)
+
+    def forget(self, worker: Worker) -> None:
+        self.index.forget(worker.name)

@@ -405,8 +405,8 @@ class ResponseOutput:
                        "item": item})
         return events
 
-    def usage(self, input_tokens: int) -> dict:
-        return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+    def usage(self, input_tokens: int, cached_tokens: int) -> dict:
+        return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
                 "output_tokens": self.output_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": input_tokens + self.output_tokens}
@@ -608,7 +608,7 @@ class _Run:
                             else body.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "top_p": body.top_p, "truncation": "disabled",
-            "usage": self.output.usage(self.input_tokens) if done else None,
+            "usage": self.output.usage(self.input_tokens, self.generation.cached_tokens) if done else None,
             "user": body.user,
         }
         return obj

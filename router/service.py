@@ -25,7 +25,8 @@ from pdserve.router.harmony import HarmonyCodec
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api import OpenAIFrontend, create_app
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.policy import LoadAwarePolicy, RoutingPolicy
+from pdserve.router.policy import CacheAwarePolicy, LoadAwarePolicy, RoutingPolicy
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.responses import ResponsesAPI, ResponseStore
 from pdserve.router.tokenizer_api import TokenizerAPI
@@ -68,8 +69,15 @@ class Router:
 def build_router(config: RouterConfig, discovery: Discovery, *, codec: HarmonyCodec | None = None,
                  policy: RoutingPolicy | None = None) -> Router:
     """Wire a router; nothing starts until `serve_router`. Tests pass a static discovery."""
-    return Router(config, discovery, codec or HarmonyCodec(), policy or LoadAwarePolicy(),
+    return Router(config, discovery, codec or HarmonyCodec(), policy or policy_from_config(config),
                   RouterMetrics())
+
+
+def policy_from_config(config: RouterConfig) -> RoutingPolicy:
+    if config.routing_policy == "load":
+        return LoadAwarePolicy()
+    return CacheAwarePolicy(PrefixIndex(capacity_tokens=config.prefix_index_tokens),
+                            imbalance_tokens=config.prefix_imbalance_tokens)
 
 
 class _UvicornServer(uvicorn.Server):

@@ -193,15 +193,16 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         sampling = request.sampling
         stops = set(sampling.stop_token_ids)
         script = self.script.token_ids
-        if request.first_token_id != script[0]:
+        start = request.num_generated  # a migrated stream goes on where it was
+        if request.first_token_id != script[start]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first token does not follow the script")
-        produced = 1
-        if script[0] in stops:
+        produced = start + 1
+        if script[start] in stops:
             yield pb.TokenChunk(finish_reason=pb.FINISH_REASON_STOP)
             return
         chunk: list[int] = []
         chunks = 0
-        for token in script[1:]:
+        for token in script[start + 1:]:
             if rid in self.cancelled or not context.is_active():
                 return
             chunk.append(token)
@@ -290,7 +291,7 @@ class FakePrefill(pbg.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.ABORTED, "KV transfer to the decode worker failed")
         self.fabric.write(request.placements[0].decode_worker_id, request.request_id)
         return pb.PrefillResponse(request_id=request.request_id,
-                                  first_token_id=self.script.token_ids[0],
+                                  first_token_id=self.script.token_ids[request.num_generated],
                                   kv_bytes=1024 * len(request.prompt_token_ids),
                                   kv_transfer_seconds=0.002, queue_seconds=0.001,
                                   compute_seconds=0.003)

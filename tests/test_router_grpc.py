@@ -139,7 +139,8 @@ def test_generate_cancel_is_immediate_without_garbage_collection(cluster, stub):
 
 def test_generate_decode_death_ends_with_error_message():
     stop = codec().stop_token_ids()[0]
-    cluster = Cluster(script=list(range(100, 160)) + [stop], decode_kv_blocks=[8192, 1024])
+    cluster = Cluster(script=list(range(100, 160)) + [stop], decode_kv_blocks=[8192, 1024],
+                      router_config={"max_migrations": 0})
     try:
         cluster.decode[0].die_after_chunks = 2
         channel = grpc.insecure_channel(cluster.router.grpc_address)
@@ -149,6 +150,24 @@ def test_generate_decode_death_ends_with_error_message():
         assert [t for r in responses[:-1] for t in r.token_ids] == list(range(100, 105))
         assert responses[-1].finish_reason == pb.FINISH_REASON_ERROR
         assert "failed mid-stream" in responses[-1].error
+    finally:
+        cluster.close()
+
+
+def test_generate_decode_death_migrates_the_stream():
+    """With migration the token stream goes on from the other decode worker, each token once."""
+    stop = codec().stop_token_ids()[0]
+    script = list(range(100, 160)) + [stop]
+    cluster = Cluster(script=script, decode_kv_blocks=[8192, 1024])
+    try:
+        cluster.decode[0].die_after_chunks = 2
+        channel = grpc.insecure_channel(cluster.router.grpc_address)
+        responses = list(pbg.GeneratorStub(channel).Generate(
+            pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=sampling()), timeout=10))
+        channel.close()
+        assert [t for r in responses for t in r.token_ids] == script
+        assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
+        assert responses[-1].completion_tokens == len(script)
     finally:
         cluster.close()
 

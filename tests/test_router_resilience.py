@@ -56,11 +56,11 @@ def test_prefill_worker_failure_is_retried_on_another(how):
         cluster.close()
 
 
-def test_decode_worker_dying_mid_stream():
+def test_decode_worker_dying_mid_stream_without_migration():
     # decode-0 has more free blocks, so it is picked first; probes are rare here, so only the
     # request path can tell the router that decode-0 died
     cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048],
-                      router_config={"probe_interval": 60.0})
+                      router_config={"probe_interval": 60.0, "max_migrations": 0})
     try:
         doomed, survivor = cluster.decode
         doomed.chunk_size, doomed.die_after_chunks = 4, 3
@@ -102,8 +102,60 @@ def test_kv_transfer_failure_moves_the_request_to_another_decode_worker():
         cluster.close()
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_decode_worker_dying_mid_stream_migrates(stream):
+    """The stream goes on from the survivor: prompt + streamed tokens re-prefilled, the same
+    text with nothing repeated or skipped, one migration counted."""
+    script = harmony_ids(SCRIPT)
+    cluster = Cluster(script=script, decode_kv_blocks=[8192, 2048],
+                      router_config={"probe_interval": 60.0})
+    try:
+        doomed, survivor = cluster.decode
+        doomed.chunk_size, doomed.die_after_chunks = 4, 3
+        client = client_for(cluster)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=MODEL, messages=USER, stream=True) if c.choices)
+        else:
+            r = client.chat.completions.create(model=MODEL, messages=USER)
+            text = r.choices[0].message.content
+            assert r.usage.completion_tokens == len(script)
+        assert text == STORY
+        [moved] = survivor.decode_requests
+        streamed = 1 + 3 * 4  # prefill's token, then three chunks of four
+        assert moved.num_generated == streamed
+        assert list(moved.prompt_token_ids[-streamed:]) == script[:streamed]
+        resumed = [p for w in cluster.prefill for p in w.requests if p.num_generated]
+        assert [p.num_generated for p in resumed] == [streamed]
+        assert list(resumed[0].prompt_token_ids[-streamed:]) == script[:streamed]
+        assert resumed[0].sampling.seed == moved.sampling.seed
+        metrics = httpx.get(cluster.base_url + "/metrics").text
+        assert 'pdserve_migrations_total{outcome="migrated"} 1.0' in metrics
+    finally:
+        cluster.close()
+
+
+def test_migration_limit_ends_the_stream():
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048],
+                      router_config={"probe_interval": 60.0, "max_migrations": 1})
+    try:
+        for worker in cluster.decode:
+            worker.chunk_size, worker.die_after_chunks = 4, 2
+        stream = client_for(cluster).chat.completions.create(model=MODEL, messages=USER,
+                                                             stream=True)
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        metrics = httpx.get(cluster.base_url + "/metrics").text
+        assert 'pdserve_migrations_total{outcome="migrated"} 1.0' in metrics
+        assert 'pdserve_migrations_total{outcome="limit"} 1.0' in metrics
+    finally:
+        cluster.close()
+
+
 def test_decode_worker_dying_non_streamed_is_502():
-    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048])
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048],
+                      router_config={"max_migrations": 0})
     try:
         cluster.decode[0].die_after_chunks = 1
         r = httpx.post(cluster.base_url + "/v1/chat/completions",
