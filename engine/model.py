@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     t = x.float()
     t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
     return (t * weight).to(x.dtype)
+
+
+def fused_kernels_wanted(device: torch.device) -> bool:
+    """The Triton per-layer kernels (kernels.triton_norm / _rope / _router) run on CUDA unless
+    PDSERVE_FUSED_KERNELS=0 (the plain-torch path: the reference the GPU tests compare with)."""
+    if device.type != "cuda" or os.environ.get("PDSERVE_FUSED_KERNELS", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass
@@ -48,7 +62,10 @@ class GptOssModel:
         device: torch.device | str = "cpu",
         page_size: int = 16,
         attention_backend: str = "auto",
+        fused: bool | None = None,
     ):
+        """fused: the Triton per-layer kernels (residual + RMSNorm, RoPE + KV write, router);
+        None = `fused_kernels_wanted(device)`."""
         self.cfg = cfg
         self.w = weights
         self.shard = shard
@@ -59,6 +76,7 @@ class GptOssModel:
         self.rope = RotaryEmbedding(cfg, self.device)
         self.page_size = page_size
         self.attention_backend = attention_backend
+        self.fused = fused_kernels_wanted(self.device) if fused is None else fused
 
     def make_attention(
         self,
@@ -87,33 +105,58 @@ class GptOssModel:
         return backends
 
     # -- blocks --------------------------------------------------------------------------------
-    def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
+    # Each block takes the normed input `t` and returns its output before the residual add; the
+    # forward adds it and norms for the next block in one step (`_add_norm`).
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """(x + delta, rms_norm(x + delta) * weight); delta None: (x, rms_norm(x) * weight)."""
+        if self.fused:
+            from pdserve.kernels.triton_norm import add_rms_norm
+
+            return add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
+        if delta is not None:
+            x = x + delta
+        return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         a, _ = self.w.layers[layer]
-        cfg = self.cfg
-        D = cfg.head_dim
-        t = rms_norm(x, a.norm, cfg.rms_norm_eps)
+        D = self.cfg.head_dim
         qkv = F.linear(t, a.qkv_weight, a.qkv_bias)
         nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
-        q = qkv[:, :nq].view(-1, self.num_q_heads, D)
-        k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, D)
-        v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, D)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        step.cache.write(layer, step.slots, k, v)
         group, _ = step.cache.layer_group[layer]
-        o = step.attention[group].run(q.contiguous(), step.cache.layer_cache(layer), a.sinks)
-        o = F.linear(o.reshape(-1, nq), a.o_weight, a.o_bias)
-        return x + all_reduce(o, self.shard)
+        if self.fused:
+            from pdserve.kernels.triton_rope import rope_qkv_write
 
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+            q = rope_qkv_write(qkv, positions, self.rope.cos, self.rope.sin, step.slots[group],
+                               step.cache.layer_cache(layer), self.num_q_heads, self.num_kv_heads)
+        else:
+            q = qkv[:, :nq].view(-1, self.num_q_heads, D)
+            k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, D)
+            v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, D)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+            step.cache.write(layer, step.slots, k, v)
+            q = q.contiguous()
+        o = step.attention[group].run(q, step.cache.layer_cache(layer), a.sinks)
+        o = F.linear(o.reshape(-1, nq), a.o_weight, a.o_bias)
+        return all_reduce(o, self.shard)
+
+    def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.cfg.experts_per_token
+        if self.fused and k == 4:
+            from pdserve.kernels.triton_router import MAX_TOKENS, route_fused
+
+            if t.shape[0] <= MAX_TOKENS:
+                return route_fused(t, m.router_weight, m.router_bias, k)
+        return route(t, m.router_weight, m.router_bias, k)
+
+    def _moe(self, layer: int, t: torch.Tensor) -> torch.Tensor:
         # TP dispatch/combine: x is replicated on every rank and routed with the full router;
         # each rank runs only its local experts (its slice of their channels) on the tokens routed
         # to them; one all-reduce sums the ranks' weighted partial outputs (engine/parallel.py).
         _, m = self.w.layers[layer]
         cfg = self.cfg
-        t = rms_norm(x, m.norm, cfg.rms_norm_eps)
-        weights, ids = route(t, m.router_weight, m.router_bias, cfg.experts_per_token)
+        weights, ids = self._route(t, m)
         y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha)
-        return x + all_reduce(y, self.shard)
+        return all_reduce(y, self.shard)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.world_size == 1:
@@ -128,15 +171,21 @@ class GptOssModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H] (before the last norm)."""
         x = self._embed(input_ids)
+        layers = self.w.layers
+        x, t = self._add_norm(x, None, layers[0][0].norm)
         for i in range(self.cfg.num_hidden_layers):
-            x = self._attention(i, x, positions, step)
-            x = self._moe(i, x)
+            x, t = self._add_norm(x, self._attention(i, t, positions, step), layers[i][1].norm)
+            y = self._moe(i, t)
+            if i + 1 < len(layers):
+                x, t = self._add_norm(x, y, layers[i + 1][0].norm)
+            else:
+                x = x + y
         return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> float32 logits [T, vocab] (gathered over vocab shards)."""
-        h = rms_norm(hidden, self.w.norm, self.cfg.rms_norm_eps)
+        _, h = self._add_norm(hidden, None, self.w.norm)
         out = F.linear(h, self.w.unembedding).float()
         out = all_gather_last(out, self.shard)
         return out[:, : self.cfg.vocab_size]

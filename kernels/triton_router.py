@@ -1,0 +1,94 @@
+"""The MoE router in one Triton launch: logits, top-4, softmax over the selected four.
+
+The plain path (`kernels.moe.route`) is a cuBLAS GEMM with bias, `torch.topk` and `torch.softmax`
+(about six launches per layer at decode, ~15 us). Here one program per token (16 warps, the
+weights in three [E, 1024] tiles for 20b) streams the router weights [E, H], accumulates in float32, adds the bias and rounds the logits to x.dtype (as
+the GEMM's epilogue does), picks the top 4 (equal logits: the lower expert id first) and takes the
+softmax of the four rounded logits the way torch's warp softmax does for a 4-wide row: float32,
+exp(v - max) with the accurate exp, the sum as (e0 + e2) + (e1 + e3), a correctly rounded division,
+rounded to x.dtype.
+
+Against the plain path: the logits may differ by one rounding step of x.dtype where the float32
+sums (different order) straddle a rounding boundary; given the same logits, expert ids and
+weights are bit-identical (except among exactly equal logits, where torch.topk's order is not
+specified). Meant for decode-sized batches (`MAX_TOKENS`): each program reads all of the router
+weights, so larger batches go to the GEMM path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_math import INTERPRET, exp_f32
+
+MAX_TOKENS = 256  # above this a cuBLAS GEMM reads the router weights once for many tokens
+TOP_K = 4
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, w_ptr, b_ptr, weight_ptr, ids_ptr, logits_ptr, stride_x, stride_w, H: tl.constexpr,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    dt = x_ptr.dtype.element_ty
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < H
+        xv = tl.load(x_ptr + t * stride_x + k, mask=km, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
+    bias = tl.load(b_ptr + e, mask=em, other=0.0).to(tl.float32)
+    logits = (acc + bias).to(dt)
+    if WRITE_LOGITS:
+        tl.store(logits_ptr + t * E + e, logits, mask=em)
+    cur = tl.where(em, logits.to(tl.float32), float("-inf"))
+    slot = tl.arange(0, 4)
+    vals = tl.zeros((4,), dtype=tl.float32)
+    ids = tl.zeros((4,), dtype=tl.int32)
+    for i in tl.static_range(4):
+        m = tl.max(cur, axis=0)
+        idx = tl.min(tl.where(cur == m, e, BLOCK_E), axis=0)
+        vals = tl.where(slot == i, m, vals)
+        ids = tl.where(slot == i, idx, ids)
+        cur = tl.where(e == idx, float("-inf"), cur)
+    ex = exp_f32(vals - tl.max(vals, axis=0), ACCURATE_EXP)
+    pair = tl.sum(tl.reshape(ex, (2, 2)), axis=0)  # [e0 + e2, e1 + e3]
+    total = tl.sum(pair, axis=0)
+    w = tl.math.div_rn(ex, tl.zeros((4,), dtype=tl.float32) + total)
+    tl.store(weight_ptr + t * 4 + slot, w.to(weight_ptr.dtype.element_ty))
+    tl.store(ids_ptr + t * 4 + slot, ids.to(tl.int64))
+
+
+def route_fused(
+    x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int = TOP_K,
+    return_logits: bool = False,
+):
+    """x [T, H] -> (weights [T, 4] in x.dtype, expert ids int64 [T, 4] by descending logit), and
+    the x.dtype logits [T, E] with return_logits (for tests)."""
+    if top_k != TOP_K:
+        raise ValueError(f"the fused router picks {TOP_K} experts, asked for {top_k}")
+    t, h = x.shape
+    e = router_weight.shape[0]
+    if router_weight.shape != (e, h) or router_bias.shape != (e,) or e < TOP_K:
+        raise ValueError(f"router weight {tuple(router_weight.shape)} / bias {tuple(router_bias.shape)} "
+                         f"do not match x {tuple(x.shape)}")
+    if x.stride(1) != 1 or router_weight.stride(1) != 1 or not router_bias.is_contiguous():
+        raise ValueError("x rows, router weight rows and the bias must be contiguous")
+    weights = torch.empty(t, TOP_K, dtype=x.dtype, device=x.device)
+    ids = torch.empty(t, TOP_K, dtype=torch.int64, device=x.device)
+    logits = torch.empty(t, e, dtype=x.dtype, device=x.device) if return_logits else weights
+    if t:
+        block_e = triton.next_power_of_2(e)
+        _router_kernel[(t,)](
+            x, router_weight, router_bias, weights, ids, logits, x.stride(0), router_weight.stride(0), H=h,
+            E=e, BLOCK_E=block_e, BLOCK_K=max(32, 32768 // block_e), WRITE_LOGITS=return_logits,
+            ACCURATE_EXP=not INTERPRET, num_warps=16,
+        )
+    return (weights, ids, logits) if return_logits else (weights, ids)

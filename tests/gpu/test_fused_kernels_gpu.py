@@ -1,0 +1,147 @@
+"""The per-layer fused kernels on the GPU, bf16, gpt-oss shapes, fresh random inputs, against the
+plain-torch path they replace (engine.model.rms_norm, engine.rope + PagedKVCache.write,
+kernels.moe.route), and the whole model with and without them.
+
+Tolerances:
+- RoPE + KV write: bit-exact (same roundings, same order); the whole cache is compared, so a write
+  to a wrong slot fails too;
+- residual add: bit-exact; normed output: each element within one bf16 rounding step of the plain
+  path's and at least 99 % identical (only the float32 sum of squares is summed in another order);
+- router logits: within one bf16 step of cuBLAS's, >= 99 % identical (float32 sums in another
+  order); ids and weights given the kernel's own logits: bit-exact against torch.topk +
+  torch.softmax, on rows without equal logits around the 4th place (torch.topk's order there is
+  unspecified);
+- the whole model (2 layers): fused vs plain prefill logits rel L2 < 5e-2 (rare one-step logit
+  differences can move a near-tied expert choice; a wrong kernel is off by O(1)), and a decode step
+  replayed from a CUDA graph equals the eager step bit for bit with the fused kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from numerics import rel_l2
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def _gen():
+    return torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+
+
+def _within_one_step(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    """Every element of bf16 a within one bf16 rounding step of b; fraction exactly equal."""
+    a, b = a.float(), b.float()
+    step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)
+    return bool(((a - b).abs() <= step * 1.0001).all()), float((a == b).float().mean())
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 300])
+def test_add_rms_norm(t):
+    from pdserve.engine.model import rms_norm
+    from pdserve.kernels.triton_norm import add_rms_norm
+
+    g = _gen()
+    h = 2880
+    x = (torch.randn(t, h, device=DEV, generator=g) * 2).to(BF16)
+    d = torch.randn(t, h, device=DEV, generator=g).to(BF16)
+    w = 1 + 0.2 * torch.randn(h, device=DEV, generator=g)
+    res, out = add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(res, x + d)
+    ok, same = _within_one_step(out, rms_norm(x + d, w, 1e-5))
+    assert ok and same >= 0.99, same
+    same_x, out2 = add_rms_norm(x, None, w, 1e-5)
+    assert same_x is x
+    ok, same = _within_one_step(out2, rms_norm(x, w, 1e-5))
+    assert ok and same >= 0.99, same
+
+
+@pytest.mark.parametrize("t", [1, 5, 64, 513])
+@pytest.mark.parametrize("preset_name", ["20b", "120b"])
+def test_rope_kv_write(t, preset_name):
+    from pdserve.engine.config import preset
+    from pdserve.engine.kv_cache import PagedKVCache
+    from pdserve.engine.rope import RotaryEmbedding
+    from pdserve.kernels.triton_rope import rope_qkv_write
+
+    cfg = dataclasses.replace(preset(preset_name), num_hidden_layers=2, layer_types=())
+    g = _gen()
+    hq, hkv, dd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rope = RotaryEmbedding(cfg, DEV)
+    cache = PagedKVCache(cfg, num_blocks=64, page_size=16, device=DEV)
+    for pool in cache.pools.values():
+        pool.normal_(generator=g)
+    before = {k: v.clone() for k, v in cache.pools.items()}
+    qkv = torch.randn(t, (hq + 2 * hkv) * dd, device=DEV, generator=g).to(BF16) * 3
+    pos = torch.randint(0, cfg.max_position_embeddings, (t,), device=DEV, generator=g)
+    slots = torch.randperm(64 * 16, device=DEV, generator=g)[:t]
+    layer = 1  # a full-attention layer
+    q = rope_qkv_write(qkv, pos, rope.cos, rope.sin, slots, cache.layer_cache(layer), hq, hkv)
+    ref_q = rope(qkv[:, : hq * dd].view(-1, hq, dd), pos)
+    k = rope(qkv[:, hq * dd : (hq + hkv) * dd].view(-1, hkv, dd), pos)
+    v = qkv[:, (hq + hkv) * dd :].view(-1, hkv, dd)
+    got = {kk: vv.clone() for kk, vv in cache.pools.items()}
+    cache.pools = before
+    cache.write(layer, {"full": slots, "sliding": slots}, k, v)
+    assert q.is_contiguous() and torch.equal(q, ref_q)
+    for pool in got:
+        assert torch.equal(got[pool], cache.pools[pool]), pool
+
+
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+@pytest.mark.parametrize("experts", [32, 128])
+def test_router(t, experts):
+    from pdserve.kernels.moe import route
+    from pdserve.kernels.triton_router import route_fused
+
+    g = _gen()
+    h = 2880
+    x = torch.randn(t, h, device=DEV, generator=g).to(BF16)
+    w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
+    b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
+    weights, ids, logits = route_fused(x, w, b, 4, return_logits=True)
+    ok, same = _within_one_step(logits, torch.nn.functional.linear(x, w, b))
+    assert ok and same >= 0.99, same
+    top5 = torch.topk(logits.float(), 5, dim=-1, sorted=True).values
+    clear = (top5[:, :4] != top5[:, 1:5]).all(-1)  # no equal logits among the top 5
+    assert clear.float().mean() > 0.5
+    own_w, own_ids = route(logits, torch.eye(experts, device=DEV, dtype=BF16),
+                           torch.zeros(experts, device=DEV, dtype=BF16), 4)
+    assert torch.equal(ids[clear], own_ids[clear])
+    assert torch.equal(weights[clear], own_w[clear])
+    fast_w, fast_ids = route_fused(x, w, b)  # without the logits output: the same
+    assert torch.equal(fast_w, weights) and torch.equal(fast_ids, ids)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.config import preset
+
+    cfg = dataclasses.replace(preset("20b"), num_hidden_layers=2, num_local_experts=8, layer_types=())
+    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "fused", cfg, seed=0)
+
+
+def test_model_fused_vs_plain(ckpt, monkeypatch):
+    from pdserve.engine.model_runner import ModelRunner
+
+    fused = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256)
+    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "0")
+    plain = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256)
+    assert fused.model.fused and not plain.model.fused
+    ids = torch.randint(0, 201088, (300,)).tolist()
+    a, b = fused.prompt_logits(ids), plain.prompt_logits(ids)
+    assert torch.isfinite(a).all()
+    err = rel_l2(a, b)
+    print(f"fused vs plain prefill logits: rel L2 {err:.2e}")
+    assert err < 5e-2

@@ -1,0 +1,173 @@
+"""The per-layer fused kernels (kernels/triton_norm.py, triton_rope.py, triton_router.py) in
+Triton's CPU interpreter, against the plain-torch path they replace.
+
+The kernels run in one child process with TRITON_INTERPRET=1 (read when triton is imported, so it
+must not leak into this process); this process draws fresh inputs, runs the references and
+compares. Output buffers the kernels fill are checked for NaN (the cache is pre-filled with random
+values and compared whole, so a write to a wrong slot fails too). float32 and float16 only: the
+interpreter casts float32 to bf16 by truncation (the GPU tests cover bf16).
+
+Tolerances:
+- RoPE + KV write: bit-exact (same roundings in the same order);
+- residual add: bit-exact; the normed output: rel L2 2e-6 (float32) / 1e-3 (float16): the sum of
+  squares is summed in another order and the interpreter's rsqrt is 1/sqrt, not libdevice's;
+- router logits: rel L2 1e-6 / 1e-3 (summation order); ids: identical (inputs with a clear gap
+  between the 4th and 5th logit); weights, against torch's softmax of the kernel's own top-4
+  logits: 1e-6 (the interpreter's exp is numpy's, not libdevice's: the GPU test is bit-exact).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from numerics import rel_l2
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = (torch.float32, torch.float16)
+
+
+def _cases(seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for dt in DTYPES:
+        # norm: ragged hidden size (not a power of two), a few rows
+        t, h = 3, 200
+        out.append(dict(kind="norm", dtype=dt, x=(torch.randn(t, h, generator=g) * 3).to(dt),
+                        delta=torch.randn(t, h, generator=g).to(dt),
+                        weight=1 + 0.1 * torch.randn(h, generator=g), eps=1e-5))
+        # rope: 6 q heads / 2 kv heads (head groups not a power of two), D 16, page 4
+        t, hq, hkv, d, blocks, page = 5, 6, 2, 16, 7, 4
+        pos = torch.randint(0, 500, (t,), generator=g)
+        slots = torch.randperm(blocks * page, generator=g)[:t]
+        cache = torch.randn(blocks, 2, page, hkv, d, generator=g).to(dt)
+        out.append(dict(kind="rope", dtype=dt, qkv=torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dt),
+                        pos=pos, slots=slots, cache=cache, hq=hq, hkv=hkv))
+        # router: 16 experts (and 8), hidden 200, logits with a clear top-4 margin
+        for e in (16, 8):
+            t, h = 4, 200
+            x = torch.randn(t, h, generator=g).to(dt)
+            w = (torch.randn(e, h, generator=g) * 0.05).to(dt)
+            b = torch.zeros(e)
+            for r in range(t):  # the bias separates the top 4 (in any order) from the rest
+                top = torch.randperm(e, generator=g)[:4]
+                b[top] += 3 + torch.rand(4, generator=g)
+            out.append(dict(kind="router", dtype=dt, x=x, w=w, b=b.to(dt)))
+    return out
+
+
+def _rope_cfg():
+    import dataclasses
+
+    from pdserve.engine.config import preset
+
+    return dataclasses.replace(preset("tiny"), head_dim=16)
+
+
+def _child(in_path: str, out_path: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from pdserve.engine.rope import RotaryEmbedding
+    from pdserve.kernels.triton_norm import add_rms_norm
+    from pdserve.kernels.triton_rope import rope_qkv_write
+    from pdserve.kernels.triton_router import route_fused
+
+    rope = RotaryEmbedding(_rope_cfg(), torch.device("cpu"), max_positions=512)
+    results = []
+    for c in torch.load(in_path):
+        if c["kind"] == "norm":
+            res, out = add_rms_norm(c["x"], c["delta"], c["weight"], c["eps"])
+            same, normed = add_rms_norm(c["x"], None, c["weight"], c["eps"])
+            results.append(dict(res=res, out=out, same=same, normed=normed))
+        elif c["kind"] == "rope":
+            cache = c["cache"].clone()
+            q = rope_qkv_write(c["qkv"], c["pos"], rope.cos, rope.sin, c["slots"], cache, c["hq"], c["hkv"])
+            results.append(dict(q=q, cache=cache))
+        else:
+            w, ids, logits = route_fused(c["x"], c["w"], c["b"], 4, return_logits=True)
+            results.append(dict(weights=w, ids=ids, logits=logits))
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fused_interp")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    cases = _cases(seed)
+    torch.save(cases, tmp / "in.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"interpreter child failed (seed {seed}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    print(f"seed {seed}")
+    return cases, torch.load(tmp / "out.pt")
+
+
+def _of(run, kind):
+    cases, results = run
+    return [(c, r) for c, r in zip(cases, results) if c["kind"] == kind]
+
+
+def test_add_rms_norm(run):
+    from pdserve.engine.model import rms_norm
+
+    for c, r in _of(run, "norm"):
+        x = c["x"] + c["delta"]
+        assert torch.equal(r["res"], x)
+        assert torch.equal(r["same"], c["x"])
+        tol = 2e-6 if c["dtype"] == torch.float32 else 1e-3
+        for got, inp in ((r["out"], x), (r["normed"], c["x"])):
+            assert got.dtype == c["dtype"] and not got.isnan().any()
+            assert rel_l2(got, rms_norm(inp, c["weight"], c["eps"])) < tol
+
+
+def test_rope_kv_write(run):
+    from pdserve.engine.kv_cache import PagedKVCache
+    from pdserve.engine.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(_rope_cfg(), torch.device("cpu"), max_positions=512)
+    for c, r in _of(run, "rope"):
+        hq, hkv = c["hq"], c["hkv"]
+        d = c["cache"].shape[-1]
+        qkv = c["qkv"]
+        q = rope(qkv[:, : hq * d].view(-1, hq, d), c["pos"])
+        k = rope(qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d), c["pos"])
+        v = qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+        cache = c["cache"].clone()
+        page = cache.shape[2]
+        PagedKVCache.write(_OneLayer(cache, page), 0, {"full": c["slots"]}, k, v)
+        assert r["q"].is_contiguous() and torch.equal(r["q"], q)
+        assert torch.equal(r["cache"], cache)
+
+
+class _OneLayer:
+    """Just enough of a PagedKVCache for its `write` on a bare layer tensor."""
+
+    def __init__(self, cache, page_size):
+        self.cache, self.page_size, self.layer_group = cache, page_size, [("full", 0)]
+
+    def layer_cache(self, layer):
+        return self.cache
+
+
+def test_router(run):
+    for c, r in _of(run, "router"):
+        ref_logits = torch.nn.functional.linear(c["x"].float(), c["w"].float(), c["b"].float())
+        tol = 1e-6 if c["dtype"] == torch.float32 else 1e-3
+        assert rel_l2(r["logits"], ref_logits) < tol
+        top = torch.topk(ref_logits, 4, dim=-1, sorted=True)
+        assert torch.equal(r["ids"], top.indices)
+        own = torch.topk(r["logits"], 4, dim=-1, sorted=True)
+        assert torch.equal(r["ids"], own.indices)
+        assert r["weights"].dtype == c["dtype"]
+        assert rel_l2(r["weights"], torch.softmax(own.values.float(), -1)) < 1e-6 * (1 if c["dtype"] == torch.float32 else 1e3)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
