@@ -1,9 +1,12 @@
 """End to end on the GPU: a gpt-oss-20b-shaped model (random weights, all layers) through the
 engine with the CUDA kernels (FlashInfer sink attention, Triton FP8 MoE), checked against the
 plain-torch path on the same weights, then timed: prefill of 8k tokens, decode tokens/s at batch
-1 and 64.
+1 and 64, as ratios to the step's memory floor (bytes it must read / copy bandwidth measured in the
+same run).
 
     python bench/engine_gpu.py --preset 20b --out OUT [--record docs/performance.md]
+        [--compare-fused]   decode also with the fused per-layer kernels off (same run, same weights)
+        [--profile]         per-category GPU time of the replayed step, kernels, host time
 """
 
 from __future__ import annotations
@@ -93,6 +96,48 @@ def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[floa
     return errs
 
 
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(11):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return nbytes / sorted(times[1:])[5]
+
+
+def decode_bytes(runner: ModelRunner, batch: int, context: int, expert_bits: float | None = None) -> float:
+    """Bytes one decode step must read at least: every non-expert weight once (the embedding's B
+    rows), the experts the batch routes to (expected distinct ones under uniform routing), the KV
+    of every request (sliding layers: the window). expert_bits: weight bits per expert parameter
+    instead of the loaded format (4.25 = MXFP4: 4-bit values + one 8-bit scale per 32)."""
+    cfg, w = runner.cfg, runner.model.w
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    total = nbytes(w.unembedding) + nbytes(w.norm) + batch * w.embedding.shape[1] * w.embedding.element_size()
+    e, k = cfg.num_local_experts, cfg.experts_per_token
+    touched = e * (1 - (1 - k / e) ** batch)
+    for i, (a, m) in enumerate(w.layers):
+        total += sum(nbytes(t) for t in (a.qkv_weight, a.qkv_bias, a.o_weight, a.o_bias, a.sinks, a.norm,
+                                         m.router_weight, m.router_bias, m.norm))
+        ex = m.experts
+        if expert_bits is None:
+            per = sum(nbytes(t) for t in (ex.gate_up, ex.down, ex.gate_up_scale, ex.down_scale)
+                      if t is not None) / ex.num_local_experts
+        else:
+            per = (ex.gate_up[0].numel() + ex.down[0].numel()) * expert_bits / 8
+        per += (nbytes(ex.gate_up_bias) + nbytes(ex.down_bias)) / ex.num_local_experts
+        total += touched * per
+        keys = min(context, cfg.sliding_window) if cfg.is_sliding(i) and cfg.sliding_window > 0 else context
+        total += batch * keys * 2 * runner.model.num_kv_heads * cfg.head_dim * 2
+    return total
+
+
 def _eager(runner: ModelRunner, plan) -> torch.Tensor:
     saved, runner.decode_graphs = runner.decode_graphs, None
     try:
@@ -128,7 +173,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
     ap.add_argument("--diagnose", action="store_true", help="swap attention / MoE paths separately and stop")
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="decode with the fused per-layer kernels off, then on (same run)")
+    ap.add_argument("--profile", action="store_true", help="profile each decode batch (bench/step_profile.py)")
     a = ap.parse_args()
+    if (a.compare_fused or a.profile) and a.device != "cuda":
+        ap.error("--compare-fused and --profile need --device cuda")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = preset(a.preset)
@@ -186,44 +236,72 @@ def main() -> int:
     print(f"prefill {a.prefill_tokens} tokens: {t_prefill * 1e3:.1f} ms ({a.prefill_tokens / t_prefill:.0f} tok/s)", flush=True)
 
     # decode: batch of B requests at a given context; time steps after the prefills, eagerly and
-    # replayed from CUDA graphs (engine.cuda_graphs), the same requests' next steps
-    decode, graph_err = {}, {}
-    graphs = DecodeGraphs(runner.model, runner.cache, max(a.batches), max_context=runner.max_context,
-                          capture=a.device == "cuda")
-    for batch in a.batches:
-        eng = LLMEngine(runner, max_batch_size=batch)
-        prompts = [torch.randint(0, cfg.vocab_size, (a.decode_context,), generator=g).tolist() for _ in range(batch)]
-        params = SamplingParams(temperature=0, max_new_tokens=2 * a.decode_steps + 16, ignore_eos=True)
-        for p in prompts:
-            eng.add_request(p, params)
-        while eng.waiting:
-            eng.step()  # prefills, then the first decode steps
-        for mode in ("eager", "graphs"):
-            runner.decode_graphs = graphs if mode == "graphs" else None
-            if mode == "graphs":
-                graphs.capture_all([graphs.size_for(batch)])
-                plan = runner.decode_plan(eng.running)  # one step both ways, same inputs
-                graph_err[batch] = rel_l2(graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches),
-                                          _eager(runner, plan))
-            for _ in range(3):
+    # replayed from CUDA graphs (engine.cuda_graphs), the same requests' next steps; with
+    # --compare-fused once per variant of the per-layer kernels (the model reads the flag per call)
+    bw = copy_bandwidth() if a.device == "cuda" else float("nan")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    decode, graph_err, profiles = {}, {}, {}
+    fused_default = runner.model.fused
+    variants = (["plain", "fused"] if a.compare_fused else ["fused" if fused_default else "plain"])
+    for variant in variants:
+        runner.model.fused = variant == "fused"
+        graphs = DecodeGraphs(runner.model, runner.cache, max(a.batches), max_context=runner.max_context,
+                              capture=a.device == "cuda")
+        for batch in a.batches:
+            eng = LLMEngine(runner, max_batch_size=batch)
+            prompts = [torch.randint(0, cfg.vocab_size, (a.decode_context,), generator=g).tolist() for _ in range(batch)]
+            params = SamplingParams(temperature=0, max_new_tokens=2 * a.decode_steps + 96, ignore_eos=True)
+            for p in prompts:
+                eng.add_request(p, params)
+            while eng.waiting:
+                eng.step()  # prefills, then the first decode steps
+            floor_s = decode_bytes(runner, batch, a.decode_context) / bw
+            floor4_s = decode_bytes(runner, batch, a.decode_context, expert_bits=4.25) / bw
+            for mode in ("eager", "graphs"):
+                runner.decode_graphs = graphs if mode == "graphs" else None
+                if mode == "graphs":
+                    graphs.capture_all([graphs.size_for(batch)])
+                    plan = runner.decode_plan(eng.running)  # one step both ways, same inputs
+                    graph_err[f"{variant} {batch}"] = rel_l2(
+                        graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches), _eager(runner, plan))
+                for _ in range(3):
+                    eng.step()
+                _, t = timed(lambda: [eng.step() for _ in range(a.decode_steps)])
+                per_step = t / a.decode_steps
+                decode[f"{variant} {mode} {batch}"] = {
+                    "batch": batch, "mode": mode, "kernels": variant, "step_ms": per_step * 1e3,
+                    "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step,
+                    "floor_ms": floor_s * 1e3, "floor_mxfp4_ms": floor4_s * 1e3}
+                print(f"decode ({variant} kernels, {mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} "
+                      f"ms/step, {batch / per_step:.0f} tok/s total; floor {floor_s * 1e3:.3f} ms "
+                      f"({floor_s / per_step:.0%}), MXFP4-expert floor {floor4_s * 1e3:.3f} ms", flush=True)
+            if a.profile and a.device == "cuda":
+                from pdserve.bench.step_profile import profile_decode
+
+                prof = profile_decode(eng, runner, graphs)
+                profiles[f"{variant}, batch {batch}"] = prof
+                print(f"profile ({variant} kernels) batch {batch}: replay {prof['replay_us']:.0f} us, "
+                      f"{prof['kernels_per_step']:.0f} kernels, host before replay "
+                      f"{prof['host_before_replay_us']:.0f} us", flush=True)
+                for c, v in prof["categories"].items():
+                    print(f"    {c:40s} {v['us']:8.1f} us {v['kernels']:6.1f} kernels", flush=True)
+            runner.decode_graphs = None
+            while eng.running:
                 eng.step()
-            _, t = timed(lambda: [eng.step() for _ in range(a.decode_steps)])
-            per_step = t / a.decode_steps
-            decode[f"{mode} {batch}"] = {"batch": batch, "mode": mode, "step_ms": per_step * 1e3,
-                                         "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step}
-            print(f"decode ({mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} ms/step, "
-                  f"{batch / per_step:.0f} tok/s total, {1 / per_step:.0f} tok/s per request", flush=True)
-        runner.decode_graphs = None
-        while eng.running:
-            eng.step()
+        del graphs
+    runner.model.fused = fused_default
     for b, e in graph_err.items():
         print(f"decode step batch {b}: graph vs eager logits rel L2 {e:.2e}", flush=True)
+    if profiles:
+        from pdserve.bench.step_profile import table
+
+        print("\n".join(table(profiles)), flush=True)
 
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     result = {"date": datetime.date.today().isoformat(), "device": device_name,
               "preset": a.preset, "logits_rel_l2": err, "argmax_agreement": agree, "load_s": t_load,
               "prefill_tokens": a.prefill_tokens, "prefill_ms": t_prefill * 1e3, "decode": decode,
-              "graph_vs_eager_rel_l2": graph_err,
+              "graph_vs_eager_rel_l2": graph_err, "copy_bandwidth": bw, "profiles": profiles,
               "command": "python " + " ".join(sys.argv)}
     (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
     if a.record:
@@ -231,14 +309,28 @@ def main() -> int:
             "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
             f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), FP8 experts; decode "
-            "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests.", "",
-            "| what | value |", "|---|---|",
-            f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} |",
-            f"| prefill {a.prefill_tokens} tokens, batch 1 | {t_prefill * 1e3:.1f} ms |",
-        ] + [f"| decode ({d['mode']}) batch {d['batch']} at context {a.decode_context} | {d['step_ms']:.2f} ms/step, "
-             f"{d['tok_s_total']:.0f} tok/s total |" for d in decode.values()] + [
-            f"| decode step, graph vs eager logits, batch {b} | rel L2 {e:.2e} |" for b, e in graph_err.items()
-        ] + ["<!-- engine-gpu:end -->", ""]
+            "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests; kernels: "
+            "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router. Floors: bytes a "
+            f"step must read / the copy bandwidth measured in the same run ({bw / 1e12:.2f} TB/s), with the "
+            "experts as loaded (FP8) and as published (MXFP4).", "",
+            "| what | value | floor (FP8 experts) | floor / time | floor (MXFP4 experts) | floor / time |",
+            "|---|---|---|---|---|---|",
+            f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} | | | | |",
+            f"| prefill {a.prefill_tokens} tokens, batch 1 | {t_prefill * 1e3:.1f} ms | | | | |",
+        ] + [f"| decode ({d['kernels']} kernels, {d['mode']}) batch {d['batch']} at context {a.decode_context} | "
+             f"{d['step_ms']:.2f} ms/step, {d['tok_s_total']:.0f} tok/s total | {d['floor_ms']:.3f} ms | "
+             f"{d['floor_ms'] / d['step_ms']:.0%} | {d['floor_mxfp4_ms']:.3f} ms | {d['floor_mxfp4_ms'] / d['step_ms']:.0%} |"
+             for d in decode.values()] + [
+            f"| decode step, graph vs eager logits, {b} | rel L2 {e:.2e} | | | | |" for b, e in graph_err.items()
+        ]
+        if profiles:
+            from pdserve.bench.step_profile import table
+
+            lines += ["", "Decode step profile (`--profile`): GPU time per category of the replayed CUDA graph "
+                      "(us per step, kernels per step; categories from an eager step of the same batch "
+                      "labelled per model part), the replay alone back to back, and the host's median time "
+                      "per engine step in each phase (GPU idle while the host plans).", ""] + table(profiles)
+        lines += ["<!-- engine-gpu:end -->", ""]
         from pdserve.bench.doc_section import replace_section
 
         body = "\n".join(lines).strip("\n")  # from the begin marker to the end marker

@@ -1,0 +1,69 @@
+#!/bin/bash
+# Decode-step session on one H200 (issue 10): GPU tests of the decode path, then
+# bench/engine_gpu.py on a random 20b checkpoint with the fused per-layer kernels off and on, with
+# the per-category profile. Run from the checkout root after `source .gpu/setup.sh`:
+#     OUT=/tmp/out STEPS=tests,bench bash bench/device_decode.sh
+# STEPS: tests (tests/gpu/$TESTS), bench (engine_gpu --compare-fused --profile). BUDGET: seconds.
+# Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
+set -u
+OUT=${OUT:-/tmp/out}
+W=/tmp/wdec
+mkdir -p "$W" "$OUT"
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-tests,bench}
+BUDGET=${BUDGET:-540}
+TESTS=${TESTS:-"tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_engine_graphs_gpu.py"}
+BENCH_ARGS=${BENCH_ARGS:-"--compare-fused --profile"}
+log() { echo "[decode $(date +%T) +${SECONDS}s] $*"; }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+left() { local v=$(( BUDGET - SECONDS - ${1:-0} )); [ "$v" -lt 1 ] && v=1; echo "$v"; }
+pack() { tar -czf "$OUT/decode.tgz" -C "$W" . 2>/dev/null; }
+
+source bench/device_caches.sh
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee "$W/env.log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$W/env.log"
+
+# the checkpoint and the XQA decode modules build in the background while the tests run
+if has bench && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
+  ( python3 -c "
+from pathlib import Path
+from bench.model import ensure_checkpoint
+print(*ensure_checkpoint('20b', Path('/tmp/ckpt')))
+" > "$W/ckpt20.log" 2>&1 ) &
+  ckpt_pid=$!
+fi
+( for t in xqa-full xqa-window; do python3 -m bench.kernels --warm-jit $t > "$W/warm_$t.log" 2>&1 & done; wait ) &
+xqa_pid=$!
+
+if has tests; then
+  # tests that need no XQA module first
+  timeout "$(left 300)" python3 -m pytest -m gpu tests/gpu/test_fused_kernels_gpu.py -q -rfEs -p no:cacheprovider \
+    > "$W/pytest_fused.log" 2>&1
+  log "fused kernel tests rc=$? ($(tail -1 "$W/pytest_fused.log"))"
+  grep -E "^(FAILED|ERROR)|Error|assert" "$W/pytest_fused.log" | head -20
+  wait $xqa_pid
+  rest=$(echo $TESTS | tr ' ' '\n' | grep -v test_fused_kernels_gpu.py | tr '\n' ' ')
+  if [ -n "$rest" ]; then
+    timeout "$(left 240)" python3 -m pytest -m gpu $rest -q -rfEs -p no:cacheprovider > "$W/pytest.log" 2>&1
+    log "tests rc=$? ($(tail -1 "$W/pytest.log"))"
+    grep -E "^(FAILED|ERROR)" "$W/pytest.log" | head -10
+  fi
+  pack
+fi
+
+if has bench; then
+  [ -n "${ckpt_pid:-}" ] && wait "$ckpt_pid"
+  wait $xqa_pid 2>/dev/null
+  tail -1 "$W/ckpt20.log" 2>/dev/null
+  mkdir -p /tmp/ckpt-eg "$W/eg" && ln -sfn /tmp/ckpt/20b-mxfp4-seed0 /tmp/ckpt-eg/20b-24
+  log "checkpoint ready"
+  timeout "$(left 20)" python3 bench/engine_gpu.py --preset 20b --ckpt /tmp/ckpt-eg --out "$W/eg" \
+    --record "$W/eg/performance.md" $BENCH_ARGS > "$W/eg.log" 2>&1
+  log "engine_gpu rc=$?"
+  grep -vE "^\s*$|Warning|warn" "$W/eg.log" | tail -60
+  pack
+fi
+save_caches
+pack
+ls -la "$OUT"
+log end
