@@ -9,7 +9,9 @@ rotated k and v into the token's slot of the layer's pages.
 Same arithmetic as `engine.rope.RotaryEmbedding` + `PagedKVCache.write`: cos and sin (float32
 tables, concentration folded in) are rounded to the activation dtype, each product and each
 sum/difference is rounded to it, half-split rotation. So the outputs are bit-identical to the
-plain path's.
+plain path's, provided the compiler does not contract a product and a sum into one FMA (LLVM
+narrows the rounded float32 products to bf16 multiplies and would then fuse them into the
+subtraction, skipping the product's rounding): the launch turns FMA fusion off.
 """
 
 from __future__ import annotations
@@ -94,5 +96,6 @@ def rope_qkv_write(
             HQ=num_q_heads, HKV=num_kv_heads, D=d,
             BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
             BLOCK_V=triton.next_power_of_2(num_kv_heads), num_warps=4,
+            enable_fp_fusion=False,  # a product must be rounded before the sum, as in torch
         )
     return q

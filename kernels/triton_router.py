@@ -1,9 +1,11 @@
 """The MoE router in one Triton launch: logits, top-4, softmax over the selected four.
 
 The plain path (`kernels.moe.route`) is a cuBLAS GEMM with bias, `torch.topk` and `torch.softmax`
-(about six launches per layer at decode, ~15 us). Here one program per token (16 warps, the
-weights in three [E, 1024] tiles for 20b) streams the router weights [E, H], accumulates in float32, adds the bias and rounds the logits to x.dtype (as
-the GEMM's epilogue does), picks the top 4 (equal logits: the lower expert id first) and takes the
+(about six launches per layer at decode, ~15 us). Here each token's logits are split over
+programs of 4096 / E columns each (23 for 20b), so the weights stream from many SMs at once; each
+program writes float32 partial sums and the token's last program to arrive (a per-token counter)
+sums them in a fixed order (deterministic), adds the bias and rounds the logits to x.dtype (as the
+GEMM's epilogue does), picks the top 4 (equal logits: the lower expert id first) and takes the
 softmax of the four rounded logits the way torch's warp softmax does for a 4-wide row: float32,
 exp(v - max) with the accurate exp, the sum as (e0 + e2) + (e1 + e3), a correctly rounded division,
 rounded to x.dtype.
@@ -11,8 +13,8 @@ rounded to x.dtype.
 Against the plain path: the logits may differ by one rounding step of x.dtype where the float32
 sums (different order) straddle a rounding boundary; given the same logits, expert ids and
 weights are bit-identical (except among exactly equal logits, where torch.topk's order is not
-specified). Meant for decode-sized batches (`MAX_TOKENS`): each program reads all of the router
-weights, so larger batches go to the GEMM path.
+specified). Meant for decode-sized batches (`MAX_TOKENS`): every token reads all of the router
+weights (from L2 after the first), so larger batches go to the GEMM path.
 """
 
 from __future__ import annotations
@@ -29,41 +31,63 @@ TOP_K = 4
 
 @triton.jit
 def _router_kernel(
-    x_ptr, w_ptr, b_ptr, weight_ptr, ids_ptr, logits_ptr, stride_x, stride_w, H: tl.constexpr,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_LOGITS: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, weight_ptr, ids_ptr, logits_ptr, part_ptr, count_ptr, stride_x, stride_w,
+    H: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr, WRITE_LOGITS: tl.constexpr, ACCURATE_EXP: tl.constexpr,
 ):
+    """Program (t, s): token t's partial logits over the s-th BLOCK_K columns -> float32 scratch;
+    the token's last program to finish (a counter per token) sums the partials in split order,
+    picks the top 4 and writes the softmax, then resets the counter for the next launch."""
     t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < H
-        xv = tl.load(x_ptr + t * stride_x + k, mask=km, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
-    bias = tl.load(b_ptr + e, mask=em, other=0.0).to(tl.float32)
-    logits = (acc + bias).to(dt)
-    if WRITE_LOGITS:
-        tl.store(logits_ptr + t * E + e, logits, mask=em)
-    cur = tl.where(em, logits.to(tl.float32), float("-inf"))
-    slot = tl.arange(0, 4)
-    vals = tl.zeros((4,), dtype=tl.float32)
-    ids = tl.zeros((4,), dtype=tl.int32)
-    for i in tl.static_range(4):
-        m = tl.max(cur, axis=0)
-        idx = tl.min(tl.where(cur == m, e, BLOCK_E), axis=0)
-        vals = tl.where(slot == i, m, vals)
-        ids = tl.where(slot == i, idx, ids)
-        cur = tl.where(e == idx, float("-inf"), cur)
-    ex = exp_f32(vals - tl.max(vals, axis=0), ACCURATE_EXP)
-    pair = tl.sum(tl.reshape(ex, (2, 2)), axis=0)  # [e0 + e2, e1 + e3]
-    total = tl.sum(pair, axis=0)
-    w = tl.math.div_rn(ex, tl.zeros((4,), dtype=tl.float32) + total)
-    tl.store(weight_ptr + t * 4 + slot, w.to(weight_ptr.dtype.element_ty))
-    tl.store(ids_ptr + t * 4 + slot, ids.to(tl.int64))
+    k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    km = k < H
+    xv = tl.load(x_ptr + t * stride_x + k, mask=km, other=0.0).to(tl.float32)
+    wv = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
+    part = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
+    tl.store(part_ptr + (t * SPLITS + s) * BLOCK_E + e, part)
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == SPLITS - 1:
+        sp = tl.arange(0, SPLITS_P2)
+        parts = tl.load(part_ptr + (t * SPLITS + sp[:, None]) * BLOCK_E + e[None, :],
+                        mask=(sp < SPLITS)[:, None], other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + t, 0)
+        bias = tl.load(b_ptr + e, mask=em, other=0.0).to(tl.float32)
+        logits = (tl.sum(parts, axis=0) + bias).to(dt)
+        if WRITE_LOGITS:
+            tl.store(logits_ptr + t * E + e, logits, mask=em)
+        cur = tl.where(em, logits.to(tl.float32), float("-inf"))
+        slot = tl.arange(0, 4)
+        vals = tl.zeros((4,), dtype=tl.float32)
+        ids = tl.zeros((4,), dtype=tl.int32)
+        for i in tl.static_range(4):
+            m = tl.max(cur, axis=0)
+            idx = tl.min(tl.where(cur == m, e, BLOCK_E), axis=0)
+            vals = tl.where(slot == i, m, vals)
+            ids = tl.where(slot == i, idx, ids)
+            cur = tl.where(e == idx, float("-inf"), cur)
+        ex = exp_f32(vals - tl.max(vals, axis=0), ACCURATE_EXP)
+        pair = tl.sum(tl.reshape(ex, (2, 2)), axis=0)  # [e0 + e2, e1 + e3]
+        total = tl.sum(pair, axis=0)
+        w = tl.math.div_rn(ex, tl.zeros((4,), dtype=tl.float32) + total)
+        tl.store(weight_ptr + t * 4 + slot, w.to(weight_ptr.dtype.element_ty))
+        tl.store(ids_ptr + t * 4 + slot, ids.to(tl.int64))
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Per-token arrival counters, zero between launches (each launch's last programs reset
+    theirs). One buffer per device: launches on one stream never overlap."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+    return c
 
 
 def route_fused(
@@ -84,11 +108,17 @@ def route_fused(
     weights = torch.empty(t, TOP_K, dtype=x.dtype, device=x.device)
     ids = torch.empty(t, TOP_K, dtype=torch.int64, device=x.device)
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device) if return_logits else weights
+    if t > MAX_TOKENS:
+        raise ValueError(f"the fused router takes up to {MAX_TOKENS} tokens, got {t}")
     if t:
         block_e = triton.next_power_of_2(e)
-        _router_kernel[(t,)](
-            x, router_weight, router_bias, weights, ids, logits, x.stride(0), router_weight.stride(0), H=h,
-            E=e, BLOCK_E=block_e, BLOCK_K=max(32, 32768 // block_e), WRITE_LOGITS=return_logits,
-            ACCURATE_EXP=not INTERPRET, num_warps=16,
+        block_k = max(16, 4096 // block_e)
+        splits = triton.cdiv(h, block_k)
+        part = torch.empty(t, splits, block_e, dtype=torch.float32, device=x.device)
+        _router_kernel[(t, splits)](
+            x, router_weight, router_bias, weights, ids, logits, part, _counters(x.device),
+            x.stride(0), router_weight.stride(0), H=h, E=e, BLOCK_E=block_e, BLOCK_K=block_k,
+            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), WRITE_LOGITS=return_logits,
+            ACCURATE_EXP=not INTERPRET, num_warps=4,
         )
     return (weights, ids, logits) if return_logits else (weights, ids)

@@ -7,8 +7,9 @@ Tolerances:
   to a wrong slot fails too;
 - residual add: bit-exact; normed output: each element within one bf16 rounding step of the plain
   path's and at least 99 % identical (only the float32 sum of squares is summed in another order);
-- router logits: within one bf16 step of cuBLAS's, >= 99 % identical (float32 sums in another
-  order); ids and weights given the kernel's own logits: bit-exact against torch.topk +
+- router logits: within one bf16 step (of the exact value) plus 1e-6 of the sum of |products| of
+  cuBLAS's, >= 99 % identical (float32 sums in another order; near-cancelling sums can move by more
+  than a step of their small result); ids and weights given the kernel's own logits: bit-exact against torch.topk +
   torch.softmax, on rows without equal logits around the 4th place (torch.topk's order there is
   unspecified);
 - the whole model (2 layers): fused vs plain prefill logits rel L2 < 5e-2 (rare one-step logit
@@ -93,7 +94,8 @@ def test_rope_kv_write(t, preset_name):
     got = {kk: vv.clone() for kk, vv in cache.pools.items()}
     cache.pools = before
     cache.write(layer, {"full": slots, "sliding": slots}, k, v)
-    assert q.is_contiguous() and torch.equal(q, ref_q)
+    off = (q != ref_q).float().mean().item()
+    assert q.is_contiguous() and torch.equal(q, ref_q), f"{off:.2%} of q differs, max {(q.float() - ref_q.float()).abs().max()}"
     for pool in got:
         assert torch.equal(got[pool], cache.pools[pool]), pool
 
@@ -110,8 +112,13 @@ def test_router(t, experts):
     w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
     b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
     weights, ids, logits = route_fused(x, w, b, 4, return_logits=True)
-    ok, same = _within_one_step(logits, torch.nn.functional.linear(x, w, b))
-    assert ok and same >= 0.99, same
+    ref = torch.nn.functional.linear(x, w, b)
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    scale = torch.nn.functional.linear(x.double().abs(), w.double().abs())
+    step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    for got in (logits, ref):
+        assert ((got.double() - exact).abs() <= step + 1e-6 * scale).all()
+    assert float((logits == ref).float().mean()) >= 0.99
     top5 = torch.topk(logits.float(), 5, dim=-1, sorted=True).values
     clear = (top5[:, :4] != top5[:, 1:5]).all(-1)  # no equal logits among the top 5
     assert clear.float().mean() > 0.5
@@ -119,8 +126,9 @@ def test_router(t, experts):
                            torch.zeros(experts, device=DEV, dtype=BF16), 4)
     assert torch.equal(ids[clear], own_ids[clear])
     assert torch.equal(weights[clear], own_w[clear])
-    fast_w, fast_ids = route_fused(x, w, b)  # without the logits output: the same
-    assert torch.equal(fast_w, weights) and torch.equal(fast_ids, ids)
+    for _ in range(3):  # without the logits output, and again: the same (deterministic reduction)
+        fast_w, fast_ids = route_fused(x, w, b)
+        assert torch.equal(fast_w, weights) and torch.equal(fast_ids, ids)
 
 
 @pytest.fixture(scope="module")
