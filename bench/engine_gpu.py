@@ -242,13 +242,16 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     decode, graph_err, profiles = {}, {}, {}
     fused_default = runner.model.fused
-    variants = (["plain", "fused"] if a.compare_fused else ["fused" if fused_default else "plain"])
-    for variant in variants:
-        runner.model.fused = variant == "fused"
+    # (per-layer kernels, pipelined decode): before = the torch ops stepped one at a time
+    variants = ([("plain", False), ("fused", False), ("fused", True)] if a.compare_fused
+                else [("fused" if fused_default else "plain", True)])
+    for kernels, pipeline in variants:
+        variant = f"{kernels}{', pipelined' if pipeline else ''}"
+        runner.model.fused = kernels == "fused"
         graphs = DecodeGraphs(runner.model, runner.cache, max(a.batches), max_context=runner.max_context,
                               capture=a.device == "cuda")
         for batch in a.batches:
-            eng = LLMEngine(runner, max_batch_size=batch)
+            eng = LLMEngine(runner, max_batch_size=batch, pipeline=pipeline)
             prompts = [torch.randint(0, cfg.vocab_size, (a.decode_context,), generator=g).tolist() for _ in range(batch)]
             params = SamplingParams(temperature=0, max_new_tokens=2 * a.decode_steps + 96, ignore_eos=True)
             for p in prompts:
@@ -257,7 +260,7 @@ def main() -> int:
                 eng.step()  # prefills, then the first decode steps
             floor_s = decode_bytes(runner, batch, a.decode_context) / bw
             floor4_s = decode_bytes(runner, batch, a.decode_context, expert_bits=4.25) / bw
-            for mode in ("eager", "graphs"):
+            for mode in ("graphs",) if pipeline and a.compare_fused else ("eager", "graphs"):
                 runner.decode_graphs = graphs if mode == "graphs" else None
                 if mode == "graphs":
                     graphs.capture_all([graphs.size_for(batch)])
@@ -272,21 +275,21 @@ def main() -> int:
                     "batch": batch, "mode": mode, "kernels": variant, "step_ms": per_step * 1e3,
                     "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step,
                     "floor_ms": floor_s * 1e3, "floor_mxfp4_ms": floor4_s * 1e3}
-                print(f"decode ({variant} kernels, {mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} "
+                print(f"decode ({variant}, {mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} "
                       f"ms/step, {batch / per_step:.0f} tok/s total; floor {floor_s * 1e3:.3f} ms "
                       f"({floor_s / per_step:.0%}), MXFP4-expert floor {floor4_s * 1e3:.3f} ms", flush=True)
-            if a.profile and a.device == "cuda":
+            if a.profile and a.device == "cuda" and (kernels, pipeline) in (variants[0], variants[-1]):
                 from pdserve.bench.step_profile import profile_decode
 
                 prof = profile_decode(eng, runner, graphs)
                 profiles[f"{variant}, batch {batch}"] = prof
-                print(f"profile ({variant} kernels) batch {batch}: replay {prof['replay_us']:.0f} us, "
+                print(f"profile ({variant}) batch {batch}: replay {prof['replay_us']:.0f} us, "
                       f"{prof['kernels_per_step']:.0f} kernels, host before replay "
                       f"{prof['host_before_replay_us']:.0f} us", flush=True)
                 for c, v in prof["categories"].items():
                     print(f"    {c:40s} {v['us']:8.1f} us {v['kernels']:6.1f} kernels", flush=True)
             runner.decode_graphs = None
-            while eng.running:
+            while eng.busy:
                 eng.step()
         del graphs
     runner.model.fused = fused_default
@@ -310,14 +313,15 @@ def main() -> int:
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
             f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), FP8 experts; decode "
             "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests; kernels: "
-            "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router. Floors: bytes a "
+            "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router; pipelined = "
+            "each step launched before the host reads the previous step's tokens (engine.llm_engine). Floors: bytes a "
             f"step must read / the copy bandwidth measured in the same run ({bw / 1e12:.2f} TB/s), with the "
             "experts as loaded (FP8) and as published (MXFP4).", "",
             "| what | value | floor (FP8 experts) | floor / time | floor (MXFP4 experts) | floor / time |",
             "|---|---|---|---|---|---|",
             f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} | | | | |",
             f"| prefill {a.prefill_tokens} tokens, batch 1 | {t_prefill * 1e3:.1f} ms | | | | |",
-        ] + [f"| decode ({d['kernels']} kernels, {d['mode']}) batch {d['batch']} at context {a.decode_context} | "
+        ] + [f"| decode ({d['kernels']}, {d['mode']}) batch {d['batch']} at context {a.decode_context} | "
              f"{d['step_ms']:.2f} ms/step, {d['tok_s_total']:.0f} tok/s total | {d['floor_ms']:.3f} ms | "
              f"{d['floor_ms'] / d['step_ms']:.0%} | {d['floor_mxfp4_ms']:.3f} ms | {d['floor_mxfp4_ms'] / d['step_ms']:.0%} |"
              for d in decode.values()] + [

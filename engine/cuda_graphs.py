@@ -145,8 +145,9 @@ class DecodeGraphs:
         ids, positions = step.inputs[0], step.inputs[1]
         return self.model.logits(self.model.forward(ids, positions, ctx))
 
-    def _pad_plan(self, step: _Step, n: int, input_ids, positions, slots, batches) -> None:
-        """Fill the static inputs and plan attention for n real rows padded to step.size."""
+    def _pad_plan(self, step: _Step, n: int, input_ids, positions, slots, batches, device_ids=None) -> None:
+        """Fill the static inputs and plan attention for n real rows padded to step.size; the
+        first len(device_ids) token ids come from that device tensor (in stream order)."""
         host = step.staging if step.staging is not None else torch.empty(step.inputs.shape, dtype=torch.long)
         if step.staged is not None:
             step.staged.synchronize()  # the previous replay's copy out of `staging` has run
@@ -161,6 +162,8 @@ class DecodeGraphs:
         step.inputs.copy_(host, non_blocking=step.staging is not None)
         if step.staged is not None:
             step.staged.record()
+        if device_ids is not None:
+            step.inputs[0, : device_ids.numel()].copy_(device_ids)
 
     def _empty_batch(self) -> dict[str, PagedBatch]:
         z = torch.zeros(1, dtype=torch.int32)
@@ -198,14 +201,15 @@ class DecodeGraphs:
 
     # -- running -------------------------------------------------------------------------------
     def run(self, input_ids: list[int], positions: list[int], slots: dict[str, torch.Tensor],
-            batches: dict[str, PagedBatch]) -> torch.Tensor:
-        """One decode step for n = len(input_ids) requests -> float32 logits [n, vocab]."""
+            batches: dict[str, PagedBatch], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for n = len(input_ids) requests -> float32 logits [n, vocab].
+        device_ids: int64 device tensor replacing the first len(device_ids) input ids."""
         n = len(input_ids)
         size = self.size_for(n)
         if size is None:
             raise ValueError(f"decode batch of {n} exceeds the largest captured size {self.max_batch}")
         step = self._steps.get(size) or self._capture(size)
-        self._pad_plan(step, n, input_ids, positions, slots, batches)
+        self._pad_plan(step, n, input_ids, positions, slots, batches, device_ids)
         if step.graph is None:
             logits = self._forward(step)
         else:

@@ -49,6 +49,9 @@ class StepPlan:
     all_logits : logits of every row, else of each request's last row.
     block_copies : pool -> [(source block, destination block)] copied before the forward (the
         partial last prompt page, and the sliding pages, of each choice forked from a prompt).
+    device_ids : optional int64 device tensor [m]: the first m input ids, sampled on the device
+        by the previous step and not read by the host (their `input_ids` entries are
+        placeholders). Single-rank only: it does not travel to other ranks.
     """
 
     input_ids: list[int]
@@ -58,6 +61,7 @@ class StepPlan:
     qo_lens: list[int]
     all_logits: bool = False
     block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    device_ids: torch.Tensor | None = None
 
 
 class StepGroup(Protocol):
@@ -150,10 +154,12 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not plan.all_logits and len(plan.input_ids) == len(plan.qo_lens)
                 and len(plan.qo_lens) <= graphs.max_batch):
-            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches)
+            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches, plan.device_ids)
         plan_step(self.attention, plan.batches)
         step = StepContext(self.cache, {g: s.to(self.device) for g, s in plan.slots.items()}, self.attention)
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+        if plan.device_ids is not None:
+            input_ids[: plan.device_ids.numel()] = plan.device_ids
         pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, step)
         if not plan.all_logits and len(plan.qo_lens) != hidden.shape[0]:
@@ -163,6 +169,8 @@ class ModelRunner:
 
     def _step(self, plan: StepPlan) -> torch.Tensor:
         if self.group is not None:
+            if plan.device_ids is not None:
+                raise ValueError("device-side input ids are single-rank only")
             return self.group.run(plan, self.execute)
         return self.execute(plan)
 
@@ -192,31 +200,34 @@ class ModelRunner:
                 dst = torch.tensor([b for _, b in pairs], device=self.device)
                 self.cache.pools[pool][:, dst] = self.cache.pools[pool][:, src]
 
-    def decode(self, seqs: list[Sequence], block_copies: dict[str, list[tuple[int, int]]] | None = None
-               ) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence], block_copies: dict[str, list[tuple[int, int]]] | None = None,
+               device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One token for each request (its last sampled one at position num_cached): [B, V].
-        `block_copies` (see StepPlan) run first, on every rank."""
-        plan = self.decode_plan(seqs)
+        `block_copies` (see StepPlan) run first, on every rank; device_ids: the first
+        len(device_ids) requests' tokens, still on the device (see StepPlan)."""
+        plan = self.decode_plan(seqs, device_ids)
         plan.block_copies = block_copies or {}
         logits = self._step(plan)
         for s in seqs:
             s.num_cached += 1
         return logits
 
-    def decode_plan(self, seqs: list[Sequence]) -> StepPlan:
+    def decode_plan(self, seqs: list[Sequence], device_ids: torch.Tensor | None = None) -> StepPlan:
         """The step that feeds each request its last token (makes the KV slots writable)."""
         ids, positions, tables = [], [], []
         slot_parts: dict[str, list[torch.Tensor]] = {}
-        for s in seqs:
+        on_device = 0 if device_ids is None else device_ids.numel()
+        for i, s in enumerate(seqs):
             pos = s.num_cached
             for g, t in self.cache.prepare(s.blocks, pos, 1).items():
                 slot_parts.setdefault(g, []).append(t)
-            ids.append(s.last_token)
+            ids.append(s.last_token if i >= on_device else 0)
             positions.append(pos)
             tables.append(self.cache.tables(s.blocks, pos + 1))
         slots = {g: torch.cat(v) for g, v in slot_parts.items()}
         qo_lens = [1] * len(seqs)
-        return StepPlan(ids, positions, slots, make_batches(self.cache, tables, qo_lens), qo_lens)
+        return StepPlan(ids, positions, slots, make_batches(self.cache, tables, qo_lens), qo_lens,
+                        device_ids=device_ids)
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits of every prompt position [L, V], through the paged path."""

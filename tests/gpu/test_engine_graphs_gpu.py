@@ -93,3 +93,31 @@ def test_graph_decode_over_the_largest_size_runs_eagerly(ckpt):
     assert out.shape == (3, r.cfg.vocab_size) and torch.isfinite(out).all()
     out2 = r.decode(seqs[:2])  # graph of size 2
     assert out2.shape == (2, r.cfg.vocab_size) and torch.isfinite(out2).all()
+
+
+def test_pipelined_decode_matches_step_by_step(ckpt):
+    """LLMEngine's pipelined decode (the next step launched on the device-side tokens before the
+    host reads them; one event wait per step) against the step-by-step engine on the same runner:
+    the batches are composed the same way (length ends are known ahead; requests join at the same
+    step), so the replays and therefore the greedy tokens are identical."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    r = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=8)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist() for n in (7, 140, 33, 300, 9)]
+    lens = [30, 12, 25, 40, 3]
+    outs = {}
+    for pipeline in (False, True):
+        eng = LLMEngine(r, max_batch_size=8, pipeline=pipeline)
+        seqs = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts[:3], lens[:3])]
+        step = 0
+        while eng.busy:
+            if step == 4:  # two join while a step is in flight
+                seqs += [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+                         for p, n in zip(prompts[3:], lens[3:])]
+            eng.step()
+            step += 1
+        outs[pipeline] = [s.output_ids for s in seqs]
+        assert [len(o) for o in outs[pipeline]] == lens
+    assert outs[True] == outs[False]
