@@ -191,11 +191,28 @@ class PagedKVCache:
         """Make pages for positions [start, start + num_tokens) writable; return the flat slot
         (block * page_size + offset) of each position in each pool."""
         end = start + num_tokens
-        if end > len(seq.full) * self.page_size:
-            raise KVCacheFull(f"position {end - 1} is beyond the {len(seq.full)} reserved blocks")
+        self._make_writable(seq, start, end)
         pos = torch.arange(start, end)
         page, off = pos // self.page_size, pos % self.page_size
         slots = {"full": torch.tensor(seq.full)[page] * self.page_size + off}
+        if self.has_sliding:
+            table = torch.tensor(seq.sliding)
+            slots["sliding"] = table[page - seq.sliding_first_page] * self.page_size + off
+        return slots
+
+    def prepare_one(self, seq: SeqBlocks, pos: int) -> dict[str, int]:
+        """`prepare` for the one position of a decode step, in plain ints: a decode step of a
+        large batch calls this per request, where tensor ops cost ~60 us of host time each."""
+        self._make_writable(seq, pos, pos + 1)
+        page, off = divmod(pos, self.page_size)
+        slots = {"full": seq.full[page] * self.page_size + off}
+        if self.has_sliding:
+            slots["sliding"] = seq.sliding[page - seq.sliding_first_page] * self.page_size + off
+        return slots
+
+    def _make_writable(self, seq: SeqBlocks, start: int, end: int) -> None:
+        if end > len(seq.full) * self.page_size:
+            raise KVCacheFull(f"position {end - 1} is beyond the {len(seq.full)} reserved blocks")
         if self.has_sliding:
             self._slide(seq, start)
             last_page = (end - 1) // self.page_size
@@ -203,9 +220,6 @@ class PagedKVCache:
                 if not seq.sliding_spare:
                     raise KVCacheFull("sliding-window pages exhausted (prefill not reserved locally)")
                 seq.sliding.append(seq.sliding_spare.pop(0))
-            table = torch.tensor(seq.sliding)
-            slots["sliding"] = table[page - seq.sliding_first_page] * self.page_size + off
-        return slots
 
     def _slide(self, seq: SeqBlocks, next_pos: int) -> None:
         first = sliding_first_page(next_pos, self.window, self.page_size)

@@ -215,16 +215,16 @@ class ModelRunner:
     def decode_plan(self, seqs: list[Sequence], device_ids: torch.Tensor | None = None) -> StepPlan:
         """The step that feeds each request its last token (makes the KV slots writable)."""
         ids, positions, tables = [], [], []
-        slot_parts: dict[str, list[torch.Tensor]] = {}
+        slot_parts: dict[str, list[int]] = {}
         on_device = 0 if device_ids is None else device_ids.numel()
         for i, s in enumerate(seqs):
             pos = s.num_cached
-            for g, t in self.cache.prepare(s.blocks, pos, 1).items():
-                slot_parts.setdefault(g, []).append(t)
+            for g, slot in self.cache.prepare_one(s.blocks, pos).items():
+                slot_parts.setdefault(g, []).append(slot)
             ids.append(s.last_token if i >= on_device else 0)
             positions.append(pos)
             tables.append(self.cache.tables(s.blocks, pos + 1))
-        slots = {g: torch.cat(v) for g, v in slot_parts.items()}
+        slots = {g: torch.tensor(v, dtype=torch.long) for g, v in slot_parts.items()}
         qo_lens = [1] * len(seqs)
         return StepPlan(ids, positions, slots, make_batches(self.cache, tables, qo_lens), qo_lens,
                         device_ids=device_ids)
