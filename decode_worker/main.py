@@ -1,12 +1,19 @@
-"""Run a decode worker (gRPC): continuous batching, KV admission, token streams."""
+"""Run a decode worker (gRPC): continuous batching, KV admission, token streams.
+
+One code path for any number of ranks (EP x TP; world = --tp ranks, --ep expert groups): rank 0,
+the leader, is the decode worker everyone talks to (gRPC server, reservations, block bookkeeping,
+continuous batching and sampling) and starts ranks 1..W-1 (decode_worker/parallel.py) as child
+processes; a one-rank worker is a group of one.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
+import os
 import uuid
+
+from pdserve.proto.lifecycle import add_lifecycle_args
 
 log = logging.getLogger("decode_worker")
 SERVICES = ["pdserve.v1.DecodeWorker"]
@@ -35,18 +42,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="share of the free GPU memory given to KV blocks (without --kv-blocks)")
     p.add_argument("--reservation-ttl", type=float, default=60.0, help="seconds a reservation waits for Decode")
     p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
-    p.add_argument("--ready-file", default=None,
-                   help="write {address, ...} here once serving (for launchers)")
+    add_lifecycle_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
-    from pdserve.engine.model_runner import ModelRunner
-    from pdserve.kvtransfer import KVTransferAgent
-    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-    from pdserve.proto.rpc import (add_health, bind, ensure_port_free, make_server, set_serving,
-                                   write_ready_file)
+    import multiprocessing as mp
 
-    from .parallel import KVArrivals
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.parallel import ShardSpec, check_layout, gather_objects, start_group
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.proto.lifecycle import WorkerLifecycle
+    from pdserve.proto.rpc import ensure_port_free, make_server
+
+    from .parallel import KVArrivals, build_rank, follower_main
     from .scheduler import DecodeScheduler
     from .server import DecodeService
 
@@ -59,38 +67,49 @@ def run(a: argparse.Namespace) -> int:
         a.cuda_graph_max_batch = a.max_batch_size if a.device == "cuda" and a.tp == 1 else 0
     if not 0 <= a.cuda_graph_max_batch <= a.max_batch_size:
         raise ValueError("--cuda-graph-max-batch must be in [0, --max-batch-size]")
-    if a.tp != 1 or a.ep != 1:
-        from .parallel import run_parallel
-
-        return run_parallel(a)
+    cfg = ModelConfig.load(a.model)
+    check_layout(cfg, a.tp, a.ep)
+    world = a.tp
     worker_id = a.worker_id or f"decode-{uuid.uuid4().hex[:8]}"
-    runner = ModelRunner(a.model, device=a.device, precision=a.precision, page_size=a.page_size,
-                         num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction,
-                         cuda_graph_max_batch=a.cuda_graph_max_batch)
-    agent = KVTransferAgent(f"{worker_id}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
-                            head_range=(0, runner.cfg.num_key_value_heads), listen_host=a.kv_host or a.host)
+    life = WorkerLifecycle("decode", SERVICES, drain_timeout_s=a.drain_timeout)
+    pipes = {r: mp.get_context("spawn").Pipe(duplex=False) for r in range(1, world)}  # follower -> leader
+    leader = start_group(world, a.ep, a.device, follower_main, lambda r: (a, worker_id, os.getpid(), pipes[r][1]))
+    for r in pipes:
+        pipes[r][1].close()  # the leader keeps only the reading ends (EOF when a follower dies)
+    leader.on_fatal(life.fatal)
+    group = leader.group
+    runner, agent = build_rank(a, worker_id, group)
+    runner.group = leader
+    rank_agents = gather_objects((agent.name, agent.peer_info()), group)
+
+    # a request's KV is present once every head of every rank arrived (whatever the prefill TP)
+    arrivals = KVArrivals([ShardSpec(r, world, a.ep).kv_head_range(cfg.num_key_value_heads) for r in range(world)])
+    readers = {r: pipes[r][0] for r in pipes}
+
+    def notifications() -> list[str]:
+        done = arrivals.feed(0, agent.take_notifications())
+        for r, conn in list(readers.items()):
+            try:
+                while conn.poll():
+                    done += arrivals.feed(r, conn.recv())
+            except (EOFError, OSError):  # the follower died: the rank watcher takes the worker down
+                del readers[r]
+        return done
+
     scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size)
-    arrivals = KVArrivals([agent.head_range])  # complete once every head arrived (any prefill TP)
-    scheduler.notification_source = lambda: arrivals.feed(0, agent.take_notifications())
-    service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl)
+    scheduler.notification_source = notifications
+    service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl,
+                            rank_agents=rank_agents)
     server = make_server(max_workers=2 * a.max_batch_size + 64)
     pb_grpc.add_DecodeWorkerServicer_to_server(service, server)
-    health = add_health(server, SERVICES)
-    port = bind(server, a.host, a.port)
-    scheduler.start_loop()
-    server.start()
-    log.info("decode worker %s serving on %s:%d (%d KV blocks of %d tokens)", worker_id, a.host, port,
-             runner.cache.num_total_blocks, runner.cache.page_size)
-    write_ready_file(a.ready_file, role="decode", address=f"{a.host}:{port}", worker_id=worker_id)
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("decode worker %s draining", worker_id)
-    set_serving(health, SERVICES, False)
-    service.drain(timeout_s=10.0)
-    server.stop(grace=2.0).wait()
-    scheduler.stop()
-    agent.close()
-    return 0
+    def teardown() -> None:
+        scheduler.stop()
+        leader.shutdown()
+        agent.close()
+
+    layout = f", {world} ranks (attention TP {world}, experts EP {a.ep} x TP {world // a.ep})" if world > 1 else ""
+    return life.serve(server, service, host=a.host, port=a.port, ready_file=a.ready_file, worker_id=worker_id,
+                      start=scheduler.start_loop, teardown=teardown, on_fatal_exit=leader.shutdown,
+                      describe=f"{layout} ({runner.cache.num_total_blocks} KV blocks of {runner.cache.page_size} tokens)",
+                      rank_pids=leader.procs.pids if leader.procs else [])

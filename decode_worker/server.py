@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 
 import grpc
 
@@ -122,9 +121,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.KVMetadataResponse(agent_names=[n for n, _ in self.rank_agents],
                                      agent_metadata=[m for _, m in self.rank_agents])
 
-    def drain(self, timeout_s: float) -> None:
-        """Refuse new work, let running streams finish (up to timeout_s)."""
-        self.draining = True
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end and self.scheduler.load()["reserved"]:
-            time.sleep(0.05)
+    def in_flight(self) -> int:
+        """Requests holding KV blocks (reserved, waiting for their KV, or decoding): a draining
+        worker waits for them."""
+        return self.scheduler.load()["reserved"]

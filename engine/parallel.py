@@ -201,6 +201,8 @@ def destroy_worker_group() -> None:
 
 def broadcast_object(obj: Any, group: WorkerGroup) -> Any:
     """The leader's `obj` on every rank (followers pass None)."""
+    if group.shard.world_size == 1:
+        return obj
     buf = [obj]
     dist.broadcast_object_list(buf, src=0, group=group.meta)
     return buf[0]
@@ -208,6 +210,8 @@ def broadcast_object(obj: Any, group: WorkerGroup) -> Any:
 
 def gather_objects(obj: Any, group: WorkerGroup) -> list | None:
     """Every rank's `obj`, in rank order, on the leader (None on followers)."""
+    if group.shard.world_size == 1:
+        return [obj]
     out = [None] * group.shard.world_size if group.is_leader else None
     dist.gather_object(obj, out, dst=0, group=group.meta)
     return out
@@ -298,9 +302,11 @@ class LeaderGroup:
     and, if the process has not exited `exit_grace_s` later, terminates every rank and exits.
     """
 
-    def __init__(self, group: WorkerGroup, procs: RankProcesses | None, *, exit_grace_s: float = 30.0):
+    def __init__(self, group: WorkerGroup, procs: RankProcesses | None, *, exit_grace_s: float = 30.0,
+                 rendezvous: str | None = None):
         self.group = group
         self.procs = procs
+        self.rendezvous = rendezvous  # removed by shutdown
         self.exit_grace_s = exit_grace_s
         if procs is not None:
             procs.on_death = self.fatal
@@ -354,7 +360,9 @@ class LeaderGroup:
                 result = local(payload)
             except Exception as e:
                 # the followers are inside the same collectives: the group cannot be trusted now
-                self.fatal(f"{name!r} failed on rank 0: {type(e).__name__}: {e}")
+                # (alone, rank 0 fails just this command, as any other exception)
+                if self.group.shard.world_size > 1:
+                    self.fatal(f"{name!r} failed on rank 0: {type(e).__name__}: {e}")
                 raise
             if not want_reply:
                 return result
@@ -369,7 +377,8 @@ class LeaderGroup:
         return self.call("step", plan, execute, want_reply=False)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Tell the followers to exit (if the group still works), then make sure they did."""
+        """Tell the followers to exit (if the group still works), make sure they did, and leave
+        the process group."""
         if self._fatal is None:
             with self._lock:
                 try:
@@ -378,6 +387,27 @@ class LeaderGroup:
                     log.warning("could not send stop to the followers: %s", e)
         if self.procs is not None:
             self.procs.stop(timeout_s=timeout_s if self._fatal is None else 2.0)
+        if self.rendezvous:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
+        if self._fatal is None:  # a broken group may hang in teardown: the process exits instead
+            destroy_worker_group()
+
+
+def start_group(world_size: int, ep_size: int, device: str, follower: Callable,
+                args_for: Callable[[int], tuple]) -> LeaderGroup:
+    """The leader's side of a new worker of `world_size` ranks (1 included: no process, no
+    collective, the same interface). Ranks 1..W-1 run `follower(rank, init_method, *args_for(rank))`
+    in child processes (see `run_follower`); rank 0 joins their process group here."""
+    if world_size == 1:
+        return LeaderGroup(WorkerGroup(ShardSpec(0, 1, ep_size), torch.device(device), None), None)
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    rdv = rendezvous_dir()
+    init = f"file://{os.path.join(rdv, 'store')}"
+    procs = RankProcesses(world_size, follower, lambda r: (init, *args_for(r)))
+    procs.start()
+    group = init_worker_group(0, world_size, init, ep_size=ep_size, device=device)
+    return LeaderGroup(group, procs, rendezvous=rdv)
 
 
 # -- followers --------------------------------------------------------------------------------
@@ -395,6 +425,34 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5, cleanup_dir: str | No
             time.sleep(interval_s)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def run_follower(rank: int, world_size: int, init_method: str, leader_pid: int, ep_size: int, device: str,
+                 setup: Callable[[WorkerGroup], tuple[dict[str, Callable[[Any], Any]], Callable[[], None]]]) -> None:
+    """A follower rank's whole life: the leader alone decides when it stops (signals ignored), it
+    ends as soon as the leader is gone, and any failure exits non-zero (which the leader sees).
+
+    `setup(group)` builds this rank's share of the worker and returns (handlers for `follow`,
+    cleanup run after the leader's "stop").
+    """
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
+    watch_parent(leader_pid, cleanup_dir=rendezvous_dir_of(init_method))
+    try:
+        if torch.device(device).type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(world_size))
+        group = init_worker_group(rank, world_size, init_method, ep_size=ep_size, device=device)
+        handlers, cleanup = setup(group)
+        follow(group, handlers)
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)
+    cleanup()
+    destroy_worker_group()
 
 
 def follow(group: WorkerGroup, handlers: dict[str, Callable[[Any], Any]]) -> None:

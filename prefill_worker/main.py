@@ -1,12 +1,19 @@
-"""Run a prefill worker (gRPC): batch-size-1 prompts, KV pushed to decode workers over NIXL."""
+"""Run a prefill worker (gRPC): batch-size-1 prompts, KV pushed to decode workers over NIXL.
+
+One code path for any number of ranks (a TP group of --tp ranks): rank 0, the leader, is the
+prefill worker everyone talks to (gRPC server, queue, block bookkeeping, first-token sampling) and
+starts ranks 1..W-1 (prefill_worker/parallel.py) as child processes; a one-rank worker is a group
+of one.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
+import os
 import uuid
+
+from pdserve.proto.lifecycle import add_lifecycle_args
 
 log = logging.getLogger("prefill_worker")
 SERVICES = ["pdserve.v1.PrefillWorker"]
@@ -30,55 +37,55 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
     p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
-    p.add_argument("--ready-file", default=None,
-                   help="write {address, ...} here once serving (for launchers)")
+    add_lifecycle_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
-    from pdserve.engine.model_runner import ModelRunner
-    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.parallel import check_layout, gather_objects, start_group
+    from pdserve.kvtransfer import KVTransferError
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-    from pdserve.proto.rpc import (add_health, bind, ensure_port_free, make_server, set_serving,
-                                   write_ready_file)
+    from pdserve.proto.lifecycle import WorkerLifecycle
+    from pdserve.proto.rpc import ensure_port_free, make_server
 
-    from .executor import PrefillExecutor, prefill_kv_blocks
+    from .executor import PrefillExecutor
+    from .parallel import build_rank, follower_main, push_report
     from .server import PrefillService
 
     ensure_port_free(a.host, a.port)  # before minutes of model loading, not after
-    if a.tp != 1:
-        from .parallel import run_parallel
-
-        return run_parallel(a)
+    world = a.tp
+    check_layout(ModelConfig.load(a.model), world, 1)
     worker_id = a.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
-    from pdserve.engine.config import ModelConfig
-
-    cfg = ModelConfig.load(a.model)
-    blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
-    runner = ModelRunner(a.model, device=a.device, precision=a.precision, page_size=a.page_size,
-                         num_kv_blocks=blocks)
-    agent = KVTransferAgent(f"{worker_id}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
-                            head_range=(0, cfg.num_key_value_heads), listen_host=a.kv_host or a.host)
+    life = WorkerLifecycle("prefill", SERVICES, drain_timeout_s=a.drain_timeout)
+    leader = start_group(world, 1, a.device, follower_main, lambda r: (a, worker_id, os.getpid()))
+    leader.on_fatal(life.fatal)
+    runner, agent = build_rank(a, worker_id, leader.group)
+    gather_objects(agent.name, leader.group)  # every rank is up
+    runner.group = leader
     executor = PrefillExecutor(runner, agent, max_queue=a.max_queue, max_queued_tokens=a.max_queued_tokens,
                                transfer_timeout_s=a.kv_transfer_timeout,
                                prefix_cache=a.prefix_cache_tokens > 0)
+
+    def push_on_all_ranks(push) -> int:
+        """Every rank writes its KV heads into the decode ranks that hold them."""
+        reports = leader.call("push", push, lambda p: push_report(agent, p, a.kv_transfer_timeout),
+                              want_reply=True)
+        errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(reports) if status != "ok"]
+        if errors:
+            raise KVTransferError("; ".join(errors))
+        return sum(n for _, n in reports)
+
+    executor.push = push_on_all_ranks
     service = PrefillService(executor, worker_id=worker_id)
     server = make_server(max_workers=a.max_queue + 16)
     pb_grpc.add_PrefillWorkerServicer_to_server(service, server)
-    health = add_health(server, SERVICES)
-    port = bind(server, a.host, a.port)
-    executor.start()
-    server.start()
-    log.info("prefill worker %s serving on %s:%d", worker_id, a.host, port)
-    write_ready_file(a.ready_file, role="prefill", address=f"{a.host}:{port}", worker_id=worker_id)
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("prefill worker %s draining", worker_id)
-    service.draining = True
-    set_serving(health, SERVICES, False)
-    server.stop(grace=5.0).wait()
-    executor.stop()
-    agent.close()
-    return 0
+    def teardown() -> None:
+        executor.stop()
+        leader.shutdown()
+        agent.close()
+
+    return life.serve(server, service, host=a.host, port=a.port, ready_file=a.ready_file, worker_id=worker_id,
+                      start=executor.start, teardown=teardown, on_fatal_exit=leader.shutdown,
+                      describe=f": TP {world}" if world > 1 else "",
+                      rank_pids=leader.procs.pids if leader.procs else [])

@@ -80,6 +80,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(found=self.executor.cancel(request.request_id))
 
+    def in_flight(self) -> int:
+        """Prompts queued or running: a draining worker waits for them."""
+        return self.executor.load()["queued"]
+
     def Load(self, request, context) -> pb.LoadReport:
         s = self.executor.load()
         cache = self.executor.runner.cache

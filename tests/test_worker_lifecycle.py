@@ -1,0 +1,144 @@
+"""The worker lifecycle (proto/lifecycle.py) both roles run: a stop request drains (health
+NOT_SERVING, new work refused, accepted work finishes up to --drain-timeout), a second one ends the
+drain at once; and real workers of both roles drain that way on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.proto.lifecycle import WorkerLifecycle
+from pdserve.proto.rpc import make_server
+
+
+class FakeService:
+    def __init__(self, in_flight: int):
+        self.draining = False
+        self.work = in_flight
+
+    def in_flight(self) -> int:
+        return self.work
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def serve_in_background(life: WorkerLifecycle, service: FakeService, tmp_path, events: list):
+    """Run `life.serve` on this (main) thread while `drive(address)` runs on another."""
+    ready = tmp_path / "ready"
+
+    def run(drive):
+        def driver():
+            for _ in range(500):
+                if ready.is_file():
+                    break
+                time.sleep(0.01)
+            drive(json.loads(ready.read_text())["address"])
+
+        t = threading.Thread(target=driver, daemon=True)
+        t.start()
+        code = life.serve(make_server(4), service, host="127.0.0.1", port=0, ready_file=str(ready),
+                          worker_id="w0", start=lambda: events.append("start"),
+                          teardown=lambda: events.append("teardown"),
+                          on_fatal_exit=lambda: events.append("fatal"))
+        t.join(5)
+        return code
+    return run
+
+
+def test_stop_drains_accepted_work_then_tears_down(tmp_path):
+    life = WorkerLifecycle("decode", ["pdserve.v1.DecodeWorker"], drain_timeout_s=60)
+    service, events, seen = FakeService(in_flight=2), [], {}
+
+    def drive(address):
+        assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+        life.request_stop()  # SIGTERM
+        time.sleep(0.3)
+        seen["draining"], seen["health"] = service.draining, health_status(address)
+        seen["teardown_early"] = "teardown" in events
+        service.work = 0  # the streams finished
+
+    code = serve_in_background(life, service, tmp_path, events)(drive)
+    assert code == 0
+    assert seen == {"draining": True, "health": health_pb2.HealthCheckResponse.NOT_SERVING,
+                    "teardown_early": False}
+    assert events == ["start", "teardown"]
+
+
+def test_drain_ends_at_the_timeout_or_at_a_second_signal(tmp_path):
+    for second_signal in (False, True):
+        life = WorkerLifecycle("prefill", ["pdserve.v1.PrefillWorker"],
+                               drain_timeout_s=60 if second_signal else 0.5)
+        service, events = FakeService(in_flight=1), []  # never finishes
+
+        def drive(address):
+            life.request_stop()
+            if second_signal:
+                time.sleep(0.2)
+                life.request_stop()
+
+        t0 = time.monotonic()
+        (tmp_path / str(second_signal)).mkdir()
+        assert serve_in_background(life, service, tmp_path / str(second_signal), events)(drive) == 0
+        assert time.monotonic() - t0 < 10
+        assert events == ["start", "teardown"] and service.draining
+
+
+def test_signal_handlers_are_restored_after_serving(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    life = WorkerLifecycle("decode", ["pdserve.v1.DecodeWorker"], drain_timeout_s=1)
+    serve_in_background(life, FakeService(0), tmp_path, [])(lambda address: os.kill(os.getpid(), signal.SIGTERM))
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_drain_timeout_must_not_be_negative():
+    with pytest.raises(ValueError, match="--drain-timeout"):
+        WorkerLifecycle("decode", [], drain_timeout_s=-1)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_a_real_decode_worker(tiny_mxfp4, tmp_path):
+    """SIGTERM mid-stream: the decode worker says NOT_SERVING and draining, refuses a new
+    reservation, finishes the stream it holds to the last token, then exits 0."""
+    from pdserve.launch.serve import ClusterSpec, LocalCluster
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from test_serving_e2e import free_port
+
+    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), kv_blocks=512,
+                       extra_worker_args=["--drain-timeout", "120"])
+    with LocalCluster(spec, tmp_path) as cluster:
+        decode = cluster.procs["decode-0"]
+        with grpc.insecure_channel(f"127.0.0.1:{spec.grpc_port}") as ch:
+            req = pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4, 5],
+                                     sampling=pb.SamplingParams(max_new_tokens=300, ignore_eos=True))
+            stream = pb_grpc.GeneratorStub(ch).Generate(req, timeout=300)
+            tokens, reason = list(next(stream).token_ids), 0
+            decode.send_signal(signal.SIGTERM)
+            address = cluster.addresses["decode-0"]
+            for _ in range(100):
+                if health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.05)
+            with grpc.insecure_channel(address) as wch:
+                stub = pb_grpc.DecodeWorkerStub(wch)
+                assert stub.Load(pb.LoadRequest(), timeout=5).draining
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Reserve(pb.ReserveRequest(request_id="new", num_prompt_tokens=4, max_new_tokens=4),
+                                 timeout=5)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert decode.poll() is None  # still streaming
+            for msg in stream:
+                tokens += msg.token_ids
+                reason = msg.finish_reason or reason
+        assert (len(tokens), reason) == (300, pb.FINISH_REASON_LENGTH)
+        assert decode.wait(timeout=30) == 0
