@@ -13,8 +13,6 @@ import logging
 import os
 import uuid
 
-from pdserve.proto.lifecycle import add_lifecycle_args
-
 log = logging.getLogger("decode_worker")
 SERVICES = ["pdserve.v1.DecodeWorker"]
 
@@ -42,7 +40,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="share of the free GPU memory given to KV blocks (without --kv-blocks)")
     p.add_argument("--reservation-ttl", type=float, default=60.0, help="seconds a reservation waits for Decode")
     p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
-    add_lifecycle_args(p)
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="after SIGTERM: seconds accepted requests get to finish before the worker exits "
+                        "(keep the orchestrator's grace period above it)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {address, ...} here once serving (for launchers)")
 
 
 def run(a: argparse.Namespace) -> int:

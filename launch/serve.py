@@ -385,11 +385,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="where process logs go (none: a temp dir)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of an exited process in a row before serve gives up on it (0 = never "
-                        "restart; the count resets once it has run %d s) (default: %%(default)s)"
-                   % RestartPolicy.stable_s)
+                        "restart; the count resets once it has run %d s)" % RestartPolicy.stable_s)
     p.add_argument("--restart-backoff", type=float, default=RestartPolicy.backoff_s,
-                   help="seconds before the first restart, doubled for each one in a row up to %d s "
-                        "(default: %%(default)s)" % RestartPolicy.max_backoff_s)
+                   help="seconds before the first restart, doubled for each one in a row up to %d s"
+                        % RestartPolicy.max_backoff_s)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -13,8 +13,6 @@ import logging
 import os
 import uuid
 
-from pdserve.proto.lifecycle import add_lifecycle_args
-
 log = logging.getLogger("prefill_worker")
 SERVICES = ["pdserve.v1.PrefillWorker"]
 
@@ -37,7 +35,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
     p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
-    add_lifecycle_args(p)
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="after SIGTERM: seconds accepted requests get to finish before the worker exits "
+                        "(keep the orchestrator's grace period above it)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {address, ...} here once serving (for launchers)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -7,12 +7,13 @@ drain, fatal exit.
 Draining: health says NOT_SERVING, the service refuses new work (`service.draining`), work already
 accepted finishes (`service.in_flight()` reaches 0) for up to `--drain-timeout` seconds, then the
 server stops. Set the orchestrator's grace period (Kubernetes' terminationGracePeriodSeconds)
-above it. A second signal ends the drain at once.
+above it. A second signal ends the drain at once. Both workers take `--drain-timeout` (default
+120 s) and `--ready-file` for it (defined in their own flags: building the CLI parser must not
+import gRPC).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DRAIN_TIMEOUT_S = 120.0
 
 
 class DrainableService(Protocol):
@@ -36,18 +36,10 @@ class DrainableService(Protocol):
         """Work accepted and not finished (reservations, queued or running prompts)."""
 
 
-def add_lifecycle_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                   help="after SIGTERM: seconds accepted work gets to finish before the worker exits "
-                        "(keep the orchestrator's grace period above it) (default: %(default)s)")
-    p.add_argument("--ready-file", default=None,
-                   help="write {address, ...} here once serving (for launchers)")
-
-
 class WorkerLifecycle:
     """Runs a built worker's gRPC server until it is told to stop, then drains and tears down."""
 
-    def __init__(self, role: str, services: list[str], *, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S):
+    def __init__(self, role: str, services: list[str], *, drain_timeout_s: float = 120.0):
         if drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {drain_timeout_s}")
         self.role = role
