@@ -158,11 +158,17 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
              stop_ids: tuple[int, ...], token_bitmask: torch.Tensor | None) -> torch.Tensor:
-    """Penalties, logit_bias, min_tokens, bitmask, temperature: float32 [B, V], a new tensor."""
+    """Penalties, logit_bias, min_tokens, bitmask, temperature: float32 [B, V] (`logits` itself
+    when no rule changes it; never modified in place)."""
     dev = logits.device
     b, v = logits.shape
-    x = logits.float().clone()
+    x = logits.float()
     pen = [i for i, p in enumerate(params) if p.penalised and outputs[i]]
+    bias = [(i, token, value) for i, p in enumerate(params) for token, value in p.logit_bias.items()]
+    banned = [(i, t) for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens
+              for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_ids))]
+    if (pen or bias or banned) and x is logits:
+        x = x.clone()  # the rules below write in place
     if pen:
         longest = max(len(outputs[i]) for i in pen)
         ids = _tensor([outputs[i] + [v] * (longest - len(outputs[i])) for i in pen], torch.long, dev)
@@ -172,19 +178,12 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
         pres = _tensor([params[i].presence_penalty for i in pen], torch.float, dev)
         rows = _tensor(pen, torch.long, dev)
         x[rows] -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
-    rows, cols, vals = [], [], []
-    for i, p in enumerate(params):
-        for token, bias in p.logit_bias.items():
-            rows.append(i), cols.append(token), vals.append(bias)
-    if rows:
+    if bias:
+        rows, cols, vals = zip(*bias)
         x.index_put_((_tensor(rows, torch.long, dev), _tensor(cols, torch.long, dev)),
                      _tensor(vals, torch.float, dev), accumulate=True)
-    rows, cols = [], []
-    for i, p in enumerate(params):
-        if len(outputs[i]) < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_ids))
-            rows.extend([i] * len(stops)), cols.extend(stops)
-    if rows:
+    if banned:
+        rows, cols = zip(*banned)
         x.index_put_((_tensor(rows, torch.long, dev), _tensor(cols, torch.long, dev)),
                      torch.tensor(float("-inf"), device=dev))
     if token_bitmask is not None:
@@ -195,27 +194,45 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
     return x
 
 
+def _cut(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x with every token outside each row's top-k and top-p set to -inf. Only rows with top-p
+    are sorted (a full sort of the vocabulary is the costly part); top-k alone takes the k-th value."""
+    dev = x.device
+    v = x.shape[1]
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    only_k = [i for i, p in enumerate(params) if p.top_k and p.top_k < v and p.top_p >= 1.0]
+    if not nucleus and not only_k:
+        return x
+    x = x.clone()
+    if only_k:
+        rows = _tensor(only_k, torch.long, dev)
+        k = _tensor([params[i].top_k for i in only_k], torch.long, dev)
+        top = torch.topk(x[rows], max(params[i].top_k for i in only_k), dim=-1).values
+        kth = top.gather(1, (k - 1)[:, None])
+        x[rows] = x[rows].masked_fill(x[rows] < kth, float("-inf"))
+    if nucleus:
+        rows = _tensor(nucleus, torch.long, dev)
+        sorted_x, order = torch.sort(x[rows], dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        k = _tensor([params[i].top_k or v for i in nucleus], torch.long, dev)
+        top_p = _tensor([params[i].top_p for i in nucleus], torch.float, dev)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (torch.arange(v, device=dev)[None] >= k[:, None]) | ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None])
+        cut = sorted_x.masked_fill(drop, float("-inf"))
+        x[rows] = torch.empty_like(cut).scatter_(1, order, cut)  # back to vocabulary order
+    return x
+
+
 def _draw(x: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
     """One token per row by inverse-CDF sampling of the top-k/top-p cut distribution: [B] long."""
-    dev = x.device
-    b, v = x.shape
-    u = _tensor([uniform(p.seed, len(o)) for p, o in zip(params, outputs)], torch.float64, dev)
-    if any(p.top_k or p.top_p < 1.0 for p in params):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        k = _tensor([p.top_k if p.top_k else v for p in params], torch.long, dev)
-        top_p = _tensor([p.top_p for p in params], torch.float, dev)
-        rank = torch.arange(v, device=dev)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop = (rank[None] >= k[:, None]) | ((torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None])
-        probs = probs.masked_fill(drop, 0.0)
-    else:
-        order = None
-        probs = torch.softmax(x, dim=-1)
-    cdf = torch.cumsum(probs.double(), dim=-1)
+    v = x.shape[1]
+    u = _tensor([uniform(p.seed, len(o)) for p, o in zip(params, outputs)], torch.float32, x.device)
+    cdf = torch.cumsum(torch.softmax(_cut(x, params), dim=-1), dim=-1)  # monotone: terms are >= 0
     target = (u * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=v - 1)
-    return (order.gather(1, idx) if order is not None else idx).squeeze(-1)
+    # a target rounded up to the total would fall past the last token with any mass: the first
+    # position where the cdf reaches its maximum is that token
+    last = torch.argmax(cdf, dim=-1, keepdim=True)
+    return torch.minimum(torch.searchsorted(cdf, target, right=True), last).squeeze(-1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]], *,

@@ -85,6 +85,25 @@ def test_top_k_and_top_p_cut_the_tail():
     assert got <= set(order[:3].tolist()) and len(got) > 1
 
 
+def test_rows_with_different_cuts_share_one_batch():
+    """top-k alone, top-p (with and without top-k) and no cut, interleaved in one batch."""
+    v, per = 300, 60
+    row = _logits(1, v)
+    order = torch.argsort(row[0], descending=True).tolist()
+    probs = torch.softmax(row[0], dim=-1)[order]
+    nucleus = int((torch.cumsum(probs, 0) - probs < 0.6).sum())
+    kinds = [(dict(top_k=4), set(order[:4])), (dict(top_p=0.6), set(order[:nucleus])),
+             (dict(top_k=2, top_p=0.99), set(order[:2])), ({}, set(order))]
+    params, allowed = [], []
+    for i in range(per * len(kinds)):
+        kw, ok = kinds[i % len(kinds)]
+        params.append(SamplingParams(seed=random.getrandbits(64), **kw))
+        allowed.append(ok)
+    tokens = sample(row.expand(len(params), v), params, [[]] * len(params)).tokens
+    assert all(t in ok for t, ok in zip(tokens, allowed))
+    assert len({t for t, (kw, _) in zip(tokens, kinds * per) if not kw}) > 4  # the free rows roam
+
+
 def test_a_bias_of_100_always_wins_and_min_tokens_masks_stops():
     v, rows = 1000, 64
     logits = _logits(rows, v)
