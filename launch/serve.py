@@ -192,6 +192,7 @@ class LocalCluster:
 
     def start(self, timeout: float = 180.0) -> "LocalCluster":
         s = self.spec
+        self._check_cancel()  # interrupted while the built-in model was being made
         self._gpus = self.gpu_plan()
         names = [self.start_worker("prefill", i) for i in range(s.prefill_workers)]
         names += [self.start_worker("decode", i) for i in range(s.decode_workers)]
