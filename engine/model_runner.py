@@ -24,6 +24,7 @@ from .cuda_graphs import DecodeGraphs
 from .kv_cache import PagedKVCache
 from .model import GptOssModel, StepContext, make_batches, plan_step
 from .parallel import ShardSpec
+from .sampling import SamplingParams, TokenLogprob, prompt_logprob_rows, unpack_prompt_logprobs
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class StepPlan:
     batches: dict[str, PagedBatch]
     qo_lens: list[int]
     all_logits: bool = False
+    prompt_logprobs: int | None = None  # k: score the prompt instead (see ModelRunner.prefill_scored)
     block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     device_ids: torch.Tensor | None = None
 
@@ -162,10 +164,24 @@ class ModelRunner:
             input_ids[: plan.device_ids.numel()] = plan.device_ids
         pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, step)
+        if plan.prompt_logprobs is not None:
+            return self._score(hidden, input_ids, plan.prompt_logprobs)
         if not plan.all_logits and len(plan.qo_lens) != hidden.shape[0]:
             last = torch.tensor(plan.qo_lens, device=self.device).cumsum(0) - 1
             hidden = hidden[last]
         return self.model.logits(hidden)
+
+    score_chunk = 1024  # prompt positions whose vocabulary-wide logits exist at once when scoring
+
+    def _score(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the last position [V], prompt_logprob_rows of positions 1..L-1), the
+        vocabulary-wide logits made `score_chunk` rows at a time (every rank runs the same chunks)."""
+        n, chunk = hidden.shape[0], self.score_chunk
+        parts = [prompt_logprob_rows(self.model.logits(hidden[s:min(n - 1, s + chunk)]),
+                                     input_ids[s + 1:min(n, s + chunk + 1)], k)
+                 for s in range(0, n - 1, chunk)]
+        packed = torch.cat(parts) if parts else torch.zeros(0, 1 + 2 * k, dtype=torch.float64, device=hidden.device)
+        return self.model.logits(hidden[-1:])[0], packed
 
     def _step(self, plan: StepPlan) -> torch.Tensor:
         if self.group is not None:
@@ -180,17 +196,37 @@ class ModelRunner:
         sliding table must start at the window of that position). Float32 logits of the last
         position [V] (or of every computed position [L - num_cached, V] with all_logits).
         `finish=False` keeps every sliding page in the table (a prefix cache adopts them)."""
+        plan = self._prefill_plan(seq)
+        plan.all_logits = all_logits
+        logits = self._step(plan)
+        self._prefilled(seq, finish)
+        return logits if all_logits else logits[0]
+
+    def prefill_scored(self, seq: Sequence, k: int, *, finish: bool = True) -> tuple[torch.Tensor, list[TokenLogprob]]:
+        """`prefill` of a whole prompt (no cached prefix) that also scores it: (float32 logits of
+        the last position [V], the logprob of every prompt token after the first with the k most
+        likely tokens at its position). No [L, V] buffer: logits are made in chunks."""
+        if seq.num_cached:
+            raise ValueError("scoring a prompt needs every position computed (no cached prefix)")
+        plan = self._prefill_plan(seq)
+        plan.prompt_logprobs = k
+        last, packed = self._step(plan)
+        self._prefilled(seq, finish)
+        return last, unpack_prompt_logprobs(packed, seq.prompt_ids, k)
+
+    def _prefill_plan(self, seq: Sequence) -> StepPlan:
         start, n = seq.num_cached, len(seq.prompt_ids)
         if not 0 <= start < n:
             raise ValueError(f"prefill from position {start} of a {n}-token prompt computes nothing")
         slots = self.cache.prepare(seq.blocks, start, n - start)
         batches = make_batches(self.cache, [self.cache.tables(seq.blocks, n)], [n - start])
-        logits = self._step(StepPlan(list(seq.prompt_ids[start:]), list(range(start, n)), slots, batches,
-                                     [n - start], all_logits))
+        return StepPlan(list(seq.prompt_ids[start:]), list(range(start, n)), slots, batches, [n - start])
+
+    def _prefilled(self, seq: Sequence, finish: bool) -> None:
+        n = len(seq.prompt_ids)
         seq.num_cached = n
         if finish:
             self.cache.finish_prefill(seq.blocks, n)
-        return logits if all_logits else logits[0]
 
     def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy whole blocks (every layer of the pool) on this rank's KV."""
@@ -231,8 +267,6 @@ class ModelRunner:
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits of every prompt position [L, V], through the paged path."""
-        from .sampling import SamplingParams
-
         self.validate_prompt(ids)
         seq = Sequence("logits", list(ids), SamplingParams(max_new_tokens=1, temperature=0))
         seq.blocks = self.cache.reserve(len(ids), local_prompt_tokens=len(ids))

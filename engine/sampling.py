@@ -277,6 +277,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], outputs: list[lis
     return SampleOutput([int(t) for t in host[:, 0].tolist()], out)
 
 
+def prompt_logprob_rows(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Raw-logit logprobs of the next prompt tokens and the k most likely at each position, packed
+    on the device: float64 [n, 1 + 2k] = (logprob of next_ids[i], top ids, top logprobs).
+
+    logits : float [n, V]; row i is the distribution that next_ids[i] was drawn from."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    cols = [logprobs.gather(1, next_ids.to(logits.device)[:, None]).double()]
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        cols += [top.indices.double(), top.values.double()]
+    return torch.cat(cols, dim=1)
+
+
+def unpack_prompt_logprobs(packed: torch.Tensor, prompt_ids: list[int], k: int) -> list[TokenLogprob]:
+    """`prompt_logprob_rows` of prompt tokens 2..L -> one TokenLogprob each (one host copy)."""
+    host = packed.cpu().tolist()
+    return [TokenLogprob(prompt_ids[i + 1], row[0], list(zip((int(t) for t in row[1:1 + k]), row[1 + k:])))
+            for i, row in enumerate(host)]
+
+
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int, chunk: int = 1024) -> list[TokenLogprob]:
     """Logprob of each prompt token after the first given the ones before it (raw logits, as
     prompts are not sampled), with the k most likely tokens at its position.
@@ -284,18 +304,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int, chunk: 
     logits : float [L, V], row i = the distribution after prompt_ids[: i + 1]; taken `chunk` rows
     at a time so a long prompt needs no second [L, V] buffer."""
     n = len(prompt_ids) - 1
-    parts = []
-    for start in range(0, max(n, 0), chunk):
-        end = min(n, start + chunk)
-        logprobs = torch.log_softmax(logits[start:end].float(), dim=-1)
-        nxt = torch.tensor(prompt_ids[start + 1:end + 1], dtype=torch.long, device=logits.device)
-        cols = [logprobs.gather(1, nxt[:, None]).double()]
-        if k:
-            top = torch.topk(logprobs, k, dim=-1)
-            cols += [top.indices.double(), top.values.double()]
-        parts.append(torch.cat(cols, dim=1))
-    if not parts:
+    if n <= 0:
         return []
-    host = torch.cat(parts).cpu().tolist()  # one device-to-host copy
-    return [TokenLogprob(prompt_ids[i + 1], row[0], list(zip((int(t) for t in row[1:1 + k]), row[1 + k:])))
-            for i, row in enumerate(host)]
+    ids = torch.tensor(prompt_ids[1:], dtype=torch.long)
+    packed = torch.cat([prompt_logprob_rows(logits[s:s + chunk], ids[s:s + chunk], k) for s in range(0, n, chunk)])
+    return unpack_prompt_logprobs(packed, prompt_ids, k)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import PrefixCache
-from pdserve.engine.sampling import SamplingParams, TokenLogprob, prompt_logprobs, sample
+from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
 from pdserve.engine.sequence import Sequence
 from pdserve.kvtransfer import heads_overlap
 from pdserve.kvtransfer.notify import kv_notification
@@ -203,10 +203,12 @@ class PrefillExecutor:
         computed_ok = False
         try:
             k = job.params.prompt_logprobs
-            logits = self.runner.prefill(seq, all_logits=k is not None, finish=False)
+            if k is None:
+                last, prompt_lps = self.runner.prefill(seq, finish=False), []
+            else:
+                last, prompt_lps = self.runner.prefill_scored(seq, k, finish=False)
             computed_ok = True
-            prompt_lps = prompt_logprobs(logits, job.prompt_ids, k) if k is not None else []
-            last = logits[-1:] if k is not None else logits[None]
+            last = last[None]
             before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
             # n > 1: every choice draws its first token from the one prefill's logits
             choices = [job.params.for_choice(i) for i in range(job.params.n)] if job.params.n > 1 else [job.params]

@@ -163,3 +163,25 @@ def test_parameters_out_of_range_are_refused():
         SamplingParams(stop_token_ids=[9]).check_vocab(9)
     choice = SamplingParams(seed=2**64 - 1, n=3).for_choice(2)
     assert (choice.seed, choice.n) == (1, 1)
+
+
+def test_a_scored_prefill_equals_the_log_softmax_of_every_position(tiny_runner):
+    """ModelRunner.prefill_scored makes the logits a few rows at a time; the result is the
+    next-token log-softmax of a plain all-positions prefill, and its last logits equal prefill's."""
+    from pdserve.engine.sequence import Sequence
+
+    ids = [random.randrange(1000, 100000) for _ in range(random.randint(20, 40))]
+    ref = torch.log_softmax(tiny_runner.prompt_logits(ids), dim=-1)
+    seq = Sequence("scored", ids, SamplingParams(max_new_tokens=1))
+    seq.blocks = tiny_runner.cache.reserve(len(ids), local_prompt_tokens=len(ids))
+    tiny_runner.score_chunk = 7
+    try:
+        last, scored = tiny_runner.prefill_scored(seq, 3)
+    finally:
+        tiny_runner.score_chunk = type(tiny_runner).score_chunk
+        tiny_runner.cache.release(seq.blocks)
+    assert [s.token for s in scored] == ids[1:]
+    for i, s in enumerate(scored):
+        assert s.logprob == pytest.approx(float(ref[i, ids[i + 1]]), abs=1e-3)
+        assert [t for t, _ in s.top] == torch.topk(ref[i], 3).indices.tolist()
+    assert torch.allclose(torch.log_softmax(last, dim=-1), ref[-1], atol=1e-3)
