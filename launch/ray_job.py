@@ -16,8 +16,11 @@ Shape (docs/deploy.md, "Ray job"):
 - The process runs in its own process group; the group is terminated on `stop()`, killed at
   interpreter exit, and killed by a small detached shell guard if the actor process dies without
   running any Python (SIGKILL, `ray.kill`, OOM killer), so no worker outlives its actor.
-- The router runs inside a `RouterActor` (the router needs no GPU and no child processes) on the
-  driver's node, so the printed URL is that node's address; it finds workers through the `ray`
+- The router runs inside a `RouterActor` (the router needs no GPU and no child processes),
+  preferably on the driver's node, so the printed URL is that node's address; the preference is
+  soft: a node without room, or a lost node, puts it (or its restart) on another node, and the
+  driver prints the new URL. No node with `router.num_cpus` CPUs at all is an error at once. It
+  finds workers through the `ray`
   discovery backend (`router.discovery_ray`): the named actors `prefill-*` / `decode-*` of the
   job's Ray namespace.
 - The driver prints the URL and blocks. `ray job stop` (SIGTERM) or Ctrl-C tears everything down
@@ -72,6 +75,8 @@ class RouterSpec:
     num_cpus: float = 1.0
     discovery_interval_s: float = 2.0
     extra_args: tuple[str, ...] = ()  # more `pdserve router` flags, e.g. --default-max-tokens
+    max_restarts: int = -1  # stateless: restarted (on another node if its node is gone) without limit
+    start_timeout_s: float = 120.0  # for a node with room for it; then a clear error, not a hang
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,8 @@ class RayJobConfig:
 _TOP = {"model": "str", "served_model_name": "str", "device": "str", "namespace": "str",
         "max_restarts": "int", "startup_timeout_s": "float", "env": "env"}
 _ROUTER = {"host": "str", "port": "int", "grpc_port": "int", "num_cpus": "float",
-           "discovery_interval_s": "float", "extra_args": "args"}
+           "discovery_interval_s": "float", "extra_args": "args", "max_restarts": "int",
+           "start_timeout_s": "float"}
 _PREFILL = {"replicas": "int", "tp": "int", "cpus_per_rank": "float", "extra_args": "args",
             "env": "env"}
 _DECODE = _PREFILL | {"ep": "int", "max_batch_size": "int", "kv_blocks": "int?",
@@ -195,6 +201,9 @@ def config_from_dict(data: Any) -> RayJobConfig:
         port = getattr(router, key)
         _check(0 <= port <= 65535, f"router.{key} must be a TCP port (0 = any free one), got {port}")
     _check(router.num_cpus >= 0, f"router.num_cpus must be >= 0, got {router.num_cpus}")
+    _check(router.max_restarts >= -1,
+           f"router.max_restarts must be >= 0 (or -1: no limit), got {router.max_restarts}")
+    _check(router.start_timeout_s > 0, f"router.start_timeout_s must be > 0, got {router.start_timeout_s}")
     _check(router.discovery_interval_s > 0,
            f"router.discovery_interval_s must be > 0, got {router.discovery_interval_s}")
     for pool in cfg.pools:
@@ -397,6 +406,22 @@ class WorkerReplica:
         return self._proc.wait()
 
 
+def router_node(nodes: list[dict], driver_node_id: str, num_cpus: float) -> str:
+    """The node the router actor should prefer: the driver's when it has `num_cpus` CPUs in all,
+    else the first alive node that has. Raises DeploymentError at once when no node could ever
+    host it (a head started with --num-cpus=0 and no other CPU node), instead of waiting out the
+    start-up timeout. `nodes` is `ray.nodes()`."""
+    alive = [n for n in nodes if n.get("Alive")]
+    hosts = [n["NodeID"] for n in alive if n.get("Resources", {}).get("CPU", 0.0) >= num_cpus]
+    if not hosts:
+        have = ", ".join(f"{n.get('NodeManagerAddress', n['NodeID'][:8])}: "
+                         f"{n.get('Resources', {}).get('CPU', 0.0):g} CPUs" for n in alive) or "no alive node"
+        raise DeploymentError(f"no node of the Ray cluster can host the router: it needs "
+                              f"router.num_cpus={num_cpus:g} CPUs and the nodes have {have}; start a "
+                              "node with CPUs for Ray (ray start --num-cpus=N) or lower router.num_cpus")
+    return driver_node_id if driver_node_id in hosts else hosts[0]
+
+
 class RouterActor:
     """Runs the router (HTTP + gRPC) on its own event loop thread, with Ray discovery."""
 
@@ -448,7 +473,8 @@ class RouterActor:
                 "grpc_port": r.grpc_port}
 
     def endpoint(self) -> dict:
-        return {"role": "router", "http_port": self._router.http_port}
+        return {"role": "router", "node_ip": self.node_ip, "host": self._router.config.host,
+                "http_port": self._router.http_port, "grpc_port": self._router.grpc_port}
 
     def stop(self, timeout: float) -> None:
         """Graceful shutdown (health NOT_SERVING, listeners closed, in-flight requests finish)."""
@@ -515,14 +541,31 @@ class RayDeployment:
         cfg, r = self.cfg, self.cfg.router
         argv = ["--host", r.host, "--port", str(r.port), "--grpc-port", str(r.grpc_port),
                 "--served-model-name", cfg.served_model_name, "--discovery", "ray", *r.extra_args]
-        here = ray.get_runtime_context().get_node_id()
+        node = router_node(ray.nodes(), ray.get_runtime_context().get_node_id(), r.num_cpus)
+        # soft: the driver's node when it has room (a stable URL), any other node otherwise, and
+        # when that node is lost the restarted actor goes wherever there is room
         self.router = ray.remote(RouterActor).options(
-            name=ROUTER_ACTOR, num_cpus=r.num_cpus, max_concurrency=4, max_restarts=cfg.max_restarts,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            name=ROUTER_ACTOR, num_cpus=r.num_cpus, max_concurrency=4, max_restarts=r.max_restarts,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
         ).remote(argv, cfg.namespace, r.discovery_interval_s)
-        info = self._wait({self.router.wait_ready.remote(60.0): ROUTER_ACTOR}, "router",
-                          lambda _: f"waiting for the router actor ({r.num_cpus:g} CPUs on this node)"
-                          )[ROUTER_ACTOR]
+        deadline, self._deadline = self._deadline, min(self._deadline, time.monotonic() + r.start_timeout_s)
+        try:
+            info = self._wait({self.router.wait_ready.remote(60.0): ROUTER_ACTOR}, "router",
+                              lambda _: f"waiting for a node with {r.num_cpus:g} free CPUs for the "
+                                        f"router; the cluster has {ray.available_resources()} available"
+                              )[ROUTER_ACTOR]
+        except DeploymentError as e:
+            if "not ready within" in str(e):
+                raise DeploymentError(
+                    f"the router actor was not placed within router.start_timeout_s={r.start_timeout_s:g}s: "
+                    f"no node has {r.num_cpus:g} CPUs free (available: {ray.available_resources()}); "
+                    "free some, add a node, or lower router.num_cpus") from None
+            raise
+        finally:
+            self._deadline = deadline
+        self._router_at(info)
+
+    def _router_at(self, info: dict) -> None:
         host = _url_host(info["host"], info["node_ip"])
         self.url = f"http://{host}:{info['http_port']}"
         self.grpc_address = f"{host}:{info['grpc_port']}"
@@ -623,7 +666,13 @@ class RayDeployment:
                     continue
                 del pending[name]
                 try:
-                    ray.get(ref)
+                    answer = ray.get(ref)
+                    if name == ROUTER_ACTOR and answer.get("node_ip") and self.url:
+                        previous = self.url
+                        self._router_at(answer)
+                        if self.url != previous:  # restarted on another node (its node was lost)
+                            print(f"pdserve: the router moved; serving at {self.url}/v1 "
+                                  f"(gRPC {self.grpc_address})", flush=True)
                 except RayError:
                     try:  # a restarting actor keeps its name; a dead one has released it
                         ray.get_actor(name)

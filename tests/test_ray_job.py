@@ -339,3 +339,76 @@ decode: {{replicas: 1, cpus_per_rank: 1, kv_blocks: 512, max_batch_size: 16}}
         if not stopped:
             subprocess.run([*ray, "stop", "--address", address, namespace], env=env, cwd=REPO,
                            capture_output=True, timeout=60)
+
+
+def _node(node_id: str, cpus: float, alive: bool = True) -> dict:
+    return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": f"10.0.0.{len(node_id)}",
+            "Resources": {"CPU": cpus} if cpus else {"GPU": 8.0}}
+
+
+def test_router_prefers_the_drivers_node_and_falls_back_to_any_with_room():
+    from pdserve.launch.ray_job import router_node
+
+    nodes = [_node("head", 2), _node("gpu-a", 0), _node("cpu-b", 8)]
+    assert router_node(nodes, "head", 1) == "head"
+    assert router_node(nodes, "head", 4) == "cpu-b"  # the head is too small: elsewhere, no hang
+    assert router_node(nodes, "gpu-a", 1) == "head"  # a driver on a node without CPUs
+    assert router_node([_node("head", 2, alive=False), _node("cpu-b", 8)], "head", 1) == "cpu-b"
+
+
+def test_no_node_can_host_the_router_is_an_error_at_once():
+    from pdserve.launch.ray_job import DeploymentError, router_node
+
+    nodes = [_node("head", 0), _node("gpu-a", 0)]  # `ray start --head --num-cpus=0`, GPU-only nodes
+    with pytest.raises(DeploymentError, match="no node of the Ray cluster can host the router.*num-cpus"):
+        router_node(nodes, "head", 1)
+
+
+def test_router_restart_settings_are_checked():
+    cfg = config_from_dict({"router": {"max_restarts": -1, "start_timeout_s": 30}})
+    assert cfg.router.max_restarts == -1 and cfg.router.start_timeout_s == 30
+    with pytest.raises(RayJobConfigError, match="router.max_restarts"):
+        config_from_dict({"router": {"max_restarts": -2}})
+
+
+@pytest.mark.slow
+def test_router_actor_is_restarted_on_another_node_when_its_node_is_lost():
+    """Two CPU nodes and a CPU-less head (in one machine, ray.cluster_utils): the router actor, placed
+    as the job places it, comes back on the surviving node with fresh ports when its node goes."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pdserve.launch.ray_job import RouterActor, router_node
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        first, second = cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, namespace=f"pdserve-{uuid.uuid4().hex[:6]}")
+        node = router_node(ray.nodes(), first.node_id, 1)
+        router = ray.remote(RouterActor).options(
+            num_cpus=1, max_restarts=-1, max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+        ).remote(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--discovery", "ray"], "t", 1.0)
+        ray.get(router.wait_ready.remote(60), timeout=120)
+
+        def where():
+            return ray.get(router.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()),
+                           timeout=10)
+
+        assert where() == first.node_id
+        cluster.remove_node(first)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                endpoint = ray.get(router.endpoint.remote(), timeout=5)
+                break
+            except ray.exceptions.RayError:
+                assert time.monotonic() < deadline, "the router was not restarted elsewhere"
+                time.sleep(1)
+        assert where() == second.node_id
+        with urllib.request.urlopen(f"http://127.0.0.1:{endpoint['http_port']}/metrics", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
