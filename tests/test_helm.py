@@ -98,6 +98,7 @@ def test_schema_rejects_typos_and_wrong_types(values, message):
     ({"model": {"volume": {"type": "pvc", "claimName": ""}}}, "claimName is required"),
     ({"model": {"volume": {"type": "hostPath"}}}, "hostPath is required"),
     ({"decode": {"autoscaling": {"enabled": True}}}, "decode.autoscaling.metrics"),
+    ({"decode": {"terminationGracePeriodSeconds": 10}}, "must exceed workers.preStopSleepSeconds"),
 ])
 def test_inconsistent_values_fail_with_a_message(values, message):
     with helm.Chart.load(str(CHART)) as chart:
@@ -539,7 +540,8 @@ def test_worker_transports_caches_and_stop_sequence(name):
         # inside the grace period
         (sleep, seconds) = c["lifecycle"]["preStop"]["exec"]["command"]
         assert sleep == "sleep" and int(seconds) == values["workers"]["preStopSleepSeconds"]
-        assert int(seconds) < pod["terminationGracePeriodSeconds"]
+        drain = parse_cli([expand_refs(a, env) for a in c["args"]]).drain_timeout
+        assert 0 < drain and int(seconds) + drain + 5 == pod["terminationGracePeriodSeconds"]
 
 
 @pytest.mark.parametrize("name", ALL_CONFIGS)

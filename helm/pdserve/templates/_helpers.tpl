@@ -96,6 +96,12 @@ the decode pool's experts are spread (EP) over the same tp GPUs as its attention
 {{- if and (ne $r.service.type "ClusterIP") (not $r.auth.enabled) (not $r.service.allowUnauthenticated) }}
 {{- fail (printf "router.service.type=%s exposes the router beyond the cluster: turn on router.auth (API keys; router.tls too), or set router.service.allowUnauthenticated=true to expose it without keys" $r.service.type) }}
 {{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $grace := int (index $.Values $role).terminationGracePeriodSeconds }}
+{{- if lt $grace (add (int $.Values.workers.preStopSleepSeconds) 6) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must exceed workers.preStopSleepSeconds + 5 s: it holds the preStop pause, the drain and the exit" $role $grace) }}
+{{- end }}
+{{- end }}
 {{- $jit := .Values.workers.jitCache }}
 {{- if and (eq $jit.type "pvc") (empty $jit.claimName) }}
 {{- fail "workers.jitCache.type=pvc needs workers.jitCache.claimName (a ReadWriteMany claim)" }}
@@ -229,4 +235,11 @@ Extended resources cannot be overcommitted, so requests equal limits for them. *
 {{- if .Values.decode.autoscaling.enabled }}{{ $decode = .Values.decode.autoscaling.minReplicas }}{{ end }}
 {{- if .Values.decode.keda.enabled }}{{ $decode = .Values.decode.keda.minReplicas }}{{ end }}
 {{- add .Values.prefill.replicas $decode }}
+{{- end }}
+
+{{/* Seconds a worker drains after SIGTERM: the pod's grace period minus the preStop pause before
+SIGTERM and 5 s to tear down, so the kubelet's SIGKILL never cuts a stream the drain still waits for. */}}
+{{- define "pdserve.drainTimeout" -}}
+{{- $pool := index .root.Values .role }}
+{{- sub (int $pool.terminationGracePeriodSeconds) (add (int .root.Values.workers.preStopSleepSeconds) 5) }}
 {{- end }}
