@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -140,7 +141,7 @@ def uniform(seed: int, index: int) -> float:
 # -- the sampler --------------------------------------------------------------------------------
 def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values -> device without waiting for the device (pinned staging on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
+    t = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -170,8 +171,11 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
     if (pen or bias or banned) and x is logits:
         x = x.clone()  # the rules below write in place
     if pen:
-        longest = max(len(outputs[i]) for i in pen)
-        ids = _tensor([outputs[i] + [v] * (longest - len(outputs[i])) for i in pen], torch.long, dev)
+        # generated ids padded with v (a column dropped after counting); numpy fills rows in C
+        padded = np.full((len(pen), max(len(outputs[i]) for i in pen)), v, dtype=np.int64)
+        for row, i in enumerate(pen):
+            padded[row, :len(outputs[i])] = outputs[i]
+        ids = _tensor(padded, torch.long, dev)
         counts = torch.zeros(len(pen), v + 1, device=dev).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
         counts = counts[:, :v]
         freq = _tensor([params[i].frequency_penalty for i in pen], torch.float, dev)
