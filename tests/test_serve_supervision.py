@@ -108,19 +108,28 @@ def test_killed_decode_worker_streams_fail_cleanly_and_it_serves_again(serve):
     results = asyncio.run(under_load())
     assert "error" in results and set(results) <= {"error", "done"}, results
 
-    deadline = killed_at[0] + 30.0  # back and serving within 30 s of the kill
+    serves_again(serve, "decode", old, killed_at[0])
+
+
+def test_killed_prefill_worker_serves_again(serve):
+    old = serve.worker_pid("prefill")
+    os.kill(old, signal.SIGKILL)
+    serves_again(serve, "prefill", old, time.monotonic())
+
+
+def serves_again(serve: Serve, role: str, old_pid: int, killed_at: float) -> None:
+    """A chat completion succeeds within 30 s of the kill, on a new process; later ones too."""
     while True:
         try:
             reply = chat(serve.url)
             break
         except (AssertionError, httpx.HTTPError):
-            assert time.monotonic() < deadline, "\n".join(serve.lines)
+            assert time.monotonic() < killed_at + 30.0, "\n".join(serve.lines)
             time.sleep(0.5)
     assert reply["choices"][0]["finish_reason"] in ("stop", "length")
-    new = serve.worker_pid("decode")
-    assert new != old
-    serve.wait_for_line("decode-0 is serving again", timeout=10)
-    for _ in range(3):  # later requests succeed too
+    assert serve.worker_pid(role) != old_pid
+    serve.wait_for_line(f"{role}-0 is serving again", timeout=10)
+    for _ in range(3):
         assert chat(serve.url)["usage"]["completion_tokens"] > 0
 
 
