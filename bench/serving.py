@@ -20,6 +20,9 @@ after the measured requests (warm-up excluded) for the server's own view: prefil
 time, KV transfer bytes and seconds. The single-process baseline replays the same arrival schedule,
 prompts, seeds and stop ids into an in-process engine after the cluster has stopped.
 
+`--workload chat` runs the multi-turn chat workload of bench/multiturn.py instead (conversations
+sharing a system prompt; with `--spawn`, prefix caching off vs on).
+
 `--doc` replaces this run's subsection (same label) in the "Serving (CPU)" section of a markdown
 file, between `<!-- serving:begin -->` and `<!-- serving:end -->`; the rest of the file is kept.
 """
@@ -837,6 +840,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=["completions", "grpc"], default="completions",
                    help="HTTP /v1/completions (SSE) or the gRPC Generate token API (ignore_eos)")
     p.add_argument("--grpc-target", default=None, help="host:port of the router's gRPC API (with --url)")
+    p.add_argument("--workload", dest="scenario", choices=["random", "chat"], default="random",
+                   help="random prompts, or multi-turn chat sharing a system prompt (bench/multiturn.py: "
+                        "with --spawn, prefix cache off vs on; gRPC API)")
+    p.add_argument("--conversations", type=_positive, default=8, help="chat: conversations")
+    p.add_argument("--turns", type=_positive, default=4, help="chat: turns per conversation")
+    p.add_argument("--system-len", type=_positive, default=512, help="chat: shared system prompt tokens")
+    p.add_argument("--user-len", type=_positive, default=64, help="chat: tokens of each user turn")
     p.add_argument("--num-requests", type=_positive, default=100)
     p.add_argument("--rate", type=_rate, default=math.inf, help="Poisson arrival rate, req/s (inf: all at once)")
     p.add_argument("--concurrency", type=_positive, default=None, help="at most this many in flight")
@@ -1012,7 +1022,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     try:
-        run(a, argv)
+        if a.scenario == "chat":
+            from pdserve.bench.multiturn import run_chat_bench
+
+            run_chat_bench(a, argv)
+        else:
+            run(a, argv)
     except (BenchError, TimeoutError, RuntimeError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 1
