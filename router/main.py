@@ -70,6 +70,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-migrations", type=int, default=defaults.max_migrations,
                    help="times a stream is re-prefilled and continued elsewhere when its decode "
                         "worker dies or drops it (0 = the stream ends in an error)")
+    g.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size,
+                   help="/v1/responses kept for previous_response_id (store: true), at most")
+    g.add_argument("--responses-store-ttl", type=float, default=defaults.responses_store_ttl,
+                   help="seconds a stored /v1/responses response is kept")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -94,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         request_timeout=args.request_timeout,
                         max_request_bytes=args.max_request_bytes,
                         max_text_chars=args.max_text_chars,
+                        responses_store_size=args.responses_store_size,
+                        responses_store_ttl=args.responses_store_ttl,
                         max_queued_requests=args.max_queued_requests,
                         max_queue_wait=args.max_queue_wait,
                         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
