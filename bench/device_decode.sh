@@ -3,7 +3,8 @@
 # bench/engine_gpu.py on a random 20b checkpoint with the fused per-layer kernels off and on, with
 # the per-category profile. Run from the checkout root after `source .gpu/setup.sh`:
 #     OUT=/tmp/out STEPS=tests,bench bash bench/device_decode.sh
-# STEPS: tests (tests/gpu/$TESTS), bench (engine_gpu --compare-fused --profile). BUDGET: seconds.
+# STEPS: tests (tests/gpu/$TESTS), bench (engine_gpu --compare-fused --profile), mxfp4
+# (bench/moe_mxfp4.py). BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -61,6 +62,12 @@ if has bench; then
     --record "$W/eg/performance.md" $BENCH_ARGS > "$W/eg.log" 2>&1
   log "engine_gpu rc=$?"
   grep -vE "^\s*$|Warning|warn" "$W/eg.log" | tail -60
+  pack
+fi
+if has mxfp4; then
+  timeout "$(left 15)" python3 bench/moe_mxfp4.py --out "$W/moe_mxfp4.json" > "$W/moe_mxfp4.log" 2>&1
+  log "moe_mxfp4 rc=$?"
+  grep -E "^T=|copy|Error" "$W/moe_mxfp4.log" | tail -40
   pack
 fi
 save_caches

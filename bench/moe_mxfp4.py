@@ -1,0 +1,107 @@
+"""The MXFP4 decode MoE (kernels/triton_moe_mxfp4.py) on a 20b-shaped layer: time per layer for
+1-64 tokens against its weight floor (the routed experts' MXFP4 bytes / copy bandwidth measured
+here), over a few launch configs.
+
+    python bench/moe_mxfp4.py [--experts 32] [--tokens 1,2,4,8,16,32,64] [--out FILE.json]
+
+Each timed call routes to experts no earlier call of the round touched (routing sets rotate over
+all experts; the layer's 423 MB exceed the 50 MB L2), replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.kernels.triton_moe_mxfp4 import MxConfig, MxExperts, experts_forward_mxfp4  # noqa: E402
+
+CONFIGS = {
+    "gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3)),
+    "gu64x2 d16x2": MxConfig((64, 2, 4, 4), (16, 2, 4, 4)),
+    "gu16x8 d8x8": MxConfig((16, 8, 4, 3), (8, 8, 4, 3)),
+    "gu32x8 d32x4": MxConfig((32, 8, 8, 3), (32, 4, 8, 3)),
+}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(11):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    return nbytes / sorted(ts[1:])[5]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    h = i = 2880
+    e, k = a.experts, 4
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def mx(rows, cols):
+        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8, device=dev),
+                torch.randint(118, 124, (e, rows, cols // 32), generator=g, dtype=torch.uint8, device=dev))
+
+    gb, gs = mx(2 * i, h)
+    db, ds = mx(h, i)
+    w = MxExperts(gb, gs, torch.randn(e, 2 * i, device=dev) * 0.1, db, ds, torch.randn(e, h, device=dev) * 0.1)
+    per_expert = sum(t[0].numel() * t.element_size() for t in (gb, gs, db, ds, w.gate_up_bias, w.down_bias))
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; per expert {per_expert / 1e6:.2f} MB", flush=True)
+    rows = []
+    for t in [int(v) for v in a.tokens.split(",")]:
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
+        rounds = max(1, e // k) if t == 1 else 4
+        id_sets = []
+        for r in range(rounds):
+            if t == 1:
+                id_sets.append(torch.arange(r * k, (r + 1) * k, device=dev)[None])
+            else:
+                id_sets.append(torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(t)]))
+        touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / rounds
+        floor = touched * per_expert / bw
+        for name, cfg in CONFIGS.items():
+            for s in id_sets:
+                experts_forward_mxfp4(x, wts, s, w, config=cfg)  # compile, warm
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for s in id_sets:
+                    experts_forward_mxfp4(x, wts, s, w, config=cfg)
+            graph.replay()
+            reps = 20
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(reps):
+                graph.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            us = e0.elapsed_time(e1) * 1e3 / (reps * rounds)
+            rows.append(dict(tokens=t, config=name, us=us, floor_us=floor * 1e6, of_floor=floor * 1e6 / us,
+                             tb_s=touched * per_expert / (us * 1e-6) / 1e12))
+            print(f"T={t:3d} {name:14s} {us:8.1f} us  floor {floor * 1e6:7.1f} us  {floor * 1e6 / us:5.0%}  "
+                  f"{rows[-1]['tb_s']:.2f} TB/s", flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(copy_bandwidth=bw, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

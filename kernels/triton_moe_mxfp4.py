@@ -1,0 +1,170 @@
+"""Decode MoE from experts kept in their published MXFP4 form (W4A16: dequantised in registers).
+
+Why: a batch-1 decode step reads each routed expert once; MXFP4 is 4.25 bits per weight, half the
+bytes of FP8, so a bandwidth-bound layer can take half the time (kernels/mxfp4.py: the layout).
+
+Two launches, no host synchronisation, fixed shapes (CUDA-graph capturable):
+1. gate/up + SwiGLU: one program per (token-slot pair, BLOCK_N rows of its expert's 2I rows);
+   pairs vary fastest, so pairs that share an expert read it at about the same time (L2). The
+   K loop streams [BLOCK_N, G_STEP, 16] bytes of blocks plus their scales, decodes both nibbles
+   of each byte to float32 with integer ops (e2m1: exponent and mantissa bits moved into a float32,
+   codes 0/1 (0 and 0.5) selected apart), multiplies by the activation's even / odd elements,
+   sums each 32-group, times 2^(scale - 127), accumulates; then the bias and gpt-oss' clamped
+   SwiGLU on the interleaved (glu, linear) rows -> float32 [pairs, I].
+2. down + combine: one program per (token, BLOCK_N rows of H): for each of the token's slots the
+   same K loop over I, plus the bias, times the routing weight, summed in slot order (no atomics,
+   deterministic) -> x.dtype [T, H].
+
+Arithmetic: float32 throughout from the bf16 activations; the reference is
+`experts_forward_ref` on the dequantised (exact) weights in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass
+class MxExperts:
+    """One layer's experts in MXFP4 (kernels/mxfp4.py layout) with float32 biases.
+    gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
+    down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H]."""
+
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    gate_up_bias: torch.Tensor
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    down_bias: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_blocks.shape[0]
+
+
+@dataclass(frozen=True)
+class MxConfig:
+    gate_up: tuple[int, int, int, int] = (32, 4, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
+    down: tuple[int, int, int, int] = (16, 4, 4, 3)
+
+
+@triton.jit
+def _fp4_to_f32(code):
+    """e2m1 codes (int32, 0..15) -> float32 values."""
+    mag = code & 7
+    bits = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22) | ((code & 8) << 28)
+    normal = bits.to(tl.float32, bitcast=True)
+    small = tl.where((code & 8) != 0, -0.5, 0.5) * (mag & 1).to(tl.float32)  # codes +-0, +-0.5
+    return tl.where(mag < 2, small, normal)
+
+
+@triton.jit
+def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask, a_ptr, K_GROUPS: tl.constexpr,
+                 G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """sum_k W[rows, k] * a[k] over K = 32 * K_GROUPS, W in MXFP4; a float32 or bf16 at a_ptr."""
+    gg = tl.arange(0, G_STEP)
+    bb = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for g0 in tl.range(0, K_GROUPS, G_STEP, num_stages=NUM_STAGES):
+        g = g0 + gg
+        gm = g < K_GROUPS
+        w = tl.load(blocks_ptr + rows[:, None, None] * stride_row + g[None, :, None] * 16 + bb[None, None, :],
+                    mask=row_mask[:, None, None] & gm[None, :, None], other=0).to(tl.int32)
+        s = tl.load(scales_ptr + rows[:, None] * stride_srow + g[None, :],
+                    mask=row_mask[:, None] & gm[None, :], other=127).to(tl.int32)
+        col = g[:, None] * 32 + 2 * bb[None, :]
+        xe = tl.load(a_ptr + col, mask=gm[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(a_ptr + col + 1, mask=gm[:, None], other=0.0).to(tl.float32)
+        part = tl.sum(_fp4_to_f32(w & 15) * xe[None, :, :] + _fp4_to_f32(w >> 4) * xo[None, :, :], axis=2)
+        scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
+        acc += tl.sum(part * scale, axis=1)
+    return acc
+
+
+@triton.jit
+def _mx_gate_up_kernel(
+    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr,
+    stride_x, stride_be, stride_brow, stride_se, stride_srow, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    rm = rows < N2
+    acc = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
+                       x_ptr + token * stride_x, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N)
+    acc += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
+    glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+    glu = tl.minimum(glu, limit)
+    lin = tl.minimum(tl.maximum(lin, -limit), limit)
+    out = glu * tl.sigmoid(alpha * glu) * (lin + 1.0)
+    cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_ptr + pair.to(tl.int64) * (N2 // 2) + cols, out, mask=cols < N2 // 2)
+
+
+@triton.jit
+def _mx_down_kernel(
+    act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr,
+    stride_be, stride_brow, stride_se, stride_srow, stride_bias, stride_out, H, I, I_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < H
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pair = t * TOP_K + k
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        w = tl.load(wts_ptr + pair).to(tl.float32)
+        y = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
+                         act_ptr + pair * I, I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
+        out += w * y
+    tl.store(out_ptr + t * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rm)
+
+
+def experts_forward_mxfp4(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
+    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, config: MxConfig = MxConfig(),
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x)
+    (all experts local). Meant for decode batches (each pair streams its expert's rows)."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e, n2, hg, _ = w.gate_up_blocks.shape
+    i = n2 // 2
+    if hg * 32 != h or w.down_blocks.shape[1] != h or w.down_blocks.shape[2] * 32 != i:
+        raise ValueError(f"MXFP4 experts {tuple(w.gate_up_blocks.shape)} / {tuple(w.down_blocks.shape)} "
+                         f"do not match x {tuple(x.shape)}")
+    for name in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up_bias", "down_bias"):
+        if not getattr(w, name).is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    x = x.contiguous()
+    ids = topk_ids.contiguous().view(-1)
+    act = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    bn, gs, nw, ns = config.gate_up
+    _mx_gate_up_kernel[(t * k, triton.cdiv(n2, bn))](
+        x, ids, w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, act,
+        x.stride(0), w.gate_up_blocks.stride(0), w.gate_up_blocks.stride(1), w.gate_up_scales.stride(0),
+        w.gate_up_scales.stride(1), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
+        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, num_warps=nw,
+    )
+    bn, gs, nw, ns = config.down
+    _mx_down_kernel[(t, triton.cdiv(h, bn))](
+        act, ids, topk_weights.contiguous().view(-1), w.down_blocks, w.down_scales, w.down_bias, out,
+        w.down_blocks.stride(0), w.down_blocks.stride(1), w.down_scales.stride(0), w.down_scales.stride(1),
+        w.down_bias.stride(0), out.stride(0), h, i, I_GROUPS=i // 32,
+        TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, num_warps=nw,
+    )
+    return out
