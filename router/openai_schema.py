@@ -43,17 +43,21 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": absent_or(),
     "guided_grammar": absent_or(),
     "structured_outputs": absent_or(),
+    "verbosity": absent_or(),
+    "web_search_options": absent_or(),
 }
 
 
-def refuse_not_honoured(data: Any, fields: dict[str, Callable[[Any], bool]]) -> Any:
-    """Raise (400, naming the field) if `data` sets one of `fields` to a non-neutral value."""
+def refuse_not_honoured(data: Any, fields: dict[str, Callable[[Any], bool]], *,
+                        prefix: str = "") -> Any:
+    """Raise (400, naming the field) if `data` sets one of `fields` to a non-neutral value;
+    `prefix` is the path of `data` in the request (`text.`)."""
     if isinstance(data, dict):
         for name, neutral in fields.items():
             if name in data and not neutral(data[name]):
                 raise InvalidRequestError(
-                    f"{name} is not supported by this server; remove it or send its default",
-                    param=name, code="unsupported_parameter")
+                    f"{prefix}{name} is not supported by this server; remove it or send its "
+                    "default", param=prefix + name, code="unsupported_parameter")
     return data
 
 

@@ -163,7 +163,12 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     model_config = _STRICT
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: None = None  # gpt-oss has no such control
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_verbosity(cls, data: Any) -> Any:
+        return refuse_not_honoured(data, {"verbosity": absent_or()}, prefix="text.")
 
 
 class ResponsesRequest(SamplingControls):

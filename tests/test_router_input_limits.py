@@ -139,6 +139,7 @@ def test_strict_types_still_take_ints_for_floats(fresh):
     ("repetition_penalty", 1.2),
     ("functions", [{"name": "f"}]),
     ("guided_json", {"type": "object"}),
+    ("verbosity", "low"),
 ])
 def test_fields_that_would_change_the_output_and_are_not_honoured_are_400(fresh, field, value):
     for path, body in (("/v1/chat/completions", chat(**{field: value})),

@@ -184,6 +184,7 @@ def post(cluster, body):
      "input"),
     ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
     ({"stop": ["x"]}, "stop"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"max_tokens": 5}, "max_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"-1": 5}}, "logit_bias"),
