@@ -40,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="share of the free GPU memory given to KV blocks (without --kv-blocks)")
     p.add_argument("--reservation-ttl", type=float, default=60.0, help="seconds a reservation waits for Decode")
     p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
+    p.add_argument("--kv-selftest-mib", type=int, default=0,
+                   help="before serving, time a KV transfer of this many MiB through this worker's "
+                        "UCX transports (kvtransfer/selftest.py; 0 = skip); reported in load reports")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="after SIGTERM: seconds accepted requests get to finish before the worker exits "
                         "(keep the orchestrator's grace period above it)")
@@ -53,6 +56,7 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.parallel import ShardSpec, check_layout, gather_objects, start_group
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.kvtransfer.selftest import run_selftest
     from pdserve.proto.lifecycle import WorkerLifecycle
     from pdserve.proto.rpc import ensure_port_free, make_server
 
@@ -102,6 +106,9 @@ def run(a: argparse.Namespace) -> int:
     scheduler.notification_source = notifications
     service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl,
                             rank_agents=rank_agents)
+    if a.kv_selftest_mib > 0:
+        service.kv_selftest_bytes_per_second = run_selftest(group.device, a.kv_selftest_mib << 20,
+                                                            a.kv_host or a.host)
     server = make_server(max_workers=2 * a.max_batch_size + 64)
     pb_grpc.add_DecodeWorkerServicer_to_server(service, server)
 

@@ -44,6 +44,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.default_ttl_s = default_ttl_s
         self.kv_wait_s = kv_wait_s
         self.draining = False
+        self.kv_selftest_bytes_per_second = 0.0  # set at start (--kv-selftest-mib)
 
     # -- RPCs ---------------------------------------------------------------------------------------
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
@@ -115,6 +116,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             running_requests=s["running"], kv_blocks_total=s["blocks_total"], kv_blocks_used=s["blocks_used"],
             kv_blocks_free=s["blocks_free"], max_batch_size=self.scheduler.max_batch_size,
             page_size=cache.page_size, max_context=self.scheduler.runner.max_context, draining=self.draining,
+            kv_selftest_bytes_per_second=self.kv_selftest_bytes_per_second,
         )
 
     def KVMetadata(self, request, context) -> pb.KVMetadataResponse:

@@ -35,6 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
     p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
+    p.add_argument("--kv-selftest-mib", type=int, default=0,
+                   help="before serving, time a KV transfer of this many MiB through this worker's "
+                        "UCX transports (kvtransfer/selftest.py; 0 = skip); reported in load reports")
     p.add_argument("--drain-timeout", type=float, default=120.0,
                    help="after SIGTERM: seconds accepted requests get to finish before the worker exits "
                         "(keep the orchestrator's grace period above it)")
@@ -47,6 +50,7 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.engine.parallel import check_layout, gather_objects, start_group
     from pdserve.kvtransfer import KVTransferError
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.kvtransfer.selftest import run_selftest
     from pdserve.proto.lifecycle import WorkerLifecycle
     from pdserve.proto.rpc import ensure_port_free, make_server
 
@@ -79,6 +83,9 @@ def run(a: argparse.Namespace) -> int:
 
     executor.push = push_on_all_ranks
     service = PrefillService(executor, worker_id=worker_id)
+    if a.kv_selftest_mib > 0:
+        service.kv_selftest_bytes_per_second = run_selftest(leader.group.device, a.kv_selftest_mib << 20,
+                                                            a.kv_host or a.host)
     server = make_server(max_workers=a.max_queue + 16)
     pb_grpc.add_PrefillWorkerServicer_to_server(service, server)
 

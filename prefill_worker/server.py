@@ -28,6 +28,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.executor = executor
         self.worker_id = worker_id
         self.draining = False
+        self.kv_selftest_bytes_per_second = 0.0  # set at start (--kv-selftest-mib)
 
     def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         if self.draining:
@@ -94,4 +95,5 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             kv_blocks_used=cache.allocators["full"].num_used - idle_cached,
             kv_blocks_free=cache.num_free_blocks + idle_cached,
             page_size=cache.page_size, max_context=self.executor.runner.max_context, draining=self.draining,
+            kv_selftest_bytes_per_second=self.kv_selftest_bytes_per_second,
         )

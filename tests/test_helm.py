@@ -540,7 +540,9 @@ def test_worker_transports_caches_and_stop_sequence(name):
         # inside the grace period
         (sleep, seconds) = c["lifecycle"]["preStop"]["exec"]["command"]
         assert sleep == "sleep" and int(seconds) == values["workers"]["preStopSleepSeconds"]
-        drain = parse_cli([expand_refs(a, env) for a in c["args"]]).drain_timeout
+        parsed = parse_cli([expand_refs(a, env) for a in c["args"]])
+        assert parsed.kv_selftest_mib == values["workers"]["kvSelfTestMiB"] > 0  # RDMA checked at start
+        drain = parsed.drain_timeout
         assert 0 < drain and int(seconds) + drain + 5 == pod["terminationGracePeriodSeconds"]
 
 

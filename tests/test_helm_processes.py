@@ -170,6 +170,10 @@ def test_rendered_cpu_chart_runs_as_processes_and_serves_a_chat(tmp_path, tiny_m
         body = reply.json()
         assert body["model"] == values["model"]["servedModelName"]
         assert body["usage"]["completion_tokens"] >= 1
+        # each worker timed its KV transfer path at start; the router exports what they measured
+        selftests = [line for line in httpx.get(base + "/metrics").text.splitlines()
+                     if line.startswith("pdserve_worker_kv_selftest_bytes_per_second{")]
+        assert len(selftests) == 2 and all(float(line.split()[-1]) > 0 for line in selftests), selftests
         for pod in pods.values():
             pod.terminate()
         for pod in pods.values():
