@@ -135,11 +135,12 @@ def test_bad_inputs_get_openai_errors(cluster):
 def test_200_concurrent_requests_with_cancellations(cluster):
     """Every request completes or is cancelled by its client; no 5xx; all KV blocks come back."""
     rng = random.Random(0)
+    plans = [(rng.randint(2, 16), rng.randint(1, 60), rng.choice([None, None, 0, 1, 3])) for _ in range(200)]
 
     async def one(h: httpx.AsyncClient, i: int) -> str:
-        body = {"model": "gpt-oss", "stream": True, "max_tokens": rng.randint(2, 16), "seed": i,
-                "messages": [{"role": "user", "content": "w " * rng.randint(1, 60)}]}
-        cancel_after = rng.choice([None, None, 0, 1, 3])
+        max_tokens, words, cancel_after = plans[i]
+        body = {"model": "gpt-oss", "stream": True, "max_tokens": max_tokens, "seed": i,
+                "messages": [{"role": "user", "content": "w " * words}]}
         async with h.stream("POST", cluster.url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 await r.aread()
@@ -149,11 +150,11 @@ def test_200_concurrent_requests_with_cancellations(cluster):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
-                    return "done"
+                    return "done" if cancel_after is None else "done or cancelled"
                 assert "error" not in json.loads(line[6:]), line
                 events += 1
                 if cancel_after is not None and events > cancel_after:
-                    return "cancelled"
+                    return "done or cancelled"
         return "cut"
 
     async def main():
@@ -163,8 +164,10 @@ def test_200_concurrent_requests_with_cancellations(cluster):
 
     results = asyncio.run(main())
     counts = {k: results.count(k) for k in set(results)}
-    assert set(counts) <= {"done", "cancelled"}, counts
-    assert counts.get("done", 0) > 100, counts
+    # a client that never cancels gets its whole stream; one that cancels after a few events may
+    # also see a short stream end first (how many events a stream has depends on the text)
+    assert set(counts) <= {"done", "done or cancelled"}, counts
+    assert counts.get("done", 0) == sum(1 for *_, cancel in plans if cancel is None), counts
     loads = wait_kv_drained(cluster, timeout=60)
     assert all(r.queued_requests == 0 for r in loads.values())
 
