@@ -249,25 +249,31 @@ class LocalCluster:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, grace: float = 15.0, now: threading.Event | None = None) -> None:
+        """SIGTERM every process (the router and the workers drain together); SIGKILL what is left
+        after `grace` seconds, or as soon as `now` is set (a second Ctrl-C)."""
         order = ["router"] + [n for n in self.procs if n != "router"]
         for name in order:
-            p = self.procs.get(name)
-            if p and p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            self._signal(name, signal.SIGTERM)
         end = time.monotonic() + grace
         for name in order:
             p = self.procs.get(name)
-            if p is None:
-                continue
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+            while p is not None and p.poll() is None and time.monotonic() < end and not (now and now.is_set()):
+                try:
+                    p.wait(timeout=0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+            if p is not None and p.poll() is None:
+                self._signal(name, signal.SIGKILL)
                 p.wait()
+
+    def _signal(self, name: str, sig: int) -> None:
+        p = self.procs.get(name)
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -415,11 +421,13 @@ def run(a: argparse.Namespace) -> int:
     # before starting anything: a taken port is one line now, not a router failure later
     ensure_port_free(a.host, a.port, "--port")
     ensure_port_free(a.host, a.grpc_port, "--grpc-port")
-    stop = threading.Event()
+    stop, stop_now = threading.Event(), threading.Event()
     signals: list[int] = []
 
     def on_signal(signum, _frame) -> None:
         signals.append(signum)
+        if stop.is_set():  # a second Ctrl-C: no more draining
+            stop_now.set()
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -442,6 +450,7 @@ def run(a: argparse.Namespace) -> int:
                 break
             stop.wait(0.2)
     finally:
-        cluster.stop()
+        print("pdserve: stopping (Ctrl-C again to stop at once)", flush=True)
+        cluster.stop(now=stop_now)
         print("pdserve: stopped", flush=True)
     return 0

@@ -164,6 +164,35 @@ def test_ctrl_c_during_start_up_stops_everything(tiny_mxfp4, tmp_path):
         s.close()
 
 
+def test_a_second_ctrl_c_stops_at_once(tiny_mxfp4, tmp_path):
+    """The first Ctrl-C drains (streams may finish); the second ends the drain: a stream that
+    would run for minutes is cut, serve exits at once and leaves no process."""
+    s = Serve(str(tiny_mxfp4), str(tmp_path))
+    try:
+        s.wait_for_line("serving gpt-oss at", timeout=120)
+        tree = descendants(s.proc.pid)
+        body = {"model": "gpt-oss", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert r.status_code == 200 and next(line for line in lines if line.startswith("data: "))
+            s.proc.send_signal(signal.SIGINT)
+            s.wait_for_line("Ctrl-C again", timeout=10)
+            s.proc.send_signal(signal.SIGINT)
+            assert s.proc.wait(timeout=10) == 0
+            try:
+                rest = list(lines)
+            except httpx.HTTPError:  # the connection was cut
+                rest = []
+            assert not any('"finish_reason":"length"' in line for line in rest)
+        end = time.monotonic() + 10
+        while any(alive(p) for p in tree):
+            assert time.monotonic() < end, [(p, cmdline(p)) for p in tree if alive(p)]
+            time.sleep(0.1)
+    finally:
+        s.close()
+
+
 # -- the restart policy on its own (a fake cluster and clock) ----------------------------------
 class FakeProc:
     def __init__(self):
