@@ -70,6 +70,13 @@ def serve(tiny_mxfp4, tmp_path_factory):
         s.close()
 
 
+def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < end, [(p, cmdline(p)) for p in pids if alive(p)]
+        time.sleep(0.1)
+
+
 def chat(url: str, max_tokens: int = 8) -> dict:
     body = {"model": "gpt-oss", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
@@ -138,10 +145,7 @@ def test_sigkill_of_serve_leaves_no_process(serve):
     assert len(tree) >= 3, tree  # router, prefill and decode workers
     serve.proc.kill()
     serve.proc.wait()
-    end = time.monotonic() + 10
-    while any(alive(p) for p in tree):
-        assert time.monotonic() < end, [(p, cmdline(p)) for p in tree if alive(p)]
-        time.sleep(0.1)
+    assert_gone(tree)
 
 
 def test_ctrl_c_during_start_up_stops_everything(tiny_mxfp4, tmp_path):
@@ -156,10 +160,7 @@ def test_ctrl_c_during_start_up_stops_everything(tiny_mxfp4, tmp_path):
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(timeout=30) == 130
         assert not any("serving gpt-oss" in line for line in s.lines), s.lines
-        end = time.monotonic() + 10
-        while any(alive(p) for p in tree):
-            assert time.monotonic() < end, [(p, cmdline(p)) for p in tree if alive(p)]
-            time.sleep(0.1)
+        assert_gone(tree)
     finally:
         s.close()
 
@@ -185,10 +186,7 @@ def test_a_second_ctrl_c_stops_at_once(tiny_mxfp4, tmp_path):
             except httpx.HTTPError:  # the connection was cut
                 rest = []
             assert not any('"finish_reason":"length"' in line for line in rest)
-        end = time.monotonic() + 10
-        while any(alive(p) for p in tree):
-            assert time.monotonic() < end, [(p, cmdline(p)) for p in tree if alive(p)]
-            time.sleep(0.1)
+        assert_gone(tree)
     finally:
         s.close()
 
