@@ -26,6 +26,8 @@ CONFIGS = {
     "gu64x2 d16x2": MxConfig((64, 2, 4, 4), (16, 2, 4, 4)),
     "gu16x8 d8x8": MxConfig((16, 8, 4, 3), (8, 8, 4, 3)),
     "gu32x8 d32x4": MxConfig((32, 8, 8, 3), (32, 4, 8, 3)),
+    "lut gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3), lut=True),
+    "lut gu16x8 d8x8": MxConfig((16, 8, 4, 3), (8, 8, 4, 3), lut=True),
 }
 
 

@@ -9,7 +9,10 @@ Two launches, no host synchronisation, fixed shapes (CUDA-graph capturable):
    K loop streams [BLOCK_N, G_STEP, 16] bytes of blocks plus their scales, decodes both nibbles
    of each byte to float32 with integer ops (e2m1: exponent and mantissa bits moved into a float32,
    codes 0/1 (0 and 0.5) selected apart), multiplies by the activation's even / odd elements,
-   sums each 32-group, times 2^(scale - 127), accumulates; then the bias and gpt-oss' clamped
+   sums each 32-group, times 2^(scale - 127), accumulates (or, with `MxConfig.lut`, decodes a byte
+   by one load from a 256-entry table of bf16 pairs, which stays in L1: ~8 instead of ~30
+   instructions per weight byte; v1 measured instruction-bound, docs/kernels.md); then the bias
+   and gpt-oss' clamped
    SwiGLU on the interleaved (glu, linear) rows -> float32 [pairs, I].
 2. down + combine: one program per (token, BLOCK_N rows of H): for each of the token's slots the
    same K loop over I, plus the bias, times the routing weight, summed in slot order (no atomics,
@@ -50,6 +53,22 @@ class MxExperts:
 class MxConfig:
     gate_up: tuple[int, int, int, int] = (32, 4, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
     down: tuple[int, int, int, int] = (16, 4, 4, 3)
+    lut: bool = False  # decode a byte by one cached table load (two bf16 values) instead of bit ops
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def byte_lut(device: torch.device) -> torch.Tensor:
+    """int32 [256]: byte b -> bf16 bits of e2m1(b & 15) | bf16 bits of e2m1(b >> 4) << 16."""
+    lut = _LUTS.get(device)
+    if lut is None:
+        from .mxfp4 import FP4_VALUES
+
+        bits = torch.tensor(FP4_VALUES, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        b = torch.arange(256)
+        lut = _LUTS[device] = (bits[b & 15] | (bits[b >> 4] << 16)).to(torch.int32).to(device)
+    return lut
 
 
 @triton.jit
@@ -63,8 +82,9 @@ def _fp4_to_f32(code):
 
 
 @triton.jit
-def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask, a_ptr, K_GROUPS: tl.constexpr,
-                 G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask, a_ptr, lut_ptr,
+                 K_GROUPS: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LUT: tl.constexpr):
     """sum_k W[rows, k] * a[k] over K = 32 * K_GROUPS, W in MXFP4; a float32 or bf16 at a_ptr."""
     gg = tl.arange(0, G_STEP)
     bb = tl.arange(0, 16)
@@ -79,7 +99,14 @@ def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask
         col = g[:, None] * 32 + 2 * bb[None, :]
         xe = tl.load(a_ptr + col, mask=gm[:, None], other=0.0).to(tl.float32)
         xo = tl.load(a_ptr + col + 1, mask=gm[:, None], other=0.0).to(tl.float32)
-        part = tl.sum(_fp4_to_f32(w & 15) * xe[None, :, :] + _fp4_to_f32(w >> 4) * xo[None, :, :], axis=2)
+        if LUT:
+            pair = tl.load(lut_ptr + w)  # two bf16 values; bf16 -> float32 is a 16-bit shift
+            lo = (pair << 16).to(tl.float32, bitcast=True)
+            hi = ((pair >> 16) << 16).to(tl.float32, bitcast=True)
+        else:
+            lo = _fp4_to_f32(w & 15)
+            hi = _fp4_to_f32(w >> 4)
+        part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
         scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
         acc += tl.sum(part * scale, axis=1)
     return acc
@@ -87,9 +114,10 @@ def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask
 
 @triton.jit
 def _mx_gate_up_kernel(
-    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr,
+    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr, lut_ptr,
     stride_x, stride_be, stride_brow, stride_se, stride_srow, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    LUT: tl.constexpr,
 ):
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -98,7 +126,7 @@ def _mx_gate_up_kernel(
     rows = n0 + tl.arange(0, BLOCK_N)
     rm = rows < N2
     acc = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
-                       x_ptr + token * stride_x, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N)
+                       x_ptr + token * stride_x, lut_ptr, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, LUT)
     acc += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
     glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
     glu = tl.minimum(glu, limit)
@@ -110,10 +138,10 @@ def _mx_gate_up_kernel(
 
 @triton.jit
 def _mx_down_kernel(
-    act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr,
+    act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, lut_ptr,
     stride_be, stride_brow, stride_se, stride_srow, stride_bias, stride_out, H, I, I_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, LUT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +152,7 @@ def _mx_down_kernel(
         e = tl.load(ids_ptr + pair).to(tl.int64)
         w = tl.load(wts_ptr + pair).to(tl.float32)
         y = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
-                         act_ptr + pair * I, I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N)
+                         act_ptr + pair * I, lut_ptr, I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, LUT)
         if HAS_BIAS:
             y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
         out += w * y
@@ -153,18 +181,19 @@ def experts_forward_mxfp4(
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
+    lut = byte_lut(x.device) if config.lut else ids
     bn, gs, nw, ns = config.gate_up
     _mx_gate_up_kernel[(t * k, triton.cdiv(n2, bn))](
-        x, ids, w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, act,
+        x, ids, w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, act, lut,
         x.stride(0), w.gate_up_blocks.stride(0), w.gate_up_blocks.stride(1), w.gate_up_scales.stride(0),
         w.gate_up_scales.stride(1), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
-        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, num_warps=nw,
+        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, LUT=config.lut, num_warps=nw,
     )
     bn, gs, nw, ns = config.down
     _mx_down_kernel[(t, triton.cdiv(h, bn))](
-        act, ids, topk_weights.contiguous().view(-1), w.down_blocks, w.down_scales, w.down_bias, out,
+        act, ids, topk_weights.contiguous().view(-1), w.down_blocks, w.down_scales, w.down_bias, out, lut,
         w.down_blocks.stride(0), w.down_blocks.stride(1), w.down_scales.stride(0), w.down_scales.stride(1),
         w.down_bias.stride(0), out.stride(0), h, i, I_GROUPS=i // 32,
-        TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, num_warps=nw,
+        TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, LUT=config.lut, num_warps=nw,
     )
     return out

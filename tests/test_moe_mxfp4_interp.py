@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = [
     (96, 64, 6, 3, 4, True, ((32, 2, 4, 2), (16, 2, 4, 2))),  # K steps ragged (3 and 2 groups)
     (64, 96, 4, 1, 2, False, ((16, 1, 2, 1), (8, 4, 2, 3))),
+    (96, 64, 6, 2, 4, True, ((32, 2, 4, 2), (16, 2, 4, 2), True)),  # byte-table decode
 ]
 
 
