@@ -568,9 +568,12 @@ def test_router_auth_and_tls_wiring(name):
         assert volumes[mounts[directory]]["secret"]["secretName"] == r["tls"]["secretName"]
     else:
         assert parsed.tls_cert_file is None and parsed.tls_key_file is None
-    # in-flight requests finish inside the pod's grace period
+    # a preStop pause (the Service drops the pod), then in-flight requests finish, all inside the
+    # pod's grace period
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert 0 < parsed.graceful_shutdown_timeout < grace
+    (sleep, seconds) = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep == "sleep" and int(seconds) == r["preStopSleepSeconds"]
+    assert 0 < parsed.graceful_shutdown_timeout and int(seconds) + parsed.graceful_shutdown_timeout < grace
 
 
 @pytest.mark.parametrize("values, message", [
