@@ -318,7 +318,8 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
     # a union reports one error per alternative; the field is what they share
     param = ".".join(str(p) for p in first["loc"] if not _is_union_branch(p)) or None
     messages = []
-    for d in details[:3]:
+    # the alternative that got furthest says most (`input.0: tag 'x' ...`, not `input: not a string`)
+    for d in sorted(details, key=lambda d: -len(d["loc"]))[:3]:
         loc = ".".join(str(p) for p in d["loc"] if not _is_union_branch(p))
         msg = d["msg"].removeprefix("Value error, ")
         messages.append(f"{loc}: {msg}" if loc else msg)

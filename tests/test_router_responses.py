@@ -193,6 +193,7 @@ def test_invalid_or_unsupported_requests_are_400(fresh, overrides, param):
     body = {"model": MODEL, "input": "Hi!", **overrides}
     error = assert_error(post(fresh, body), 400)
     assert error["param"] is not None and error["param"].startswith(param), error
+    assert "valid string" not in error["message"].split(";")[0], error  # the telling alternative
     assert not fresh.prefill[0].requests
 
 
