@@ -124,7 +124,9 @@ InputItem = Annotated[Union[
     Annotated[MessageItem, Tag("message")], Annotated[ReasoningItem, Tag("reasoning")],
     Annotated[FunctionCallItem, Tag("function_call")],
     Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-], Discriminator(_item_type)]
+], Discriminator(_item_type, custom_error_type="invalid_item_type", custom_error_message=(
+    "this item type is not supported here (message, reasoning, function_call and "
+    "function_call_output are)"))]
 _ITEMS = TypeAdapter(list[InputItem])
 
 
