@@ -61,6 +61,10 @@ def deep_merge(base: dict, override: dict) -> dict:
 def user_values(name: str) -> dict:
     if name == "all-features":
         return copy.deepcopy(ALL_FEATURES)
+    if name == "keda-gang":  # the 120b layout autoscaled by KEDA and gang-scheduled
+        return deep_merge(user_values("gpt-oss-120b"), {
+            "decode": {"keda": {"enabled": True}}, "serviceMonitor": {"enabled": True},
+            "scheduling": {"gang": {"enabled": True}}})
     if name == "static":
         return {"router": {"discovery": "static",
                            "staticWorkers": {"prefill": ["10.0.0.1:50061"],

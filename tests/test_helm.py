@@ -18,7 +18,7 @@ from helm_chart import (ALL_FEATURES, CHART, FULLNAME, KUBE_VERSION, NAMESPACE, 
                         VALUES_FILES, container, container_env, expand_refs, find, flag, one, pod_containers,
                         render, render_values, user_values)
 
-ALL_CONFIGS = [*VALUES_FILES, "all-features", "static"]
+ALL_CONFIGS = [*VALUES_FILES, "all-features", "static", "keda-gang"]
 
 
 # -- lint and schema validation --------------------------------------------------------------------
@@ -46,7 +46,9 @@ def test_every_manifest_validates_against_kubernetes_schemas(name):
             path = ".".join(str(p) for p in exc.path)
             pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {path}: {exc.message}")
         assert doc["metadata"].get("namespace", NAMESPACE) == NAMESPACE
-    assert skipped == ({"ServiceMonitor"} if name == "all-features" else set())
+    expected = {"all-features": {"ServiceMonitor"},
+                "keda-gang": {"ServiceMonitor", "ScaledObject", "PodGroup"}}.get(name, set())
+    assert skipped == expected  # CRDs without a schema here; each is checked by its own test
 
 
 def test_optional_resources_are_off_by_default_and_render_when_enabled():
@@ -496,7 +498,8 @@ def test_priority_class_and_gang(name):
             assert deployment["spec"]["template"]["spec"]["priorityClassName"] == pc["metadata"]["name"]
     else:
         assert not created
-    assert not find(docs, "PodGroup")  # gang scheduling is opt-in
+    groups = find(docs, "PodGroup")  # gang scheduling is opt-in
+    assert len(groups) == (1 if values["scheduling"]["gang"]["enabled"] else 0)
 
 
 def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group():
