@@ -304,10 +304,17 @@ def test_network_policy_isolates_worker_ports(name):
     for rule in workers["ingress"][:2]:
         assert all(set(peer) == {"podSelector"} for peer in rule["from"])
     router = one(docs, "NetworkPolicy", f"{FULLNAME}-router")["spec"]
-    (rule,) = router["ingress"]
+    rule, *scrape = router["ingress"]
     assert sorted(p["port"] for p in rule["ports"]) == sorted(
         [values["router"]["httpPort"], values["router"]["grpcPort"]])
     assert rule.get("from", []) == values["networkPolicy"]["routerIngressFrom"]
+    if values["serviceMonitor"]["enabled"]:  # Prometheus' namespace reaches the HTTP port (/metrics)
+        (scrape,) = scrape
+        assert scrape == {"ports": [{"port": values["router"]["httpPort"], "protocol": "TCP"}],
+                          "from": [{"namespaceSelector": {"matchLabels": {
+                              "kubernetes.io/metadata.name": values["serviceMonitor"]["prometheusNamespace"]}}}]}
+    else:
+        assert not scrape
 
 
 @pytest.mark.parametrize("name", ALL_CONFIGS)
