@@ -31,6 +31,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.sequence import Sequence  # noqa: E402
+from pdserve.kernels.mxfp4 import MxExperts  # noqa: E402
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -126,12 +127,16 @@ def decode_bytes(runner: ModelRunner, batch: int, context: int, expert_bits: flo
         total += sum(nbytes(t) for t in (a.qkv_weight, a.qkv_bias, a.o_weight, a.o_bias, a.sinks, a.norm,
                                          m.router_weight, m.router_bias, m.norm))
         ex = m.experts
-        if expert_bits is None:
-            per = sum(nbytes(t) for t in (ex.gate_up, ex.down, ex.gate_up_scale, ex.down_scale)
-                      if t is not None) / ex.num_local_experts
+        if isinstance(ex, MxExperts):  # as published: blocks, scales and biases
+            per = sum(nbytes(t) for t in (ex.gate_up_blocks, ex.gate_up_scales, ex.gate_up_bias,
+                                          ex.down_blocks, ex.down_scales, ex.down_bias)) / ex.num_experts
         else:
-            per = (ex.gate_up[0].numel() + ex.down[0].numel()) * expert_bits / 8
-        per += (nbytes(ex.gate_up_bias) + nbytes(ex.down_bias)) / ex.num_local_experts
+            if expert_bits is None:
+                per = sum(nbytes(t) for t in (ex.gate_up, ex.down, ex.gate_up_scale, ex.down_scale)
+                          if t is not None) / ex.num_local_experts
+            else:
+                per = (ex.gate_up[0].numel() + ex.down[0].numel()) * expert_bits / 8
+            per += (nbytes(ex.gate_up_bias) + nbytes(ex.down_bias)) / ex.num_local_experts
         total += touched * per
         keys = min(context, cfg.sliding_window) if cfg.is_sliding(i) and cfg.sliding_window > 0 else context
         total += batch * keys * 2 * runner.model.num_kv_heads * cfg.head_dim * 2
@@ -176,6 +181,8 @@ def main() -> int:
     ap.add_argument("--compare-fused", action="store_true",
                     help="decode with the fused per-layer kernels off, then on (same run)")
     ap.add_argument("--profile", action="store_true", help="profile each decode batch (bench/step_profile.py)")
+    ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
+                    help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
     a = ap.parse_args()
     if (a.compare_fused or a.profile) and a.device != "cuda":
         ap.error("--compare-fused and --profile need --device cuda")
@@ -190,7 +197,7 @@ def main() -> int:
     if not (ckpt / "config.json").is_file():
         _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
-    runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision="fp8", num_kv_blocks=8192))
+    runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192))
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (a.check_tokens,), generator=g).tolist()
@@ -311,7 +318,7 @@ def main() -> int:
         lines = [
             "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
-            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), FP8 experts; decode "
+            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), {a.precision} experts; decode "
             "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests; kernels: "
             "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router; pipelined = "
             "each step launched before the host reads the previous step's tokens (engine.llm_engine). Floors: bytes a "

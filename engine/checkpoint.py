@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8_exact
 from pdserve.kernels.moe import ExpertWeights
-from pdserve.kernels.mxfp4 import dequantize_mxfp4
+from pdserve.kernels.mxfp4 import MxExperts, dequantize_mxfp4
 
 from .config import ModelConfig
 from .parallel import ShardSpec
@@ -109,7 +109,7 @@ class AttentionWeights:
 class MoEWeights:
     router_weight: torch.Tensor  # [E, H] (all experts: routing is replicated)
     router_bias: torch.Tensor
-    experts: ExpertWeights
+    experts: ExpertWeights | MxExperts  # MxExperts: precision mxfp4
     norm: torch.Tensor  # float32 [H]
 
 
@@ -135,12 +135,16 @@ def load_weights(
     device: torch.device | str = "cpu",
     progress: bool | None = None,
 ) -> ModelWeights:
-    """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8).
+    """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8), or
+    keeping MXFP4 experts as published (mxfp4: single rank, decode pools; see kernels.moe).
 
     `progress`: a bar per layer on stderr (None: when stderr is a terminal, on rank 0 only).
     """
-    if precision not in ("bf16", "fp8"):
-        raise ValueError(f"precision must be bf16 or fp8, not {precision!r}")
+    if precision not in ("bf16", "fp8", "mxfp4"):
+        raise ValueError(f"precision must be bf16, fp8 or mxfp4, not {precision!r}")
+    if precision == "mxfp4" and (cfg.experts_format != "mxfp4" or shard.world_size > 1):
+        raise ValueError("precision mxfp4 keeps a checkpoint's MXFP4 experts on a single rank; this is "
+                         f"a {cfg.experts_format} checkpoint on {shard.world_size} ranks")
     r = CheckpointReader(model_dir)
     dev = torch.device(device)
     H, D = cfg.hidden_size, cfg.head_dim
@@ -195,7 +199,7 @@ def load_weights(
 
 def _load_experts(
     r: CheckpointReader, p: str, cfg: ModelConfig, shard: ShardSpec, precision: str, dev
-) -> ExpertWeights:
+) -> ExpertWeights | MxExperts:
     """This rank's experts [e0, e1) and its slice of their intermediate dimension.
 
     Source MXFP4/bf16 experts are split by real channels (I / moe_tp each) and, for FP8, each
@@ -210,6 +214,15 @@ def _load_experts(
     down_bias = r.get(p + "down_proj_bias", shape=(E, H), slices=(ex,)).float()
     if tr != 0:  # added once per token, by the first rank of the expert's TP group
         down_bias = torch.zeros_like(down_bias)
+    if precision == "mxfp4":  # as published, one rank (load_weights checked)
+        def get(name, shape):
+            return r.get(p + name, shape=shape).to(dev).contiguous()
+
+        return MxExperts(
+            get("gate_up_proj_blocks", (E, 2 * I, H // 32, 16)), get("gate_up_proj_scales", (E, 2 * I, H // 32)),
+            get("gate_up_proj_bias", (E, 2 * I)).float(), get("down_proj_blocks", (E, H, I // 32, 16)),
+            get("down_proj_scales", (E, H, I // 32)), down_bias.to(dev).contiguous(),
+        )
 
     if cfg.experts_format == "fp8":
         Ip = pad_intermediate(I)

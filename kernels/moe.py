@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from .fp8 import dequantize_act_fp8, dequantize_weight_fp8, quantize_act_fp8
+from .mxfp4 import MxExperts, dequantize_mxfp4
 from .swiglu import swiglu
+
+# Batches up to this many tokens run MXFP4 experts through kernels.triton_moe_mxfp4 on CUDA (decode);
+# larger ones (prefill) through `experts_forward_mxfp4_ref` (the routed experts decoded to bf16).
+MXFP4_KERNEL_MAX_TOKENS = 256  # covers the CUDA-graph decode sizes (the reference syncs)
 
 
 @dataclass
@@ -119,16 +124,48 @@ def experts_forward_ref(
     return out.to(x.dtype)
 
 
+def experts_forward_mxfp4_ref(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w: MxExperts,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    add_down_bias: bool = True,
+) -> torch.Tensor:
+    """`experts_forward_ref` for MXFP4 experts: the routed experts decoded (exactly) to bf16, the
+    rest left alone; same arithmetic as loading the experts as bf16 (one host sync: reference
+    and prefill path)."""
+    used = torch.unique(topk_ids).tolist()
+    local = torch.full((w.num_experts,), -1, dtype=torch.long, device=topk_ids.device)
+    local[used] = torch.arange(len(used), device=topk_ids.device)
+    sub = ExpertWeights(
+        dequantize_mxfp4(w.gate_up_blocks[used], w.gate_up_scales[used]), w.gate_up_bias[used],
+        dequantize_mxfp4(w.down_blocks[used], w.down_scales[used]), w.down_bias[used],
+    )
+    return experts_forward_ref(x, topk_weights, local[topk_ids], sub, limit, alpha, add_down_bias)
+
+
 def experts_forward(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    w: ExpertWeights,
+    w: ExpertWeights | MxExperts,
     limit: float = 7.0,
     alpha: float = 1.702,
     add_down_bias: bool = True,
 ) -> torch.Tensor:
     """Dispatch to the fastest implementation for the device and weight format."""
+    if isinstance(w, MxExperts):
+        if x.is_cuda and x.shape[0] <= MXFP4_KERNEL_MAX_TOKENS:
+            try:
+                from .triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4
+            except ImportError:
+                experts_forward_mxfp4 = None
+            if experts_forward_mxfp4 is not None:
+                return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
+                                             MxConfig(lut=True))
+        return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
         try:
             from . import triton_moe

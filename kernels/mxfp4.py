@@ -6,6 +6,8 @@ first. `*_scales` is uint8 [..., rows, cols/32]: the group's power-of-two expone
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # e2m1 code -> value; bit 3 is the sign.
@@ -58,3 +60,21 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
     scales = (exp + 127).to(torch.uint8)
     return blocks, scales
+
+
+@dataclass
+class MxExperts:
+    """One layer's experts kept in MXFP4 (the layout above) with float32 biases.
+    gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
+    down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H]."""
+
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    gate_up_bias: torch.Tensor
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    down_bias: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_blocks.shape[0]

@@ -30,23 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@dataclass
-class MxExperts:
-    """One layer's experts in MXFP4 (kernels/mxfp4.py layout) with float32 biases.
-    gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
-    down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H]."""
-
-    gate_up_blocks: torch.Tensor
-    gate_up_scales: torch.Tensor
-    gate_up_bias: torch.Tensor
-    down_blocks: torch.Tensor
-    down_scales: torch.Tensor
-    down_bias: torch.Tensor
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate_up_blocks.shape[0]
+from .mxfp4 import MxExperts
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,22 @@ def test_mxfp4_moe_cuda_graph():
     ids.copy_(torch.tensor([[7, 3, 1, 0], [2, 6, 5, 4]], device=DEV))
     graph.replay()
     assert rel_l2(out, _ref(x, weights, ids, w)) < 4e-3
+
+
+def test_dispatch_of_mxfp4_experts():
+    """kernels.moe.experts_forward: the kernel (byte-table decode) for decode-sized batches, the
+    bf16 reference on the routed experts above MXFP4_KERNEL_MAX_TOKENS."""
+    from pdserve.kernels.moe import MXFP4_KERNEL_MAX_TOKENS, experts_forward, experts_forward_mxfp4_ref
+    from pdserve.kernels.triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4
+
+    g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    w = _layer(8, g)
+    for t in (3, MXFP4_KERNEL_MAX_TOKENS + 1):
+        x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
+        weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+        out = experts_forward(x, weights, ids, w)
+        want = (experts_forward_mxfp4(x, weights, ids, w, config=MxConfig(lut=True)) if t <= MXFP4_KERNEL_MAX_TOKENS
+                else experts_forward_mxfp4_ref(x, weights, ids, w))
+        assert torch.equal(out, want)
+        assert rel_l2(out, _ref(x, weights, ids, w)) < 1e-2  # the bf16 reference rounds each stage
