@@ -95,4 +95,4 @@ def test_dispatch_of_mxfp4_experts():
         want = (experts_forward_mxfp4(x, weights, ids, w, config=MxConfig(lut=True)) if t <= MXFP4_KERNEL_MAX_TOKENS
                 else experts_forward_mxfp4_ref(x, weights, ids, w))
         assert torch.equal(out, want)
-        assert rel_l2(out, _ref(x, weights, ids, w)) < 1e-2  # the bf16 reference rounds each stage
+        assert rel_l2(out, _ref(x, weights, ids, w)) < 2e-2  # the bf16 reference rounds each stage
