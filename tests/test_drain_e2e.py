@@ -75,7 +75,8 @@ def test_decode_worker_stopped_under_10_streams_finishes_them_and_gets_nothing_n
         while not any(line.endswith(" 0.0") for line in metric_lines(cluster, healthy)):
             assert time.monotonic() < deadline, "the router never saw decode-0 draining"
             time.sleep(0.05)
-        assert decode.poll() is None, "decode-0 exited with streams still running"
+        # still there for its streams (its gRPC server waits for them before the process ends)
+        assert not any(t.is_alive() for t in streams) or decode.poll() is None
 
         later: dict = {}
         for i in range(5):
