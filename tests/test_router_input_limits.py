@@ -170,3 +170,19 @@ def test_tokenizer_panics_and_value_errors_become_400_errors():
     with pytest.raises(KeyboardInterrupt):
         with _tokenizer_errors("cannot tokenize", "prompt"):
             raise KeyboardInterrupt
+
+
+def test_longest_run_matches_a_plain_scan():
+    """The vectorised run finder against a character-by-character scan, on fresh random text."""
+    from pdserve.router.request_limits import _DIGIT, _class_of, longest_run
+
+    alphabet = "ab c.,é東\n\t🙂𠀀1\u0301_=Z9 "
+    for _ in range(200):
+        text = "".join(random.choice(alphabet) * random.randint(1, 6)
+                       for _ in range(random.randint(1, 60)))
+        best = run = 0
+        for i, char in enumerate(text):
+            run = run + 1 if i and _class_of(char) == _class_of(text[i - 1]) else 1
+            if _class_of(char) != _DIGIT:  # digits never form a long piece
+                best = max(best, run)
+        assert longest_run(text) == best, text
