@@ -389,6 +389,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "at once (0 = no waiting)")
     p.add_argument("--max-queue-wait", type=float, default=router.max_queue_wait,
                    help="seconds a request may wait for decode KV room before it gets 429")
+    p.add_argument("--prefix-cache-tokens", type=int, default=65536,
+                   help="KV room of each prefill worker for cached prompt prefixes (0 = no prefix cache)")
+    p.add_argument("--routing-policy", default=router.routing_policy, choices=["cache_aware", "load"],
+                   help="prefill placement: the worker caching the longest prompt prefix, or the least loaded")
+    p.add_argument("--max-migrations", type=int, default=router.max_migrations,
+                   help="times a stream moves to another decode worker when its own dies (0 = it ends)")
     p.add_argument("--log-dir", default=None, help="where process logs go (none: a temp dir)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of an exited process in a row before serve gives up on it (0 = never "
@@ -404,6 +410,9 @@ def run(a: argparse.Namespace) -> int:
     for flag in ("prefill_workers", "decode_workers", "prefill_tp", "decode_tp", "decode_ep", "max_batch_size"):
         if getattr(a, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("prefix_cache_tokens", "max_migrations"):
+        if getattr(a, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
     if a.decode_tp % a.decode_ep:
         raise ValueError(f"--decode-ep {a.decode_ep} must divide --decode-tp {a.decode_tp}")
     policy = RestartPolicy(max_restarts=a.max_restarts, backoff_s=a.restart_backoff,
@@ -414,7 +423,10 @@ def run(a: argparse.Namespace) -> int:
                        max_batch_size=a.max_batch_size, kv_blocks=a.kv_blocks,
                        extra_router_args=["--request-timeout", str(a.request_timeout),
                                           "--max-queued-requests", str(a.max_queued_requests),
-                                          "--max-queue-wait", str(a.max_queue_wait)],
+                                          "--max-queue-wait", str(a.max_queue_wait),
+                                          "--routing-policy", a.routing_policy,
+                                          "--max-migrations", str(a.max_migrations)],
+                       extra_prefill_args=["--prefix-cache-tokens", str(a.prefix_cache_tokens)],
                        extra_decode_args=["--reservation-ttl", str(a.reservation_ttl)])
     from pdserve.proto.rpc import ensure_port_free
 
