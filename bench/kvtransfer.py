@@ -131,7 +131,7 @@ class _Rank:
               staging_bytes: int) -> dict:
         """Build the pools, reserve each request in `lengths` (name -> prompt tokens) as the worker
         of `role` does, start the agent."""
-        from pdserve.decode_worker.parallel import KVArrivals
+        from pdserve.kvtransfer.notify import KVArrivals
         from pdserve.engine.kv_cache import PagedKVCache, cdiv
         from pdserve.kvtransfer import KVTransferAgent, head_range
 
@@ -166,13 +166,14 @@ class _Rank:
         return {"peer_info": self.agent.peer_info(), "heads": heads, "device": str(self.device)}
 
     def _churn(self, seed: int) -> None:
-        """Fill the free blocks with one-page requests and free them in random order (the same on
-        every rank: block ids agree across a worker's ranks), as a busy worker's allocator is."""
+        """Fill the free blocks with one-page requests and free a random half of them (the same on
+        every rank: block ids agree across a worker's ranks), as a busy worker's allocator is: the
+        next reservation gets scattered blocks."""
         fillers = []
         while self.cache.can_admit(PAGE):
             fillers.append(self.cache.reserve(PAGE))
         random.Random(seed).shuffle(fillers)
-        for s in fillers:
+        for s in fillers[: len(fillers) // 2]:
             self.cache.release(s)
 
     def placement(self, name: str, n: int) -> dict:

@@ -60,7 +60,7 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.proto.lifecycle import WorkerLifecycle
     from pdserve.proto.rpc import ensure_port_free, make_server
 
-    from .parallel import KVArrivals, build_rank, follower_main
+    from .parallel import build_rank, follower_main
     from .scheduler import DecodeScheduler
     from .server import DecodeService
 
@@ -89,20 +89,20 @@ def run(a: argparse.Namespace) -> int:
     rank_agents = gather_objects((agent.name, agent.peer_info()), group)
 
     # a request's KV is present once every head of every rank arrived (whatever the prefill TP)
-    arrivals = KVArrivals([ShardSpec(r, world, a.ep).kv_head_range(cfg.num_key_value_heads) for r in range(world)])
+    head_ranges = [ShardSpec(r, world, a.ep).kv_head_range(cfg.num_key_value_heads) for r in range(world)]
     readers = {r: pipes[r][0] for r in pipes}
 
-    def notifications() -> list[str]:
-        done = arrivals.feed(0, agent.take_notifications())
+    def notifications() -> list[tuple[int, bytes]]:
+        out = [(0, n) for n in agent.take_notifications()]
         for r, conn in list(readers.items()):
             try:
                 while conn.poll():
-                    done += arrivals.feed(r, conn.recv())
+                    out += [(r, n) for n in conn.recv()]
             except (EOFError, OSError):  # the follower died: the rank watcher takes the worker down
                 del readers[r]
-        return done
+        return out
 
-    scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size)
+    scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size, head_ranges=head_ranges)
     scheduler.notification_source = notifications
     service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl,
                             rank_agents=rank_agents)

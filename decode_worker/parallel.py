@@ -8,8 +8,8 @@ step's plan and all ranks run the same forward.
 
 KV arrival: prefill ranks write into the decode ranks whose KV heads they share; every write's
 notification names the request and the heads it carried (kvtransfer.notify).
-Followers forward their notifications to the leader over a pipe; `KVArrivals` declares a request's
-KV present once every rank's heads are covered, whatever the prefill worker's TP.
+Followers forward their notifications to the leader over a pipe; the leader's scheduler declares a
+request's KV present once every rank's heads are covered, whatever the prefill worker's TP.
 """
 
 from __future__ import annotations
@@ -20,50 +20,7 @@ import threading
 import time
 import uuid
 
-from pdserve.kvtransfer.notify import parse_kv_notification
-
 log = logging.getLogger("decode_worker")
-
-
-def _covers(got: list[tuple[int, int]], want: tuple[int, int]) -> bool:
-    reach = want[0]
-    for lo, hi in sorted(got):
-        if lo > reach:
-            return False
-        reach = max(reach, hi)
-        if reach >= want[1]:
-            return True
-    return reach >= want[1]
-
-
-class KVArrivals:
-    """Tracks which heads of each request reached each rank; reports requests complete on all.
-
-    head_ranges : global KV heads [lo, hi) of each rank of this worker, by rank.
-    Partial arrivals of requests that never complete (cancelled mid-transfer) are dropped after
-    `ttl_s`. Called from one thread (the scheduler loop).
-    """
-
-    def __init__(self, head_ranges: list[tuple[int, int]], ttl_s: float = 600.0):
-        self.head_ranges = list(head_ranges)
-        self.ttl_s = ttl_s
-        self._got: dict[str, tuple[float, list[list[tuple[int, int]]]]] = {}
-
-    def feed(self, rank: int, notifs) -> list[str]:
-        """Record rank `rank`'s notifications; returns the request ids now complete."""
-        done = []
-        now = time.monotonic()
-        for n in notifs:
-            rid, heads = parse_kv_notification(n)
-            entry = self._got.setdefault(rid, (now, [[] for _ in self.head_ranges]))
-            entry[1][rank].append(heads or self.head_ranges[rank])
-            if all(_covers(g, want) for g, want in zip(entry[1], self.head_ranges)):
-                del self._got[rid]
-                done.append(rid)
-        if self._got:
-            for rid in [r for r, (t, _) in self._got.items() if now - t > self.ttl_s]:
-                del self._got[rid]
-        return done
 
 
 # -- followers --------------------------------------------------------------------------------

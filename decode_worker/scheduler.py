@@ -1,25 +1,35 @@
 """Continuous batching on a decode worker.
 
 Requests arrive in three steps: `reserve` takes KV blocks (backpressure when there are none),
-a prefill worker writes the prompt's KV into them over NIXL (a notification names the request),
-then `start` hands over the first token and the request joins the batch at the next step. One
-thread runs the loop: admit, one decode step for the batch, stream tokens, retire. Cancellation,
-expiry and errors all end in the loop thread, which alone frees blocks, so no step ever runs on
-blocks that were given away.
+a prefill worker writes the prompt's KV into them over NIXL (notifications name the request, see
+kvtransfer.notify), then `start` hands over the first token and the request joins the batch at the
+next step. Each request is a `request.DecodeRequest` state machine; this module only drives it.
+
+One thread runs the loop (`run_once`): read notifications, apply cancellations and time limits,
+release fenced blocks whose writes ended, admit queued requests into free batch slots, one decode
+step for the batch, stream tokens, retire. Cancellation, expiry and errors of running requests all
+end in the loop thread, so no step ever runs on blocks that were given away.
+
+Blocks of an ended request whose KV writes may still land (a push under way, or a prefill worker
+that may yet begin one) are released under a fence, lifted when the prefill side reports the push
+over, or at the latest when no push can still be running (`DecodeRequest.fence_deadline`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from typing import Callable, Iterable
 
-from pdserve.engine.kv_cache import KVCacheFull, SeqBlocks
+from pdserve.engine.block_manager import KVCacheFull
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
+from pdserve.engine.sampling import SamplingParams, sample
 from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.kvtransfer.notify import FAILED, OK, PUSH, KVArrivals, parse_notification
+
+from .request import DecodeRequest, InvalidTransition, State, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -28,53 +38,45 @@ class ReservationError(RuntimeError):
     """Unknown or unusable request id (maps to NOT_FOUND / FAILED_PRECONDITION)."""
 
 
-@dataclass
-class TokenEvent:
-    tokens: list[int]
-    finish_reason: FinishReason | None = None
-    error: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
-
-
-@dataclass(eq=False)
-class Reservation:
-    request_id: str
-    blocks: SeqBlocks
-    num_prompt_tokens: int
-    expires_at: float
-    kv_arrived: bool = False
-    seq: Sequence | None = None  # set by start()
-    events: "queue.Queue[TokenEvent]" = field(default_factory=queue.Queue)
-    cancelled: bool = False
+Notifications = Callable[[], Iterable[tuple[int, bytes]]]
 
 
 class DecodeScheduler:
+    """runner : the model runner (its `cache` is the block manager and KV pools).
+    head_ranges : global KV heads [lo, hi) of each rank of the worker (default: one rank, all).
+    transfer_timeout_s : how long a KV transfer may run once the prefill worker began it.
+    notification_source : set by the server: returns (rank, notification) pairs since last call.
+    """
+
     def __init__(
         self,
         runner: ModelRunner,
         *,
         max_batch_size: int = 128,
-        kv_quarantine_s: float = 2.0,
+        head_ranges: list[tuple[int, int]] | None = None,
+        transfer_timeout_s: float = 30.0,
         idle_wait_s: float = 0.002,
         clock=time.monotonic,
     ):
         self.runner = runner
         self.cache = runner.cache
         self.max_batch_size = max_batch_size
-        self.kv_quarantine_s = kv_quarantine_s
+        self.transfer_timeout_s = transfer_timeout_s
         self.idle_wait_s = idle_wait_s
         self.clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._reservations: dict[str, Reservation] = {}
-        self._ready: list[str] = []  # started, KV arrived, waiting for a batch slot
-        self._running: list[Reservation] = []
-        self._quarantine: list[tuple[float, SeqBlocks]] = []
-        self._notifications: set[str] = set()
+        self._requests: dict[str, DecodeRequest] = {}  # live
+        self._queued: deque[DecodeRequest] = deque()  # QUEUED, oldest first
+        self._running: list[DecodeRequest] = []
+        self._cancel: dict[str, bool] = {}  # request id -> no_writer, applied by the loop
+        self._fenced: dict[str, list[DecodeRequest]] = {}  # ended, blocks fenced
+        self._arrivals = KVArrivals(head_ranges or [(0, runner.cfg.num_key_value_heads)], clock=clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
-        self.notification_source = None  # callable -> list[bytes], set by the server
+        self.notification_source: Notifications | None = None
         self.steps = 0
+        self.dropped_notifications = 0  # for requests this worker does not know (any more)
 
     # -- API (any thread) -------------------------------------------------------------------------
     def start_loop(self) -> None:
@@ -85,56 +87,57 @@ class DecodeScheduler:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, ttl_s: float) -> Reservation:
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, ttl_s: float) -> DecodeRequest:
         if num_prompt_tokens < 1 or max_new_tokens < 1:
             raise ValueError("num_prompt_tokens and max_new_tokens must be positive")
         max_tokens = min(num_prompt_tokens + max_new_tokens, self.runner.max_context)
         if num_prompt_tokens >= self.runner.max_context:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit the context of {self.runner.max_context}")
         with self._lock:
-            if request_id in self._reservations:
+            if request_id in self._requests:
                 raise ValueError(f"request {request_id} already holds a reservation")
             blocks = self.cache.reserve(max_tokens)  # KVCacheFull -> backpressure
-            r = Reservation(request_id, blocks, num_prompt_tokens, self.clock() + ttl_s)
-            self._reservations[request_id] = r
+            r = DecodeRequest(request_id, blocks, num_prompt_tokens, self.clock(), ttl_s)
+            self._requests[request_id] = r
         return r
 
     def start(self, request_id: str, first_token: int, prompt_ids: list[int], params: SamplingParams,
-              kv_wait_s: float = 30.0, num_generated: int = 0) -> Reservation:
+              num_generated: int = 0) -> DecodeRequest:
         """Hand over the first token; the request joins the batch once its KV has arrived.
         num_generated: the last prompt ids are the request's own earlier samples (a migrated
         stream): they count as its output (max_new_tokens, penalties, the sampling index)."""
         if not 0 <= num_generated < len(prompt_ids):
             raise ValueError(f"num_generated {num_generated} is not within the {len(prompt_ids)}-token prompt")
         with self._lock:
-            r = self._reservations.get(request_id)
-            if r is None or r.cancelled:
+            r = self._requests.get(request_id)
+            if r is None or request_id in self._cancel:
                 raise ReservationError(f"request {request_id} has no live reservation")
-            if r.seq is not None:
-                raise ReservationError(f"request {request_id} was already started")
             if len(prompt_ids) != r.num_prompt_tokens:
                 raise ValueError(f"reservation was for {r.num_prompt_tokens} prompt tokens, got {len(prompt_ids)}")
             cut = len(prompt_ids) - num_generated
             seq = Sequence(request_id, list(prompt_ids[:cut]), params, output_ids=list(prompt_ids[cut:]),
                            blocks=r.blocks)
             seq.num_cached = len(prompt_ids)
-            r.seq = seq
-            r.expires_at = self.clock() + kv_wait_s  # now: deadline for the KV to arrive
-            done = seq.append(first_token, self.runner.cfg.eos_token_ids, self.runner.max_context)
-            if done:
-                r.events.put(TokenEvent([], seq.finish_reason))
-                self._retire(r)
+            try:
+                r.first_token(seq, self.clock())
+            except InvalidTransition as e:
+                raise ReservationError(str(e)) from None
+            if seq.append(first_token, self.runner.cfg.eos_token_ids, self.runner.max_context):
+                r.finish()
+                self._end(r, TokenEvent([], seq.finish_reason))
                 return r
-            self._ready.append(request_id)
+            if r.state is State.QUEUED:
+                self._queued.append(r)
         self._wake.set()
         return r
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, no_writer: bool = False) -> bool:
+        """Cancel a live request (the loop ends it). `no_writer`: the caller never asked a prefill
+        worker to write its KV, so its blocks need no fence."""
         with self._lock:
-            r = self._reservations.get(request_id)
-            if r is None:
+            if request_id not in self._requests:
                 return False
-            r.cancelled = True
+            self._cancel[request_id] = self._cancel.get(request_id, False) or no_writer
         self._wake.set()
         return True
 
@@ -142,72 +145,102 @@ class DecodeScheduler:
         with self._lock:
             return {
                 "running": len(self._running),
-                "queued": len(self._ready),
-                "reserved": len(self._reservations),
+                "queued": len(self._queued),
+                "reserved": len(self._requests),
                 "blocks_total": self.cache.num_total_blocks,
                 "blocks_free": self.cache.num_free_blocks,
                 "blocks_used": self.cache.allocators["full"].num_used,
+                "blocks_fenced": self.cache.num_fenced_blocks,
             }
 
+    def state_of(self, request_id: str) -> State | None:
+        with self._lock:
+            r = self._requests.get(request_id)
+            return r.state if r is not None else None
+
     # -- loop thread ------------------------------------------------------------------------------
-    def _retire(self, r: Reservation) -> None:
-        """Give back a request's blocks (lock held). Blocks a remote prefill may still be writing
-        (KV not yet arrived) wait out a quarantine before they can be reused."""
-        self._reservations.pop(r.request_id, None)
-        if r.request_id in self._ready:
-            self._ready.remove(r.request_id)
-        self._notifications.discard(r.request_id)
-        if r.kv_arrived or self.kv_quarantine_s <= 0:
+    def _end(self, r: DecodeRequest, event: TokenEvent) -> None:
+        """After a terminal transition (lock held): last event, forget, give the blocks back, under
+        a fence while a KV write into them may still land."""
+        self._requests.pop(r.request_id, None)
+        self._cancel.pop(r.request_id, None)
+        self._arrivals.forget(r.request_id)
+        if r in self._queued:
+            self._queued.remove(r)
+        if r in self._running:
+            self._running.remove(r)
+        r.events.put(event)
+        if r.writes_settled():
             self.cache.release(r.blocks)
         else:
-            self._quarantine.append((self.clock() + self.kv_quarantine_s, r.blocks))
+            self.cache.release(r.blocks, fence=r)
+            self._fenced.setdefault(r.request_id, []).append(r)
 
-    def _poll_notifications(self) -> None:
-        if self.notification_source is None:
+    def _fail(self, r: DecodeRequest, error: str) -> None:
+        r.fail(error)
+        log.warning("request %s: %s", r.request_id, error)
+        self._end(r, TokenEvent([], FinishReason.ERROR, error))
+
+    def _on_notification(self, rank: int, raw: bytes, now: float) -> None:
+        n = parse_notification(raw)
+        r = self._requests.get(n.request_id)
+        fenced = self._fenced.get(n.request_id, [])
+        if r is None and not fenced:
+            self.dropped_notifications += 1
             return
-        for n in self.notification_source():
-            self._notifications.add(n.decode() if isinstance(n, bytes) else n)
+        if n.kind == PUSH:
+            for x in ([r] if r else []) + fenced:
+                x.push_begun(n.writer, now)
+        elif n.kind in (OK, FAILED):
+            for x in fenced:
+                x.push_over(n.writer, ok=n.kind == OK)
+            if r is not None and r.push_over(n.writer, ok=n.kind == OK):
+                log.warning("request %s: %s", r.request_id, r.error)
+                self._end(r, TokenEvent([], FinishReason.ERROR, r.error))
+        elif r is not None and self._arrivals.add(rank, n.request_id, n.heads):
+            r.kv_arrived(now)
+            if r.state is State.QUEUED:
+                self._queued.append(r)
 
     def _housekeeping(self) -> None:
+        notes = list(self.notification_source()) if self.notification_source is not None else []
         now = self.clock()
-        self._poll_notifications()
         with self._lock:
-            for rid in list(self._notifications):
-                r = self._reservations.get(rid)
-                if r is not None:
-                    r.kv_arrived = True
-            keep = []
-            for until, blocks in self._quarantine:
-                if until <= now:
-                    self.cache.release(blocks)
-                else:
-                    keep.append((until, blocks))
-            self._quarantine = keep
-            for r in list(self._reservations.values()):
-                if r in self._running:
-                    if r.cancelled:
-                        self._running.remove(r)
-                        r.events.put(TokenEvent([], FinishReason.CANCELLED))
-                        self._retire(r)
-                    continue
-                if r.cancelled:
-                    r.events.put(TokenEvent([], FinishReason.CANCELLED))
-                    self._retire(r)
-                elif now > r.expires_at and not (r.seq is not None and r.kv_arrived):
-                    # a started request whose KV is here waits for a batch slot as long as it takes
-                    what = "KV transfer did not arrive" if r.seq else "reservation expired before decode started"
-                    r.events.put(TokenEvent([], FinishReason.ERROR, what))
-                    log.warning("request %s: %s", r.request_id, what)
-                    self._retire(r)
-            while self._ready and len(self._running) < self.max_batch_size:
-                ready = [rid for rid in self._ready if self._reservations[rid].kv_arrived]
-                if not ready:
-                    break
-                rid = ready[0]
-                self._ready.remove(rid)
-                r = self._reservations[rid]
+            for rank, raw in notes:
+                self._on_notification(rank, raw, now)
+            self._arrivals.expire()
+            for rid, no_writer in list(self._cancel.items()):
+                r = self._requests[rid]
+                r.no_writer = r.no_writer or no_writer
+                r.cancel()
+                self._end(r, TokenEvent([], FinishReason.CANCELLED))
+            for r in list(self._requests.values()):
+                why = r.overdue(now, self.transfer_timeout_s)
+                if why:
+                    self._fail(r, why)
+            self._lift_fences(now)
+            while self._queued and len(self._running) < self.max_batch_size:
+                r = self._queued.popleft()
                 self.cache.adopt_transferred(r.blocks, r.num_prompt_tokens)
+                r.admit()
                 self._running.append(r)
+
+    def _lift_fences(self, now: float) -> None:
+        for rid, ended in list(self._fenced.items()):
+            keep = []
+            for r in ended:
+                if r.writes_settled():
+                    self.cache.lift_fence(r)
+                elif now > r.fence_deadline(self.transfer_timeout_s):
+                    log.warning("request %s: no word that its KV writes ended; releasing its "
+                                "blocks after the longest a push can run", rid)
+                    self.cache.lift_fence(r)
+                else:
+                    keep.append(r)
+            if keep:
+                self._fenced[rid] = keep
+            else:
+                del self._fenced[rid]
 
     def run_once(self) -> bool:
         """One loop iteration: housekeeping, then one decode step if anything runs (True)."""
@@ -222,17 +255,15 @@ class DecodeScheduler:
         while not self._stop.is_set():
             try:
                 if not self.run_once():
-                    self._wake.wait(self.idle_wait_s if self._reservations else 0.05)
+                    self._wake.wait(self.idle_wait_s if self._requests or self._fenced else 0.05)
                     self._wake.clear()
             except Exception as e:  # one bad step must not kill the worker: fail the batch
                 log.exception("decode step failed")
                 with self._lock:
                     for r in list(self._running):
-                        self._running.remove(r)
-                        r.events.put(TokenEvent([], FinishReason.ERROR, f"decode step failed: {e}"))
-                        self._retire(r)
+                        self._fail(r, f"decode step failed: {e}")
 
-    def _step(self, batch: list[Reservation]) -> None:
+    def _step(self, batch: list[DecodeRequest]) -> None:
         seqs = [r.seq for r in batch]
         logits = self.runner.decode(seqs)
         cfg = self.runner.cfg
@@ -241,11 +272,12 @@ class DecodeScheduler:
         with self._lock:
             for r, seq, tok, lp in zip(batch, seqs, out.tokens, out.logprobs):
                 done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context, lp)
-                r.events.put(TokenEvent([tok], seq.finish_reason if done else None,
-                                        logprobs=[lp] if lp is not None else []))
+                lps = [lp] if lp is not None else []
                 if done:
-                    self._running.remove(r)
-                    self._retire(r)
+                    r.finish()
+                    self._end(r, TokenEvent([tok], seq.finish_reason, logprobs=lps))
+                else:
+                    r.events.put(TokenEvent([tok], logprobs=lps))
 
 
-__all__ = ["DecodeScheduler", "KVCacheFull", "Reservation", "ReservationError", "TokenEvent"]
+__all__ = ["DecodeRequest", "DecodeScheduler", "KVCacheFull", "ReservationError", "State", "TokenEvent"]

@@ -34,7 +34,7 @@ FINISH = {
 class DecodeService(pb_grpc.DecodeWorkerServicer):
     def __init__(self, scheduler: DecodeScheduler, agent, *, worker_id: str,
                  rank_agents: list[tuple[str, bytes]] | None = None,
-                 default_ttl_s: float = 60.0, kv_wait_s: float = 30.0):
+                 default_ttl_s: float = 60.0):
         """rank_agents: (agent name, peer-info blob) of every rank of the worker, by rank (default:
         this process's `agent` alone, a one-rank worker)."""
         self.scheduler = scheduler
@@ -42,7 +42,6 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.worker_id = worker_id
         self.rank_agents = list(rank_agents) if rank_agents else [(agent.name, agent.peer_info())]
         self.default_ttl_s = default_ttl_s
-        self.kv_wait_s = kv_wait_s
         self.draining = False
         self.kv_selftest_bytes_per_second = 0.0  # set at start (--kv-selftest-mib)
 
@@ -72,7 +71,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             params = SamplingParams(**sampling_kwargs(request.sampling))
             params.check_vocab(self.scheduler.runner.cfg.vocab_size)
             r = self.scheduler.start(request.request_id, request.first_token_id, list(request.prompt_token_ids),
-                                     params, kv_wait_s=self.kv_wait_s, num_generated=request.num_generated)
+                                     params, num_generated=request.num_generated)
         except ReservationError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (ValueError, SamplingError) as e:
@@ -106,7 +105,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             yield chunk
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        return pb.CancelResponse(found=self.scheduler.cancel(request.request_id))
+        return pb.CancelResponse(found=self.scheduler.cancel(request.request_id, no_writer=request.no_kv_writer))
 
     def Load(self, request, context) -> pb.LoadReport:
         s = self.scheduler.load()
@@ -117,6 +116,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             kv_blocks_free=s["blocks_free"], max_batch_size=self.scheduler.max_batch_size,
             page_size=cache.page_size, max_context=self.scheduler.runner.max_context, draining=self.draining,
             kv_selftest_bytes_per_second=self.kv_selftest_bytes_per_second,
+            kv_blocks_fenced=s["blocks_fenced"],
         )
 
     def KVMetadata(self, request, context) -> pb.KVMetadataResponse:

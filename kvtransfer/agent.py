@@ -123,6 +123,7 @@ class TransferHandle:
         self._staging_offset = staging_offset  # packed source bytes NIXL reads from
         self._error: KVTransferError | None = None
         self._finished = xfer is None
+        self._unreleased = False  # finished, but NIXL has not let go of the request yet
         self.peer = peer
         self.op = op
         self.nbytes = nbytes
@@ -163,6 +164,13 @@ class TransferHandle:
             time.sleep(delay)
             delay = min(2 * delay, 2e-3)
 
+    @property
+    def settled(self) -> bool:
+        """Finished and released by NIXL: none of its bytes can move any more."""
+        with self._agent._lock:
+            self._agent._retry_stuck()
+            return self._finished and not self._unreleased
+
     def abort(self, reason: str = "aborted") -> None:
         """Cancel the transfer if still in flight (no-op once finished)."""
         with self._agent._lock:
@@ -175,7 +183,7 @@ class TransferHandle:
         # lock held
         self._finished = True
         self._error = error
-        self._agent._release_xfer(self._xfer, self._staging_offset)
+        self._agent._release_xfer(self._xfer, self._staging_offset, self)
         self._xfer = self._staging_offset = None
         self._agent._inflight.discard(self)
 
@@ -221,8 +229,8 @@ class KVTransferAgent:
         self._peers: dict[str, _Peer] = {}
         self._notifs: list[bytes] = []
         self._inflight: set[TransferHandle] = set()
-        # (xfer, staging offset) NIXL could not cancel yet; retried later, staging kept busy.
-        self._stuck: list[tuple[object, int | None]] = []
+        # (xfer, staging offset, handle) NIXL could not cancel yet; retried later, staging kept busy.
+        self._stuck: list[tuple[object, int | None, TransferHandle | None]] = []
         self._reg: list = []
         self._closed = False
         if staging_bytes < 0:
@@ -537,9 +545,10 @@ class KVTransferAgent:
         if offset is not None:
             self._staging.free(offset)
 
-    def _release_xfer(self, xfer, staging: int | None) -> None:
+    def _release_xfer(self, xfer, staging: int | None, handle: TransferHandle | None = None) -> None:
         """Release (cancelling if active) a NIXL request, then its staging region. If NIXL
-        refuses, keep both for a retry: the request may still read the staging bytes."""
+        refuses, keep both for a retry: the request may still read the staging bytes (and write
+        the peer's pages: the handle is not `settled` until then)."""
         self._retry_stuck()
         if xfer is not None:
             try:
@@ -547,17 +556,21 @@ class KVTransferAgent:
             except Exception as e:
                 log.warning("KV agent %s: NIXL could not release a transfer yet (%s); "
                             "retrying later", self.name, e)
-                self._stuck.append((xfer, staging))
+                self._stuck.append((xfer, staging, handle))
+                if handle is not None:
+                    handle._unreleased = True
                 return
         self._free_staging(staging)
 
     def _retry_stuck(self) -> None:
         still = []
-        for xfer, staging in self._stuck:
+        for xfer, staging, handle in self._stuck:
             try:
                 xfer.release()
             except Exception:
-                still.append((xfer, staging))
+                still.append((xfer, staging, handle))
             else:
                 self._free_staging(staging)
+                if handle is not None:
+                    handle._unreleased = False
         self._stuck = still

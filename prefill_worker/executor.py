@@ -10,6 +10,14 @@ and executed by every rank of the prefill worker (`push_kv`): each rank writes t
 holds into each decode rank whose heads overlap them, so any prefill TP feeds any decode TP. Each
 write's notification names the request and the heads it carried (kvtransfer.notify): a decode
 rank has the request's KV once the heads it holds are all covered.
+
+Around the push the leader tells the decode worker's rank 0 that it begins ("push") and that
+every write has ended ("ok" / "failed", kvtransfer.notify): the decode worker times the transfer
+from its start and reuses a cancelled request's blocks only once the writes into them ended. A
+cancelled request never pushes afterwards: Cancel drops a queued prompt, aborts a push under way
+(waiting until NIXL let go of every write), and remembers the id so a Prefill that arrives after
+its Cancel is refused; each of these reports "failed" to the decode worker. No push begins after
+the request's deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -25,8 +33,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
 from pdserve.engine.sequence import Sequence
-from pdserve.kvtransfer import heads_overlap
-from pdserve.kvtransfer.notify import kv_notification
+from pdserve.kvtransfer import KVTransferError, heads_overlap
+from pdserve.kvtransfer.notify import FAILED, OK, PUSH, kv_notification, push_notification
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,9 @@ class PrefillJob:
     sample_index: int = 0  # the prompt's last tokens that the request sampled before (migrated)
     future: Future = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic; no push begins after it
     cancelled: bool = False
+    abort: threading.Event = field(default_factory=threading.Event)  # stops a push under way
 
 
 @dataclass
@@ -81,10 +91,15 @@ class KVPush:
     targets: list[tuple[bytes, dict[str, list[tuple[int, int]]]]]
 
 
-def push_kv(agent, push: KVPush, timeout_s: float) -> int:
+class KVWritesUnsettled(KVTransferError):
+    """A push was aborted but NIXL has not let go of every write yet: bytes may still land."""
+
+
+def push_kv(agent, push: KVPush, timeout_s: float, abort: threading.Event | None = None) -> int:
     """This rank's share of a push: write the KV heads it holds into every decode rank that holds
-    some of them, wait until all landed; bytes written. Raises KVTransferError (in-flight writes
-    are aborted first)."""
+    some of them, wait until all landed; bytes written. Raises KVTransferError on failure, timeout
+    or `abort`, after aborting the writes in flight and waiting (up to `timeout_s`) until NIXL
+    let go of them; KVWritesUnsettled if it did not."""
     mine = agent.head_range
     handles = []
     try:
@@ -95,11 +110,25 @@ def push_kv(agent, push: KVPush, timeout_s: float) -> int:
             if heads is None:
                 continue
             handles.append(agent.write_pages(peer, pairs, kv_notification(push.request_id, heads)))
+        deadline = time.monotonic() + timeout_s
+        pending, delay = list(handles), 20e-6
+        while pending:
+            if abort is not None and abort.is_set():
+                raise KVTransferError(f"KV push of {push.request_id} aborted: the request was cancelled")
+            pending = [h for h in pending if not h.done()]
+            if pending and time.monotonic() > deadline:
+                raise KVTransferError(f"KV push of {push.request_id} timed out after {timeout_s:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+    except BaseException as e:
         for h in handles:
-            h.wait(timeout_s)
-    except BaseException:
-        for h in handles:
-            h.abort("aborted: another write of the request failed")
+            h.abort("aborted: the push failed or was cancelled")
+        end = time.monotonic() + timeout_s
+        while not all(h.settled for h in handles):
+            if time.monotonic() > end:
+                raise KVWritesUnsettled(f"{e}; NIXL still holds some of its writes: their bytes "
+                                        "may still land") from e
+            time.sleep(1e-3)
         raise
     return sum(h.nbytes for h in handles)
 
@@ -118,9 +147,12 @@ class PrefillExecutor:
         self.max_queued_tokens = max_queued_tokens
         self.transfer_timeout_s = transfer_timeout_s
         # runs a KVPush on every rank of the worker; a multi-rank worker's leader replaces it
-        self.push = lambda p: push_kv(self.agent, p, self.transfer_timeout_s)
+        self.push = lambda p: push_kv(self.agent, p, self.transfer_timeout_s,
+                                      self._running.abort if self._running else None)
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
+        self._running: PrefillJob | None = None
+        self._cancelled_ids: OrderedDict[str, None] = OrderedDict()  # Cancel came before Prefill
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._stop = False
@@ -141,6 +173,11 @@ class PrefillExecutor:
         self.runner.validate_prompt(job.prompt_ids)  # InvalidRequest -> INVALID_ARGUMENT
         job.params.check_vocab(self.runner.cfg.vocab_size)  # SamplingError -> INVALID_ARGUMENT
         with self._cv:
+            late = self._cancelled_ids.pop(job.request_id, 0) is None
+        if late:  # its Cancel overtook it: never push, and say so
+            self._notify_decode(job, FAILED)
+            raise InterruptedError(f"request {job.request_id} was cancelled before it arrived")
+        with self._cv:
             if self._stop:
                 raise QueueFull("prefill worker is shutting down")
             queued = sum(len(j.prompt_ids) for j in self._queue)
@@ -154,17 +191,25 @@ class PrefillExecutor:
         return job.future
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a queued prompt; a running one finishes its step but its result is discarded."""
+        """Drop a queued prompt; a running one finishes its forward but pushes nothing (a push
+        under way is aborted). An unknown id is remembered: its Prefill is refused if it comes."""
         with self._cv:
             job = self._jobs.get(request_id)
             if job is None:
+                self._cancelled_ids[request_id] = None
+                while len(self._cancelled_ids) > 4 * self.max_queue + 1024:
+                    self._cancelled_ids.popitem(last=False)
                 return False
             job.cancelled = True
-            if job in self._queue:
+            job.abort.set()
+            dropped = job in self._queue
+            if dropped:
                 self._queue.remove(job)
                 self._jobs.pop(request_id, None)
                 job.future.cancel()
-            return True
+        if dropped:
+            self._notify_decode(job, FAILED)
+        return True
 
     def load(self) -> dict:
         with self._lock:
@@ -181,6 +226,7 @@ class PrefillExecutor:
                     return
                 job = self._queue.popleft()
                 self._busy = True
+                self._running = job
             try:
                 result = self._run(job)
                 if not job.future.cancelled():
@@ -191,6 +237,7 @@ class PrefillExecutor:
             finally:
                 with self._cv:
                     self._busy = False
+                    self._running = None
                     self._jobs.pop(job.request_id, None)
 
     def _run(self, job: PrefillJob) -> PrefillResult:
@@ -215,8 +262,11 @@ class PrefillExecutor:
             out = sample(last.expand(len(choices), -1), choices, [before] * len(choices),
                          stop_ids=self.runner.cfg.eos_token_ids)
             computed = time.monotonic()
-            if job.cancelled:
-                raise InterruptedError(f"request {job.request_id} was cancelled")
+            if job.cancelled or job.deadline is not None and computed > job.deadline:
+                self._notify_decode(job, FAILED)  # no push for this request, ever
+                if job.cancelled:
+                    raise InterruptedError(f"request {job.request_id} was cancelled")
+                raise TimeoutError(f"request {job.request_id} passed its deadline before its KV push")
             nbytes = self._push_kv(job, seq.blocks, n)
             done = time.monotonic()
         finally:
@@ -230,7 +280,28 @@ class PrefillExecutor:
                              choice_logprobs=out.logprobs if len(choices) > 1 else [])
 
     def _push_kv(self, job: PrefillJob, blocks, n: int) -> int:
-        return self.push(self.plan_push(job, blocks, n))
+        plan = self.plan_push(job, blocks, n)
+        self._notify_decode(job, PUSH)
+        try:
+            nbytes = self.push(plan)
+        except BaseException as e:
+            if KVWritesUnsettled.__name__ not in str(e) and not isinstance(e, KVWritesUnsettled):
+                self._notify_decode(job, FAILED)  # else the decode worker waits out its fence
+            raise
+        self._notify_decode(job, OK)
+        return nbytes
+
+    def _notify_decode(self, job: PrefillJob, kind: str) -> None:
+        """Tell the decode worker's rank 0 (whose bookkeeping it is) that this worker's push of the
+        request begins or ended; best effort: without it the decode side waits out its fence."""
+        p = next((p for p in job.placements if p.tp_rank == 0), None)
+        if p is None:
+            return
+        try:
+            peer = self.agent.add_peer(bytes(p.kv_agent_metadata))
+            self.agent.send_notification(peer, push_notification(job.request_id, kind, self.agent.name))
+        except KVTransferError as e:
+            log.warning("request %s: cannot tell decode rank 0 %r: %s", job.request_id, kind, e)
 
     def plan_push(self, job: PrefillJob, blocks, n: int) -> KVPush:
         """Map the prompt's pages onto every decode rank's reserved blocks (PlacementError when

@@ -6,6 +6,7 @@ A caller that goes away (router cancelled, deadline passed) cancels its queued p
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import CancelledError
 
 import grpc
@@ -42,9 +43,14 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             job = PrefillJob(request.request_id, list(request.prompt_token_ids),
                              SamplingParams(**sampling_kwargs(request.sampling)), list(request.placements),
                              sample_index=request.num_generated)
+            remaining = context.time_remaining()
+            if remaining is not None:
+                job.deadline = time.monotonic() + remaining
             future = self.executor.submit(job)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except InterruptedError as e:
+            context.abort(grpc.StatusCode.CANCELLED, str(e))
         except (InvalidRequest, SamplingError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         context.add_callback(lambda: self.executor.cancel(request.request_id))

@@ -187,11 +187,13 @@ class Orchestrator:
         return Generation(self, request_id, list(prompt_token_ids), sampling,
                           loop.time() if arrival is None else arrival)
 
-    def send_cancel(self, worker: Worker, request_id: str) -> None:
-        """Best-effort Cancel on `worker`, in the background (callers may be unwinding)."""
+    def send_cancel(self, worker: Worker, request_id: str, *, no_kv_writer: bool = False) -> None:
+        """Best-effort Cancel on `worker`, in the background (callers may be unwinding).
+        `no_kv_writer`: no prefill worker was given this reservation (its blocks need no fence)."""
         async def cancel() -> None:
             try:
-                await worker.stub.Cancel(pdserve_pb2.CancelRequest(request_id=request_id),
+                await worker.stub.Cancel(pdserve_pb2.CancelRequest(request_id=request_id,
+                                                                   no_kv_writer=no_kv_writer),
                                          timeout=self.config.cancel_timeout)
             except grpc.aio.AioRpcError as error:
                 log.debug("Cancel %s on %s failed: %s", request_id, worker.name, _rpc_reason(error))
@@ -488,7 +490,7 @@ class Generation:
                 # gone, dying or too slow: it may hold a reservation we never heard of
                 registry.report_failure(worker, f"reserve {_rpc_reason(error)}",
                                         fatal=code in WORKER_DIED)
-                self._orch.send_cancel(worker, self.request_id)
+                self._orch.send_cancel(worker, self.request_id, no_kv_writer=True)
                 self._metrics.retries.labels("reserve", code.name).inc()
                 continue
             worker.pending_kv.confirm(placed)
@@ -646,9 +648,11 @@ class Generation:
         self._released = True
         if self._call is not None and not self._call.done():
             self._call.cancel()
-        for worker in (self.decode_worker, self.prefill_worker):
-            if worker is not None:
-                self._orch.send_cancel(worker, self.request_id)
+        if self.decode_worker is not None:
+            self._orch.send_cancel(self.decode_worker, self.request_id,
+                                   no_kv_writer=self.prefill_worker is None)
+        if self.prefill_worker is not None:
+            self._orch.send_cancel(self.prefill_worker, self.request_id)
         self._give_back_blocks()
 
     def _unhold(self) -> None:

@@ -42,7 +42,7 @@ def runner(tiny_mxfp4):
 
 def test_padded_static_step_matches_the_eager_decode(runner):
     graphs = DecodeGraphs(runner.model, runner.cache, 8, max_context=runner.max_context, capture=False)
-    assert all(graphs.pad_block[g] not in runner.cache.allocators[g]._free for g in runner.cache.pools)
+    assert all(not runner.cache.allocators[g].is_free(graphs.pad_block[g]) for g in runner.cache.pools)
     g = torch.Generator().manual_seed(3)
     engine = LLMEngine(runner, max_batch_size=8)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)

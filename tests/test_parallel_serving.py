@@ -129,35 +129,6 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(201088) for _ in range(n)]
 
 
-def test_kv_arrives_when_every_head_of_every_rank_has():
-    """A decode worker's ranks hold heads [0, 2) and [2, 4); the KV of a request has arrived once
-    the notifications of the writes cover both, whatever the prefill worker's TP."""
-    from pdserve.decode_worker.parallel import KVArrivals
-    from pdserve.kvtransfer.notify import kv_notification, parse_kv_notification
-
-    a = KVArrivals([(0, 2), (2, 4)])
-    # prefill TP4 -> decode TP2: two writes per decode rank
-    assert a.feed(0, [kv_notification("r1", (0, 1))]) == []
-    assert a.feed(1, [kv_notification("r1", (2, 3)), kv_notification("r1", (3, 4))]) == []
-    assert a.feed(0, [kv_notification("r1", (1, 2))]) == ["r1"]
-    # prefill TP1 -> decode TP2: one write per decode rank; a duplicate (retried prefill) is harmless
-    assert a.feed(1, [kv_notification("r2", (2, 4))]) == []
-    assert a.feed(0, [kv_notification("r2", (0, 2)), kv_notification("r2", (0, 2))]) == ["r2"]
-    # one rank's heads twice do not stand in for the other rank's
-    assert a.feed(0, [kv_notification("r3", (0, 2)), kv_notification("r3", (0, 2))]) == []
-    # prefill TP2 -> decode TP1 (one rank, all four heads): both halves needed
-    b = KVArrivals([(0, 4)])
-    assert b.feed(0, [kv_notification("r4", (2, 4))]) == []
-    assert b.feed(0, [kv_notification("r4", (0, 2))]) == ["r4"]
-    assert b.feed(0, [b"legacy"]) == ["legacy"]  # a bare request id covers the rank's heads
-    assert parse_kv_notification(kv_notification("id#with#hashes", (1, 3))) == ("id#with#hashes", (1, 3))
-    stale = KVArrivals([(0, 2), (2, 4)], ttl_s=0.0)  # partial arrivals of abandoned requests are dropped
-    stale.feed(0, [kv_notification("gone", (0, 2))])
-    time.sleep(0.01)
-    stale.feed(0, [])
-    assert stale.feed(1, [kv_notification("gone", (2, 4))]) == []
-
-
 @pytest.mark.slow
 def test_reserve_places_kv_on_every_decode_rank(cluster):
     from pdserve.proto import pdserve_pb2 as pb
