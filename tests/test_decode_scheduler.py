@@ -477,13 +477,15 @@ class FakePrefillRunner:
     def validate_prompt(self, ids):
         pass
 
-    def prefill(self, seq):
-        n = len(seq.prompt_ids)
-        self.cache.prepare(seq.blocks, 0, n)
-        self.cache.finish_prefill(seq.blocks, n)
-        logits = torch.zeros(16)
-        logits[NEXT_TOKEN] = 1.0
-        return logits
+    def prefill(self, seq, all_logits=False, *, finish=True):
+        start, n = seq.num_cached, len(seq.prompt_ids)
+        self.cache.prepare(seq.blocks, start, n - start)
+        seq.num_cached = n
+        if finish:
+            self.cache.finish_prefill(seq.blocks, n)
+        logits = torch.zeros(n - start, 16)
+        logits[:, NEXT_TOKEN] = 1.0
+        return logits if all_logits else logits[-1]
 
 
 @pytest.fixture
