@@ -190,12 +190,15 @@ class PrefillExecutor:
             self._cv.notify()
         return job.future
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, *, remember: bool = True) -> bool:
         """Drop a queued prompt; a running one finishes its forward but pushes nothing (a push
-        under way is aborted). An unknown id is remembered: its Prefill is refused if it comes."""
+        under way is aborted). With `remember` (a Cancel from the router, which may overtake its
+        Prefill) an unknown id is remembered: its Prefill is refused if it comes."""
         with self._cv:
             job = self._jobs.get(request_id)
             if job is None:
+                if not remember:
+                    return False
                 self._cancelled_ids[request_id] = None
                 while len(self._cancelled_ids) > 4 * self.max_queue + 1024:
                     self._cancelled_ids.popitem(last=False)

@@ -53,7 +53,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.CANCELLED, str(e))
         except (InvalidRequest, SamplingError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.executor.cancel(request.request_id))
+        # the RPC ended (answered, or its caller gone): drop the job if it is still there
+        context.add_callback(lambda: self.executor.cancel(request.request_id, remember=False))
         timeout = context.time_remaining()
         try:
             r = future.result(timeout=timeout)

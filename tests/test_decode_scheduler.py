@@ -573,6 +573,11 @@ def test_push_over_nixl_notes_and_a_prefill_that_comes_after_its_cancel(nixl_pai
     h.s.cancel("ok")
     h.s.run_once()
     assert h.blocks() == (24, 0, 0)  # every write ended: no fence
+    assert not h.executor.cancel("ok", remember=False)  # its RPC ended: that is no Cancel
+    job, fut = _submit(h, "ok", n)  # so a retry of the request (the router's, after a failed
+    fut.result(timeout=60)          # decode worker) is served
+    h.s.cancel("ok")
+    _pump(h, lambda: h.blocks() == (24, 0, 0), "the retried request did not end")
     # the router's Cancel reaches the prefill worker before its Prefill
     assert not h.executor.cancel("late")
     with pytest.raises(InterruptedError):
