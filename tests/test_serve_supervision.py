@@ -93,13 +93,13 @@ async def _stream(h: httpx.AsyncClient, url: str, seed: int) -> str:
             return f"status {r.status_code}"
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
-                break
+                return "error" if any('"error"' in e for e in events) else "done"
             if line.startswith("data: "):
                 events.append(line)
-    return "error" if any('"error"' in e for e in events) else ("done" if events else "empty")
+    return "cut"
 
 
-def test_killed_decode_worker_streams_fail_cleanly_and_it_serves_again(serve):
+def test_killed_decode_worker_streams_end_cleanly_and_it_serves_again(serve):
     old = serve.worker_pid("decode")
 
     killed_at = []
@@ -113,7 +113,9 @@ def test_killed_decode_worker_streams_fail_cleanly_and_it_serves_again(serve):
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(under_load())
-    assert "error" in results and set(results) <= {"error", "done"}, results
+    # each stream ends cleanly: an error event, or finished after the router moved it on (to the
+    # restarted worker, --max-migrations); never cut off or hanging
+    assert set(results) <= {"error", "done"}, results
 
     serves_again(serve, "decode", old, killed_at[0])
 
