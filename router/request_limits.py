@@ -88,6 +88,10 @@ def parse_json(body: bytes) -> Any:
 
 def check_strings(body: Any, max_text_chars: int) -> None:
     """One walk over the decoded body: nesting depth, lone surrogates, text size, long runs."""
+    if not isinstance(body, (dict, list)):
+        if isinstance(body, str):
+            _check_text(body, "")
+        return  # parse_body refuses a body that is not an object
     total = 0
     stack: list[tuple[Any, int, str]] = [(body, 1, "")]
     while stack:
@@ -109,8 +113,6 @@ def check_strings(body: Any, max_text_chars: int) -> None:
                 _check_text(item, path)
             else:
                 stack.append((item, depth + 1, path))
-    if isinstance(body, str):
-        _check_text(body, "")
 
 
 def _check_text(text: str, where: str) -> None:
