@@ -17,7 +17,8 @@ Processes: rank 0 (the "leader") runs the server and all scheduling; it starts r
 child processes (`RankProcesses`) and, each engine step, broadcasts a small picklable command over
 a gloo "metadata" group; all ranks then run the same forward, whose collectives go over the
 default group (NCCL on GPUs, gloo on CPU). A rank that dies, or a collective that fails, takes the
-whole worker down: every rank is terminated and the leader exits non-zero.
+whole worker down: every rank is terminated and the leader exits non-zero. A one-rank worker is a
+group of one (`start_group`): no process, no collective, the same calls.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ Draining: health says NOT_SERVING, the service refuses new work (`service.draini
 accepted finishes (`service.in_flight()` reaches 0) for up to `--drain-timeout` seconds, then the
 server stops. Set the orchestrator's grace period (Kubernetes' terminationGracePeriodSeconds)
 above it. A second signal ends the drain at once. Both workers take `--drain-timeout` (default
-120 s) and `--ready-file` for it (defined in their own flags: building the CLI parser must not
-import gRPC).
+120 s) and `--ready-file` for it.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
     import grpc
 
 log = logging.getLogger(__name__)
-
 
 
 class DrainableService(Protocol):
