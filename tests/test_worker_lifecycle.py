@@ -142,3 +142,56 @@ def test_sigterm_drains_a_real_decode_worker(tiny_mxfp4, tmp_path):
                 reason = msg.finish_reason or reason
         assert (len(tokens), reason) == (300, pb.FINISH_REASON_LENGTH)
         assert decode.wait(timeout=30) == 0
+
+
+def test_fatal_refuses_everything_and_skips_the_drain(tmp_path):
+    """A rank died: whichever role, the service refuses work and health says NOT_SERVING at once,
+    accepted work is not waited for, and the other ranks are stopped before the process exits."""
+    for role in ("decode", "prefill"):
+        life = WorkerLifecycle(role, [f"pdserve.v1.{role.title()}Worker"], drain_timeout_s=60)
+        service, seen = FakeService(in_flight=5), {}
+        ready = tmp_path / f"{role}.ready"
+
+        class Exited(Exception):
+            pass
+
+        def stop_ranks():  # the last step before os._exit(1)
+            seen["draining"] = service.draining
+            raise Exited
+
+        def kill_a_rank():
+            while not ready.is_file():
+                time.sleep(0.01)
+            address = json.loads(ready.read_text())["address"]
+            with grpc.insecure_channel(address) as ch:  # a watcher, as a readiness probe
+                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=10)
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+                life.fatal("rank 1 (pid 42) exited with code -9")
+                seen["health"] = next(watch).status
+
+        t = threading.Thread(target=kill_a_rank, daemon=True)
+        t.start()
+        with pytest.raises(Exited):
+            life.serve(make_server(4), service, host="127.0.0.1", port=0, ready_file=str(ready),
+                       worker_id="w0", start=lambda: None, teardown=lambda: None, on_fatal_exit=stop_ranks)
+        t.join(5)
+        assert seen == {"draining": True, "health": health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert life.failed.startswith("rank 1")
+
+
+def test_a_group_of_one_runs_commands_locally_and_survives_their_failure():
+    from pdserve.engine.parallel import start_group
+
+    leader = start_group(1, 1, "cpu", follower=None, args_for=None)
+    assert leader.procs is None and leader.group.shard.world_size == 1
+    assert leader.call("step", 3, lambda x: x * 2, want_reply=True) == [6]
+
+    def broken(_):
+        raise RuntimeError("one bad request")
+
+    with pytest.raises(RuntimeError):
+        leader.call("step", 0, broken, want_reply=False)
+    assert leader.failed is None  # alone, a failed command is that command's failure
+    assert leader.call("step", 1, lambda x: x, want_reply=False) == 1
+    leader.shutdown()
