@@ -5,7 +5,8 @@
 The id is the client's `X-Request-Id` when it sent a short printable one, else a fresh one; the
 response carries it back in `X-Request-Id`. The status is the one `RequestAccounting` counts
 (499 when the client left before the end, the error status of a stream that failed after its
-200 line), so the log and `pdserve_requests_total` agree.
+200 line), so the log and `pdserve_requests_total` agree. Successful health and metrics probes
+are logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pdserve.router.accounting import outcome_of
 log = logging.getLogger("pdserve.access")
 
 HEADER = b"x-request-id"
+_PROBES = frozenset({"/health", "/metrics"})  # logged at DEBUG unless they fail
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 
 
@@ -58,6 +60,8 @@ class AccessLog:
             status = outcome_of(scope).status or started or 500
             client = scope.get("client")
             peer = f"{client[0]}:{client[1]}" if client else "-"
-            log.info('%s "%s %s HTTP/%s" %d %.1fms id=%s', peer, scope.get("method"),
-                     scope.get("path"), scope.get("http_version", "1.1"), status,
-                     (time.monotonic() - begin) * 1000, request_id)
+            path = scope.get("path")
+            quiet = path in _PROBES and status < 400  # probes every few seconds: not news
+            log.log(logging.DEBUG if quiet else logging.INFO, '%s "%s %s HTTP/%s" %d %.1fms id=%s',
+                    peer, scope.get("method"), path, scope.get("http_version", "1.1"), status,
+                    (time.monotonic() - begin) * 1000, request_id)

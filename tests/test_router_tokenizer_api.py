@@ -7,7 +7,7 @@ import string
 import httpx
 import pytest
 
-from router_harness import Cluster, codec, harmony_ids
+from router_harness import Cluster, codec, harmony_ids, wait_for
 from test_router_errors import assert_error
 
 MODEL = "gpt-oss-test"
@@ -85,7 +85,7 @@ def test_tokenizer_info(cluster):
 
 
 def test_access_log_line_per_request_with_the_request_id(cluster, caplog):
-    caplog.set_level(logging.INFO, logger="pdserve.access")
+    caplog.set_level(logging.DEBUG, logger="pdserve.access")
     mine = f"req-{random.randrange(10 ** 9)}"
     r = post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": "hi"}]}, headers={"X-Request-Id": mine})
@@ -95,7 +95,12 @@ def test_access_log_line_per_request_with_the_request_id(cluster, caplog):
     assert len(generated) == 32 and generated != mine
     bad_id = httpx.get(cluster.base_url + "/health", headers={"X-Request-Id": "a b\tc"})
     assert bad_id.headers["x-request-id"] != "a b\tc"
-    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
-    chat = [line for line in lines if f"id={mine}" in line]
-    assert len(chat) == 1 and '"POST /v1/chat/completions HTTP/1.1" 200 ' in chat[0]
-    assert any('"GET /v1/nowhere HTTP/1.1" 404 ' in line and generated in line for line in lines)
+    def lines(level=logging.DEBUG):  # the line is written just after the response is sent
+        return [r.getMessage() for r in caplog.records
+                if r.name == "pdserve.access" and r.levelno == level]
+
+    assert wait_for(lambda: any('"GET /health ' in line for line in lines(logging.DEBUG)))
+    assert wait_for(lambda: any('"GET /v1/nowhere HTTP/1.1" 404 ' in line and generated in line
+                                for line in lines(logging.INFO)))
+    assert wait_for(lambda: [line for line in lines(logging.INFO) if f"id={mine}" in line
+                             and '"POST /v1/chat/completions HTTP/1.1" 200 ' in line])
