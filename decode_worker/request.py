@@ -60,6 +60,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when asked for
+    choice: int = 0  # n > 1: the choice these tokens continue; a finish reason ends only that one
 
 
 @dataclass(eq=False)
@@ -72,7 +73,11 @@ class DecodeRequest:
     reserved_at: float
     ttl_s: float  # Decode must follow Reserve within this (unless a KV write is under way)
     state: State = State.AWAITING_KV
-    seq: Sequence | None = None  # set by first_token
+    seq: Sequence | None = None  # set by first_token (choice 0)
+    # n > 1: the blocks of choices 1.. (their own pages until `fork` shares the prompt's), and
+    # every choice's sequence (choices[0] is seq) once started
+    choice_blocks: list[SeqBlocks] = field(default_factory=list)
+    choices: list[Sequence] = field(default_factory=list)
     started_at: float | None = None
     events: "queue.Queue[TokenEvent]" = field(default_factory=queue.Queue)
     error: str = ""
@@ -117,6 +122,11 @@ class DecodeRequest:
         self.started_at = now
         if self.state is State.KV_READY:
             self.state = State.QUEUED
+
+    @property
+    def live_choices(self) -> list[tuple[int, Sequence]]:
+        """(index, sequence) of the choices still generating."""
+        return [(i, c) for i, c in enumerate(self.choices) if c.finish_reason is None]
 
     def admit(self) -> None:
         """Into the decode batch."""

@@ -76,6 +76,7 @@ class DecodeScheduler:
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self.notification_source: Notifications | None = None
         self.steps = 0
+        self._block_copies: dict[str, list[tuple[int, int]]] = {}  # forks admitted, run with the next step
         self.dropped_notifications = 0  # for requests this worker does not know (any more)
 
     # -- API (any thread) -------------------------------------------------------------------------
@@ -87,9 +88,14 @@ class DecodeScheduler:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, ttl_s: float) -> DecodeRequest:
-        if num_prompt_tokens < 1 or max_new_tokens < 1:
-            raise ValueError("num_prompt_tokens and max_new_tokens must be positive")
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, ttl_s: float,
+                n: int = 1) -> DecodeRequest:
+        """Blocks for the prompt and max_new_tokens, and for n > 1 choices the pages each adds
+        (they will share the prompt's complete pages)."""
+        if num_prompt_tokens < 1 or max_new_tokens < 1 or n < 1:
+            raise ValueError("num_prompt_tokens, max_new_tokens and n must be positive")
+        if n > self.max_batch_size:
+            raise ValueError(f"n={n} choices exceed the decode batch of {self.max_batch_size}")
         max_tokens = min(num_prompt_tokens + max_new_tokens, self.runner.max_context)
         if num_prompt_tokens >= self.runner.max_context:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit the context of {self.runner.max_context}")
@@ -97,34 +103,54 @@ class DecodeScheduler:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id} already holds a reservation")
             blocks = self.cache.reserve(max_tokens)  # KVCacheFull -> backpressure
-            r = DecodeRequest(request_id, blocks, num_prompt_tokens, self.clock(), ttl_s)
+            forks: list = []
+            try:
+                for _ in range(n - 1):
+                    forks.append(self.cache.reserve_choice(num_prompt_tokens, max_tokens))
+            except KVCacheFull:
+                for b in [blocks, *forks]:
+                    self.cache.release(b)
+                raise
+            r = DecodeRequest(request_id, blocks, num_prompt_tokens, self.clock(), ttl_s, choice_blocks=forks)
             self._requests[request_id] = r
         return r
 
-    def start(self, request_id: str, first_token: int, prompt_ids: list[int], params: SamplingParams,
-              num_generated: int = 0) -> DecodeRequest:
-        """Hand over the first token; the request joins the batch once its KV has arrived.
-        num_generated: the last prompt ids are the request's own earlier samples (a migrated
-        stream): they count as its output (max_new_tokens, penalties, the sampling index)."""
+    def start(self, request_id: str, first_token: int | list[int], prompt_ids: list[int],
+              params: SamplingParams, num_generated: int = 0) -> DecodeRequest:
+        """Hand over the first token (n > 1: every choice's, from the one prefill); the request
+        joins the batch once its KV has arrived. num_generated: the last prompt ids are the
+        request's own earlier samples (a migrated stream): they count as its output
+        (max_new_tokens, penalties, the sampling index)."""
         if not 0 <= num_generated < len(prompt_ids):
             raise ValueError(f"num_generated {num_generated} is not within the {len(prompt_ids)}-token prompt")
+        firsts = [first_token] if isinstance(first_token, int) else list(first_token)
         with self._lock:
             r = self._requests.get(request_id)
             if r is None or request_id in self._cancel:
                 raise ReservationError(f"request {request_id} has no live reservation")
             if len(prompt_ids) != r.num_prompt_tokens:
                 raise ValueError(f"reservation was for {r.num_prompt_tokens} prompt tokens, got {len(prompt_ids)}")
+            n = 1 + len(r.choice_blocks)
+            if params.n != n or len(firsts) != n:
+                raise ValueError(f"reservation was for {n} choice(s); got n={params.n} with {len(firsts)} first tokens")
             cut = len(prompt_ids) - num_generated
-            seq = Sequence(request_id, list(prompt_ids[:cut]), params, output_ids=list(prompt_ids[cut:]),
-                           blocks=r.blocks)
-            seq.num_cached = len(prompt_ids)
+            choices = [Sequence(request_id, list(prompt_ids[:cut]), params if n == 1 else params.for_choice(i),
+                                output_ids=list(prompt_ids[cut:]), blocks=b, num_cached=len(prompt_ids))
+                       for i, b in enumerate([r.blocks, *r.choice_blocks])]
             try:
-                r.first_token(seq, self.clock())
+                r.first_token(choices[0], self.clock())
             except InvalidTransition as e:
                 raise ReservationError(str(e)) from None
-            if seq.append(first_token, self.runner.cfg.eos_token_ids, self.runner.max_context):
+            r.choices = choices
+            last = None
+            for i, (seq, token) in enumerate(zip(choices, firsts)):
+                if seq.append(token, self.runner.cfg.eos_token_ids, self.runner.max_context):
+                    last = TokenEvent([], seq.finish_reason, choice=i)
+                    if r.live_choices:
+                        r.events.put(last)
+            if not r.live_choices:
                 r.finish()
-                self._end(r, TokenEvent([], seq.finish_reason))
+                self._end(r, last)
                 return r
             if r.state is State.QUEUED:
                 self._queued.append(r)
@@ -170,6 +196,8 @@ class DecodeScheduler:
         if r in self._running:
             self._running.remove(r)
         r.events.put(event)
+        for blocks in r.choice_blocks:  # never written remotely; shared pages only lose a holder
+            self.cache.release(blocks)
         if r.writes_settled():
             self.cache.release(r.blocks)
         else:
@@ -219,11 +247,16 @@ class DecodeScheduler:
                 if why:
                     self._fail(r, why)
             self._lift_fences(now)
-            while self._queued and len(self._running) < self.max_batch_size:
+            rows = sum(len(r.live_choices) for r in self._running)
+            while self._queued and rows + len(self._queued[0].live_choices) <= self.max_batch_size:
                 r = self._queued.popleft()
                 self.cache.adopt_transferred(r.blocks, r.num_prompt_tokens)
+                for i, blocks in enumerate(r.choice_blocks, start=1):  # n > 1: share the prompt
+                    for pool, pairs in self.cache.fork(r.blocks, blocks, r.num_prompt_tokens).items():
+                        self._block_copies.setdefault(pool, []).extend(pairs)
                 r.admit()
                 self._running.append(r)
+                rows += len(r.live_choices)
 
     def _lift_fences(self, now: float) -> None:
         for rid, ended in list(self._fenced.items()):
@@ -264,20 +297,24 @@ class DecodeScheduler:
                         self._fail(r, f"decode step failed: {e}")
 
     def _step(self, batch: list[DecodeRequest]) -> None:
-        seqs = [r.seq for r in batch]
-        logits = self.runner.decode(seqs)
+        """One token for every live choice of every running request (n > 1: one row each)."""
+        rows = [(r, i, seq) for r in batch for i, seq in r.live_choices]
+        seqs = [seq for _, _, seq in rows]
+        copies, self._block_copies = self._block_copies, {}
+        logits = self.runner.decode(seqs, block_copies=copies)
         cfg = self.runner.cfg
         out = sample(logits, [s.params for s in seqs], [s.output_ids for s in seqs], stop_ids=cfg.eos_token_ids)
         self.steps += 1
         with self._lock:
-            for r, seq, tok, lp in zip(batch, seqs, out.tokens, out.logprobs):
+            for (r, i, seq), tok, lp in zip(rows, out.tokens, out.logprobs):
                 done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context, lp)
-                lps = [lp] if lp is not None else []
-                if done:
+                event = TokenEvent([tok], seq.finish_reason if done else None,
+                                   logprobs=[lp] if lp is not None else [], choice=i)
+                if done and not r.live_choices:
                     r.finish()
-                    self._end(r, TokenEvent([tok], seq.finish_reason, logprobs=lps))
+                    self._end(r, event)
                 else:
-                    r.events.put(TokenEvent([tok], logprobs=lps))
+                    r.events.put(event)
 
 
 __all__ = ["DecodeRequest", "DecodeScheduler", "KVCacheFull", "ReservationError", "State", "TokenEvent"]

@@ -51,7 +51,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         ttl = request.ttl_seconds if request.ttl_seconds > 0 else self.default_ttl_s
         try:
-            r = self.scheduler.reserve(request.request_id, request.num_prompt_tokens, request.max_new_tokens, ttl)
+            r = self.scheduler.reserve(request.request_id, request.num_prompt_tokens, request.max_new_tokens, ttl,
+                                       n=max(1, request.n))
         except KVCacheFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
@@ -70,8 +71,9 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         try:
             params = SamplingParams(**sampling_kwargs(request.sampling))
             params.check_vocab(self.scheduler.runner.cfg.vocab_size)
-            r = self.scheduler.start(request.request_id, request.first_token_id, list(request.prompt_token_ids),
-                                     params, num_generated=request.num_generated)
+            firsts = list(request.first_token_ids) or [request.first_token_id]
+            r = self.scheduler.start(request.request_id, firsts, list(request.prompt_token_ids), params,
+                                     num_generated=request.num_generated)
         except ReservationError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (ValueError, SamplingError) as e:
@@ -79,29 +81,38 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id
         context.add_callback(lambda: self.scheduler.cancel(rid))  # caller gone -> free blocks
+        unfinished = params.n  # the stream ends after the last choice's finish (or an error)
+        carry = None  # an event of another choice, read while coalescing
         while True:
             try:
-                ev = r.events.get(timeout=0.5)
+                ev, carry = (carry, None) if carry is not None else (r.events.get(timeout=0.5), None)
             except queue.Empty:
                 if not context.is_active():
                     self.scheduler.cancel(rid)
                     return
                 continue
             tokens, logprobs = list(ev.tokens), list(ev.logprobs)
-            while ev.finish_reason is None:  # coalesce what is already there
+            while ev.finish_reason is None:  # coalesce what is already there (of the same choice)
                 try:
                     nxt = r.events.get_nowait()
                 except queue.Empty:
                     break
+                if nxt.choice != ev.choice:
+                    carry = nxt
+                    break
                 tokens.extend(nxt.tokens)
                 logprobs.extend(nxt.logprobs)
                 ev = nxt
-            chunk = pb.TokenChunk(token_ids=tokens, logprobs=[logprob_message(lp) for lp in logprobs])
+            chunk = pb.TokenChunk(token_ids=tokens, logprobs=[logprob_message(lp) for lp in logprobs],
+                                  choice=ev.choice)
             if ev.finish_reason is not None:
                 chunk.finish_reason = FINISH[ev.finish_reason]
                 chunk.error = ev.error
+                unfinished -= 1
                 yield chunk
-                return
+                if not unfinished or ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                    return
+                continue
             yield chunk
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:

@@ -9,6 +9,11 @@ A request's blocks live in two pools (full-attention and sliding-window layers).
 A local prefill of a prompt longer than the window briefly needs sliding blocks for the whole
 prompt; they are taken from the pool and returned right after (`finish_prefill`).
 
+Sharing: the choices of an n > 1 request read the prompt's complete pages from the same blocks
+(`fork`); a block with several holders counts them, and `free` returns it to the pool only when the
+last holder lets go. A choice owns a copy of the prompt's last, partial page and its own sliding
+pages (they are rewritten as the window slides).
+
 Reuse: a block freed while a remote writer (a prefill worker's NIXL write) may still land in it is
 freed under a *fence* (any hashable key, e.g. the request id): it stays out of the free list until
 `lift_fence(key)`, which the owner calls once every transfer into it has ended.
@@ -61,6 +66,7 @@ class BlockAllocator:
         self._ends: list[int] = [num_blocks] if num_blocks else []
         self._num_free = num_blocks
         self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # holders of blocks held more than once (absent: one)
         self._fenced: dict[Hashable, list[int]] = {}
 
     @property
@@ -112,12 +118,37 @@ class BlockAllocator:
         self._used.update(out)
         return out
 
+    @property
+    def num_shared(self) -> int:
+        """Blocks held by more than one holder."""
+        return len(self._refs)
+
+    def share(self, blocks) -> None:
+        """One more holder for each of `blocks` (in use); each holder frees them once."""
+        blocks = list(blocks)
+        for b in blocks:
+            if b not in self._used:
+                raise RuntimeError(f"KV block {b} is not in use: it cannot be shared")
+        for b in blocks:
+            self._refs[b] = self._refs.get(b, 1) + 1
+
     def free(self, blocks, fence: Hashable | None = None) -> None:
-        """Give blocks back; under `fence` they are not reusable until `lift_fence(fence)`."""
+        """Give blocks back (a shared block: one holder's hold); under `fence` they are not
+        reusable until `lift_fence(fence)`."""
         blocks = list(blocks)
         for b in blocks:
             if b not in self._used:
                 raise RuntimeError(f"KV block {b} freed twice or never allocated")
+        last = []
+        for b in blocks:
+            holders = self._refs.get(b, 1)
+            if holders > 2:
+                self._refs[b] = holders - 1
+            elif holders == 2:
+                del self._refs[b]
+            else:
+                last.append(b)
+        blocks = last
         self._used.difference_update(blocks)
         if fence is not None:
             self._fenced.setdefault(fence, []).extend(blocks)
@@ -239,6 +270,43 @@ class KVBlockManager:
             seq.sliding_spare = self.allocators["sliding"].allocate(sliding)
             seq.sliding_quota = self.sliding_quota(max_tokens)
         return seq
+
+    def reserve_choice(self, num_prompt_tokens: int, max_tokens: int) -> SeqBlocks:
+        """The blocks one more choice of a request needs besides the prompt's complete pages,
+        which it will share (`fork`): its pages from the prompt's last one to `max_tokens`, and its
+        own sliding quota. KVCacheFull taking none."""
+        full = cdiv(max_tokens, self.page_size) - num_prompt_tokens // self.page_size
+        sliding = self.sliding_quota(max_tokens)
+        free_sliding = self.allocators["sliding"].num_free if self.has_sliding else sliding
+        if self.allocators["full"].num_free < full or free_sliding < sliding:
+            raise KVCacheFull(f"another choice needs {full} full + {sliding} sliding KV blocks; free: "
+                              + ", ".join(f"{g} {a.num_free}" for g, a in self.allocators.items()))
+        seq = SeqBlocks(full=self.allocators["full"].allocate(full), max_tokens=max_tokens)
+        if self.has_sliding:
+            seq.sliding_spare = self.allocators["sliding"].allocate(sliding)
+            seq.sliding_quota = sliding
+        return seq
+
+    def fork(self, parent: SeqBlocks, child: SeqBlocks, num_tokens: int) -> dict[str, list[tuple[int, int]]]:
+        """Make `child` (from `reserve_choice`) continue `parent` after its first `num_tokens`
+        positions: it shares the complete pages and gets copies of the partial last page and of
+        the sliding pages in the parent's table. Returns the block copies, pool -> [(source,
+        destination)], that must run on the KV before either writes (ModelRunner.decode)."""
+        shared = num_tokens // self.page_size
+        own = child.full
+        child.full = parent.full[:shared] + own
+        self.allocators["full"].share(parent.full[:shared])
+        copies: dict[str, list[tuple[int, int]]] = {"full": []}
+        if num_tokens % self.page_size:
+            copies["full"].append((parent.full[shared], own[0]))
+        if self.has_sliding:
+            n = len(parent.sliding)
+            if n > len(child.sliding_spare):
+                raise KVCacheFull(f"a forked choice needs {n} sliding blocks, it holds {len(child.sliding_spare)}")
+            child.sliding, child.sliding_spare = child.sliding_spare[:n], child.sliding_spare[n:]
+            child.sliding_first_page = parent.sliding_first_page
+            copies["sliding"] = list(zip(parent.sliding, child.sliding))
+        return copies
 
     def release(self, seq: SeqBlocks, fence: Hashable | None = None) -> None:
         """Give back every block of `seq`; under `fence`, see `lift_fence`."""

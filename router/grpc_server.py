@@ -19,6 +19,7 @@ from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import InvalidRequestError, ModelNotFoundError, RouterError
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_schema import MAX_CHOICES
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.registry import WorkerRegistry
 
@@ -99,8 +100,8 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
             raise InvalidRequestError("sampling.top_p must be in [0, 1]", param="sampling.top_p")
         if sampling.top_k < 0:
             raise InvalidRequestError("sampling.top_k must be >= 0", param="sampling.top_k")
-        if not 0 <= sampling.n <= 1:  # decode workers run one sequence per request for now
-            raise InvalidRequestError("sampling.n > 1 is not supported yet", param="sampling.n")
+        if not 0 <= sampling.n <= MAX_CHOICES:
+            raise InvalidRequestError(f"sampling.n must be in [0, {MAX_CHOICES}] (0 = 1)", param="sampling.n")
         return sampling
 
 

@@ -283,7 +283,7 @@ class OpenAIFrontend:
             max_new_tokens=max_new_tokens, stop_token_ids=sorted(set(stops) | set(body.stop_token_ids or [])),
             ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=body.token_bias,
-            min_tokens=body.min_tokens)
+            min_tokens=body.min_tokens, n=body.n)
         if body.seed is not None:
             sampling.seed = body.seed
         if logprobs is not None:

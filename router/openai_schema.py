@@ -156,6 +156,7 @@ class StreamOptions(BaseModel):
 
 _MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 64
 
 
 class SamplingControls(_Body):
@@ -205,14 +206,7 @@ class _Sampling(SamplingControls):
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices decoded from one prefill
 
     @field_validator("stop")
     @classmethod

@@ -30,9 +30,11 @@ class FakeRunner:
         self.cache = PagedKVCache(cfg, num_blocks=num_blocks, page_size=page_size)
         self.max_context = max_context
         self.steps: list[list[str]] = []
+        self.copies: list[dict] = []  # block copies each step was given (forked choices)
 
-    def decode(self, seqs):
+    def decode(self, seqs, block_copies=None):
         self.steps.append([s.request_id for s in seqs])
+        self.copies.append(block_copies or {})
         for s in seqs:
             self.cache.prepare(s.blocks, s.num_cached, 1)
             s.num_cached += 1

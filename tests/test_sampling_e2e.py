@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import httpx
 import pytest
 import torch
 
@@ -153,3 +154,43 @@ def test_min_tokens_holds_back_the_end_of_turn(client):
                                   logit_bias={str(RETURN): 100}, extra_body={"stop_token_ids": [RETURN],
                                                                              "ignore_eos": True})
     assert r.usage.completion_tokens == 1
+
+
+def _prefills(cluster) -> float:
+    """Prompts the prefill workers ran, as the router counts them."""
+    text = httpx.get(cluster.url + "/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("pdserve_prefill_compute_seconds_count"))
+
+
+def test_n_choices_run_one_prefill_and_follow_their_seeds(client, cluster, tiny_runner, codec):
+    """n=4: one prefill (router metric), 4 choices; choice i is the stream a single process samples
+    with seed + i; the choices' shared KV blocks all come back."""
+    prompt = _text_ids(21)
+    seed = random.getrandbits(63)
+    before = _prefills(cluster)
+    r = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=5, temperature=0.9, seed=seed,
+                                  logprobs=0, extra_body={"ignore_eos": True})
+    assert _prefills(cluster) == before + 1
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    outputs = set()
+    for c in r.choices:
+        p = SamplingParams(temperature=0.9, seed=(seed + c.index) % 2**64, max_new_tokens=5, ignore_eos=True)
+        expected = LLMEngine(tiny_runner).generate([prompt], p)[0].output_ids
+        assert c.logprobs.tokens == [codec.decode([t]) for t in expected]
+        assert c.finish_reason == "length"
+        outputs.add(tuple(expected))
+    assert len(outputs) > 1
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == 21
+    before = _prefills(cluster)
+    finishes, usage = {}, None
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3,
+                                                max_tokens=6, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert finishes == {0: "length", 1: "length", 2: "length"} and usage.completion_tokens == 18
+    assert _prefills(cluster) == before + 1
+    wait_kv_drained(cluster)

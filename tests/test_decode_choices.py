@@ -1,0 +1,107 @@
+"""n > 1 on a decode worker: the choices share the prompt's complete KV pages (refcounted blocks),
+each gets its own copy of the partial last page and of its sliding pages, and all blocks come back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from numerics import rel_l2
+from pdserve.engine.block_manager import BlockAllocator
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sequence import FinishReason, Sequence
+from test_decode_scheduler import NEXT_TOKEN, Harness, drain
+
+
+def test_shared_blocks_return_to_the_pool_with_their_last_holder():
+    a = BlockAllocator(8)
+    x = a.allocate(3)
+    a.share(x[:2])
+    a.share(x[:1])
+    a.free(x)  # the first holder: only x[2] was its alone
+    assert (a.num_free, a.num_used, a.num_shared) == (6, 2, 1)
+    a.free(x[:2])
+    assert (a.num_free, a.num_used, a.num_shared) == (7, 1, 0)
+    a.free(x[:1], fence="r")
+    assert a.num_free == 7 and a.lift_fence("r") == 1 and a.num_free == 8
+    with pytest.raises(RuntimeError):
+        a.free(x[:1])
+    with pytest.raises(RuntimeError):
+        a.share([5])
+
+
+def test_choices_run_as_rows_and_give_every_block_back(tiny_cfg):
+    h = Harness(tiny_cfg, max_batch_size=8)
+    n, prompt, max_new = 3, random.randint(5, 30), 6
+    free_before = h.blocks()[0]
+    r = h.s.reserve("multi", prompt, max_new, ttl_s=60, n=n)
+    assert len(r.choice_blocks) == n - 1
+    h.kv("multi")
+    params = SamplingParams(max_new_tokens=max_new, temperature=0, n=n, seed=random.getrandbits(63))
+    h.s.start("multi", [NEXT_TOKEN] * n, [1] * prompt, params)
+    assert [c.params.seed for c in r.choices] == [(params.seed + i) % 2**64 for i in range(n)]
+    shared = prompt // h.runner.cache.page_size
+    h.s.run_once()
+    assert h.runner.steps[-1] == ["multi"] * n  # one row per choice
+    copies = h.runner.copies[-1]
+    assert len(copies["full"]) == (n - 1) * (prompt % h.runner.cache.page_size > 0)
+    assert h.runner.cache.allocators["full"].num_shared == shared
+    for c in r.choices[1:]:
+        assert c.blocks.full[:shared] == r.blocks.full[:shared]
+        assert not set(c.blocks.full[shared:]) & set(r.blocks.full)
+    while h.s.run_once():
+        pass
+    events = drain(r)
+    for i in range(n):
+        mine = [e for e in events if e.choice == i]
+        assert sum(len(e.tokens) for e in mine) == max_new - 1  # the first came from the prefill
+        assert [e.finish_reason for e in mine][-1] == FinishReason.LENGTH
+    assert h.blocks()[0] == free_before and h.runner.cache.allocators["full"].num_shared == 0
+    assert h.runner.cache.num_used_blocks == 0
+
+
+def test_a_refused_reservation_takes_nothing_and_a_wrong_start_is_refused(tiny_cfg):
+    h = Harness(tiny_cfg, max_batch_size=8, num_blocks=12)
+    from pdserve.engine.block_manager import KVCacheFull
+
+    with pytest.raises(KVCacheFull):
+        h.s.reserve("big", 20, 20, ttl_s=60, n=4)
+    assert h.runner.cache.num_used_blocks == 0
+    h.s.reserve("two", 5, 3, ttl_s=60, n=2)
+    with pytest.raises(ValueError, match="choice"):
+        h.s.start("two", [NEXT_TOKEN], [1] * 5, SamplingParams(max_new_tokens=3, n=2))
+    with pytest.raises(ValueError):
+        h.s.reserve("many", 5, 3, ttl_s=60, n=9)  # more choices than batch rows
+
+
+def test_a_forked_choice_decodes_as_a_fresh_prefill_of_its_sequence(tiny_runner):
+    """Real KV: prefill once, fork a choice (shared pages, copied partial and sliding pages), feed
+    the two different tokens; each one's logits equal a full recomputation of its sequence, at
+    that step and the next."""
+    cache = tiny_runner.cache
+    prompt = [random.randrange(1000, 100000) for _ in range(random.randint(33, 60))]
+    max_tokens = len(prompt) + 8
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    parent = Sequence("p", list(prompt), params)
+    parent.blocks = cache.reserve(max_tokens, local_prompt_tokens=len(prompt))
+    child_blocks = cache.reserve_choice(len(prompt), max_tokens)
+    try:
+        tiny_runner.prefill(parent)
+        child = Sequence("c", list(prompt), params, blocks=child_blocks, num_cached=len(prompt))
+        copies = cache.fork(parent.blocks, child.blocks, len(prompt))
+        first = [random.randrange(1000, 100000) for _ in range(2)]
+        parent.output_ids, child.output_ids = [first[0]], [first[1]]
+        logits = tiny_runner.decode([parent, child], block_copies=copies)
+        for seq, row in zip((parent, child), logits):
+            full = tiny_runner.prompt_logits(seq.prompt_ids + seq.output_ids)[-1]
+            assert rel_l2(row, full) <= 1e-2
+        nxt = random.randrange(1000, 100000)
+        parent.output_ids.append(nxt), child.output_ids.append(nxt)
+        logits = tiny_runner.decode([parent, child])
+        full = tiny_runner.prompt_logits(child.prompt_ids + child.output_ids)[-1]
+        assert rel_l2(logits[1], full) <= 1e-2
+    finally:
+        cache.release(child_blocks)
+        cache.release(parent.blocks)
+    assert cache.num_used_blocks == 0 and cache.allocators["full"].num_shared == 0
