@@ -194,3 +194,43 @@ def test_n_choices_run_one_prefill_and_follow_their_seeds(client, cluster, tiny_
     assert finishes == {0: "length", 1: "length", 2: "length"} and usage.completion_tokens == 18
     assert _prefills(cluster) == before + 1
     wait_kv_drained(cluster)
+
+
+def test_streamed_completion_logprobs_and_echo_equal_the_whole_response(client):
+    prompt = _text_ids(12)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=7, temperature=0.7, seed=random.getrandbits(63), logprobs=2,
+              echo=True, n=2, extra_body={"ignore_eos": True})
+    whole = {c.index: c for c in client.completions.create(**kw).choices}
+    tokens, logprobs, texts = {0: [], 1: []}, {0: [], 1: []}, {0: "", 1: ""}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.logprobs:
+                tokens[c.index] += c.logprobs.tokens
+                logprobs[c.index] += c.logprobs.token_logprobs
+    for i in (0, 1):
+        assert texts[i] == whole[i].text
+        assert tokens[i] == whole[i].logprobs.tokens and len(tokens[i]) == 12 + 7
+        assert logprobs[i][0] is None and whole[i].logprobs.token_logprobs[0] is None
+        assert logprobs[i][1:] == pytest.approx(whole[i].logprobs.token_logprobs[1:], abs=1e-5)
+
+
+def test_grpc_generate_streams_each_choice_with_its_logprobs(cluster):
+    import grpc
+
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(temperature=0.8, max_new_tokens=4, ignore_eos=True, n=3, logprobs=1,
+                                 seed=random.getrandbits(63))
+    got: dict[int, list] = {0: [], 1: [], 2: []}
+    finished = set()
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.spec.grpc_port}") as ch:
+        for msg in pb_grpc.GeneratorStub(ch).Generate(
+                pb.GenerateRequest(prompt_token_ids=_text_ids(9), sampling=sampling), timeout=120):
+            assert len(msg.logprobs) == len(msg.token_ids)
+            got[msg.choice] += [(t, lp.token_id) for t, lp in zip(msg.token_ids, msg.logprobs)]
+            if msg.finish_reason:
+                finished.add(msg.choice)
+    assert finished == {0, 1, 2}
+    assert all(len(v) == 4 and all(t == lp for t, lp in v) for v in got.values())
