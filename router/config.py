@@ -28,6 +28,7 @@ class RouterConfig:
     # /v1/responses kept for previous_response_id (store: true only), in memory
     responses_store_size: int = 1024     # most responses kept (the oldest go first)
     responses_store_ttl: float = 3600.0  # seconds one is kept
+    responses_store_max_chars: int = 64 << 20  # characters all kept responses hold together
     # worker health
     probe_interval: float = 1.0          # how often each worker's Load + health are polled
     probe_timeout: float = 1.0           # deadline of one probe RPC
@@ -65,7 +66,7 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("default_max_tokens", "max_request_bytes", "max_text_chars",
-                     "responses_store_size",
+                     "responses_store_size", "responses_store_max_chars",
                      "breaker_failure_threshold", "max_prefill_attempts",
                      "max_decode_attempts",
                      "overload_retry_after", "unavailable_retry_after"):

@@ -74,6 +74,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="/v1/responses kept for previous_response_id (store: true), at most")
     g.add_argument("--responses-store-ttl", type=float, default=defaults.responses_store_ttl,
                    help="seconds a stored /v1/responses response is kept")
+    g.add_argument("--responses-store-max-chars", type=int,
+                   default=defaults.responses_store_max_chars,
+                   help="characters all stored /v1/responses responses may hold together")
     g.add_argument("--discovery", default="static", help="worker discovery: static | kubernetes | ray")
     g.add_argument("--prefill", action="append", default=None, metavar="ADDR,...",
                    help="static discovery: prefill worker host:port list (repeatable)")
@@ -100,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         max_text_chars=args.max_text_chars,
                         responses_store_size=args.responses_store_size,
                         responses_store_ttl=args.responses_store_ttl,
+                        responses_store_max_chars=args.responses_store_max_chars,
                         max_queued_requests=args.max_queued_requests,
                         max_queue_wait=args.max_queue_wait,
                         graceful_shutdown_timeout=args.graceful_shutdown_timeout,

@@ -257,45 +257,57 @@ def to_chat_messages(instructions: str | None, items: list[Any]) -> list[dict]:
 class StoredResponse:
     response: dict  # the response object as returned
     items: list[Any]  # the conversation's input items so far, then this response's output items
+    chars: int = 0  # the size the store counts: characters of the items and the response
     created: float = field(default=0.0)
 
 
 class ResponseStore:
-    """Responses kept for `previous_response_id` and GET: at most `max_entries`, each for at most
-    `ttl` seconds (the oldest goes first). In memory, per router process."""
+    """Responses kept for `previous_response_id` and GET, in memory, per router process: at most
+    `max_entries` holding at most `max_chars` characters in all, each for at most `ttl` seconds;
+    the oldest go first. (A conversation's turns share their items; each entry counts them all.)"""
 
-    def __init__(self, max_entries: int, ttl: float,
+    def __init__(self, max_entries: int, ttl: float, max_chars: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_entries, self.ttl, self._clock = max_entries, ttl, clock
+        self.max_entries, self.ttl, self.max_chars, self._clock = max_entries, ttl, max_chars, clock
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self._chars = 0
 
     def __len__(self) -> int:
         self._expire()
         return len(self._entries)
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Keep `stored`; False if it alone is over `max_chars` (then it is not kept)."""
         self._expire()
+        if stored.chars > self.max_chars:
+            return False
+        self.delete(response_id)
         stored.created = self._clock()
         self._entries[response_id] = stored
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._chars += stored.chars
+        while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+            self._drop_oldest()
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._expire()
         return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        self._expire()
-        return self._entries.pop(response_id, None) is not None
+        stored = self._entries.pop(response_id, None)
+        if stored is None:
+            return False
+        self._chars -= stored.chars
+        return True
+
+    def _drop_oldest(self) -> None:
+        _, stored = self._entries.popitem(last=False)
+        self._chars -= stored.chars
 
     def _expire(self) -> None:
         oldest = self._clock() - self.ttl
-        while self._entries:
-            first = next(iter(self._entries.values()))
-            if first.created > oldest:
-                return
-            self._entries.popitem(last=False)
+        while self._entries and next(iter(self._entries.values())).created <= oldest:
+            self._drop_oldest()
 
 
 # ---- output assembly --------------------------------------------------------------------------
@@ -590,8 +602,11 @@ class _Run:
         """The final response object, stored when the request asked for it."""
         obj = self.response(status)
         if self.body.store:
-            output = _ITEMS.validate_python(obj["output"])
-            self.api.store.put(self.id, StoredResponse(obj, self.items + output))
+            items = self.items + _ITEMS.validate_python(obj["output"])
+            chars = sum(len(item.model_dump_json()) for item in items) + len(json.dumps(obj))
+            if not self.api.store.put(self.id, StoredResponse(obj, items, chars)):
+                log.warning("response %s not stored: %d characters, over the store's %d",
+                            self.id, chars, self.api.store.max_chars)
         return obj
 
     def response(self, status: str, *, error: dict | None = None) -> dict:

@@ -49,8 +49,9 @@ class Router:
         self.orchestrator = Orchestrator(config, self.registry, policy, metrics)
         self.frontend = OpenAIFrontend(config, self.orchestrator, self.registry, codec, metrics)
         self.app = create_app(self.frontend)
-        self.responses = ResponsesAPI(self.frontend, ResponseStore(config.responses_store_size,
-                                                                   config.responses_store_ttl))
+        self.responses = ResponsesAPI(self.frontend, ResponseStore(
+            config.responses_store_size, config.responses_store_ttl,
+            config.responses_store_max_chars))
         self.responses.register(self.app)
         TokenizerAPI(self.frontend).register(self.app)
         self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None

@@ -202,18 +202,24 @@ def test_the_plain_text_format_is_accepted(fresh):
     assert r.status_code == 200, r.text
 
 
-def test_store_is_bounded_in_count_and_age():
+def test_store_is_bounded_in_count_size_and_age():
     now = [0.0]
-    store = ResponseStore(max_entries=3, ttl=60.0, clock=lambda: now[0])
+    store = ResponseStore(max_entries=3, ttl=60.0, max_chars=1000, clock=lambda: now[0])
     ids = [f"resp_{i}" for i in range(5)]
     for rid in ids:
-        store.put(rid, StoredResponse({"id": rid}, []))
+        assert store.put(rid, StoredResponse({"id": rid}, [], chars=100))
         now[0] += 1
     assert len(store) == 3 and store.get(ids[0]) is None and store.get(ids[4]) is not None
     now[0] += 57.5  # ids[2] was stored at t=2: 60.5 s ago, ids[3] 59.5 s ago
     assert store.get(ids[2]) is None and store.get(ids[3]) is not None
     now[0] += 2
     assert len(store) == 0
+    sizes = [random.randint(100, 600) for _ in range(6)]
+    for i, chars in enumerate(sizes):
+        store.put(f"big_{i}", StoredResponse({}, [], chars=chars))
+        kept = [j for j in range(i + 1) if store.get(f"big_{j}") is not None]
+        assert sum(sizes[j] for j in kept) <= 1000 and kept == list(range(kept[0], i + 1))
+    assert not store.put("huge", StoredResponse({}, [], chars=1001)) and store.get("huge") is None
 
 
 def test_a_worker_dying_mid_stream_fails_the_response():
