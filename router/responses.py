@@ -49,6 +49,7 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     **CHAT_NOT_HONOURED,
     "stop": absent_or([]),  # not part of this API; benchmark clients send null
     "max_tokens": absent_or(),  # this API's budget is max_output_tokens
+    "n": absent_or(1),  # one output per response
     "background": absent_or(False),
     "conversation": absent_or(),
     "prompt": absent_or(),
@@ -200,6 +201,11 @@ class ResponsesRequest(SamplingControls):
                                           "by this server (function tools only)",
                                           param=f"tools.{i}.type", code="unsupported_parameter")
         return refuse_not_honoured(data, NOT_HONOURED)
+
+    @property
+    def n(self) -> int:
+        """One output per response (this API has no `n`)."""
+        return 1
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> "ResponsesRequest":

@@ -186,6 +186,7 @@ def post(cluster, body):
     ({"stop": ["x"]}, "stop"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"max_tokens": 5}, "max_tokens"),
+    ({"n": 2}, "n"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"-1": 5}}, "logit_bias"),
 ])
