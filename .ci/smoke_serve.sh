@@ -10,12 +10,29 @@ work="$(mktemp -d)"
 cd "$work"                      # not the checkout: nothing may come from the working directory
 unset PYTHONPATH
 
-port() { "$(dirname "$pdserve")/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+py="$(dirname "$pdserve")/python"
+port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 http_port="$(port)"; grpc_port="$(port)"
 
-descendants() {  # every process below $1, grandchildren included
-    local kids; kids="$(ps -o pid= --ppid "$1" 2>/dev/null || true)"
-    for k in $kids; do echo "$k"; descendants "$k"; done
+descendants() {  # every live process below $1, grandchildren included (from /proc: no procps needed)
+    "$py" - "$1" <<'PY'
+import os, sys
+parent = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if stat[0] != "Z":
+        parent[int(pid)] = int(stat[1])
+todo, found = [int(sys.argv[1])], []
+while todo:
+    p = todo.pop()
+    kids = [c for c, pp in parent.items() if pp == p]
+    found += kids
+    todo += kids
+print(" ".join(map(str, found)))
+PY
 }
 fail() {
     echo "smoke_serve: FAIL: $*" >&2
@@ -33,14 +50,14 @@ for _ in $(seq 1 900); do         # start-up: at most 90 s (the first run also w
     sleep 0.1
 done
 grep -q "serving gpt-oss at http://127.0.0.1:$http_port/v1" "$work/serve.out" || fail "not serving after 90 s"
-tree="$(descendants "$serve_pid" | tr '\n' ' ')"
+tree="$(descendants "$serve_pid")"
 [ -n "$tree" ] || fail "pdserve serve started no processes"
 
 reply="$(curl -sS --max-time 60 "http://127.0.0.1:$http_port/v1/chat/completions" \
     -H 'content-type: application/json' \
     -d '{"model": "gpt-oss", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}')" \
     || fail "curl failed"
-echo "$reply" | "$(dirname "$pdserve")/python" -c '
+echo "$reply" | "$py" -c '
 import json, sys
 r = json.load(sys.stdin)
 assert r["object"] == "chat.completion", r
@@ -53,10 +70,11 @@ for _ in $(seq 1 300); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 0.1; 
 kill -0 "$serve_pid" 2>/dev/null && fail "pdserve serve still running 30 s after SIGTERM"
 wait "$serve_pid" || fail "pdserve serve exited with code $? after SIGTERM"
 left=""
-for p in $tree; do
-    state="$(ps -o stat= -p "$p" || true)"
-    if [ -n "$state" ] && [ "${state#Z}" = "$state" ]; then left="$left $p"; fi
+for p in $tree; do   # still there and not a zombie
+    if [ -r "/proc/$p/stat" ] && [ "$(cut -d')' -f2 "/proc/$p/stat" 2>/dev/null | cut -d' ' -f2)" != "Z" ]; then
+        left="$left $p"
+    fi
 done
-[ -z "$left" ] || { ps -o pid,ppid,args -p ${left// /,} >&2 || true; fail "processes left running:$left"; }
+[ -z "$left" ] || { for p in $left; do tr '\0' ' ' <"/proc/$p/cmdline" >&2; echo >&2; done; fail "processes left running:$left"; }
 rm -rf "$work"
 echo "smoke_serve: ok (started, answered a chat completion, stopped on SIGTERM, no process left)"
