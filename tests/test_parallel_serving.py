@@ -168,6 +168,33 @@ def test_every_prefill_decode_pairing_matches_single_process(cluster, tiny_runne
 
 
 @pytest.mark.slow
+def test_choices_forked_on_every_rank_decode_like_one(cluster, tiny_runner):
+    """n=3 greedy on the EP2 x TP2 decode worker: each choice's copies of the partial prompt page
+    and of the sliding pages are made on both ranks, so every choice is the greedy decode."""
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    prompt, n = _prompt(37, 7), 3
+    rid, sampling = f"choices-{uuid.uuid4().hex[:8]}", _sampling(n=n)
+    outs: dict[int, list[int]] = {}
+    with grpc.insecure_channel(cluster.addresses["decode-0"]) as dch, \
+            grpc.insecure_channel(cluster.addresses["prefill-1"]) as pch:
+        dec, pre = pb_grpc.DecodeWorkerStub(dch), pb_grpc.PrefillWorkerStub(pch)
+        res = dec.Reserve(pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(prompt), max_new_tokens=MAX_NEW,
+                                            ttl_seconds=60, n=n), timeout=30)
+        firsts = list(pre.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                    placements=res.placements), timeout=60).first_token_ids)
+        outs = {i: [t] for i, t in enumerate(firsts)}
+        for chunk in dec.Decode(pb.DecodeRequest(request_id=rid, first_token_id=firsts[0], first_token_ids=firsts,
+                                                 prompt_token_ids=prompt, sampling=sampling), timeout=60):
+            assert not chunk.error, chunk.error
+            outs[chunk.choice].extend(chunk.token_ids)
+    assert len(outs) == n and outs[0] == outs[1] == outs[2]
+    check_greedy(tiny_runner, [(prompt, outs[0])])
+    _wait_drained(cluster)
+
+
+@pytest.mark.slow
 def test_concurrent_generate_through_router(cluster, tiny_runner):
     """Requests batched together on the multi-rank decode worker, prompts from either prefill."""
     prompts = [_prompt(n, 100 + n) for n in (3, 9, 17, 24, 33, 40)]
