@@ -13,6 +13,8 @@ import logging
 import os
 import uuid
 
+from pdserve.proto.lifecycle import add_worker_process_args
+
 log = logging.getLogger("prefill_worker")
 SERVICES = ["pdserve.v1.PrefillWorker"]
 
@@ -34,15 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one prompt's KV may take to reach its decode worker")
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
-    p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
-    p.add_argument("--kv-selftest-mib", type=int, default=0,
-                   help="before serving, time a KV transfer of this many MiB through this worker's "
-                        "UCX transports (kvtransfer/selftest.py; 0 = skip); reported in load reports")
-    p.add_argument("--drain-timeout", type=float, default=120.0,
-                   help="after SIGTERM: seconds accepted requests get to finish before the worker exits "
-                        "(keep the orchestrator's grace period above it)")
-    p.add_argument("--ready-file", default=None,
-                   help="write {address, ...} here once serving (for launchers)")
+    add_worker_process_args(p)
 
 
 def run(a: argparse.Namespace) -> int:

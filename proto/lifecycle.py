@@ -7,8 +7,8 @@ drain, fatal exit.
 Draining: health says NOT_SERVING, the service refuses new work (`service.draining`), work already
 accepted finishes (`service.in_flight()` reaches 0) for up to `--drain-timeout` seconds, then the
 server stops. Set the orchestrator's grace period (Kubernetes' terminationGracePeriodSeconds)
-above it. A second signal ends the drain at once. Both workers take `--drain-timeout` (default
-120 s) and `--ready-file` for it.
+above it. A second signal ends the drain at once. `add_worker_process_args` gives both workers
+the flags of this life (`--drain-timeout`, `--ready-file`, ...); it imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,6 +25,19 @@ if TYPE_CHECKING:
     import grpc
 
 log = logging.getLogger(__name__)
+
+
+def add_worker_process_args(p) -> None:
+    """The flags every worker process takes, whatever its role."""
+    p.add_argument("--worker-id", default=None, help="name in logs and load reports (none: random)")
+    p.add_argument("--kv-selftest-mib", type=int, default=0,
+                   help="before serving, time a KV transfer of this many MiB through this worker's "
+                        "UCX transports (kvtransfer/selftest.py; 0 = skip); reported in load reports")
+    p.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="after SIGTERM: seconds accepted requests get to finish before the worker exits "
+                        "(keep the orchestrator's grace period above it)")
+    p.add_argument("--ready-file", default=None,
+                   help="write {address, ...} here once serving (for launchers)")
 
 
 class DrainableService(Protocol):
