@@ -236,3 +236,38 @@ def test_a_worker_dying_mid_stream_fails_the_response():
         assert wait_for(lambda: cluster.router.call(lambda: gauge._value.get()) == 0)
     finally:
         cluster.close()
+
+
+def test_random_item_sequences_render_every_turn_in_order():
+    """Input items -> chat messages -> Harmony prompt: user text, calls, their outputs and answers
+    all land in the prompt, in order (reasoning before the last answer is dropped, by design)."""
+    from pdserve.router.responses import _ITEMS, to_chat_messages
+
+    rng = random.Random()
+    for _ in range(30):
+        items, expected, calls = [], [], 0
+        for turn in range(rng.randint(1, 4)):
+            question = f"question {turn} {rng.randrange(10 ** 6)}"
+            items.append({"role": "user", "content": question})
+            expected.append(question)
+            if rng.random() < 0.5:
+                items.append({"type": "reasoning", "summary": [],
+                              "content": [{"type": "reasoning_text", "text": "thinking"}]})
+            for _ in range(rng.randint(0, 2)):
+                calls += 1
+                args, result = f'{{"n": {calls}}}', f"result {calls} {rng.randrange(10 ** 6)}"
+                items.append({"type": "function_call", "call_id": f"call_{calls}",
+                              "name": "get_weather", "arguments": args})
+                items.append({"type": "function_call_output", "call_id": f"call_{calls}",
+                              "output": result})
+                expected += [args, result]
+            answer = f"answer {turn} {rng.randrange(10 ** 6)}"
+            items.append({"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": answer}]})
+            expected.append(answer)
+        messages = to_chat_messages("be brief", _ITEMS.validate_python(items))
+        prompt = codec().decode(codec().render_chat(messages, tools=[
+            {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}]))
+        position = prompt.index("be brief")
+        for text in expected:
+            position = prompt.index(text, position) + len(text)
