@@ -1,8 +1,10 @@
 """The MXFP4 decode MoE (kernels/triton_moe_mxfp4.py) on a 20b-shaped layer: time per layer for
 1-64 tokens against its weight floor (the routed experts' MXFP4 bytes / copy bandwidth measured
-here), over a few launch configs.
+here), over launch configs and nibble decodes (v1 = the first version), and the engine's default
+FP8 grouped path on the same layer shape (floor / time against the MXFP4 floor; TB/s of its own
+FP8 bytes).
 
-    python bench/moe_mxfp4.py [--experts 32] [--tokens 1,2,4,8,16,32,64] [--out FILE.json]
+    python bench/moe_mxfp4.py [--experts 32] [--tokens 1,2,4,8,16,64] [--no-fp8] [--out FILE.json]
 
 Each timed call routes to experts no earlier call of the round touched (routing sets rotate over
 all experts; the layer's 423 MB exceed the 50 MB L2), replayed from a CUDA graph.
@@ -19,15 +21,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.kernels.moe import ExpertWeights, experts_forward  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4 import MxConfig, MxExperts, experts_forward_mxfp4  # noqa: E402
 
 CONFIGS = {
-    "gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3)),
-    "gu64x2 d16x2": MxConfig((64, 2, 4, 4), (16, 2, 4, 4)),
-    "gu16x8 d8x8": MxConfig((16, 8, 4, 3), (8, 8, 4, 3)),
-    "gu32x8 d32x4": MxConfig((32, 8, 8, 3), (32, 4, 8, 3)),
-    "lut gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3), lut=True),
-    "lut gu16x8 d8x8": MxConfig((16, 8, 4, 3), (8, 8, 4, 3), lut=True),
+    "v1 gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3), decode="v1"),
+    "v1-lut gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3), decode="lut"),
+    "bits gu64x16w4 d16x16w2": MxConfig((64, 16, 4, 3), (16, 16, 2, 3)),
+    "bits gu32x16w2 d16x16w2": MxConfig((32, 16, 2, 3), (16, 16, 2, 3)),
+    "bits gu64x32w4 d8x32w1": MxConfig((64, 32, 4, 3), (8, 32, 1, 3)),
+    "bits gu128x16w8 d32x16w4": MxConfig((128, 16, 8, 3), (32, 16, 4, 3)),
+    "bits gu64x16w4s4 d16x16w2s4": MxConfig((64, 16, 4, 4), (16, 16, 2, 4)),
+    "bits gu32x32w4 d16x32w4": MxConfig((32, 32, 4, 3), (16, 32, 4, 3)),
 }
 
 
@@ -48,7 +53,8 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 grouped path (the engine's default)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -64,6 +70,18 @@ def main() -> int:
     db, ds = mx(h, i)
     w = MxExperts(gb, gs, torch.randn(e, 2 * i, device=dev) * 0.1, db, ds, torch.randn(e, h, device=dev) * 0.1)
     per_expert = sum(t[0].numel() * t.element_size() for t in (gb, gs, db, ds, w.gate_up_bias, w.down_bias))
+    fp8 = None
+    if not a.no_fp8:  # the same layer shape as the engine loads it by default: FP8 128x128 blocks, I padded
+        ip = 3072
+
+        def f8(rows, cols):
+            return (torch.randn(e, rows, cols, device=dev, generator=g) * 0.5).to(torch.float8_e4m3fn)
+
+        fp8 = ExpertWeights(f8(2 * ip, h), torch.randn(e, 2 * ip, device=dev) * 0.1, f8(h, ip),
+                            torch.randn(e, h, device=dev) * 0.1,
+                            torch.rand(e, 2 * ip // 128, (h + 127) // 128, device=dev) * 1e-2,
+                            torch.rand(e, (h + 127) // 128, ip // 128, device=dev) * 1e-2)
+        fp8_per_expert = sum(t[0].numel() * t.element_size() for t in vars(fp8).values() if torch.is_tensor(t))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; per expert {per_expert / 1e6:.2f} MB", flush=True)
     rows = []
@@ -79,14 +97,22 @@ def main() -> int:
                 id_sets.append(torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(t)]))
         touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / rounds
         floor = touched * per_expert / bw
-        for name, cfg in CONFIGS.items():
-            for s in id_sets:
-                experts_forward_mxfp4(x, wts, s, w, config=cfg)  # compile, warm
-            torch.cuda.synchronize()
+        runs = {name: (lambda s, cfg=cfg: experts_forward_mxfp4(x, wts, s, w, config=cfg))
+                for name, cfg in CONFIGS.items()}
+        if fp8 is not None:
+            runs["fp8 grouped (engine default)"] = lambda s: experts_forward(x, wts, s, fp8)
+        for name, fn in runs.items():
+            try:
+                for s in id_sets:
+                    fn(s)  # compile, warm
+                torch.cuda.synchronize()
+            except Exception as ex:  # a config that does not compile on this device: say so, go on
+                print(f"T={t:3d} {name:14s} failed: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for s in id_sets:
-                    experts_forward_mxfp4(x, wts, s, w, config=cfg)
+                    fn(s)
             graph.replay()
             reps = 20
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -96,8 +122,9 @@ def main() -> int:
             e1.record()
             torch.cuda.synchronize()
             us = e0.elapsed_time(e1) * 1e3 / (reps * rounds)
+            nbytes = touched * (fp8_per_expert if name.startswith("fp8") else per_expert)
             rows.append(dict(tokens=t, config=name, us=us, floor_us=floor * 1e6, of_floor=floor * 1e6 / us,
-                             tb_s=touched * per_expert / (us * 1e-6) / 1e12))
+                             tb_s=nbytes / (us * 1e-6) / 1e12, own_floor_us=nbytes / bw * 1e6))
             print(f"T={t:3d} {name:14s} {us:8.1f} us  floor {floor * 1e6:7.1f} us  {floor * 1e6 / us:5.0%}  "
                   f"{rows[-1]['tb_s']:.2f} TB/s", flush=True)
     if a.out:

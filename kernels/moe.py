@@ -159,12 +159,11 @@ def experts_forward(
     if isinstance(w, MxExperts):
         if x.is_cuda and x.shape[0] <= MXFP4_KERNEL_MAX_TOKENS:
             try:
-                from .triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4
+                from .triton_moe_mxfp4 import experts_forward_mxfp4
             except ImportError:
                 experts_forward_mxfp4 = None
             if experts_forward_mxfp4 is not None:
-                return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
-                                             MxConfig(lut=True))
+                return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
         try:

@@ -35,9 +35,23 @@ from .mxfp4 import MxExperts
 
 @dataclass(frozen=True)
 class MxConfig:
-    gate_up: tuple[int, int, int, int] = (32, 4, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
-    down: tuple[int, int, int, int] = (16, 4, 4, 3)
-    lut: bool = False  # decode a byte by one cached table load (two bf16 values) instead of bit ops
+    """Launch shape and nibble decode. decode: "bits" (default: each nibble placed into a float32's
+    bit fields, 3-4 integer ops), "lut" (one cached table load per byte), "v1" (the first version's
+    select-based decode and strided activation loads). With G_STEP 16 or 32 the K step spans many
+    threads, so each thread keeps several rows on the same activations (loaded once per row set)."""
+
+    gate_up: tuple[int, int, int, int] = (64, 16, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
+    down: tuple[int, int, int, int] = (16, 16, 2, 3)
+    lut: bool = False  # shorthand for decode="lut" (kept for callers of the first version)
+    decode: str = "bits"
+
+    def __post_init__(self):
+        if self.decode not in ("bits", "lut", "v1"):
+            raise ValueError(f"decode must be bits, lut or v1, not {self.decode!r}")
+
+    @property
+    def mode(self) -> int:
+        return 1 if self.lut or self.decode == "lut" else {"v1": 0, "bits": 2}[self.decode]
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
@@ -68,11 +82,17 @@ def _fp4_to_f32(code):
 @triton.jit
 def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask, a_ptr, lut_ptr,
                  K_GROUPS: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LUT: tl.constexpr):
-    """sum_k W[rows, k] * a[k] over K = 32 * K_GROUPS, W in MXFP4; a float32 or bf16 at a_ptr."""
+                 MODE: tl.constexpr):
+    """sum_k W[rows, k] * a[k] over K = 32 * K_GROUPS, W in MXFP4; a float32 or bf16 at a_ptr.
+    MODE 2 ("bits"): a nibble's magnitude bits go to a float32's exponent/mantissa bits 22-24 and
+    its sign to bit 31, which is the e2m1 value times 2^-126 (codes 0/1 land on float32 subnormals,
+    0 and 2^-127, exactly); each group's sum is brought back by 2^126 before its scale."""
     gg = tl.arange(0, G_STEP)
     bb = tl.arange(0, 16)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if MODE == 2:
+        acc2 = tl.zeros((BLOCK_N, G_STEP), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for g0 in tl.range(0, K_GROUPS, G_STEP, num_stages=NUM_STAGES):
         g = g0 + gg
         gm = g < K_GROUPS
@@ -80,19 +100,32 @@ def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask
                     mask=row_mask[:, None, None] & gm[None, :, None], other=0).to(tl.int32)
         s = tl.load(scales_ptr + rows[:, None] * stride_srow + g[None, :],
                     mask=row_mask[:, None] & gm[None, :], other=127).to(tl.int32)
-        col = g[:, None] * 32 + 2 * bb[None, :]
-        xe = tl.load(a_ptr + col, mask=gm[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(a_ptr + col + 1, mask=gm[:, None], other=0.0).to(tl.float32)
-        if LUT:
-            pair = tl.load(lut_ptr + w)  # two bf16 values; bf16 -> float32 is a 16-bit shift
-            lo = (pair << 16).to(tl.float32, bitcast=True)
-            hi = ((pair >> 16) << 16).to(tl.float32, bitcast=True)
+        if MODE == 2:
+            pp = tl.arange(0, 2)
+            xs = tl.load(a_ptr + g[:, None, None] * 32 + 2 * bb[None, :, None] + pp[None, None, :],
+                         mask=gm[:, None, None], other=0.0).to(tl.float32)
+            xe, xo = tl.split(xs)
+            lo = (((w << 22) & 0x01C00000) | ((w << 28) & -2147483648)).to(tl.float32, bitcast=True)
+            hi = (((w << 18) & 0x01C00000) | ((w << 24) & -2147483648)).to(tl.float32, bitcast=True)
+            part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2) * 8.507059173023462e37  # 2^126
+            scale = tl.where(s > 0, s << 23, 0x00400000).to(tl.float32, bitcast=True)  # 2^(s - 127)
+            acc2 += part * scale
         else:
-            lo = _fp4_to_f32(w & 15)
-            hi = _fp4_to_f32(w >> 4)
-        part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
-        scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
-        acc += tl.sum(part * scale, axis=1)
+            col = g[:, None] * 32 + 2 * bb[None, :]
+            xe = tl.load(a_ptr + col, mask=gm[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(a_ptr + col + 1, mask=gm[:, None], other=0.0).to(tl.float32)
+            if MODE == 1:
+                pair = tl.load(lut_ptr + w)  # two bf16 values; bf16 -> float32 is a 16-bit shift
+                lo = (pair << 16).to(tl.float32, bitcast=True)
+                hi = ((pair >> 16) << 16).to(tl.float32, bitcast=True)
+            else:
+                lo = _fp4_to_f32(w & 15)
+                hi = _fp4_to_f32(w >> 4)
+            part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+            scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
+            acc += tl.sum(part * scale, axis=1)
+    if MODE == 2:
+        acc = tl.sum(acc2, axis=1)
     return acc
 
 
@@ -101,7 +134,7 @@ def _mx_gate_up_kernel(
     x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr, lut_ptr,
     stride_x, stride_be, stride_brow, stride_se, stride_srow, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
-    LUT: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -110,7 +143,7 @@ def _mx_gate_up_kernel(
     rows = n0 + tl.arange(0, BLOCK_N)
     rm = rows < N2
     acc = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
-                       x_ptr + token * stride_x, lut_ptr, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, LUT)
+                       x_ptr + token * stride_x, lut_ptr, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, MODE)
     acc += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
     glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
     glu = tl.minimum(glu, limit)
@@ -125,7 +158,7 @@ def _mx_down_kernel(
     act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, lut_ptr,
     stride_be, stride_brow, stride_se, stride_srow, stride_bias, stride_out, H, I, I_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr,
-    NUM_STAGES: tl.constexpr, LUT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MODE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,7 +169,7 @@ def _mx_down_kernel(
         e = tl.load(ids_ptr + pair).to(tl.int64)
         w = tl.load(wts_ptr + pair).to(tl.float32)
         y = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
-                         act_ptr + pair * I, lut_ptr, I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, LUT)
+                         act_ptr + pair * I, lut_ptr, I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, MODE)
         if HAS_BIAS:
             y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
         out += w * y
@@ -165,19 +198,19 @@ def experts_forward_mxfp4(
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    lut = byte_lut(x.device) if config.lut else ids
+    lut = byte_lut(x.device) if config.mode == 1 else ids
     bn, gs, nw, ns = config.gate_up
     _mx_gate_up_kernel[(t * k, triton.cdiv(n2, bn))](
         x, ids, w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, act, lut,
         x.stride(0), w.gate_up_blocks.stride(0), w.gate_up_blocks.stride(1), w.gate_up_scales.stride(0),
         w.gate_up_scales.stride(1), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
-        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, LUT=config.lut, num_warps=nw,
+        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, MODE=config.mode, num_warps=nw,
     )
     bn, gs, nw, ns = config.down
     _mx_down_kernel[(t, triton.cdiv(h, bn))](
         act, ids, topk_weights.contiguous().view(-1), w.down_blocks, w.down_scales, w.down_bias, out, lut,
         w.down_blocks.stride(0), w.down_blocks.stride(1), w.down_scales.stride(0), w.down_scales.stride(1),
         w.down_bias.stride(0), out.stride(0), h, i, I_GROUPS=i // 32,
-        TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, LUT=config.lut, num_warps=nw,
+        TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, MODE=config.mode, num_warps=nw,
     )
     return out

@@ -21,11 +21,14 @@ from numerics import rel_l2
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-# hidden, intermediate, experts, tokens, top-k, down bias, (gate_up config, down config)
+# hidden, intermediate, experts, tokens, top-k, down bias, (gate_up config, down config[, lut, decode]); the
+# default decode is "bits"
 CASES = [
     (96, 64, 6, 3, 4, True, ((32, 2, 4, 2), (16, 2, 4, 2))),  # K steps ragged (3 and 2 groups)
     (64, 96, 4, 1, 2, False, ((16, 1, 2, 1), (8, 4, 2, 3))),
     (96, 64, 6, 2, 4, True, ((32, 2, 4, 2), (16, 2, 4, 2), True)),  # byte-table decode
+    (96, 64, 6, 2, 4, True, ((32, 2, 4, 2), (16, 2, 4, 2), False, "v1")),  # the first version's decode
+    (160, 96, 5, 2, 3, True, ((16, 16, 4, 2), (8, 32, 1, 3))),  # default shape: K step wider than K
 ]
 
 
