@@ -42,11 +42,15 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
     """Run the same runner through the plain-torch references (attention and/or MoE)."""
     import pdserve.engine.model as model_mod
-    from pdserve.kernels.moe import experts_forward_ref
+    from pdserve.kernels.moe import experts_forward_mxfp4_ref, experts_forward_ref
+    from pdserve.kernels.mxfp4 import MxExperts
+
+    def reference(x, weights, ids, w, *a, **kw):
+        return (experts_forward_mxfp4_ref if isinstance(w, MxExperts) else experts_forward_ref)(x, weights, ids, w, *a, **kw)
 
     saved_moe, saved_attn, saved_backend = model_mod.experts_forward, runner.attention, runner.model.attention_backend
     if moe:
-        model_mod.experts_forward = experts_forward_ref
+        model_mod.experts_forward = reference
     if attention:
         runner.model.attention_backend = "torch"
         runner.attention = runner.model.make_attention()
