@@ -385,10 +385,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=router.request_timeout,
                    help="seconds a request may take end to end (waiting included)")
     p.add_argument("--max-queued-requests", type=int, default=router.max_queued_requests,
-                   help="requests that may wait at the router for decode KV room; more get 429 "
-                        "at once (0 = no waiting)")
+                   help="requests that may wait at the router for a decode batch slot and KV "
+                        "blocks; more get 429 at once (0 = no waiting)")
     p.add_argument("--max-queue-wait", type=float, default=router.max_queue_wait,
-                   help="seconds a request may wait for decode KV room before it gets 429")
+                   help="seconds a request may wait for a decode batch slot and KV blocks before "
+                        "it gets 429")
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room of each prefill worker for cached prompt prefixes (0 = no prefix cache)")
     p.add_argument("--routing-policy", default=router.routing_policy, choices=["cache_aware", "load"],

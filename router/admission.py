@@ -1,9 +1,10 @@
-"""Admission control: a bounded, first-come-first-served wait for decode KV room.
+"""Admission control: a bounded, first-come-first-served wait for decode room.
 
-A request that no decode worker can take now (no free KV blocks by the router's estimate, or
-every Reserve answered RESOURCE_EXHAUSTED) waits here instead of failing; when the queue is full,
-or the wait exceeds its bound, it is refused with 429 + Retry-After (gRPC RESOURCE_EXHAUSTED).
-Whoever waits longest retries first: when KV room may have come back (a request finished or was
+A request that no decode worker can take now (no free batch slot or KV blocks by the router's
+estimate, or every Reserve answered RESOURCE_EXHAUSTED) waits here instead of failing; when the
+queue is full, or the wait exceeds its bound, it is refused with 429 + Retry-After (gRPC
+RESOURCE_EXHAUSTED), before its response starts.
+Whoever waits longest retries first: when room may have come back (a request finished or was
 cancelled, a load report arrived) the head of the queue is woken; once it is placed it wakes the
 next, so room for several lets several in, one after the other.
 """
@@ -18,7 +19,7 @@ from pdserve.router.metrics import RouterMetrics
 
 
 class AdmissionQueue:
-    """Waiters for decode KV room, in arrival order. Runs on the router's event loop."""
+    """Waiters for decode room, in arrival order. Runs on the router's event loop."""
 
     def __init__(self, max_waiting: int, retry_after: int, metrics: RouterMetrics) -> None:
         self.max_waiting = max_waiting
@@ -38,7 +39,7 @@ class AdmissionQueue:
         """
         if not front and len(self._waiters) >= self.max_waiting:
             waiting = f" and {len(self._waiters)} requests already wait for it" if self._waiters else ""
-            raise OverloadedError(f"No decode worker has KV room for this request{waiting}; "
+            raise OverloadedError(f"No decode worker has room for this request{waiting}; "
                                   "retry later.", code="kv_cache_full", retry_after=self.retry_after)
         place = asyncio.get_running_loop().create_future()
         if front:
@@ -57,7 +58,7 @@ class AdmissionQueue:
         self._metrics.admission_waiting.set(len(self._waiters))
 
     def wake(self) -> None:
-        """KV room may have come back: the longest waiter tries again."""
+        """Room may have come back: the longest waiter tries again."""
         while self._waiters:
             place = self._waiters.popleft()
             if not place.done():

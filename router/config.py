@@ -40,7 +40,7 @@ class RouterConfig:
     cancel_timeout: float = 2.0
     max_prefill_attempts: int = 3        # prefill workers tried per request
     max_decode_attempts: int = 2         # decode workers tried when KV transfer to one fails
-    # admission: requests no decode worker has KV room for wait, first come first served
+    # admission: requests no decode worker has room for wait, first come first served
     max_queued_requests: int = 512       # waiting beyond this: 429 at once (0 = no waiting)
     max_queue_wait: float = 60.0         # seconds one request may wait for room, then 429
     retry_base_delay: float = 0.05       # backoff before retry k is uniform in [0, base * 2**k]

@@ -41,10 +41,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
                    help="most characters of text in one request, checked before tokenizing")
     g.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
-                   help="requests that may wait at the router for decode KV room; more get "
-                        "429 at once (0 = no waiting)")
+                   help="requests that may wait at the router for a decode batch slot and KV "
+                        "blocks; more get 429 at once (0 = no waiting)")
     g.add_argument("--max-queue-wait", type=float, default=defaults.max_queue_wait,
-                   help="seconds a request may wait for decode KV room before it gets 429")
+                   help="seconds a request may wait for a decode batch slot and KV blocks before "
+                        "it gets 429")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=defaults.graceful_shutdown_timeout,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--api-key-file", default=None,

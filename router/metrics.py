@@ -60,11 +60,12 @@ class RouterMetrics:
         self.retries = Counter("pdserve_retries", "Worker calls retried elsewhere, by stage and "
                                "gRPC status", ["stage", "code"], registry=r)
         self.admission_waiting = Gauge("pdserve_admission_queue_requests",
-                                       "Requests waiting at the router for decode KV room",
-                                       registry=r)
+                                       "Requests waiting at the router for a decode batch slot "
+                                       "and KV blocks", registry=r)
         self.admission_wait = Histogram("pdserve_admission_queue_wait_seconds",
-                                        "Time a request waited for decode KV room (those that "
-                                        "waited)", buckets=_LATENCY_BUCKETS, registry=r)
+                                        "Time a request waited for a decode batch slot and KV "
+                                        "blocks (those that waited)", buckets=_LATENCY_BUCKETS,
+                                        registry=r)
         self.worker_failures = Counter("pdserve_worker_failures", "Request-path worker failures",
                                        ["role", "worker", "code"], registry=r)
         self.decode_kv_usage = Gauge("pdserve_decode_kv_usage_ratio",

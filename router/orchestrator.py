@@ -104,7 +104,8 @@ class _KVDestinationFailed(Exception):
 
 
 class _NoRoom(Exception):
-    """No decode worker has KV room for the request now (estimate, or every Reserve refused)."""
+    """No decode worker has room (a batch slot and KV blocks) for the request now (estimate,
+    or every Reserve refused)."""
 
 
 class _DecodeLost(Exception):
@@ -235,8 +236,9 @@ class Generation:
         self._finished = False
         self._released = False
         self._kv_blocks = 0  # the router's estimate of what the reservation holds
+        self._holds_slot = False  # counted in decode_worker.active_requests
         self._held: Worker | None = None  # the decode worker kept connected for this request
-        self._queue_place: asyncio.Future | None = None  # while waiting for KV room
+        self._queue_place: asyncio.Future | None = None  # while waiting for room
         self.generated: list[int] = []  # tokens streamed to the caller so far
         self._prefilled_generated = 0  # of those, how many the current prefill's prompt holds
         self.cached_tokens = 0  # prompt tokens the (first) prefill found in its prefix cache
@@ -431,10 +433,10 @@ class Generation:
     def _raise_wait_exceeded(self, give_up: float, reason: str) -> None:
         if give_up <= self.deadline:
             raise OverloadedError(
-                f"No decode worker had KV room for this request within "
+                f"No decode worker had room (batch slot and KV blocks) for this request within "
                 f"{self._config.max_queue_wait:g}s ({reason or 'others waited first'}); "
                 "retry later.", code="kv_cache_full", retry_after=self._config.overload_retry_after)
-        raise RequestTimeoutError(f"Request {self.request_id} timed out waiting for KV room.",
+        raise RequestTimeoutError(f"Request {self.request_id} timed out waiting for decode room.",
                                   code="timeout")
 
     async def _try_reserve(self, exclude: set[str]) -> bool:
@@ -447,7 +449,8 @@ class Generation:
         alive = [w for w in registry.routable("decode") if w.endpoint.address not in exclude]
         candidates = policy.rank_decode(alive, num_prompt, max_new)
         if alive and not candidates:
-            raise _NoRoom(f"no decode worker has free KV blocks for {num_prompt + max_new} tokens")
+            raise _NoRoom(f"no decode worker has a free batch slot and KV blocks for "
+                          f"{num_prompt + max_new} tokens")
         full = 0
         for worker in candidates:
             remaining = self._remaining()
@@ -463,17 +466,20 @@ class Generation:
             if self.num_choices > 1 and page_size:
                 blocks += (self.num_choices - 1) * (kv_blocks_needed(max_new, page_size) + 1)
             placed = worker.pending_kv.add(blocks)
+            worker.active_requests += 1
             call = worker.stub.Reserve(request, timeout=timeout)
             self._call = call
             try:
                 response = await call
             except asyncio.CancelledError:
                 worker.pending_kv.withdraw(placed)
+                worker.active_requests -= 1
                 if self.aborted:
                     return False
                 raise
             except grpc.aio.AioRpcError as error:
                 worker.pending_kv.withdraw(placed)
+                worker.active_requests -= 1
                 if self.aborted:
                     return False
                 code = error.code()
@@ -498,6 +504,7 @@ class Generation:
             self._held = worker
             self.decode_worker = worker
             self._kv_blocks = blocks
+            self._holds_slot = True
             if self.aborted:  # client left while the reservation was in flight
                 self._release()
                 return False
@@ -661,8 +668,14 @@ class Generation:
             self._held = None
 
     def _give_back_blocks(self) -> None:
-        """The reservation ends (finish or Cancel): its blocks count as free again at once."""
-        if self.decode_worker is not None and self._kv_blocks:
-            self.decode_worker.pending_kv.confirm(self.decode_worker.pending_kv.add(-self._kv_blocks))
+        """The reservation ends (finish or Cancel): its blocks and batch slot count as free again
+        at once, and the longest waiter for room tries again."""
+        worker = self.decode_worker
+        if worker is None or not self._holds_slot:
+            return
+        self._holds_slot = False
+        worker.active_requests -= 1
+        if self._kv_blocks:
+            worker.pending_kv.confirm(worker.pending_kv.add(-self._kv_blocks))
             self._kv_blocks = 0
-            self._orch.admission.wake()
+        self._orch.admission.wake()

@@ -7,6 +7,7 @@ picks, so the orchestrator can fall back when a worker refuses (its report was s
 from __future__ import annotations
 
 import abc
+import math
 from typing import Sequence
 
 from pdserve.router.prefix_index import PrefixIndex
@@ -54,8 +55,19 @@ class LoadAwarePolicy(RoutingPolicy):
 
     Free blocks are what the last LoadReport said minus what this router reserved since; a worker
     fits when its context limit and free blocks cover prompt + max_new_tokens (full-attention
-    pages; the worker's own Reserve stays the authority).
+    pages; the worker's own Reserve stays the authority), and while this router has fewer requests
+    on it than its batch slots plus `slot_headroom` of them (the few in prefill or about to start
+    keep the batch full). Beyond that a request would only wait on the worker, already answered
+    200, until a slot frees; it waits in the router's admission queue instead, where the wait is
+    bounded and ends in a 429 before the response starts.
     """
+
+    slot_headroom = 0.25
+
+    def slots(self, worker: Worker) -> int | None:
+        """Requests this router may have on a decode worker at once (None: no limit known)."""
+        batch = worker.load.max_batch_size if worker.load else 0
+        return math.ceil(batch * (1 + self.slot_headroom)) if batch > 0 else None
 
     def rank_decode(self, workers: Sequence[Worker], num_prompt_tokens: int,
                     max_new_tokens: int) -> list[Worker]:
@@ -68,6 +80,9 @@ class LoadAwarePolicy(RoutingPolicy):
             if load.max_context and total > load.max_context:
                 continue
             if worker.free_kv_blocks < kv_blocks_needed(total, load.page_size):
+                continue
+            slots = self.slots(worker)
+            if slots is not None and worker.active_requests >= slots:
                 continue
             fits.append(worker)
         return sorted(fits, key=lambda w: (-w.free_kv_blocks, w.load.running_requests, w.name))

@@ -105,6 +105,7 @@ class Worker:
         self.serving = False
         self.pending_kv = PendingLoad()
         self.pending_prompt = PendingLoad()
+        self.active_requests = 0  # decode: this router's requests placed here and not yet ended
         self.requests = 0  # requests placed here whose stream has not ended (WorkerRegistry.hold)
         self.departed = False  # discovery no longer lists it: no new work, kept while requests > 0
 

@@ -144,7 +144,8 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         self.chunk_size = 2
         self.token_delay = 0.0          # seconds before each chunk
         self.reserve_delay = 0.0        # seconds Reserve takes
-        self.peak_kv_blocks = 0
+        self.peak_kv_blocks = self.peak_requests = 0
+        self.max_batch_size = 64        # what Load reports
         self.die_after_chunks: int | None = None
         self.kv_selftest = 0.0          # kv_selftest_bytes_per_second its LoadReports carry
         self.server = _Server(pbg.add_DecodeWorkerServicer_to_server, self)
@@ -161,7 +162,8 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             self.cancelled.clear()
         self.exhausted = self.refuse_reserve = False
         self.chunk_size, self.token_delay, self.die_after_chunks = 2, 0.0, None
-        self.reserve_delay, self.peak_kv_blocks = 0.0, 0
+        self.reserve_delay, self.peak_kv_blocks, self.peak_requests = 0.0, 0, 0
+        self.max_batch_size = 64
 
     def Reserve(self, request, context):
         with self.lock:
@@ -177,6 +179,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
             self.reservations[request.request_id] = blocks
             self.peak_kv_blocks = max(self.peak_kv_blocks, used + blocks)
+            self.peak_requests = max(self.peak_requests, len(self.reservations))
         return pb.ReserveResponse(placements=[pb.KVPlacement(
             decode_worker_id=self.name, kv_agent_name=f"{self.name}-rank0",
             full_block_ids=list(range(blocks)), page_size=self.page_size, tp_rank=0, tp_size=1)])
@@ -238,7 +241,8 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         used = self.kv_blocks_total if self.exhausted else used
         return pb.LoadReport(worker_id=self.name, role="decode", running_requests=running,
                              kv_blocks_total=self.kv_blocks_total, kv_blocks_used=used,
-                             kv_blocks_free=self.kv_blocks_total - used, max_batch_size=64,
+                             kv_blocks_free=self.kv_blocks_total - used,
+                             max_batch_size=self.max_batch_size,
                              page_size=self.page_size, max_context=self.max_context,
                              kv_selftest_bytes_per_second=self.kv_selftest)
 

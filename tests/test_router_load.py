@@ -126,6 +126,24 @@ def test_requests_without_kv_room_wait_and_all_finish():
         cluster.close()
 
 
+def test_no_more_requests_than_batch_slots_are_placed_on_a_decode_worker():
+    """Plenty of KV, 2 batch slots per worker: at most 3 (2 + 25%) requests of this router sit on
+    a worker at once; the rest wait at the router (before their response starts) and all finish."""
+    cluster = Cluster(script=harmony_ids(SCRIPT), router_config={"max_queued_requests": 64,
+                                                                 "max_queue_wait": 20})
+    try:
+        for d in cluster.decode:
+            d.max_batch_size, d.chunk_size, d.token_delay = 2, 1, 0.03
+        registry = cluster.router.router.registry
+        assert wait_for(lambda: cluster.router.call(lambda: all(
+            w.load and w.load.max_batch_size == 2 for w in registry.workers("decode"))))
+        assert asyncio.run(_streams(cluster.base_url, 14)) == [(200, "Fine, thanks.")] * 14
+        assert [d.peak_requests for d in cluster.decode] == [3, 3]
+        assert cluster.router.call(lambda: [w.active_requests for w in registry.workers("decode")]) == [0, 0]
+    finally:
+        cluster.close()
+
+
 def test_a_full_queue_refuses_at_once_with_429():
     """Room for 4, 2 may wait: of 10 at once, 4 run, 2 wait and run, 4 get 429 up front."""
     cluster, _ = _admission_cluster(max_queued_requests=2, max_queue_wait=20)
