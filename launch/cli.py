@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -251,7 +254,24 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+FORCED_EXIT_AFTER_S = 3.0
+_interrupt = threading.Event()
+
+
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C before a command has its own signal handling (servers install theirs once they
+    can drain): KeyboardInterrupt unwinds what started. Libraries busy in start-up (native code,
+    tasks being cancelled) may swallow it, so the process also ends a moment later regardless;
+    an error that follows it (an import cut in half) is its consequence, not news."""
+    _interrupt.set()
+    forced = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, args=(130,))
+    forced.daemon = True  # a clean exit before then does not wait for it
+    forced.start()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    previous = signal.signal(signal.SIGINT, _interrupted)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -260,10 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        if _interrupt.is_set():
+            return 130
         if not isinstance(e, _user_errors()):
             raise
         print(f"pdserve {args.cmd}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

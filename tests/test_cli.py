@@ -192,23 +192,29 @@ def test_loading_a_checkpoint_shows_progress(tiny_mxfp4, tiny_cfg, capsys):
 
 @pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "router", "generate"])
 def test_ctrl_c_during_start_up_stops_cleanly(command, tiny_mxfp4):
-    """SIGINT while the command is still importing and loading: it stops at once, without a
-    traceback (exit code 130, or 0 once its own signal handling is in place)."""
+    """SIGINT while the command is still loading (its native libraries are being mapped): it
+    stops at once, without a traceback (exit code 130, or 0 once its own signal handling runs)."""
     import signal
     import time
 
     args = {"decode-worker": ["--model", tiny_mxfp4, "--port", "0"],
             "prefill-worker": ["--model", tiny_mxfp4, "--port", "0"],
-            "router": ["--port", "0", "--grpc-port", "0", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"],
-            "generate": ["--model", tiny_mxfp4, "--prompt-ids", "1,2", "--max-new-tokens", "100000"]}[command]
-    p = subprocess.Popen([sys.executable, "-m", "pdserve.launch.cli", command, *map(str, args)],
+            "router": ["--port", "0", "--grpc-port", "0", "--prefill", "127.0.0.1:1",
+                       "--decode", "127.0.0.1:2"],
+            "generate": ["--model", tiny_mxfp4, "--prompt-ids", "1,2", "--max-new-tokens", "100000"]}
+    loading = "cygrpc" if command == "router" else "libtorch"  # mapped once the command runs
+    p = subprocess.Popen([sys.executable, "-m", "pdserve.launch.cli", command, *map(str, args[command])],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    p.send_signal(signal.SIGINT)
     try:
+        maps = f"/proc/{p.pid}/maps"
+        end = time.monotonic() + 60
+        while loading not in open(maps).read() and time.monotonic() < end:
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
+            p.wait()
     assert p.returncode in (0, 130), err
     assert "Traceback" not in err, err
