@@ -163,7 +163,8 @@ class _Rank:
         self.staged = staging_bytes > 0
         self.agent = KVTransferAgent(f"bench-{role}{rank}-{uuid.uuid4().hex[:8]}", self.cache.pools,
                                      head_range=heads, staging_bytes=staging_bytes)
-        return {"peer_info": self.agent.peer_info(), "heads": heads, "device": str(self.device)}
+        return {"name": self.agent.name, "peer_info": self.agent.peer_info(), "heads": heads,
+                "device": str(self.device)}
 
     def _churn(self, seed: int) -> None:
         """Fill the free blocks with one-page requests and free a random half of them (the same on
@@ -190,6 +191,7 @@ class _Rank:
 
         executor = PrefillExecutor(SimpleNamespace(cache=self.cache), self.agent)
         job = PrefillJob(request_id, [], SamplingParams(), [SimpleNamespace(**p) for p in placements])
+        job.peers = {p["kv_agent_name"]: p["peer_info"] for p in placements}  # the handshake
         return executor.plan_push(job, self.seqs[name], n)
 
     def descriptors(self, push) -> int:
@@ -360,7 +362,8 @@ def run_case(case: Case, n: int, ranks: list[RankProcess], *, max_reps: int, min
             got = [p.call("placement", name, lengths[name]) for p in dsts]
             if any(g != got[0] for g in got):
                 raise BenchError("decode ranks reserved different block ids")
-            return [dict(got[0], kv_agent_metadata=info["peer_info"], tp_rank=r, tp_size=case.dst_tp)
+            return [dict(got[0], kv_agent_name=info["name"], peer_info=info["peer_info"], tp_rank=r,
+                         tp_size=case.dst_tp)
                     for r, info in enumerate(dst_infos)]
 
         tag = f"{case.key}-{n}-{uuid.uuid4().hex[:6]}"

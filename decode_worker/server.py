@@ -61,7 +61,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         first, sliding = cache.transfer_targets(r.blocks, request.num_prompt_tokens)
         # every rank holds the same block ids (only rank 0 allocates), each for its own KV heads
         placements = [pb.KVPlacement(
-            decode_worker_id=self.worker_id, kv_agent_name=name, kv_agent_metadata=info,
+            decode_worker_id=self.worker_id, kv_agent_name=name,
             full_block_ids=r.blocks.full, sliding_block_ids=sliding, sliding_first_page=first,
             page_size=cache.page_size, tp_rank=rank, tp_size=len(self.rank_agents),
         ) for rank, (name, info) in enumerate(self.rank_agents)]
@@ -131,8 +131,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         )
 
     def KVMetadata(self, request, context) -> pb.KVMetadataResponse:
-        return pb.KVMetadataResponse(agent_names=[n for n, _ in self.rank_agents],
-                                     agent_metadata=[m for _, m in self.rank_agents])
+        return pb.KVMetadataResponse(peers=[pb.KVPeerInfo.FromString(m) for _, m in self.rank_agents])
 
     def in_flight(self) -> int:
         """Requests holding KV blocks (reserved, waiting for their KV, or decoding): a draining

@@ -76,6 +76,7 @@ class PrefillJob:
     future: Future = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic; no push begins after it
+    peers: dict[str, bytes] = field(default_factory=dict)  # decode agent name -> peer info
     cancelled: bool = False
     abort: threading.Event = field(default_factory=threading.Event)  # stops a push under way
 
@@ -298,10 +299,10 @@ class PrefillExecutor:
         """Tell the decode worker's rank 0 (whose bookkeeping it is) that this worker's push of the
         request begins or ended; best effort: without it the decode side waits out its fence."""
         p = next((p for p in job.placements if p.tp_rank == 0), None)
-        if p is None:
+        if p is None or p.kv_agent_name not in job.peers:
             return
         try:
-            peer = self.agent.add_peer(bytes(p.kv_agent_metadata))
+            peer = self.agent.add_peer(job.peers[p.kv_agent_name])
             self.agent.send_notification(peer, push_notification(job.request_id, kind, self.agent.name))
         except KVTransferError as e:
             log.warning("request %s: cannot tell decode rank 0 %r: %s", job.request_id, kind, e)
@@ -327,7 +328,9 @@ class PrefillExecutor:
                         f"decode expects sliding pages from {p.sliding_first_page}, prefill has "
                         f"{local['sliding'][0][0]}")
                 pairs["sliding"] = _map(local["sliding"], list(p.sliding_block_ids), p.sliding_first_page, "sliding")
-            targets.append((bytes(p.kv_agent_metadata), pairs))
+            if p.kv_agent_name not in job.peers:
+                raise PlacementError(f"no peer info for decode KV agent {p.kv_agent_name!r}")
+            targets.append((job.peers[p.kv_agent_name], pairs))
         return KVPush(job.request_id, targets)
 
 

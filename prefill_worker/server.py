@@ -20,13 +20,15 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.proto.rpc import logprob_message, sampling_kwargs
 
 from .executor import PlacementError, PrefillExecutor, PrefillJob, QueueFull
+from .kv_peers import KVPeerDirectory, UnknownKVPeer
 
 log = logging.getLogger(__name__)
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, executor: PrefillExecutor, *, worker_id: str):
+    def __init__(self, executor: PrefillExecutor, *, worker_id: str, peers: KVPeerDirectory | None = None):
         self.executor = executor
+        self.peers = peers or KVPeerDirectory()  # decode ranks, learned once per decode worker
         self.worker_id = worker_id
         self.draining = False
         self.kv_selftest_bytes_per_second = 0.0  # set at start (--kv-selftest-mib)
@@ -46,7 +48,11 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 job.deadline = time.monotonic() + remaining
+            job.peers = self.peers.resolve([p.kv_agent_name for p in request.placements],
+                                           request.decode_address)
             future = self.executor.submit(job)
+        except UnknownKVPeer as e:  # the decode side is at fault, as when a write fails
+            context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {e}")
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InterruptedError as e:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\xbe\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"|\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0e\n\x06\x63hoice\x18\x08 \x01(\x05\"\xdd\x01\n\x0bKVPlacement\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x15\n\rkv_agent_name\x18\x02 \x01(\t\x12\x19\n\x11kv_agent_metadata\x18\x03 \x01(\x0c\x12\x16\n\x0e\x66ull_block_ids\x18\x04 \x03(\x05\x12\x19\n\x11sliding_block_ids\x18\x05 \x03(\x05\x12\x1a\n\x12sliding_first_page\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x08 \x01(\x05\x12\x0f\n\x07tp_size\x18\t \x01(\x05\"w\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x01\x12\t\n\x01n\x18\x05 \x01(\x05\">\n\x0fReserveResponse\x12+\n\nplacements\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.KVPlacement\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12+\n\nplacements\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.KVPlacement\x12\x15\n\rnum_generated\x18\x05 \x01(\x05\"\xee\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x04 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x35\n\x13\x66irst_token_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0f\x66irst_token_ids\x18\n \x03(\x05\x12\x36\n\x14\x66irst_token_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xb3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x05 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\x06 \x03(\x05\"\x9b\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0e\n\x06\x63hoice\x18\x05 \x01(\x05\"9\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cno_kv_writer\x18\x02 \x01(\x08\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xd9\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x03\x12\x18\n\x10running_requests\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x11\n\tpage_size\x18\n \x01(\x05\x12\x13\n\x0bmax_context\x18\x0b \x01(\x05\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12$\n\x1ckv_selftest_bytes_per_second\x18\r \x01(\x01\x12\x18\n\x10kv_blocks_fenced\x18\x0e \x01(\x05\"\x13\n\x11KVMetadataRequest\"A\n\x12KVMetadataResponse\x12\x13\n\x0b\x61gent_names\x18\x01 \x03(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x03(\x0c*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32T\n\tGenerator\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\xcd\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2\xd8\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12K\n\nKVMetadata\x12\x1d.pdserve.v1.KVMetadataRequest\x1a\x1e.pdserve.v1.KVMetadataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\xbe\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12=\n\nlogit_bias\x18\n \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\t\n\x01n\x18\x0e \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"|\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0e\n\x06\x63hoice\x18\x08 \x01(\x05\"~\n\x0cKVPoolLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\x04\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nhead_start\x18\x06 \x01(\x05\x12\x10\n\x08head_end\x18\x07 \x01(\x05\"`\n\nKVPeerInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\'\n\x05pools\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.KVPoolLayout\x12\x15\n\rnixl_metadata\x18\x03 \x01(\x0c\"\xdb\x01\n\x0bKVPlacement\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x15\n\rkv_agent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x66ull_block_ids\x18\x04 \x03(\x05\x12\x19\n\x11sliding_block_ids\x18\x05 \x03(\x05\x12\x1a\n\x12sliding_first_page\x18\x06 \x01(\x05\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x08 \x01(\x05\x12\x0f\n\x07tp_size\x18\t \x01(\x05J\x04\x08\x03\x10\x04R\x11kv_agent_metadata\"w\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x01\x12\t\n\x01n\x18\x05 \x01(\x05\">\n\x0fReserveResponse\x12+\n\nplacements\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.KVPlacement\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12+\n\nplacements\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.KVPlacement\x12\x15\n\rnum_generated\x18\x05 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\"\xee\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13kv_transfer_seconds\x18\x04 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x06 \x01(\x01\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x35\n\x13\x66irst_token_logprob\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0f\x66irst_token_ids\x18\n \x03(\x05\x12\x36\n\x14\x66irst_token_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xb3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x05 \x01(\x05\x12\x17\n\x0f\x66irst_token_ids\x18\x06 \x03(\x05\"\x9b\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0e\n\x06\x63hoice\x18\x05 \x01(\x05\"9\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cno_kv_writer\x18\x02 \x01(\x08\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xd9\x02\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x03\x12\x18\n\x10running_requests\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x11\n\tpage_size\x18\n \x01(\x05\x12\x13\n\x0bmax_context\x18\x0b \x01(\x05\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12$\n\x1ckv_selftest_bytes_per_second\x18\r \x01(\x01\x12\x18\n\x10kv_blocks_fenced\x18\x0e \x01(\x05\"\x13\n\x11KVMetadataRequest\"d\n\x12KVMetadataResponse\x12%\n\x05peers\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.KVPeerInfoJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x0b\x61gent_namesR\x0e\x61gent_metadata*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32T\n\tGenerator\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\xcd\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2\xd8\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x37\n\x04Load\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport\x12K\n\nKVMetadata\x12\x1d.pdserve.v1.KVMetadataRequest\x1a\x1e.pdserve.v1.KVMetadataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2789
-  _globals['_FINISHREASON']._serialized_end=2938
+  _globals['_FINISHREASON']._serialized_start=3072
+  _globals['_FINISHREASON']._serialized_end=3221
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=490
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=400
@@ -45,36 +45,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=712
   _globals['_GENERATERESPONSE']._serialized_start=715
   _globals['_GENERATERESPONSE']._serialized_end=946
-  _globals['_KVPLACEMENT']._serialized_start=949
-  _globals['_KVPLACEMENT']._serialized_end=1170
-  _globals['_RESERVEREQUEST']._serialized_start=1172
-  _globals['_RESERVEREQUEST']._serialized_end=1291
-  _globals['_RESERVERESPONSE']._serialized_start=1293
-  _globals['_RESERVERESPONSE']._serialized_end=1355
-  _globals['_PREFILLREQUEST']._serialized_start=1358
-  _globals['_PREFILLREQUEST']._serialized_end=1534
-  _globals['_PREFILLRESPONSE']._serialized_start=1537
-  _globals['_PREFILLRESPONSE']._serialized_end=1903
-  _globals['_DECODEREQUEST']._serialized_start=1906
-  _globals['_DECODEREQUEST']._serialized_end=2085
-  _globals['_TOKENCHUNK']._serialized_start=2088
-  _globals['_TOKENCHUNK']._serialized_end=2243
-  _globals['_CANCELREQUEST']._serialized_start=2245
-  _globals['_CANCELREQUEST']._serialized_end=2302
-  _globals['_CANCELRESPONSE']._serialized_start=2304
-  _globals['_CANCELRESPONSE']._serialized_end=2335
-  _globals['_LOADREQUEST']._serialized_start=2337
-  _globals['_LOADREQUEST']._serialized_end=2350
-  _globals['_LOADREPORT']._serialized_start=2353
-  _globals['_LOADREPORT']._serialized_end=2698
-  _globals['_KVMETADATAREQUEST']._serialized_start=2700
-  _globals['_KVMETADATAREQUEST']._serialized_end=2719
-  _globals['_KVMETADATARESPONSE']._serialized_start=2721
-  _globals['_KVMETADATARESPONSE']._serialized_end=2786
-  _globals['_GENERATOR']._serialized_start=2940
-  _globals['_GENERATOR']._serialized_end=3024
-  _globals['_PREFILLWORKER']._serialized_start=3027
-  _globals['_PREFILLWORKER']._serialized_end=3232
-  _globals['_DECODEWORKER']._serialized_start=3235
-  _globals['_DECODEWORKER']._serialized_end=3579
+  _globals['_KVPOOLLAYOUT']._serialized_start=948
+  _globals['_KVPOOLLAYOUT']._serialized_end=1074
+  _globals['_KVPEERINFO']._serialized_start=1076
+  _globals['_KVPEERINFO']._serialized_end=1172
+  _globals['_KVPLACEMENT']._serialized_start=1175
+  _globals['_KVPLACEMENT']._serialized_end=1394
+  _globals['_RESERVEREQUEST']._serialized_start=1396
+  _globals['_RESERVEREQUEST']._serialized_end=1515
+  _globals['_RESERVERESPONSE']._serialized_start=1517
+  _globals['_RESERVERESPONSE']._serialized_end=1579
+  _globals['_PREFILLREQUEST']._serialized_start=1582
+  _globals['_PREFILLREQUEST']._serialized_end=1782
+  _globals['_PREFILLRESPONSE']._serialized_start=1785
+  _globals['_PREFILLRESPONSE']._serialized_end=2151
+  _globals['_DECODEREQUEST']._serialized_start=2154
+  _globals['_DECODEREQUEST']._serialized_end=2333
+  _globals['_TOKENCHUNK']._serialized_start=2336
+  _globals['_TOKENCHUNK']._serialized_end=2491
+  _globals['_CANCELREQUEST']._serialized_start=2493
+  _globals['_CANCELREQUEST']._serialized_end=2550
+  _globals['_CANCELRESPONSE']._serialized_start=2552
+  _globals['_CANCELRESPONSE']._serialized_end=2583
+  _globals['_LOADREQUEST']._serialized_start=2585
+  _globals['_LOADREQUEST']._serialized_end=2598
+  _globals['_LOADREPORT']._serialized_start=2601
+  _globals['_LOADREPORT']._serialized_end=2946
+  _globals['_KVMETADATAREQUEST']._serialized_start=2948
+  _globals['_KVMETADATAREQUEST']._serialized_end=2967
+  _globals['_KVMETADATARESPONSE']._serialized_start=2969
+  _globals['_KVMETADATARESPONSE']._serialized_end=3069
+  _globals['_GENERATOR']._serialized_start=3223
+  _globals['_GENERATOR']._serialized_end=3307
+  _globals['_PREFILLWORKER']._serialized_start=3310
+  _globals['_PREFILLWORKER']._serialized_end=3515
+  _globals['_DECODEWORKER']._serialized_start=3518
+  _globals['_DECODEWORKER']._serialized_end=3862
 # @@protoc_insertion_point(module_scope)

@@ -523,7 +523,8 @@ class Generation:
         self._prefilled_generated = len(self.generated)
         request = pdserve_pb2.PrefillRequest(
             request_id=self.request_id, prompt_token_ids=prompt, sampling=self.sampling,
-            placements=self.placements, num_generated=len(self.generated))
+            placements=self.placements, num_generated=len(self.generated),
+            decode_address=self.decode_worker.endpoint.address)
         tried: set[str] = set()
         full = gone = 0
         last_error = ""

@@ -247,7 +247,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
                              kv_selftest_bytes_per_second=self.kv_selftest)
 
     def KVMetadata(self, request, context):
-        return pb.KVMetadataResponse(agent_names=[f"{self.name}-rank0"], agent_metadata=[b""])
+        return pb.KVMetadataResponse(peers=[pb.KVPeerInfo(agent_name=f"{self.name}-rank0")])
 
 
 class FakePrefill(pbg.PrefillWorkerServicer):

@@ -524,6 +524,7 @@ def _submit(h, rid: str, n: int):
     placements = h.service.Reserve(pb.ReserveRequest(request_id=rid, num_prompt_tokens=n, max_new_tokens=8),
                                    None).placements
     job = PrefillJob(rid, [1] * n, greedy(8), list(placements))
+    job.peers = dict(h.service.rank_agents)  # what the prefill worker learns once (KVMetadata)
     return job, h.executor.submit(job)
 
 

@@ -24,7 +24,7 @@ from pdserve.kvtransfer import (
     plan_copy,
     plan_pool_copy,
 )
-from pdserve.kvtransfer.handshake import decode_peer_info, encode_peer_info
+from pdserve.kvtransfer.handshake import decode_peer_info, encode_peer_info, peer_info_message
 from pdserve.kvtransfer.plan import (
     can_stage,
     merge_contiguous,
@@ -218,8 +218,20 @@ def test_layout_and_peer_info_validation():
     info = decode_peer_info(encode_peer_info("d0", pools, b"\x00nixl-md"))
     assert info.name == "d0" and info.pools == pools and info.nixl_metadata == b"\x00nixl-md"
     blob = encode_peer_info("d0", pools, b"md")
-    for bad in (b"garbage", blob[:12], blob[:-2], blob.replace(b'"shape"', b'"shap"'),
-                blob.replace(b'"head_end":8', b'"head_end":9')):
+    assert blob == encode_peer_info("d0", dict(pools), b"md")  # deterministic: add_peer dedups on it
+
+    def mutated(change) -> bytes:
+        m = peer_info_message("d0", pools, b"md")
+        change(m)
+        return m.SerializeToString()
+
+    for bad in (b"garbage", blob[:-2],
+                mutated(lambda m: m.pools[0].shape.pop()),
+                mutated(lambda m: setattr(m.pools[0], "head_end", 9)),
+                mutated(lambda m: setattr(m, "agent_name", "")),
+                mutated(lambda m: m.ClearField("nixl_metadata")),
+                mutated(lambda m: m.ClearField("pools")),
+                mutated(lambda m: m.pools.add().CopyFrom(m.pools[0]))):
         with pytest.raises(KVLayoutError):
             decode_peer_info(bad)
 
@@ -434,7 +446,7 @@ def test_bad_requests_and_dead_peer_raise_and_agent_survives(peer, doomed_peer):
                 a.write_pages(ok, bad, b"bad")
         with pytest.raises(KVTransferError, match="unknown peer"):
             a.write_pages("nobody", {"full": [(0, 0)]}, b"x")
-        with pytest.raises(KVTransferError, match="malformed|magic"):
+        with pytest.raises(KVTransferError, match="not a KV peer-info message"):
             a.add_peer(b"PDSKV1\n\x00\x00\x00\x02{}md")
         a.write_pages(ok, {"full": [(3, 1)]}, b"ok-1").wait(10)
         assert peer("wait_notification", "b-alive", b"ok-1", 10)

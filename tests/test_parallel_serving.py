@@ -86,7 +86,9 @@ def drive(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int]) -
         res = dec.Reserve(pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(prompt),
                                             max_new_tokens=MAX_NEW, ttl_seconds=60), timeout=30)
         first = pre.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                              placements=res.placements), timeout=60).first_token_id
+                                              placements=res.placements,
+                                              decode_address=cluster.addresses[decode]),
+                            timeout=60).first_token_id
         ids = [first]
         for chunk in dec.Decode(pb.DecodeRequest(request_id=rid, first_token_id=first, prompt_token_ids=prompt,
                                                  sampling=sampling), timeout=60):
@@ -144,13 +146,14 @@ def test_reserve_places_kv_on_every_decode_rank(cluster):
         assert ps[0].sliding_block_ids == ps[1].sliding_block_ids
         assert ps[0].kv_agent_name != ps[1].kv_agent_name
         meta = stub.KVMetadata(pb.KVMetadataRequest(), timeout=10)
-        assert list(meta.agent_names) == [p.kv_agent_name for p in ps]
+        assert [p.agent_name for p in meta.peers] == [p.kv_agent_name for p in ps]
+        assert [(p.pools[0].head_start, p.pools[0].head_end) for p in meta.peers] == [(0, 2), (2, 4)]
         # a prefill given only some of the ranks refuses instead of leaving heads unwritten
         with grpc.insecure_channel(cluster.addresses["prefill-0"]) as pch:
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.PrefillWorkerStub(pch).Prefill(pb.PrefillRequest(
                     request_id="placement-check", prompt_token_ids=_prompt(40, 0), sampling=_sampling(),
-                    placements=ps[:1]), timeout=60)
+                    placements=ps[:1], decode_address=cluster.addresses["decode-0"]), timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert stub.Cancel(pb.CancelRequest(request_id="placement-check"), timeout=10).found
 

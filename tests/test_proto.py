@@ -50,8 +50,8 @@ def test_messages_round_trip():
                                           max_new_tokens=17, stop_token_ids=[200002, 200012])
     request = pdserve_pb2.PrefillRequest(
         request_id="chatcmpl-x", prompt_token_ids=[1, 2, 3], sampling=sampling,
-        placements=[pdserve_pb2.KVPlacement(decode_worker_id="d0", kv_agent_name="a",
-                                            kv_agent_metadata=b"\x00\xff", full_block_ids=[4, 5],
+        decode_address="10.0.0.7:50062",
+        placements=[pdserve_pb2.KVPlacement(decode_worker_id="d0", kv_agent_name="a", full_block_ids=[4, 5],
                                             sliding_block_ids=[5], sliding_first_page=1,
                                             page_size=16, tp_rank=1, tp_size=4)])
     back = pdserve_pb2.PrefillRequest.FromString(request.SerializeToString())
