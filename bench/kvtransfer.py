@@ -4,7 +4,7 @@ workers' own code path, at several prompt lengths and prefill/decode TP pairs.
     python3 bench/kvtransfer.py --device cuda [--doc docs/performance.md] [--json FILE]
     python3 bench/kvtransfer.py --device cpu --quick          # logic check, UCX over TCP
     python3 bench/kvtransfer.py --render-only kvtransfer.json --doc docs/performance.md
-    options: --lengths 1024,8192,32768  --cases tp1-tp1,tp1-tp1-shuffled,tp1-tp2,tp2-tp1 (or all)
+    options: --lengths 1024,8192,32768  --cases tp1-tp1,tp1-tp1-shuffled,tp1-tp2,tp2-tp1,tp1-tp2-rows (or all)
 
 What moves: the KV of a 20b prompt (24 layers; the 12 full-attention layers send every page, the
 12 sliding-window layers only the pages a 128-key window still sees; 8 KV heads x 64 dims, bf16,
@@ -67,7 +67,7 @@ class Case:
     src_tp: int
     dst_tp: int
     shuffled: bool = False  # decode blocks scattered by churn (else a fresh worker's runs)
-    staged: bool = False  # sender packs re-sharded pages first (agent staging; workers: off)
+    staged: bool = False  # sender packs re-sharded pages first (agent staging, as the workers)
 
     @property
     def label(self) -> str:
@@ -82,9 +82,9 @@ class Case:
 CASES = {c.key: c for c in (
     Case("tp1-tp1", 1, 1),
     Case("tp1-tp1-shuffled", 1, 1, shuffled=True),
-    Case("tp1-tp2", 1, 2),
+    Case("tp1-tp2", 1, 2, staged=True),
     Case("tp2-tp1", 2, 1),
-    Case("tp1-tp2-staged", 1, 2, staged=True),
+    Case("tp1-tp2-rows", 1, 2),
 )}
 DEFAULT_CASES = ("tp1-tp1", "tp1-tp1-shuffled", "tp1-tp2", "tp2-tp1")
 
@@ -205,7 +205,7 @@ class _Rank:
             if heads_overlap(self.agent.head_range, next(iter(theirs.values())).heads) is None:
                 continue
             staged = self.staged and plan_staging_nbytes(self.agent.layouts, theirs, pairs) > 0
-            copies = plan_copy(self.agent.layouts, theirs, pairs, 0 if staged else None)
+            copies = plan_copy(self.agent.layouts, theirs, pairs, 0 if staged else None, slotted=True)
             total += sum(merge_contiguous(c).num_descs for c in copies)
         return total
 
@@ -433,6 +433,13 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def reshard_ratios(rows: list[dict]) -> list[str]:
+    """Each re-sharded row's bandwidth against same-TP consecutive blocks at its length (same run)."""
+    base = {r["tokens"]: r["gb_s"] for r in rows if r["case"] == "tp1-tp1"}
+    return [f"{r['label']}, {r['tokens']} tokens: {r['gb_s'] / base[r['tokens']]:.0%} of TP1 -> TP1's bandwidth"
+            for r in rows if r["case"] not in ("tp1-tp1", "tp1-tp1-shuffled") and r["tokens"] in base]
+
+
 def _ms(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.2f} s"
 
@@ -452,10 +459,12 @@ def render_section(rows: list[dict], meta: dict, notes: list[str]) -> str:
              "request; every KV head's "
              "bytes checked (sha256) after the last one. Ranks sit round-robin on the GPUs, sources first "
              "(the devices column). Decode blocks are a fresh worker's consecutive runs unless shuffled (a busy "
-             "worker's allocator: one descriptor per page and layer). Re-sharded writes go per token row "
-             "(one descriptor per layer, page, K/V and token): TP1 -> TP2 because the workers do not enable "
-             "the agent's staging buffer (`staged` rows show what it would change), TP2 -> TP1 always (a "
-             "decode row interleaves both senders' heads).", "",
+             "worker's allocator: one descriptor per page and layer). Re-sharded writes: to a decode rank with "
+             "fewer heads (TP1 -> TP2) the sender packs that rank's heads into its staging buffer first "
+             "(`staged`, as the workers do for prompts up to `--kv-staging-tokens`); to a rank with more heads "
+             "(TP2 -> TP1) each sender writes whole pages into slots of the decode pages and the decode rank "
+             "puts the heads in place before it reports the KV (kvtransfer/reshard.py), inside the timed "
+             "region; `rows` is the per-token-row fallback (one descriptor per layer, page, K/V and token).", "",
              render_table(rows), ""]
     lines += [f"- {n}" for n in notes]
     if notes:
@@ -579,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for p in ranks:
             p.stop()
+    notes += reshard_ratios(rows)
     if a.device == "cuda" and gpus == 1:
         notes.append("one GPU: every rank shares cuda:0 (transfers stay on the device)")
     print("\n" + render_table(rows), flush=True)

@@ -20,8 +20,11 @@ Cost: transports pay per descriptor (measured ~10 us each with UCX over TCP and 
 on an H200), and NIXL posts synchronously. So ranges adjacent on both sides are fused
 (``plan.merge_contiguous``: a run of consecutive blocks of a layer is one descriptor), and with
 ``staging_bytes`` a re-sharded WRITE to a rank owning a subset of our heads is packed into whole
-pages first (``kvtransfer.staging``). Scattered destination blocks still cost one descriptor per
-(layer, page); re-sharding to a rank with more heads than ours one per (layer, page, k/v, token).
+pages first (``kvtransfer.staging``), and a WRITE to a rank owning more heads than ours whose
+notification names the request and heads (``notify.kv_notification``) writes whole pages into
+slots the receiving agent unpacks before it delivers the notification (``kvtransfer.reshard``).
+Either way a run of consecutive destination blocks is one descriptor per layer; scattered
+blocks cost one per (layer, page); other re-shardings one per (layer, page, k/v, token).
 
 Transports: UCX_TLS is left to the user. UCX's default ("all") includes tcp, shared memory and,
 on GPU hosts, cuda_ipc/cuda_copy; NIXL refuses a UCX_TLS without cuda when GPUs are present.
@@ -47,6 +50,7 @@ from pdserve.kvtransfer.errors import KVLayoutError, KVTransferError
 from pdserve.kvtransfer.handshake import PeerInfo, decode_peer_info, encode_peer_info
 from pdserve.kvtransfer.layout import PoolLayout
 from pdserve.kvtransfer.netdev import ucx_net_devices
+from pdserve.kvtransfer.notify import WRITE, parse_notification
 from pdserve.kvtransfer.plan import (
     PoolCopy,
     as_block_pairs,
@@ -55,6 +59,7 @@ from pdserve.kvtransfer.plan import (
     plan_copy,
     plan_staging_nbytes,
 )
+from pdserve.kvtransfer.reshard import SEP, SlottedArrivals, encode_blocks
 from pdserve.kvtransfer.staging import StagingBuffer
 from pdserve.kvtransfer.ucx_info import ucx_summary
 
@@ -104,6 +109,14 @@ def _core_agent(name: str, progress_poll_us: int):
     cfg.lthrDelay = 100000
     cfg.captureTelemetry = False
     return nixl_bindings.nixlAgent(name, cfg)
+
+
+def _names_heads(notif: bytes) -> bool:
+    try:
+        n = parse_notification(notif)
+    except UnicodeDecodeError:
+        return False
+    return n.kind == WRITE and n.heads is not None
 
 
 @dataclass
@@ -225,6 +238,7 @@ class KVTransferAgent:
         if len(devices) != 1:
             raise KVLayoutError(f"all pools of a rank must be on one device, got {sorted(devices)}")
         self._pools = dict(pools)  # keep the registered memory alive
+        self._slotted = SlottedArrivals(self._pools, head_range)
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         self._notifs: list[bytes] = []
@@ -369,7 +383,11 @@ class KVTransferAgent:
                         log.debug("KV agent %s: staging full (%d of %d bytes used), sending %d "
                                   "bytes per token", self.name, self._staging.used,
                                   self._staging.nbytes, need)
-                copies = [merge_contiguous(c) for c in plan_copy(src, dst, pages, staging)]
+                slotted = op == "WRITE" and SEP not in notif and _names_heads(notif)
+                copies = [merge_contiguous(c) for c in plan_copy(src, dst, pages, staging, slotted)]
+                slots = {c.pool: c.dst_blocks for c in copies if c.slotted}
+                if slots:
+                    notif = notif + SEP + encode_blocks(slots)
             except KVLayoutError as e:
                 self._free_staging(staging)
                 raise KVLayoutError(f"{op} with peer {peer_name!r}: {e}") from None
@@ -539,7 +557,8 @@ class KVTransferAgent:
         except Exception as e:
             raise KVTransferError(f"reading notifications failed: {type(e).__name__}: {e}") from e
         for msgs in new.values():
-            self._notifs.extend(msgs)
+            for m in msgs:
+                self._notifs.extend(self._slotted.feed(bytes(m)))
 
     def _free_staging(self, offset: int | None) -> None:
         if offset is not None:

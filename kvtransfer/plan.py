@@ -14,6 +14,9 @@ and nobody receives heads it does not own.
 * Staged (optional, destination heads a strict subset of the source's): the sender first packs
   the destination's heads of the pages into a scratch buffer laid out as destination pages
   (``pack_pages``), then sends one range per (layer, page) from there. See ``staging``.
+* Slotted (optional, source heads a strict subset of the destination's): whole source pages go
+  into slots of the destination pages, one range per (layer, page); the receiver puts the heads
+  in place once every slot arrived. See ``reshard``.
 
 ``merge_contiguous`` then fuses ranges adjacent on both sides before they go to NIXL.
 """
@@ -28,6 +31,7 @@ import torch
 
 from pdserve.kvtransfer.errors import KVLayoutError
 from pdserve.kvtransfer.layout import PoolLayout, heads_overlap
+from pdserve.kvtransfer.reshard import can_slot, slot_offsets
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +51,10 @@ class PoolCopy:
     staged: bool = False
     src_blocks: np.ndarray | None = None
     staging_offset: int = 0
+    # Slotted copies write whole source pages into slots of the destination pages
+    # ``dst_blocks`` (pair order); the receiver unpacks them (``reshard``).
+    slotted: bool = False
+    dst_blocks: np.ndarray | None = None
 
     @property
     def num_descs(self) -> int:
@@ -105,7 +113,7 @@ def _checked_pairs(src: PoolLayout, dst: PoolLayout, pairs) -> tuple[tuple[int, 
 
 
 def plan_pool_copy(src: PoolLayout, dst: PoolLayout, pairs,
-                   staging_offset: int | None = None) -> PoolCopy:
+                   staging_offset: int | None = None, slotted: bool = False) -> PoolCopy:
     """Byte ranges that copy page ``pairs[i, 0]`` of ``src`` into page ``pairs[i, 1]`` of ``dst``
     for every layer, restricted to the KV heads both sides hold.
 
@@ -115,9 +123,16 @@ def plan_pool_copy(src: PoolLayout, dst: PoolLayout, pairs,
     pairs : ``(n, 2)`` integers, (src_block, dst_block). A destination block may appear once.
     staging_offset : where in the sender's staging buffer to pack, if ``can_stage(src, dst)``
         (needs ``staged_nbytes(dst, n)`` bytes there); None for direct ranges.
+    slotted : if ``can_slot(src, dst)``, write whole pages into the slot layout of ``reshard``
+        (the receiver must unpack them).
     """
     (lo, hi), p = _checked_pairs(src, dst, pairs)
     layers = np.arange(src.n_layers, dtype=np.int64)
+    if slotted and can_slot(src, dst):
+        src_page = layers[:, None] * src.layer_nbytes + p[None, :, 0] * src.page_nbytes
+        return PoolCopy(src.name, src_page.reshape(-1), slot_offsets(src, dst, p[:, 1]).reshape(-1),
+                        _full(src_page.size, src.page_nbytes), slotted=True,
+                        dst_blocks=p[:, 1].copy())
     dst_page = layers[:, None] * dst.layer_nbytes + p[None, :, 1] * dst.page_nbytes  # (L, n)
     if staging_offset is not None and can_stage(src, dst):
         staged = staging_offset + (layers[:, None] * p.shape[0] + np.arange(p.shape[0])[None, :]
@@ -178,12 +193,14 @@ def pack_pages(pool: torch.Tensor, src: PoolLayout, dst: PoolLayout, copy: PoolC
 
 
 def plan_copy(src_pools: Mapping[str, PoolLayout], dst_pools: Mapping[str, PoolLayout],
-              pages: Mapping[str, object], staging_offset: int | None = None) -> list[PoolCopy]:
+              pages: Mapping[str, object], staging_offset: int | None = None,
+              slotted: bool = False) -> list[PoolCopy]:
     """Plan every pool named in ``pages`` (pool -> (src_block, dst_block) pairs).
 
     Pools with no pairs or no layers move nothing and may be absent on either side. With
     ``staging_offset``, stageable pools are packed back to back from there
-    (``plan_staging_nbytes`` bytes in all). Validates everything before returning.
+    (``plan_staging_nbytes`` bytes in all); with ``slotted``, pools a rank with more heads
+    receives are slotted. Validates everything before returning.
     """
     out = []
     off = staging_offset
@@ -196,7 +213,7 @@ def plan_copy(src_pools: Mapping[str, PoolLayout], dst_pools: Mapping[str, PoolL
                 raise KVLayoutError(f"pool {name!r} does not exist on the {side} "
                                     f"(has {sorted(pools)})")
         src, dst = src_pools[name], dst_pools[name]
-        copy = plan_pool_copy(src, dst, p, off)
+        copy = plan_pool_copy(src, dst, p, off, slotted)
         if copy.staged:
             off += staged_nbytes(dst, p.shape[0])
         if copy.num_descs:

@@ -36,6 +36,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one prompt's KV may take to reach its decode worker")
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room for cached prompt prefixes beyond the longest prompt (0 = no prefix cache)")
+    p.add_argument("--kv-staging-tokens", type=int, default=32768,
+                   help="prompts up to this long go to decode workers of a larger TP as a few large "
+                        "writes through a staging buffer of their KV's size (0 = none; longer prompts: "
+                        "one write per token row)")
     add_worker_process_args(p)
 
 

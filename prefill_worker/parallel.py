@@ -31,6 +31,23 @@ def push_report(agent, push, timeout_s: float):
         return "error", f"{type(e).__name__}: {e}"
 
 
+def kv_staging_bytes(cache, tokens: int) -> int:
+    """Room to pack one prompt of up to `tokens` tokens for decode ranks holding fewer KV heads
+    than ours (decode TP > prefill TP): its pages (sliding layers: the window's) of every pool,
+    whichever decode ranks they are split among (kvtransfer.staging)."""
+    if tokens <= 0:
+        return 0
+    from pdserve.kvtransfer.staging import ALIGN
+
+    pages = -(-tokens // cache.page_size)
+    window = getattr(cache.cfg, "sliding_window", 0)
+    total = 0
+    for name, pool in cache.pools.items():
+        n = min(pages, -(-window // cache.page_size) + 1) if name == "sliding" else pages
+        total += n * pool[:, 0].numel() * pool.element_size() + 8 * ALIGN  # (8: regions' alignment)
+    return total
+
+
 def build_rank(a: argparse.Namespace, worker_id: str, group):
     """This rank's share of the worker: its model runner (KV room for the longest prompt plus the
     prefix cache) and its NIXL agent (every rank alike)."""
@@ -44,9 +61,10 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
     blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
                          num_kv_blocks=blocks, shard=group.shard)
+    staging = kv_staging_bytes(runner.cache, min(cfg.max_context, a.kv_staging_tokens))
     agent = KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(cfg.num_key_value_heads),
-                            listen_host=a.kv_host or a.host)
+                            listen_host=a.kv_host or a.host, staging_bytes=staging)
     return runner, agent
 
 

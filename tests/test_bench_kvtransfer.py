@@ -55,18 +55,21 @@ def test_quick_cpu_run_of_every_case(bench, tmp_path):
                        "--doc", str(doc), "--json", str(out)]) == 0
     saved = json.loads(out.read_text())
     rows = {r["case"]: r for r in saved["rows"]}
-    assert set(rows) == set(bench.CASES) and not saved["notes"]
+    assert set(rows) == set(bench.CASES) and not any("FAILED" in n for n in saved["notes"])
+    assert "TP2 -> TP1, 1024 tokens: " in " ".join(saved["notes"])  # its bandwidth against TP1 -> TP1
     want = bench.request_kv_bytes(bench.model_config(), 1024)
     for r in rows.values():
         assert r["tokens"] == 1024 and r["bytes"] == want and r["reps"] == 1
         assert r["time_s"] > 0 and r["gb_s"] == pytest.approx(want / r["time_s"] / 1e9)
     pages = 12 * (64 + 8)  # (layer, page) pairs of the request
-    # consecutive blocks: one fused range per layer; a churned allocator: about one per page
+    # consecutive blocks: one fused range per layer; a churned allocator (half its blocks free at
+    # random; it hands out the free runs, so neighbours fuse): several hundred, at most one per page
     assert rows["tp1-tp1"]["descriptors"] == 24
-    assert pages // 2 < rows["tp1-tp1-shuffled"]["descriptors"] <= pages
-    # re-sharded: one per (layer, page, k/v, token) and decode rank, unless packed (staged)
-    assert rows["tp1-tp2"]["descriptors"] == rows["tp2-tp1"]["descriptors"] == 2 * pages * 32
-    assert rows["tp1-tp2-staged"]["descriptors"] == 2 * 24
+    assert pages // 5 < rows["tp1-tp1-shuffled"]["descriptors"] <= pages
+    # re-sharded: one range per layer and (sender, receiver) pair, packed (TP1 -> TP2) or slotted
+    # (TP2 -> TP1); the per-token-row fallback one per (layer, page, k/v, token) and decode rank
+    assert rows["tp1-tp2"]["descriptors"] == rows["tp2-tp1"]["descriptors"] == 2 * 24
+    assert rows["tp1-tp2-rows"]["descriptors"] == 2 * pages * 32
     assert rows["tp2-tp1"]["placement"] == "cpu,cpu -> cpu"
     text = doc.read_text()
     assert text.startswith("# Performance\n\nkept\n") and text.count(bench.BEGIN) == 1

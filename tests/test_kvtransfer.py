@@ -25,6 +25,7 @@ from pdserve.kvtransfer import (
     plan_pool_copy,
 )
 from pdserve.kvtransfer.handshake import decode_peer_info, encode_peer_info, peer_info_message
+from pdserve.kvtransfer.notify import kv_notification
 from pdserve.kvtransfer.plan import (
     can_stage,
     merge_contiguous,
@@ -32,6 +33,7 @@ from pdserve.kvtransfer.plan import (
     plan_staging_nbytes,
     staged_nbytes,
 )
+from pdserve.kvtransfer.reshard import SlottedArrivals, decode_blocks, encode_blocks, unpack_slotted
 from pdserve.kvtransfer.staging import StagingBuffer
 
 H = 8  # gpt-oss KV heads
@@ -57,11 +59,12 @@ def _apply(copy, src_bytes: np.ndarray, dst_bytes: np.ndarray, writer: np.ndarra
         writes[d:d + n] += 1
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "slotted"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 @pytest.mark.parametrize("d", [1, 2, 4, 8])
-def test_plan_reshards_every_byte_exactly_once_from_its_owner(p, d, staged):
-    gen = torch.Generator().manual_seed(1000 * staged + 100 * p + d)
+def test_plan_reshards_every_byte_exactly_once_from_its_owner(p, d, mode):
+    staged, slotted = mode == "staged", mode == "slotted"
+    gen = torch.Generator().manual_seed(1000 * len(mode) + 100 * p + d)
     layers, page, dim, src_blocks, dst_blocks = 2, 4, 3, 6, 7
     # truth[l, b, kv, t, h, :] as the prefill TP group computed it (bf16, random bits).
     truth = torch.randint(-2**15, 2**15, (layers, src_blocks, 2, page, H, dim), generator=gen,
@@ -87,7 +90,9 @@ def test_plan_reshards_every_byte_exactly_once_from_its_owner(p, d, staged):
                 with pytest.raises(KVLayoutError, match="do not intersect"):
                     plan_pool_copy(src, dst, pairs)
                 continue
-            copy = plan_pool_copy(src, dst, pairs, staging_offset=512 if staged else None)
+            copy = plan_pool_copy(src, dst, pairs, staging_offset=512 if staged else None,
+                                  slotted=slotted)
+            assert copy.slotted == (slotted and p > d)
             src_bytes = src_t.view(torch.uint8).numpy().ravel()
             if copy.staged:  # pack into a scratch buffer first, as the sender does
                 assert staged and can_stage(src, dst)
@@ -96,9 +101,9 @@ def test_plan_reshards_every_byte_exactly_once_from_its_owner(p, d, staged):
                 pack_pages(src_t, src, dst, copy, staging)
                 assert (staging[:512] == 0xAB).all()
                 src_bytes = staging.numpy()
-            if copy.staged or src.heads == dst.heads:
+            if copy.staged or copy.slotted or src.heads == dst.heads:
                 assert copy.num_descs == layers * len(pairs)
-                assert (copy.lengths == dst.page_nbytes).all()
+                assert (copy.lengths == min(src.page_nbytes, dst.page_nbytes)).all()
             else:
                 lo, hi = heads_overlap(src.heads, dst.heads)
                 assert copy.num_descs == layers * len(pairs) * 2 * page
@@ -107,6 +112,8 @@ def test_plan_reshards_every_byte_exactly_once_from_its_owner(p, d, staged):
             assert merged.nbytes == copy.nbytes and merged.num_descs <= copy.num_descs
             _apply(merged, src_bytes, dst_bytes, writer, writes, sr)
 
+        if slotted and p > d:  # the receiver puts the senders' slots in place
+            unpack_slotted(poison, np.array([db for _, db in pairs]), p // d)
         # Written pages hold exactly this rank's heads of the truth; everything else is poison.
         expect = torch.full_like(poison, -7.0)
         for sb, db in pairs:
@@ -118,8 +125,64 @@ def test_plan_reshards_every_byte_exactly_once_from_its_owner(p, d, staged):
         mapped = np.zeros(dst_blocks, dtype=bool)
         mapped[[db for _, db in pairs]] = True
         assert (writes6[:, mapped] == 1).all() and (writes6[:, ~mapped] == 0).all()
-        owner = np.arange(hr[0], hr[1]) // (H // p)  # global head -> prefill rank
-        assert (writer6[:, mapped] == owner[None, None, None, None, :, None]).all()
+        if not (slotted and p > d):  # (slotted: written whole, moved into place by the receiver)
+            owner = np.arange(hr[0], hr[1]) // (H // p)  # global head -> prefill rank
+            assert (writer6[:, mapped] == owner[None, None, None, None, :, None]).all()
+
+
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)])
+def test_resharded_32k_prompt_is_a_few_ranges_per_layer(p, d):
+    """A 32k-token prompt (2048 pages, 20b: 12 full-attention layers) re-sharded between TP p and
+    TP d costs O(layers x block runs) descriptors, not O(tokens)."""
+    n, layers, runs = 2048, 12, 3
+    src = _layout(layers=layers, blocks=4096, page=16, heads=head_range(H, p, 0), dim=64)
+    dst = _layout(layers=layers, blocks=8192, page=16, heads=head_range(H, d, 0), dim=64)
+    starts = [100, 3000, 6000]  # destination blocks in three runs, source blocks in one
+    dst_blocks = np.concatenate([np.arange(s, s + n // runs + (i < n % runs))
+                                 for i, s in enumerate(starts)])
+    pairs = np.stack([np.arange(7, 7 + n), dst_blocks], axis=1)
+    copy = merge_contiguous(plan_pool_copy(src, dst, pairs, staging_offset=0, slotted=True))
+    assert copy.staged or copy.slotted
+    assert copy.nbytes == layers * n * min(src.page_nbytes, dst.page_nbytes)
+    assert layers <= copy.num_descs <= layers * runs
+    one_run = merge_contiguous(plan_pool_copy(src, dst, np.stack([pairs[:, 0], 5 + np.arange(n)], 1),
+                                              staging_offset=0, slotted=True))
+    assert one_run.num_descs == layers
+
+
+def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered():
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    blocks = np.array([5, 6, 7, 2, 9, 10], dtype=np.int64)
+    assert np.array_equal(decode_blocks(encode_blocks({"full": blocks}))["full"], blocks)
+    assert encode_blocks({"full": blocks}) == b"full=5+3.2+1.9+2"
+    with pytest.raises(KVLayoutError):
+        decode_blocks(b"full=5+x")
+    # a decode rank with heads [0, 4) fed by two senders of heads [0, 2) and [2, 4)
+    truth = torch.randint(-2**15, 2**15, (2, 6, 2, 4, 4, 8), generator=gen,
+                          dtype=torch.int16).view(torch.bfloat16)
+    pool = torch.zeros(2, 12, 2, 4, 4, 8, dtype=torch.bfloat16)
+    dst = PoolLayout.from_tensor("full", pool, (0, 4))
+    flat = pool.view(torch.uint8).numpy().ravel()
+    pairs = np.stack([np.arange(6), blocks], 1)
+    notifs = []
+    for lo in (0, 2):
+        part = truth[..., lo:lo + 2, :].contiguous()
+        copy = plan_pool_copy(PoolLayout.from_tensor("full", part, (lo, lo + 2)), dst, pairs, slotted=True)
+        src_bytes = part.view(torch.uint8).numpy().ravel()
+        _apply(copy, src_bytes, flat, np.zeros_like(flat, dtype=np.int64), np.zeros_like(flat, dtype=np.int64), 0)
+        notifs.append(f"req-1#{lo}:{lo + 2}".encode() + b"|" + encode_blocks({"full": copy.dst_blocks}))
+    now = [0.0]
+    arrivals = SlottedArrivals({"full": pool}, (0, 4), ttl_s=10, clock=lambda: now[0])
+    assert arrivals.feed(b"other#0:4") == [b"other#0:4"]  # not slotted: delivered at once
+    assert arrivals.feed(b"req-1#0:2|full=99+1") == [] and len(arrivals) == 0  # outside the pool
+    assert arrivals.feed(notifs[1]) == [] and len(arrivals) == 1
+    assert not torch.equal(pool[:, blocks], truth)  # nothing touched before every slot arrived
+    assert arrivals.feed(notifs[0]) == [b"req-1#2:4", b"req-1#0:2"]
+    assert torch.equal(pool[:, blocks].view(torch.int16), truth.view(torch.int16))
+    # a push that never completes is dropped after the TTL, its pages untouched
+    arrivals.feed(notifs[0].replace(b"req-1", b"req-2"))
+    now[0] = 11.0
+    assert arrivals.feed(b"x#0:4") == [b"x#0:4"] and len(arrivals) == 0
 
 
 def test_plan_copy_packs_stageable_pools_back_to_back():
@@ -375,30 +438,47 @@ def test_write_pages_lands_bit_exact_and_notifies(peer):
         np.testing.assert_array_equal(_i16(pools_a["full"])[:, 9], after["full"][:, 11])
 
 
+def _tp_agents(peer, p: int, d: int, tag: str, truth: dict, dst_spec: dict, staging: int):
+    """Decode TP=d agents in the peer process ({name: (heads, peer-info blob)}, their pools before)
+    and prefill TP=p agents here holding their heads of `truth`."""
+    nh = next(iter(truth.values())).shape[4]
+    rng = np.random.default_rng()
+    dec = {}
+    for r in range(d):
+        hr = head_range(nh, d, r)
+        dec[f"dec-{tag}-{r}"] = (hr, peer("create", f"dec-{tag}-{r}", int(rng.integers(1 << 30)), dst_spec, hr))
+    before = {n: peer("pools", n) for n in dec}
+    pre = []
+    for r in range(p):
+        hr = head_range(nh, p, r)
+        pools = {g: t[..., hr[0]:hr[1], :].contiguous() for g, t in truth.items()}
+        pre.append(KVTransferAgent(f"pre-{tag}-{r}", pools, head_range=hr, staging_bytes=staging))
+    return dec, before, pre
+
+
+def _assert_pages_moved(peer, dec: dict, before: dict, truth: dict, pages: dict) -> None:
+    for n, (hr, _) in dec.items():
+        after = peer("pools", n)
+        for g in truth:
+            expect = before[n][g].copy()
+            for sb, db in pages[g]:
+                expect[:, db] = _i16(truth[g])[:, sb, ..., hr[0]:hr[1], :]
+            np.testing.assert_array_equal(after[g], expect)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("p,d,staging", [(2, 1, 1 << 20), (1, 2, 0), (1, 2, 1 << 20),
                                          (1, 2, 1024)])
 def test_tp_resharding_over_nixl(peer, p, d, staging):
     """Prefill TP=p (agents in this process) -> decode TP=d (agents in the peer process), with
-    per-token descriptors, packed pages (staging), or staging too small (falls back)."""
-    nh = 4  # tiny model's KV heads
+    notifications that name no request (per-token descriptors), packed pages (staging), or
+    staging too small (falls back)."""
     rng = np.random.default_rng()
-    truth = _make_pools(int(rng.integers(1 << 30)), {"full": (2, 6), "sliding": (1, 5)}, (0, nh))
+    truth = _make_pools(int(rng.integers(1 << 30)), {"full": (2, 6), "sliding": (1, 5)}, (0, 4))
     pages = {"full": [(1, 7), (4, 0), (5, 3)], "sliding": [(2, 4), (0, 1)]}
-    dec = {}
-    for r in range(d):
-        hr = head_range(nh, d, r)
-        name = f"dec{p}{d}{staging}-{r}"
-        dec[name] = (hr, peer("create", name, int(rng.integers(1 << 30)),
-                              {"full": (2, 8), "sliding": (1, 5)}, hr))
-    before = {n: peer("pools", n) for n in dec}
-    pre = []
+    dec, before, pre = _tp_agents(peer, p, d, f"{p}{d}{staging}", truth, {"full": (2, 8), "sliding": (1, 5)},
+                                  staging)
     try:
-        for r in range(p):
-            hr = head_range(nh, p, r)
-            pools = {g: t[..., hr[0]:hr[1], :].contiguous() for g, t in truth.items()}
-            pre.append(KVTransferAgent(f"pre{p}{d}{staging}-{r}", pools, head_range=hr,
-                                       staging_bytes=staging))
         handles = []
         for a in pre:
             for n, (hr, blob) in dec.items():
@@ -417,13 +497,41 @@ def test_tp_resharding_over_nixl(peer, p, d, staging):
             for n in dec:
                 if heads_overlap(a.head_range, dec[n][0]):
                     assert peer("wait_notification", n, f"{a.name}->{n}".encode(), 10)
-        for n, (hr, _) in dec.items():
-            after = peer("pools", n)
-            for g in truth:
-                expect = before[n][g].copy()
-                for sb, db in pages[g]:
-                    expect[:, db] = _i16(truth[g])[:, sb, ..., hr[0]:hr[1], :]
-                np.testing.assert_array_equal(after[g], expect)
+        _assert_pages_moved(peer, dec, before, truth, pages)
+    finally:
+        for a in pre:
+            a.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_tp_resharding_over_nixl_is_one_range_per_layer(peer, p, d):
+    """Workers' notifications (request id + heads) and a staging buffer on the senders: every
+    prefill TP p -> decode TP d pairing moves consecutive blocks as one range per layer and pool
+    (packed when d > p, slotted and unpacked by the receiver when p > d), bit-exact."""
+    rng = np.random.default_rng()
+    truth = _make_pools(int(rng.integers(1 << 30)), {"full": (2, 6), "sliding": (1, 5)}, (0, 4))
+    pages = {"full": [(1, 3), (2, 4), (3, 5)], "sliding": [(2, 1), (3, 2)]}
+    rid = f"req-{p}{d}-{rng.integers(1 << 20)}"
+    dec, before, pre = _tp_agents(peer, p, d, rid, truth, {"full": (2, 8), "sliding": (1, 5)}, 1 << 20)
+    try:
+        sent = []
+        for a in pre:
+            for n, (hr, blob) in dec.items():
+                heads = heads_overlap(a.head_range, hr)
+                if heads is None:
+                    continue
+                notif = kv_notification(rid, heads)
+                h = a.write_pages(a.add_peer(blob), pages, notif)
+                assert h.num_descs == 2 + 1  # full: 2 layers, sliding: 1 layer
+                sent.append((h, n, notif))
+        assert len(sent) == max(p, d)
+        for h, _, _ in sent:
+            h.wait(10)
+        for _, n, notif in sent:
+            assert peer("wait_notification", n, notif, 10)
+        _assert_pages_moved(peer, dec, before, truth, pages)
     finally:
         for a in pre:
             a.close()
@@ -588,3 +696,36 @@ def test_vram_pools_write_and_reshard_between_processes(peer):
                 for sb, db in pages[g]:
                     expect[:, db] = _i16(pools[g])[:, sb, ..., hr[0]:hr[1], :]
                 np.testing.assert_array_equal(after[g], expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vram_slotted_writes_are_unpacked_on_the_receiving_gpu(peer):
+    """TP2 -> TP1 in VRAM: both senders' whole pages land in slots and the receiving agent puts
+    the heads in place on its GPU before the notifications show; bit-exact, one range per layer."""
+    dev_a = "cuda:0"
+    dev_b = f"cuda:{torch.cuda.device_count() - 1}"
+    rng = np.random.default_rng()
+    spec = {"full": (3, 16, 16, 64), "sliding": (2, 8, 16, 64)}
+    truth = _make_pools(int(rng.integers(1 << 30)), spec, (0, 4), dev_a)
+    blob = peer("create", "g-slots", int(rng.integers(1 << 30)), spec, (0, 4), dev_b)
+    before = peer("pools", "g-slots")
+    pages = {"full": [(3, 8), (4, 9), (5, 10)], "sliding": [(1, 2), (2, 3)]}
+    senders = [KVTransferAgent(f"a-gpu-slot{lo}", {g: t[..., lo:lo + 2, :].contiguous() for g, t in truth.items()},
+                               head_range=(lo, lo + 2)) for lo in (0, 2)]
+    try:
+        handles = [a.write_pages(a.add_peer(blob), pages, kv_notification("g-req", a.head_range)) for a in senders]
+        assert all(h.num_descs == 3 + 2 for h in handles)
+        for h in handles:
+            h.wait(30)
+        for a in senders:
+            assert peer("wait_notification", "g-slots", kv_notification("g-req", a.head_range), 30)
+        after = peer("pools", "g-slots")
+        for g in spec:
+            expect = before[g].copy()
+            for sb, db in pages[g]:
+                expect[:, db] = _i16(truth[g])[:, sb]
+            np.testing.assert_array_equal(after[g], expect)
+    finally:
+        for a in senders:
+            a.close()

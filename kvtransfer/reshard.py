@@ -1,0 +1,198 @@
+"""Re-sharding into a rank that holds more KV heads than the sender (prefill TP p > decode TP d):
+slotted writes into the request's own pages, put in place by the receiver when all arrived.
+
+Why: in a page (NHD) one (k/v, token) row interleaves the heads of several senders, so writing
+each sender's heads straight into place costs one descriptor per (layer, page, k/v, token):
+1.2M descriptors and >10 s for a 32k-token prompt. Instead each sender writes its pages whole,
+unchanged, into a slot of the destination pages, and the receiver permutes them once.
+
+Slot layout, per pool and layer: the destination pages of the request, concatenated in the order
+of the pairs (blocks ``b_0 .. b_{n-1}``), are ``n * k`` slots of one source page each (``k`` =
+destination heads / source heads). The sender owning the ``s``-th head slice of the destination
+writes its page ``i`` into slot ``s * n + i``, i.e. page ``b_{(s*n+i) // k}`` at byte
+``((s*n+i) % k) * source page bytes``. Over consecutive blocks on both sides that is ONE range
+per layer (and per run of blocks otherwise): no staging memory, no extra round trip. The write's
+notification carries the destination blocks (run-length encoded); once the receiver's heads are
+covered (every slot written) it gathers the pages, permutes heads into place and scatters them
+back (``unpack_slotted``), then releases the notifications to the worker, which only then sees
+the request's KV. The bytes a request's pages hold are garbage until then, as for any write in
+flight; nothing reads them before the KV is declared present.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pdserve.kvtransfer.errors import KVLayoutError
+from pdserve.kvtransfer.layout import PoolLayout
+from pdserve.kvtransfer.notify import WRITE, covers, parse_notification
+
+log = logging.getLogger(__name__)
+
+SEP = b"|"  # notification | slotted blocks
+
+
+def can_slot(src: PoolLayout, dst: PoolLayout) -> bool:
+    """True when the source's heads are a strict, aligned subset of the destination's."""
+    w = src.num_kv_heads_local
+    return (dst.head_start <= src.head_start and src.head_end <= dst.head_end
+            and src.heads != dst.heads and dst.num_kv_heads_local % w == 0
+            and (src.head_start - dst.head_start) % w == 0)
+
+
+def slot_offsets(src: PoolLayout, dst: PoolLayout, dst_blocks: np.ndarray) -> np.ndarray:
+    """Destination byte offsets ``(n_layers, n)`` of the source's pages ``0 .. n-1`` (pair
+    order) in the slot layout over ``dst_blocks``."""
+    w = src.num_kv_heads_local
+    k = dst.num_kv_heads_local // w
+    slot = (src.head_start - dst.head_start) // w
+    n = dst_blocks.shape[0]
+    j = slot * n + np.arange(n, dtype=np.int64)
+    within = dst_blocks[j // k] * dst.page_nbytes + (j % k) * src.page_nbytes
+    layers = np.arange(dst.n_layers, dtype=np.int64)
+    return layers[:, None] * dst.layer_nbytes + within[None, :]
+
+
+def encode_blocks(blocks: dict[str, np.ndarray]) -> bytes:
+    """pool -> destination blocks (in pair order) as b"full=3+16.40+4;sliding=7+9" (start+length runs)."""
+    parts = []
+    for name, b in blocks.items():
+        b = np.asarray(b, dtype=np.int64)
+        if b.shape[0] == 0:
+            continue
+        starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1] + 1]))
+        lens = np.diff(np.concatenate([starts, [b.shape[0]]]))
+        parts.append(name + "=" + ".".join(f"{b[s]}+{n}" for s, n in zip(starts, lens)))
+    return ";".join(parts).encode()
+
+
+def decode_blocks(text: bytes) -> dict[str, np.ndarray]:
+    out = {}
+    try:
+        for part in text.decode().split(";"):
+            name, _, runs = part.partition("=")
+            blocks = []
+            for run in runs.split("."):
+                start, _, n = run.partition("+")
+                blocks.append(np.arange(int(start), int(start) + int(n), dtype=np.int64))
+            out[name] = np.concatenate(blocks)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise KVLayoutError(f"malformed slotted-write blocks {text[:80]!r}: {e}") from None
+    return out
+
+
+def unpack_slotted(pool: torch.Tensor, blocks: np.ndarray, k: int) -> None:
+    """Put ``k`` slotted senders' heads in place in pages ``blocks`` (pair order) of ``pool``
+    ``[n_layers, n_blocks, 2, page_size, heads, head_dim]``: one gather, permute and scatter
+    per layer (a layer's pages of the request as scratch). Asynchronous on CUDA."""
+    n_layers, _, two, page, heads, dim = pool.shape
+    if heads % k:
+        raise KVLayoutError(f"{k} slots do not divide the rank's {heads} KV heads")
+    n = blocks.shape[0]
+    idx = torch.as_tensor(blocks, dtype=torch.long, device=pool.device)
+    for layer in range(n_layers):
+        pages = pool[layer].index_select(0, idx)  # (n, 2, page, heads, dim), slot order
+        placed = pages.view(k, n, two, page, heads // k, dim).permute(1, 2, 3, 0, 4, 5)
+        pool[layer].index_copy_(0, idx, placed.reshape(n, two, page, heads, dim))
+
+
+@dataclass
+class _Held:
+    since: float
+    width: int
+    blocks: dict[str, np.ndarray]
+    heads: list[tuple[int, int]] = field(default_factory=list)
+    notifs: list[bytes] = field(default_factory=list)
+
+
+class SlottedArrivals:
+    """Receiver side: holds the notifications of slotted writes until this rank's heads are
+    covered for the request, then unpacks its pages and releases them (``feed``).
+
+    pools : the rank's pool tensors by name; heads : its global KV heads ``[lo, hi)``.
+    A request whose slots never all arrive (its push failed or was cancelled) is dropped after
+    ``ttl_s``; its pages are never touched. One caller at a time (the agent's lock).
+    """
+
+    def __init__(self, pools: dict[str, torch.Tensor], heads: tuple[int, int], ttl_s: float = 600.0,
+                 clock=time.monotonic):
+        self.pools = pools
+        self.heads = heads
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._held: dict[str, _Held] = {}
+        self._stream = None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        """One received notification -> the notifications to deliver now (plain ones at once)."""
+        self._expire()
+        if SEP not in raw:
+            return [raw]
+        notif, _, tail = raw.partition(SEP)
+        n = parse_notification(notif)
+        if n.kind != WRITE or n.heads is None:
+            log.error("slotted write with a notification %r that names no heads: dropped", notif)
+            return []
+        width = n.heads[1] - n.heads[0]
+        try:
+            blocks = self._check(decode_blocks(tail), n.heads)
+        except KVLayoutError as e:
+            log.error("request %s: bad slotted write dropped: %s", n.request_id, e)
+            return []
+        held = self._held.get(n.request_id)
+        if held is None or held.width != width or any(
+                not np.array_equal(held.blocks.get(g, ()), b) for g, b in blocks.items()):
+            held = self._held[n.request_id] = _Held(self.clock(), width, blocks)  # a new push
+        held.heads.append(n.heads)
+        held.notifs.append(notif)
+        if not covers(held.heads, self.heads):
+            return []
+        del self._held[n.request_id]
+        k = (self.heads[1] - self.heads[0]) // width
+        self._unpack(blocks, k)
+        return held.notifs
+
+    def _check(self, blocks: dict[str, np.ndarray], heads: tuple[int, int]) -> dict[str, np.ndarray]:
+        lo, hi = self.heads
+        w = heads[1] - heads[0]
+        if not (lo <= heads[0] < heads[1] <= hi and (hi - lo) % w == 0 and (heads[0] - lo) % w == 0):
+            raise KVLayoutError(f"heads {heads} are not a slot of this rank's heads {self.heads}")
+        for g, b in blocks.items():
+            if g not in self.pools:
+                raise KVLayoutError(f"unknown pool {g!r}")
+            if b.shape[0] and (b.min() < 0 or b.max() >= self.pools[g].shape[1]
+                               or np.unique(b).shape[0] != b.shape[0]):
+                raise KVLayoutError(f"pool {g!r}: blocks outside [0, {self.pools[g].shape[1]}) or repeated")
+        return blocks
+
+    def forget(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    def _unpack(self, blocks: dict[str, np.ndarray], k: int) -> None:
+        pool0 = next(iter(self.pools.values()))
+        if pool0.is_cuda:  # beside the decode steps, which touch other blocks; done before release
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(pool0.device)
+            self._stream.wait_stream(torch.cuda.current_stream(pool0.device))
+            with torch.cuda.stream(self._stream):
+                for g, b in blocks.items():
+                    unpack_slotted(self.pools[g], b, k)
+            self._stream.synchronize()
+        else:
+            for g, b in blocks.items():
+                unpack_slotted(self.pools[g], b, k)
+
+    def _expire(self) -> None:
+        if self._held:
+            now = self.clock()
+            for rid in [r for r, h in self._held.items() if now - h.since > self.ttl_s]:
+                log.warning("request %s: slotted KV writes incomplete after %g s: dropped", rid, self.ttl_s)
+                del self._held[rid]
