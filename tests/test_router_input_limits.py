@@ -186,3 +186,45 @@ def test_longest_run_matches_a_plain_scan():
             if _class_of(char) != _DIGIT:  # digits never form a long piece
                 best = max(best, run)
         assert longest_run(text) == best, text
+
+
+def _junk(rng: random.Random, depth: int = 0):
+    kinds = ["null", "bool", "int", "float", "str", "list", "dict"] if depth < 3 else ["int", "str"]
+    kind = rng.choice(kinds)
+    if kind == "list":
+        return [_junk(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "dict":
+        return {rng.choice(["type", "role", "content", "text", "name", "x"]): _junk(rng, depth + 1)
+                for _ in range(rng.randint(0, 3))}
+    return {"null": None, "bool": rng.random() < 0.5,
+            "int": rng.choice([0, -1, 1, 2 ** 70, rng.randrange(-10 ** 6, 10 ** 6)]),
+            "float": rng.choice([0.5, -3.0, 1e308, float(rng.randrange(100))]),
+            "str": rng.choice(["", "x", "<|start|>", "é" * rng.randint(1, 50), "true", "1"])}[kind]
+
+
+@pytest.mark.parametrize("path,valid", [
+    ("/v1/chat/completions", chat(max_tokens=3, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}])),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3}),
+    ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": "hi"}],
+                       "max_output_tokens": 3, "tools": [{"type": "function", "name": "f",
+                                                          "parameters": {"type": "object"}}]}),
+    ("/tokenize", {"model": MODEL, "prompt": "hi"}),
+    ("/detokenize", {"model": MODEL, "tokens": [1, 2]}),
+])
+def test_random_junk_in_any_field_is_never_a_5xx(fresh, path, valid):
+    """Fresh random values (wrong types, nesting, specials) in one field at a time, on every
+    endpoint: a 200 or an OpenAI error body with a 4xx, never a server error."""
+    rng = random.Random()
+    for _ in range(25):
+        body = json.loads(json.dumps(valid))
+        target = body
+        field = rng.choice(list(target))
+        while isinstance(target[field], (dict, list)) and target[field] and rng.random() < 0.6:
+            target = target[field]
+            field = rng.randrange(len(target)) if isinstance(target, list) else rng.choice(list(target))
+        target[field] = _junk(rng)
+        r = post(fresh, path, body=body)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
