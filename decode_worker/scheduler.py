@@ -24,6 +24,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from pdserve.engine.block_manager import KVCacheFull
+from pdserve.engine.decode_pipeline import InFlight, launch, next_rows, pipelinable
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams, sample
 from pdserve.engine.sequence import FinishReason, Sequence
@@ -57,6 +58,7 @@ class DecodeScheduler:
         transfer_timeout_s: float = 30.0,
         idle_wait_s: float = 0.002,
         clock=time.monotonic,
+        pipeline: bool = True,
     ):
         self.runner = runner
         self.cache = runner.cache
@@ -77,6 +79,8 @@ class DecodeScheduler:
         self.notification_source: Notifications | None = None
         self.steps = 0
         self._block_copies: dict[str, list[tuple[int, int]]] = {}  # forks admitted, run with the next step
+        self._inflight: InFlight | None = None  # a launched step whose tokens are not read yet
+        self.pipeline = pipeline
         self.dropped_notifications = 0  # for requests this worker does not know (any more)
 
     # -- API (any thread) -------------------------------------------------------------------------
@@ -196,6 +200,8 @@ class DecodeScheduler:
         if r in self._running:
             self._running.remove(r)
         r.events.put(event)
+        if self._inflight is not None and {id(c) for c in r.choices} & {id(c) for c in self._inflight.seqs}:
+            self._inflight.wait()  # a launched step still writes this request's KV
         for blocks in r.choice_blocks:  # never written remotely; shared pages only lose a holder
             self.cache.release(blocks)
         if r.writes_settled():
@@ -279,10 +285,51 @@ class DecodeScheduler:
         """One loop iteration: housekeeping, then one decode step if anything runs (True)."""
         self._housekeeping()
         batch = list(self._running)
+        if self._inflight is not None or (batch and self._pipelinable(batch)):
+            self._pipelined_step(batch)
+            return True
         if not batch:
             return False
         self._step(batch)
         return True
+
+    def _drop_inflight(self) -> None:
+        if self._inflight is not None:
+            try:
+                self._inflight.wait()
+            finally:
+                self._inflight = None
+
+    def _pipelinable(self, batch: list[DecodeRequest]) -> bool:
+        return self.pipeline and pipelinable(self.runner, [seq for r in batch for _, seq in r.live_choices])
+
+    def _pipelined_step(self, batch: list[DecodeRequest]) -> None:
+        """engine.decode_pipeline: launch the next step on the in-flight step's device-side tokens,
+        then read and stream those tokens (one step late; a row that stopped computes one discarded
+        token). Once a row needs the host's sampler, nothing is launched and `_step` takes over."""
+        prev, self._inflight = self._inflight, None
+        owner = {id(seq): (r, i) for r in batch for i, seq in r.live_choices}
+        seqs = next_rows([seq for r in batch for _, seq in r.live_choices], prev, self.runner.max_context)
+        if seqs and self.pipeline and pipelinable(self.runner, seqs):
+            copies, self._block_copies = self._block_copies, {}
+            self._inflight = launch(self.runner, seqs, prev, block_copies=copies)
+            self.steps += 1
+        if prev is None:
+            return
+        tokens = prev.read()
+        cfg = self.runner.cfg
+        with self._lock:
+            for seq, tok in zip(prev.seqs, tokens):
+                r, i = owner.get(id(seq), (None, None))
+                if r is None or not r.live or seq.finish_reason is not None:
+                    continue  # ended meanwhile (cancel, failure, an earlier stop): its token is dropped
+                done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context)
+                event = TokenEvent([tok], seq.finish_reason if done else None, choice=i)
+                if done and not r.live_choices:
+                    r.finish()
+                    self._end(r, event)
+                else:
+                    r.events.put(event)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -293,6 +340,7 @@ class DecodeScheduler:
             except Exception as e:  # one bad step must not kill the worker: fail the batch
                 log.exception("decode step failed")
                 with self._lock:
+                    self._drop_inflight()
                     for r in list(self._running):
                         self._fail(r, f"decode step failed: {e}")
 

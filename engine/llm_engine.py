@@ -12,8 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
+from .decode_pipeline import InFlight, launch, next_rows, pipelinable
 from .kv_cache import KVCacheFull
 from .model_runner import InvalidRequest, ModelRunner
 from .sampling import SamplingParams, TokenLogprob, sample
@@ -29,23 +28,6 @@ class GenerationResult:
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
-def sampled_on_device(params: SamplingParams) -> bool:
-    """Rows whose token is the plain argmax of the logits (no penalties, bias, min_tokens or
-    logprobs): the pipelined decode picks these on the GPU without the host."""
-    return (params.greedy and not params.penalised and not params.logit_bias and params.min_tokens == 0
-            and params.logprobs is None)
-
-
-@dataclass
-class _InFlight:
-    """A launched decode step whose tokens the host has not read yet."""
-
-    batch: list[Sequence]
-    tokens: torch.Tensor  # int64 [B] on the device: the next step's input ids
-    host: torch.Tensor  # pinned twin, filled by an async copy (CUDA), else `tokens`
-    copied: object | None  # torch.cuda.Event recorded after that copy
-
-
 class LLMEngine:
     """pipeline: with CUDA graphs on one rank and greedy requests, each decode step is launched
     before the host reads the previous step's tokens (they feed the next step on the device), so
@@ -58,7 +40,7 @@ class LLMEngine:
         self.pipeline = pipeline
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted and unfinished (in flight or not)
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self._ids = itertools.count()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -117,46 +99,21 @@ class LLMEngine:
         return bool(self.waiting or self.running or self._inflight is not None)
 
     def _pipelinable(self, batch: list[Sequence]) -> bool:
-        r = self.runner
-        g = r.decode_graphs
-        return (self.pipeline and g is not None and r.group is None and len(batch) <= g.max_batch
-                and all(sampled_on_device(s.params) for s in batch))
+        return self.pipeline and pipelinable(self.runner, batch)
 
     def _pipelined_step(self, on_token) -> list[Sequence]:
-        """Launch the next decode step (inputs: the in-flight step's tokens, still on the device,
-        and the host-known last tokens of newly admitted requests), then read the in-flight step's
+        """Launch the next decode step (engine.decode_pipeline), then read the in-flight step's
         tokens: the one host synchronisation of the step, after the launch."""
         prev, self._inflight = self._inflight, None
-        pending = {id(s): i for i, s in enumerate(prev.batch)} if prev is not None else {}
-
-        def ends_on_length(s: Sequence) -> bool:  # its pending token is its last
-            return id(s) in pending and (len(s.output_ids) + 1 >= s.params.max_new_tokens
-                                         or s.num_tokens + 1 >= self.runner.max_context)
-
-        nxt = sorted((s for s in self.running if not ends_on_length(s)), key=lambda s: id(s) not in pending)
+        nxt = next_rows(self.running, prev, self.runner.max_context)
         if nxt and self._pipelinable(nxt):
-            m = sum(id(s) in pending for s in nxt)
-            rows = [pending[id(s)] for s in nxt[:m]]
-            ids = None
-            if m:
-                ids = prev.tokens[:m] if rows == list(range(m)) else prev.tokens[torch.tensor(rows, device=prev.tokens.device)]
-            logits = self.runner.decode(nxt, device_ids=ids)
-            tokens = torch.argmax(logits, dim=-1)
-            host, copied = tokens, None
-            if tokens.is_cuda:
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            self._inflight = _InFlight(nxt, tokens, host, copied)
+            self._inflight = launch(self.runner, nxt, prev)
         finished = []
         if prev is not None:
-            if prev.copied is not None:
-                prev.copied.synchronize()
-            for seq, tok in zip(prev.batch, prev.host.tolist()):
+            for seq, tok in zip(prev.seqs, prev.read()):
                 if seq.finish_reason is not None:
                     continue  # ended on an earlier token: this step ran one past its end
-                if not self._accept(seq, int(tok), None, on_token):
+                if not self._accept(seq, tok, None, on_token):
                     self.running.remove(seq)
                     finished.append(seq)
         return finished

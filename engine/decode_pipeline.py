@@ -1,0 +1,87 @@
+"""Pipelined decode: launch step N+1 on step N's device-side tokens, then read step N's.
+
+Shared by `LLMEngine` and the decode worker's scheduler so both run the one way. A row is
+pipelined when its next token is the argmax of the logits (`sampled_on_device`): the GPU picks
+it, it feeds the next step without a host round trip, and the host reads it one step late through
+one pinned async copy and one event wait, issued after the next step is launched. Stop tokens are
+therefore seen one step late (a row that stops computes one discarded token); length ends are
+known ahead and never overrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+
+def sampled_on_device(params: SamplingParams) -> bool:
+    """Rows whose token is the plain argmax of the logits (no penalties, bias, min_tokens or
+    logprobs): the pipelined decode picks these on the GPU without the host."""
+    return (params.greedy and not params.penalised and not params.logit_bias and params.min_tokens == 0
+            and params.logprobs is None)
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # int64 [B] on the device: the next step's input ids
+    host: torch.Tensor  # pinned twin, filled by an async copy (CUDA), else `tokens`
+    copied: object | None  # torch.cuda.Event recorded after that copy
+
+    def wait(self) -> None:
+        """Until the step (and its KV writes) and the copy are done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def read(self) -> list[int]:
+        self.wait()
+        return [int(t) for t in self.host.tolist()]
+
+
+def pipelinable(runner, seqs: Seq[Sequence]) -> bool:
+    """One rank, CUDA-graph decode of this size, every row sampled on the device."""
+    g = getattr(runner, "decode_graphs", None)
+    return (g is not None and getattr(runner, "group", None) is None and len(seqs) <= g.max_batch
+            and all(sampled_on_device(s.params) for s in seqs))
+
+
+def next_rows(running: Seq[Sequence], prev: InFlight | None, max_context: int) -> list[Sequence]:
+    """The rows of the next step: those with a pending token first (in the in-flight order), then
+    rows new to the batch; a row whose pending token is its last (length) is left out."""
+    pending = {id(s) for s in prev.seqs} if prev is not None else set()
+
+    def last_pending(s: Sequence) -> bool:
+        return id(s) in pending and (len(s.output_ids) + 1 >= s.params.max_new_tokens
+                                     or s.num_tokens + 1 >= max_context)
+
+    rows = [s for s in running if not last_pending(s)]
+    order = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
+    return sorted(rows, key=lambda s: (id(s) not in pending, order.get(id(s), 0)))
+
+
+def launch(runner, seqs: list[Sequence], prev: InFlight | None,
+           block_copies: dict[str, list[tuple[int, int]]] | None = None) -> InFlight:
+    """Launch one decode step of `seqs` (ordered by `next_rows`): the rows pending in `prev` take
+    their input ids from its device tensor, the others from the host."""
+    rows = {id(s): i for i, s in enumerate(prev.seqs)} if prev is not None else {}
+    m = sum(id(s) in rows for s in seqs)
+    ids = None
+    if m:
+        idx = [rows[id(s)] for s in seqs[:m]]
+        ids = prev.tokens[:m] if idx == list(range(m)) else prev.tokens[torch.tensor(idx, device=prev.tokens.device)]
+    logits = runner.decode(seqs, block_copies=block_copies, device_ids=ids)
+    tokens = torch.argmax(logits, dim=-1)
+    host, copied = tokens, None
+    if tokens.is_cuda:
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    return InFlight(seqs, tokens, host, copied)
