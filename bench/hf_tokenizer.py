@@ -11,7 +11,6 @@ Harmony special tokens at their ids), so the ids match the server's exactly:
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 from pathlib import Path
 
@@ -19,33 +18,13 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from pdserve.router.harmony import VOCAB_FILE_NAME, HarmonyCodec, ensure_offline_vocab
-
-# o200k_base's pre-tokenizer pattern (tiktoken's `_pat_str` for o200k_base and o200k_harmony)
-O200K_PATTERN = "|".join([
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
-
-
-def _ranks(path: Path) -> dict[bytes, int]:
-    ranks = {}
-    for line in path.read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
+from pdserve.engine.vocab import O200K_PATTERN, token_bytes
+from pdserve.router.harmony import HarmonyCodec
 
 def build(out_dir: Path) -> Path:
     """Write `tokenizer.json` and `tokenizer_config.json` into `out_dir`; return it."""
     codec = HarmonyCodec()
-    ranks = _ranks(ensure_offline_vocab() / VOCAB_FILE_NAME)
+    ranks = token_bytes()
     if sorted(ranks.values()) != list(range(codec.first_special_id)):
         raise SystemExit("the vocabulary's ranks do not end where the special tokens start")
     # the byte-level alphabet HF's BPE works in: each byte one printable character

@@ -23,6 +23,8 @@ import time
 from collections import deque
 from typing import Callable, Iterable
 
+import torch
+
 from pdserve.engine.block_manager import KVCacheFull
 from pdserve.engine.decode_pipeline import InFlight, launch, next_rows, pipelinable
 from pdserve.engine.model_runner import ModelRunner
@@ -30,6 +32,7 @@ from pdserve.engine.sampling import SamplingParams, sample
 from pdserve.engine.sequence import FinishReason, Sequence
 from pdserve.kvtransfer.notify import FAILED, OK, PUSH, KVArrivals, parse_notification
 
+from .grammar import MaskPipeline, matcher_for
 from .request import DecodeRequest, InvalidTransition, State, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class DecodeScheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self.notification_source: Notifications | None = None
+        self.masks = MaskPipeline()
         self.steps = 0
         self._block_copies: dict[str, list[tuple[int, int]]] = {}  # forks admitted, run with the next step
         self._inflight: InFlight | None = None  # a launched step whose tokens are not read yet
@@ -91,6 +95,7 @@ class DecodeScheduler:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self.masks.close()
 
     def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int, ttl_s: float,
                 n: int = 1) -> DecodeRequest:
@@ -128,6 +133,9 @@ class DecodeScheduler:
         if not 0 <= num_generated < len(prompt_ids):
             raise ValueError(f"num_generated {num_generated} is not within the {len(prompt_ids)}-token prompt")
         firsts = [first_token] if isinstance(first_token, int) else list(first_token)
+        cut = len(prompt_ids) - num_generated
+        # structured outputs: each choice's own matcher (outside the lock: the grammar compiles)
+        matchers = [matcher_for(params, list(prompt_ids[cut:]) + [t]) for t in firsts]
         with self._lock:
             r = self._requests.get(request_id)
             if r is None or request_id in self._cancel:
@@ -137,9 +145,9 @@ class DecodeScheduler:
             n = 1 + len(r.choice_blocks)
             if params.n != n or len(firsts) != n:
                 raise ValueError(f"reservation was for {n} choice(s); got n={params.n} with {len(firsts)} first tokens")
-            cut = len(prompt_ids) - num_generated
             choices = [Sequence(request_id, list(prompt_ids[:cut]), params if n == 1 else params.for_choice(i),
-                                output_ids=list(prompt_ids[cut:]), blocks=b, num_cached=len(prompt_ids))
+                                output_ids=list(prompt_ids[cut:]), blocks=b, num_cached=len(prompt_ids),
+                                matcher=matchers[i])
                        for i, b in enumerate([r.blocks, *r.choice_blocks])]
             try:
                 r.first_token(choices[0], self.clock())
@@ -349,12 +357,22 @@ class DecodeScheduler:
         rows = [(r, i, seq) for r in batch for i, seq in r.live_choices]
         seqs = [seq for _, _, seq in rows]
         copies, self._block_copies = self._block_copies, {}
+        masks = self.masks.submit(seqs)  # structured outputs: filled while the step runs
         logits = self.runner.decode(seqs, block_copies=copies)
+        bitmask = MaskPipeline.result(masks)
         cfg = self.runner.cfg
-        out = sample(logits, [s.params for s in seqs], [s.output_ids for s in seqs], stop_ids=cfg.eos_token_ids)
+        out = sample(logits, [s.params for s in seqs], [s.output_ids for s in seqs], stop_ids=cfg.eos_token_ids,
+                     token_bitmask=None if bitmask is None else torch.from_numpy(bitmask))
         self.steps += 1
         with self._lock:
             for (r, i, seq), tok, lp in zip(rows, out.tokens, out.logprobs):
+                if seq.matcher is not None:
+                    try:
+                        seq.matcher.accept(tok)
+                    except ValueError as e:
+                        if r.live:
+                            self._fail(r, f"structured output: {e}")
+                        continue
                 done = seq.append(tok, cfg.eos_token_ids, self.runner.max_context, lp)
                 event = TokenEvent([tok], seq.finish_reason if done else None,
                                    logprobs=[lp] if lp is not None else [], choice=i)

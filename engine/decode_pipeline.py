@@ -20,10 +20,10 @@ from .sequence import Sequence
 
 
 def sampled_on_device(params: SamplingParams) -> bool:
-    """Rows whose token is the plain argmax of the logits (no penalties, bias, min_tokens or
-    logprobs): the pipelined decode picks these on the GPU without the host."""
+    """Rows whose token is the plain argmax of the logits (no penalties, bias, min_tokens,
+    logprobs or grammar): the pipelined decode picks these on the GPU without the host."""
     return (params.greedy and not params.penalised and not params.logit_bias and params.min_tokens == 0
-            and params.logprobs is None)
+            and params.logprobs is None and not params.grammar)
 
 
 @dataclass

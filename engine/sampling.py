@@ -58,6 +58,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    grammar: str = ""  # structured output (engine.grammar): llguidance grammar text
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and self.temperature <= 100):

@@ -26,6 +26,7 @@ class Sequence:
     blocks: SeqBlocks | None = None
     num_cached: int = 0  # positions whose K/V are in the cache
     finish_reason: FinishReason | None = None
+    matcher: "object | None" = None  # engine.grammar.Matcher when the request has a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,9 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
+from pdserve.engine.grammar import fill_masks, matcher_for
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
@@ -263,8 +266,10 @@ class PrefillExecutor:
             before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
             # n > 1: every choice draws its first token from the one prefill's logits
             choices = [job.params.for_choice(i) for i in range(job.params.n)] if job.params.n > 1 else [job.params]
+            bitmask = fill_masks([matcher_for(c, before) for c in choices])  # structured outputs
             out = sample(last.expand(len(choices), -1), choices, [before] * len(choices),
-                         stop_ids=self.runner.cfg.eos_token_ids)
+                         stop_ids=self.runner.cfg.eos_token_ids,
+                         token_bitmask=None if bitmask is None else torch.from_numpy(bitmask))
             computed = time.monotonic()
             if job.cancelled or job.deadline is not None and computed > job.deadline:
                 self._notify_decode(job, FAILED)  # no push for this request, ever

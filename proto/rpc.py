@@ -100,7 +100,7 @@ def sampling_kwargs(s) -> dict:
         logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        n=max(1, s.n),
+        n=max(1, s.n), grammar=s.grammar,
     )
 
 

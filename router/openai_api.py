@@ -32,6 +32,7 @@ from pdserve.router.harmony import Delta, HarmonyCodec, HarmonyError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_schema import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
                                   parse_body)
+from pdserve.router import structured_output
 from pdserve.router.orchestrator import (ChoiceSplitter, FINISH_LENGTH, FINISH_STOP, Generation, Orchestrator,
                                  TokenEvent)
 from pdserve.router.detokenizer import IncrementalDetokenizer
@@ -265,7 +266,8 @@ class OpenAIFrontend:
             raise ModelNotFoundError(model, self.config.served_model_name)
 
     def _sampling(self, body: ChatCompletionRequest | CompletionRequest, max_new_tokens: int, *,
-                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> pdserve_pb2.SamplingParams:
+                  logprobs: int | None = None, prompt_logprobs: int | None = None,
+                  grammar: str = "") -> pdserve_pb2.SamplingParams:
         """The workers' sampling parameters. `ignore_eos` drops Harmony's end-of-turn ids too (so
         exactly max_tokens come back); explicit `stop_token_ids` always stop."""
         vocab = self.codec.vocab_size
@@ -283,7 +285,7 @@ class OpenAIFrontend:
             max_new_tokens=max_new_tokens, stop_token_ids=sorted(set(stops) | set(body.stop_token_ids or [])),
             ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=body.token_bias,
-            min_tokens=body.min_tokens, n=body.n)
+            min_tokens=body.min_tokens, n=body.n, grammar=grammar)
         if body.seed is not None:
             sampling.seed = body.seed
         if logprobs is not None:
@@ -338,11 +340,13 @@ class OpenAIFrontend:
                 tool_choice=tool_choice, reasoning_effort=body.reasoning_effort)
         except HarmonyError as error:
             raise InvalidRequestError(str(error), param=error.param) from None
+        grammar = structured_output.grammar(
+            body.response_format, tools=[t.model_dump() for t in body.tools or []], tool_choice=tool_choice)
         max_new = self.orchestrator.admit(len(prompt), body.requested_max_tokens, param="messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         top = (body.top_logprobs or 0) if body.logprobs else None
-        generation = self.orchestrator.generate(request_id, prompt, self._sampling(body, max_new, logprobs=top),
-                                                arrival=arrival)
+        generation = self.orchestrator.generate(
+            request_id, prompt, self._sampling(body, max_new, logprobs=top, grammar=grammar), arrival=arrival)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, [generation]))
         [(events, first)] = await self._start([generation], watcher)
         choices = _choice_streams(generation, events, first)

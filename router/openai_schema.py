@@ -30,7 +30,6 @@ def absent_or(*neutral: Any) -> Callable[[Any], bool]:
 # value gets a 400 naming it, never a silently different answer. Implementing one = removing it
 # here and declaring it on the model.
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "prediction": absent_or(),
     "audio": absent_or(),
     "modalities": absent_or(["text"]),
@@ -46,6 +45,10 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "verbosity": absent_or(),
     "web_search_options": absent_or(),
 }
+
+
+# chat's structured output field; completions have none, the Responses API says `text.format`
+CHAT_ONLY: dict[str, Callable[[Any], bool]] = {"response_format": absent_or({"type": "text"})}
 
 
 def refuse_not_honoured(data: Any, fields: dict[str, Callable[[Any], bool]], *,
@@ -234,6 +237,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: dict[str, Any] | None = None  # structured output (router/structured_output.py)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -268,6 +272,11 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_only(cls, data: Any) -> Any:
+        return refuse_not_honoured(data, CHAT_ONLY)
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":

@@ -35,6 +35,8 @@ from pdserve.router.harmony import Delta, HarmonyError
 from pdserve.router.accounting import CLIENT_CLOSED, Outcome, outcome_of
 from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream
 from pdserve.router.openai_schema import NOT_HONOURED as CHAT_NOT_HONOURED
+from pdserve.router import structured_output
+from pdserve.router.openai_schema import CHAT_ONLY
 from pdserve.router.openai_schema import (FunctionDefinition, SamplingControls, absent_or,
                                           parse_body, refuse_not_honoured)
 from pdserve.router.orchestrator import FINISH_LENGTH, Generation, TokenEvent
@@ -46,7 +48,7 @@ _STRICT = ConfigDict(extra="ignore", strict=True)
 
 # Fields that would change the output and are not honoured: 400 naming them (see openai_schema).
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
-    **CHAT_NOT_HONOURED,
+    **CHAT_NOT_HONOURED, **CHAT_ONLY,
     "stop": absent_or([]),  # not part of this API; benchmark clients send null
     "max_tokens": absent_or(),  # this API's budget is max_output_tokens
     "n": absent_or(1),  # one output per response
@@ -150,17 +152,10 @@ class Reasoning(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    """text, json_object, or json_schema with name/schema/strict beside the type (structured output)."""
 
-    @field_validator("type")
-    @classmethod
-    def _plain_text_only(cls, kind: str) -> str:
-        if kind != "text":
-            raise InvalidRequestError(
-                f"text.format of type {kind!r} (structured output) is not supported by this "
-                "server yet", param="text.format", code="unsupported_parameter")
-        return kind
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class TextConfig(BaseModel):
@@ -482,9 +477,8 @@ class ResponsesAPI:
                 error.param = "max_output_tokens"
             raise
         response_id = _new_id("resp")
-        generation = self.orchestrator.generate(response_id, prompt,
-                                                self.frontend._sampling(body, max_new),
-                                                arrival=arrival)
+        sampling = self.frontend._sampling(body, max_new, grammar=self._grammar(body))
+        generation = self.orchestrator.generate(response_id, prompt, sampling, arrival=arrival)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, [generation]))
         [(events, first)] = await self.frontend._start([generation], watcher)
         run = _Run(self, body, response_id, items, len(prompt), generation, events, first)
@@ -519,13 +513,24 @@ class ResponsesAPI:
             items.extend(body.input)
         return items
 
-    def _render(self, body: ResponsesRequest, items: list[Any]) -> list[int]:
+    @staticmethod
+    def _chat_tools(body: ResponsesRequest) -> tuple[list[dict], Any]:
+        """Tools and tool_choice in the chat shape (what Harmony rendering takes)."""
         tools = [{"type": "function", "function": t.model_dump(exclude_none=True,
                                                                exclude={"type", "strict"})}
                  for t in body.tools or []]
         choice = body.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}
+        return tools, choice
+
+    def _grammar(self, body: ResponsesRequest) -> str:
+        tools, choice = self._chat_tools(body)
+        fmt = body.text.format.model_dump() if body.text and body.text.format else None
+        return structured_output.grammar(fmt, tools=tools, tool_choice=choice, param="text.format")
+
+    def _render(self, body: ResponsesRequest, items: list[Any]) -> list[int]:
+        tools, choice = self._chat_tools(body)
         try:
             return self.codec.render_chat(
                 to_chat_messages(body.instructions, items), tools=tools or None,
@@ -631,7 +636,8 @@ class _Run:
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                           "summary": None},
             "store": body.store, "temperature": body.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": body.text.format.model_dump() if body.text and body.text.format
+                     else {"type": "text"}},
             "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
                             else body.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],

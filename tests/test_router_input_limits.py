@@ -133,8 +133,6 @@ def test_strict_types_still_take_ints_for_floats(fresh):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("response_format", {"type": "json_object"}),
     ("min_p", 0.1),
     ("repetition_penalty", 1.2),
     ("functions", [{"name": "f"}]),
@@ -147,6 +145,27 @@ def test_fields_that_would_change_the_output_and_are_not_honoured_are_400(fresh,
         error = assert_error(post(fresh, path, body=body), 400, param=field,
                              code="unsupported_parameter")
         assert field in error["message"]
+    assert not fresh.prefill[0].requests
+
+
+def test_completions_take_no_response_format(fresh):
+    error = assert_error(post(fresh, "/v1/completions", body={"model": MODEL, "prompt": "hi",
+                                                              "response_format": {"type": "json_object"}}),
+                         400, param="response_format", code="unsupported_parameter")
+    assert "response_format" in error["message"]
+
+
+@pytest.mark.parametrize("value,needle", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "Invalid type: foo"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "("}}}}}, "unclosed group"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/none"}}}, "does not exist"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "schema"),
+    ({"type": "xml"}, "'xml'"),
+])
+def test_invalid_response_formats_are_400_naming_the_problem(fresh, value, needle):
+    error = assert_error(post(fresh, "/v1/chat/completions", body=chat(response_format=value)), 400)
+    assert error["param"].startswith("response_format") and needle in error["message"], error
     assert not fresh.prefill[0].requests
 
 

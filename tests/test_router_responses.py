@@ -167,8 +167,8 @@ def post(cluster, body):
 
 
 @pytest.mark.parametrize("overrides,param", [
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"background": True}, "background"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
