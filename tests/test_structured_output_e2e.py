@@ -54,8 +54,10 @@ def test_every_json_schema_answer_validates(client):
 
 
 def test_json_object_and_forced_tool_calls(client):
-    r = _chat(client, max_tokens=60, response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = _chat(client, max_tokens=60, n=3, response_format={"type": "json_object"})
+    assert len(r.choices) == 3  # each choice with its own matcher
+    for choice in r.choices:
+        assert isinstance(json.loads(choice.message.content), dict)
     for choice, tool in (({"type": "function", "function": {"name": "get_weather"}}, WEATHER), ("required", None)):
         r = _chat(client, max_tokens=80, tools=[WEATHER, TIME], tool_choice=choice)
         [call] = r.choices[0].message.tool_calls
