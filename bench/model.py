@@ -245,7 +245,7 @@ def _oom_errors() -> tuple[type, ...]:
     return (torch.cuda.OutOfMemoryError,)
 
 
-def _bench_decode(runner, grid: Grid, device) -> list[dict]:
+def _bench_decode(runner, grid: Grid, device, multi_rank_graphs: bool = False) -> list[dict]:
     from pdserve.engine.sampling import SamplingParams
     from pdserve.engine.sequence import Sequence
 
@@ -258,14 +258,17 @@ def _bench_decode(runner, grid: Grid, device) -> list[dict]:
     margin = (8 << 30) if device.type == "cuda" else 0  # activations, logits, workspaces
     full = min(max(need.values()), _full_block_capacity(runner, sliding, margin))
     _resize_cache(runner, full + 1, sliding + 1)  # + the CUDA graphs' pad block of each pool
-    if (device.type == "cuda" and runner.shard.world_size == 1
+    if (device.type == "cuda" and (runner.shard.world_size == 1 or multi_rank_graphs)
             and type(runner.attention["full"]).__name__ == "FlashInferSinkAttention"):
         from pdserve.engine.cuda_graphs import DecodeGraphs
 
         # as a single-rank decode worker runs: steps replay CUDA graphs (captured in the first
-        # warm-up step); multi-rank layouts decode eagerly (engine/model_runner.py)
-        runner.decode_graphs = DecodeGraphs(runner.model, runner.cache, max(grid.batches),
-                                            max_context=runner.max_context)
+        # warm-up step); multi-rank layouts decode eagerly unless --multi-rank-graphs, which
+        # captures every size of the grid up front on all ranks (engine/cuda_graphs.py)
+        graphs = DecodeGraphs(runner.model, runner.cache, max(grid.batches), max_context=runner.max_context)
+        if runner.shard.world_size > 1:
+            graphs.capture_all(sorted({graphs.size_for(b) for b in grid.batches}))
+        runner.decode_graphs = graphs
     rows = []
     rng = random.Random(0)
     for ctx in grid.contexts:
@@ -322,8 +325,10 @@ def _rank_main(rank: int, job: dict, out_dir: str) -> None:
                              num_kv_blocks=1)
         load_s = time.perf_counter() - t
         grid = Grid(**job["grid"])
-        bench = _bench_prefill if job["section"] == "prefill" else _bench_decode
-        rows = bench(runner, grid, group.device)
+        if job["section"] == "prefill":
+            rows = _bench_prefill(runner, grid, group.device)
+        else:
+            rows = _bench_decode(runner, grid, group.device, job.get("multi_rank_graphs", False))
         if rank == 0:
             meta = dict(load_s=load_s, precision=runner.precision,
                         device_name=torch.cuda.get_device_name(group.device) if group.device.type == "cuda" else "CPU")
@@ -332,23 +337,27 @@ def _rank_main(rank: int, job: dict, out_dir: str) -> None:
         destroy_worker_group()
 
 
-def run_job(model_dir: Path, layout: Layout, section: str, grid: Grid, device: str, precision: str | None) -> dict:
+def run_job(model_dir: Path, layout: Layout, section: str, grid: Grid, device: str, precision: str | None,
+            multi_rank_graphs: bool = False) -> dict:
     """Spawn the layout's ranks, run one section; returns {"meta", "rows"} from rank 0."""
     import torch.multiprocessing as tmp
 
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as d:
         job = dict(model_dir=str(model_dir), layout=asdict(layout), section=section, grid=asdict(grid),
-                   device=device, precision=precision, init=f"file://{Path(d) / 'rendezvous'}")
+                   device=device, precision=precision, init=f"file://{Path(d) / 'rendezvous'}",
+                   multi_rank_graphs=multi_rank_graphs)
         tmp.spawn(_rank_main, args=(job, d), nprocs=layout.world, join=True)
         return json.loads(Path(d, "rows.json").read_text())
 
 
 # -- results ------------------------------------------------------------------------------------
-def enrich(model: str, section: str, layout: Layout, result: dict) -> list[dict]:
-    """Add the layout, the GPU count and the cost columns to rank 0's raw rows."""
+def enrich(model: str, section: str, layout: Layout, result: dict, graphs: bool = False) -> list[dict]:
+    """Add the layout (" graphs": multi-rank decode from CUDA graphs), the GPU count and the cost
+    columns to rank 0's raw rows."""
     out = []
+    name = layout.name + (" graphs" if graphs else "")
     for r in result["rows"]:
-        row = dict(model=model, section=section, layout=layout.name, gpus=layout.world, **r)
+        row = dict(model=model, section=section, layout=name, gpus=layout.world, **r)
         if "skipped" not in r:
             if section == "prefill":
                 row["usd_per_m_input"] = usd_per_m_input(layout.world, r["latency_s"], r["input_tokens"])
@@ -366,9 +375,9 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in old if (r["model"], r["section"], r["layout"]) not in keys] + new
 
 
-def _layout_key(name: str) -> tuple[int, int]:
-    lay = Layout.parse(name)
-    return lay.world, -lay.ep
+def _layout_key(name: str) -> tuple[int, int, str]:
+    lay = Layout.parse(name.split()[0])  # "EP2TP2 graphs": the layout, decoded from CUDA graphs
+    return lay.world, -lay.ep, name
 
 
 def write_csvs(rows: list[dict], out: Path) -> None:
@@ -479,7 +488,7 @@ def render_section(rows: list[dict], meta: dict, plots: list[str], out: Path, do
             lays = sorted({r["layout"] for r in at}, key=_layout_key)
             lines += [f"### {model}: decode at context {ctx}", "",
                       "Cells: tokens/s per request / tokens/s in total / $ per million output tokens.", "",
-                      "| batch | " + " | ".join(f"{lay} ({Layout.parse(lay).world} GPU)" for lay in lays) + " |",
+                      "| batch | " + " | ".join(f"{lay} ({Layout.parse(lay.split()[0]).world} GPU)" for lay in lays) + " |",
                       "| --- | " + " | ".join("---" for _ in lays) + " |"]
             for b in sorted({r["batch"] for r in at}):
                 cells = []
@@ -526,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default=None, help="comma list such as TP1,TP2,EP4TP4 (default: all that fit)")
     ap.add_argument("--max-ranks", type=int, default=None,
                     help="GPUs to use (default: all visible); on CPU the gloo ranks (default 2)")
+    ap.add_argument("--multi-rank-graphs", action="store_true",
+                    help="multi-rank decode layouts replay CUDA graphs (rows named '<layout> graphs'; "
+                         "default: they decode eagerly, as multi-rank decode workers do by default)")
     ap.add_argument("--precision", default=None, choices=["bf16", "fp8"], help="default: fp8 on CUDA, bf16 on CPU")
     ap.add_argument("--ckpt-dir", default=None, help="where random checkpoints are written (default: $TMPDIR)")
     ap.add_argument("--doc", default=None, help="markdown file whose model section is replaced "
@@ -582,14 +594,15 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 print(f"[bench] {model} {section} {lay.name} ...", flush=True)
                 try:
-                    result = run_job(model_dir, lay, section, grid, a.device, precision)
+                    graphs = a.multi_rank_graphs and section == "decode" and lay.world > 1
+                    result = run_job(model_dir, lay, section, grid, a.device, precision, graphs)
                 except Exception as e:  # one layout failing (OOM, kernel) must not lose the others
                     traceback.print_exc()
                     notes[f"{model}/{section}/{lay.name}"] = (f"{model} {section} {lay.name} failed: "
                                                               f"{type(e).__name__}: {str(e)[:200]}")
                     continue
                 notes.pop(f"{model}/{section}/{lay.name}", None)
-                new = enrich(model, section, lay, result)
+                new = enrich(model, section, lay, result, graphs)
                 rows = merge_rows(rows, new)
                 saved.update(rows=rows, notes=notes, device_name=result["meta"]["device_name"],
                              precision=result["meta"]["precision"])

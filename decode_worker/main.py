@@ -34,7 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together; more wait (with their KV) for a slot")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="decode batches up to this size replay CUDA graphs captured at start "
-                        "(default on CUDA with --tp 1: --max-batch-size; 0 = eager; single-rank only)")
+                        "(default on CUDA with --tp 1: --max-batch-size; 0 = eager; with --tp > 1 only "
+                        "when given: multi-rank capture is not yet proven on GPUs)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV blocks of --page-size tokens (none: sized from free memory)")

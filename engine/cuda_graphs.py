@@ -15,6 +15,20 @@ page tables live in fixed device buffers. Every rank of a multi-rank worker exec
 plans, so all ranks capture and replay the same sizes in lockstep (NCCL collectives are captured
 with the graph).
 
+Multi-rank (NCCL) capture, and what could make it hang, each ruled out here:
+- a communicator created lazily inside the capture, or warm-up collectives the NCCL watchdog still
+  polls when the capture starts: one all-reduce on the current stream and a device sync come first;
+- ranks capturing different sizes or in another order (their collectives then pair with the
+  wrong peers and wait forever): sizes are agreed across ranks before any capture, all of them
+  are captured up front (largest first) and a size that was not cannot be captured later, when
+  another rank would not;
+- a failure (out of memory, a host sync inside the capture) on one rank while the other goes on
+  into the next collective: after each size the ranks agree that all succeeded, or all raise;
+- another thread's CUDA calls (NCCL's watchdog, NIXL's progress thread) invalidating a global-mode
+  capture: multi-rank steps are captured in thread-local mode.
+The graph's collectives are launched on the capture stream, where ProcessGroupNCCL joins its own
+stream by events, and replayed on the current stream, as eager steps are.
+
 `capture=False` runs the same padded static-buffer step eagerly, with any attention backend: the
 CPU tests use it to check the padding against the plain decode path.
 """
@@ -26,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from pdserve.kernels.attention import PagedBatch
 
@@ -109,6 +124,7 @@ class DecodeGraphs:
             self.max_pages["sliding"] = min(cdiv(cache.window, cache.page_size) + 2, self.max_pages["full"])
         self._steps: dict[int, _Step] = {}
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.world_size = model.shard.world_size
 
     @property
     def max_batch(self) -> int:
@@ -186,7 +202,8 @@ class DecodeGraphs:
             self._forward(step)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        mode = "thread_local" if self.world_size > 1 else "global"
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode=mode):
             step.logits = self._forward(step)
         step.graph = graph
         self._steps[size] = step
@@ -194,10 +211,39 @@ class DecodeGraphs:
         return step
 
     def capture_all(self, sizes: list[int] | None = None) -> None:
-        """Capture ahead of serving (largest first, so smaller graphs reuse its memory pool)."""
-        for s in sorted(sizes or self.sizes, reverse=True):
-            if s not in self._steps:
+        """Capture ahead of serving (largest first, so smaller graphs reuse its memory pool).
+        Multi-rank: every rank calls it with the same sizes (checked), all succeed or all raise."""
+        todo = [s for s in sorted(sizes or self.sizes, reverse=True) if s not in self._steps]
+        if self.world_size > 1:
+            self._ranks_agree(len(todo), sum(todo), max(todo, default=0), what="capture sizes")
+        for s in todo:
+            error = None
+            try:
                 self._capture(s)
+            except Exception as e:  # noqa: BLE001 - re-raised once every rank knows
+                if self.world_size == 1:
+                    raise
+                error = e
+            if self.world_size > 1:
+                self._ranks_agree(int(error is None), what=f"capture of batch size {s}",
+                                  cause=error)
+
+    def _ranks_agree(self, *values: int, what: str, cause: Exception | None = None) -> None:
+        """Every rank holds the same `values` (an all-reduce of their min and max on the current
+        stream, then a device sync: outside any capture, and no watchdog work left pending);
+        else raise on every rank."""
+        dev = self.model.device
+        t = torch.tensor([[v, -v] for v in values], dtype=torch.long, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if cause is not None:
+            raise cause
+        mine = torch.tensor(values, dtype=torch.long)
+        hi, lo = t[:, 0].cpu(), -t[:, 1].cpu()
+        if not (torch.equal(hi, mine) and torch.equal(lo, mine)):
+            raise RuntimeError(f"decode graphs: the worker's ranks disagree on the {what} (this rank "
+                               f"{mine.tolist()}, min {lo.tolist()}, max {hi.tolist()})")
 
     # -- running -------------------------------------------------------------------------------
     def run(self, input_ids: list[int], positions: list[int], slots: dict[str, torch.Tensor],
@@ -208,7 +254,12 @@ class DecodeGraphs:
         size = self.size_for(n)
         if size is None:
             raise ValueError(f"decode batch of {n} exceeds the largest captured size {self.max_batch}")
-        step = self._steps.get(size) or self._capture(size)
+        step = self._steps.get(size)
+        if step is None:
+            if self.world_size > 1 and self.capture:
+                raise RuntimeError(f"decode graph for batch {size} was not captured: a multi-rank worker "
+                                   "captures every size up front (capture_all), in step on every rank")
+            step = self._capture(size)
         self._pad_plan(step, n, input_ids, positions, slots, batches, device_ids)
         if step.graph is None:
             logits = self._forward(step)

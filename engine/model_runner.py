@@ -110,13 +110,11 @@ class ModelRunner:
         if cuda_graph_max_batch > 0:
             if self.device.type != "cuda" or type(self.attention["full"]).__name__ != "FlashInferSinkAttention":
                 log.warning("decode runs eagerly: CUDA graphs need a CUDA device with FlashInfer")
-            elif shard.world_size > 1:
-                # the one multi-rank (NCCL) run with captured decode steps hung; not diagnosed yet
-                log.warning("decode runs eagerly: CUDA graphs are single-rank only for now")
             else:
                 self.decode_graphs = DecodeGraphs(self.model, self.cache, cuda_graph_max_batch,
                                                   max_context=self.max_context)
                 # every rank of a worker builds its runner the same way, so all capture in lockstep
+                # (multi-rank: the sizes are checked across ranks, engine/cuda_graphs.py)
                 self.decode_graphs.capture_all()
 
     @property

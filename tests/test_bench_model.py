@@ -24,6 +24,11 @@ def test_cost_model_and_layouts(bench):
     assert bench.Layout.parse("ep4tp4") == bench.Layout(4, 4)
     with pytest.raises(ValueError):
         bench.Layout.parse("DP2")
+    # --multi-rank-graphs rows: their own layout name, sorted after the eager rows of the layout
+    row = {"context": 128, "batch": 1, "step_s": 0.01}
+    [graphs] = bench.enrich("20b", "decode", bench.Layout(2, 2), {"rows": [row]}, graphs=True)
+    assert graphs["layout"] == "EP2TP2 graphs" and graphs["gpus"] == 2
+    assert sorted(["EP2TP2 graphs", "TP1", "EP2TP2"], key=bench._layout_key) == ["TP1", "EP2TP2", "EP2TP2 graphs"]
 
 
 def test_doc_section_replaces_only_its_markers(bench, tmp_path):

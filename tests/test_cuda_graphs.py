@@ -105,3 +105,67 @@ def test_attention_falls_back_to_torch_without_flashinfer(monkeypatch):
         make_sink_attention("cuda", cuda_graph_batch_size=4, max_pages_per_request=8, pad_page=0, **kw)
     with pytest.raises(RuntimeError, match="CUDA-graph"):
         make_sink_attention("cpu", cuda_graph_batch_size=4, max_pages_per_request=8, pad_page=0, **kw)
+
+
+def _capture_rank(rank: int, init: str, out) -> None:
+    """One gloo rank of a 2-rank worker running DecodeGraphs.capture_all on a stub model, in
+    three cases: the ranks agree, their sizes differ, rank 1's capture of batch 4 fails."""
+    import types
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        for case in ("agree", "sizes", "fails"):
+            g = object.__new__(DecodeGraphs)
+            g.model = types.SimpleNamespace(device=torch.device("cpu"))
+            g.world_size, g.capture, g._steps = 2, True, {}
+            g.sizes = [1, 2, 4, 8] if case != "sizes" or rank == 0 else [1, 2, 4]
+            order = []
+
+            def capture(size, case=case, g=g, order=order):
+                if case == "fails" and rank == 1 and size == 4:
+                    raise MemoryError("out of memory capturing batch 4")
+                order.append(size)
+                g._steps[size] = size
+
+            g._capture = capture
+            try:
+                g.capture_all()
+                result = ("ok", order)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result = ("raised", f"{type(e).__name__}: {e}")
+            try:
+                g._steps.clear()
+                g.run([1], [0], {}, {})
+            except RuntimeError as e:
+                result += (str(e),)
+            out.put((case, rank, result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_multi_rank_capture_is_agreed_or_fails_on_every_rank(tmp_path):
+    """Two ranks capture the same sizes in the same order; different sizes, or a capture failing
+    on one rank, raise on both (none is left waiting in a collective); no lazy capture later."""
+    import torch.multiprocessing as tmp_mp
+
+    ctx = tmp_mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_capture_rank, args=(r, init, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(6):
+        case, rank, result = out.get(timeout=120)
+        results[case, rank] = result
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert all("captures every size up front" in r[-1] for r in results.values())
+    assert results["agree", 0][:2] == results["agree", 1][:2] == ("ok", [8, 4, 2, 1])
+    assert all(results["sizes", r][0] == "raised" and "disagree on the capture sizes" in results["sizes", r][1]
+               for r in (0, 1))
+    assert results["fails", 1][0] == "raised" and "MemoryError" in results["fails", 1][1]
+    assert results["fails", 0][0] == "raised" and "capture of batch size 4" in results["fails", 0][1]
