@@ -59,7 +59,7 @@ from pdserve.kvtransfer.plan import (
     plan_copy,
     plan_staging_nbytes,
 )
-from pdserve.kvtransfer.reshard import SEP, SlottedArrivals, encode_blocks
+from pdserve.kvtransfer.reshard import SEP, SlottedArrivals, encode_slots
 from pdserve.kvtransfer.staging import StagingBuffer
 from pdserve.kvtransfer.ucx_info import ucx_summary
 
@@ -346,14 +346,15 @@ class KVTransferAgent:
 
     # -- transfers ------------------------------------------------------------------------------
     def write_pages(self, peer_name: str, pages: Mapping[str, object],
-                    notif: bytes) -> TransferHandle:
+                    notif: bytes, push_id: str = "") -> TransferHandle:
         """WRITE local pages into the peer's pages: pool -> [(local_block, remote_block)], every
         layer of the pool, only the KV heads both ranks hold. ``notif`` reaches the peer's
-        ``take_notifications``/``wait_notification`` once all bytes landed.
+        ``take_notifications``/``wait_notification`` once all bytes landed. ``push_id`` names
+        the push this write belongs to (the same on every sender of it; kvtransfer.reshard).
 
         NIXL sends ``notif`` when this side sees the data complete, i.e. inside the handle's
         ``done()``/``wait()``: always wait on (or poll) the handle, or the peer never hears."""
-        return self._post("WRITE", peer_name, pages, notif)
+        return self._post("WRITE", peer_name, pages, notif, push_id)
 
     def read_pages(self, peer_name: str, pages: Mapping[str, object],
                    notif: bytes = b"") -> TransferHandle:
@@ -362,7 +363,7 @@ class KVTransferAgent:
         flipped = {g: as_block_pairs(p, g)[:, ::-1] for g, p in pages.items()}
         return self._post("READ", peer_name, flipped, notif)
 
-    def _post(self, op: str, peer_name: str, pages, notif: bytes) -> TransferHandle:
+    def _post(self, op: str, peer_name: str, pages, notif: bytes, push_id: str = "") -> TransferHandle:
         if not isinstance(notif, (bytes, bytearray)):
             raise KVLayoutError(f"notif must be bytes, got {type(notif).__name__}")
         notif = bytes(notif)
@@ -387,7 +388,7 @@ class KVTransferAgent:
                 copies = [merge_contiguous(c) for c in plan_copy(src, dst, pages, staging, slotted)]
                 slots = {c.pool: c.dst_blocks for c in copies if c.slotted}
                 if slots:
-                    notif = notif + SEP + encode_blocks(slots)
+                    notif = notif + SEP + encode_slots(push_id, slots)
             except KVLayoutError as e:
                 self._free_staging(staging)
                 raise KVLayoutError(f"{op} with peer {peer_name!r}: {e}") from None

@@ -15,7 +15,8 @@ per layer (and per run of blocks otherwise): no staging memory, no extra round t
 notification carries the destination blocks (run-length encoded); once the receiver's heads are
 covered (every slot written) it gathers the pages, permutes heads into place and scatters them
 back (``unpack_slotted``), then releases the notifications to the worker, which only then sees
-the request's KV. The bytes a request's pages hold are garbage until then, as for any write in
+the request's KV. Slots are assembled per push (an id every sender of one push shares), so the
+slots an earlier, failed push left behind never complete a later one into the same blocks. The bytes a request's pages hold are garbage until then, as for any write in
 flight; nothing reads them before the KV is declared present.
 """
 
@@ -71,6 +72,13 @@ def encode_blocks(blocks: dict[str, np.ndarray]) -> bytes:
     return ";".join(parts).encode()
 
 
+def encode_slots(push_id: str, blocks: dict[str, np.ndarray]) -> bytes:
+    """A slotted write's notification tail: b"<push id>|<encode_blocks>"."""
+    if SEP.decode() in push_id:
+        raise KVLayoutError(f"push id {push_id!r} contains {SEP!r}")
+    return push_id.encode() + SEP + encode_blocks(blocks)
+
+
 def decode_blocks(text: bytes) -> dict[str, np.ndarray]:
     out = {}
     try:
@@ -104,6 +112,7 @@ def unpack_slotted(pool: torch.Tensor, blocks: np.ndarray, k: int) -> None:
 @dataclass
 class _Held:
     since: float
+    push_id: bytes
     width: int
     blocks: dict[str, np.ndarray]
     heads: list[tuple[int, int]] = field(default_factory=list)
@@ -137,6 +146,7 @@ class SlottedArrivals:
         if SEP not in raw:
             return [raw]
         notif, _, tail = raw.partition(SEP)
+        push_id, _, tail = tail.partition(SEP)
         n = parse_notification(notif)
         if n.kind != WRITE or n.heads is None:
             log.error("slotted write with a notification %r that names no heads: dropped", notif)
@@ -148,9 +158,9 @@ class SlottedArrivals:
             log.error("request %s: bad slotted write dropped: %s", n.request_id, e)
             return []
         held = self._held.get(n.request_id)
-        if held is None or held.width != width or any(
+        if held is None or held.push_id != push_id or held.width != width or any(
                 not np.array_equal(held.blocks.get(g, ()), b) for g, b in blocks.items()):
-            held = self._held[n.request_id] = _Held(self.clock(), width, blocks)  # a new push
+            held = self._held[n.request_id] = _Held(self.clock(), push_id, width, blocks)  # a new push
         held.heads.append(n.heads)
         held.notifs.append(notif)
         if not covers(held.heads, self.heads):

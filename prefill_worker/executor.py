@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -89,10 +90,13 @@ class KVPush:
     """One request's KV write as every prefill rank runs it (picklable: broadcast to the ranks).
 
     targets : per decode rank, (its agent's peer-info blob, pool -> [(local block, remote block)]).
+    push_id : the same on every rank of this push, new for each push: a decode rank assembling
+        slotted writes (kvtransfer.reshard) never mixes them with an earlier, failed push's.
     """
 
     request_id: str
     targets: list[tuple[bytes, dict[str, list[tuple[int, int]]]]]
+    push_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 class KVWritesUnsettled(KVTransferError):
@@ -113,7 +117,8 @@ def push_kv(agent, push: KVPush, timeout_s: float, abort: threading.Event | None
             heads = heads_overlap(mine, theirs)
             if heads is None:
                 continue
-            handles.append(agent.write_pages(peer, pairs, kv_notification(push.request_id, heads)))
+            handles.append(agent.write_pages(peer, pairs, kv_notification(push.request_id, heads),
+                                             push_id=push.push_id))
         deadline = time.monotonic() + timeout_s
         pending, delay = list(handles), 20e-6
         while pending:

@@ -464,8 +464,8 @@ class SlowAgent:
     def __getattr__(self, name):
         return getattr(self._agent, name)
 
-    def write_pages(self, *args):
-        return GatedHandle(self._agent, args, self.gate, self.log)
+    def write_pages(self, *args, push_id=""):
+        return GatedHandle(self._agent, (*args, push_id), self.gate, self.log)
 
 
 class FakePrefillRunner:

@@ -33,7 +33,13 @@ from pdserve.kvtransfer.plan import (
     plan_staging_nbytes,
     staged_nbytes,
 )
-from pdserve.kvtransfer.reshard import SlottedArrivals, decode_blocks, encode_blocks, unpack_slotted
+from pdserve.kvtransfer.reshard import (
+    SlottedArrivals,
+    decode_blocks,
+    encode_blocks,
+    encode_slots,
+    unpack_slotted,
+)
 from pdserve.kvtransfer.staging import StagingBuffer
 
 H = 8  # gpt-oss KV heads
@@ -170,12 +176,13 @@ def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered():
         copy = plan_pool_copy(PoolLayout.from_tensor("full", part, (lo, lo + 2)), dst, pairs, slotted=True)
         src_bytes = part.view(torch.uint8).numpy().ravel()
         _apply(copy, src_bytes, flat, np.zeros_like(flat, dtype=np.int64), np.zeros_like(flat, dtype=np.int64), 0)
-        notifs.append(f"req-1#{lo}:{lo + 2}".encode() + b"|" + encode_blocks({"full": copy.dst_blocks}))
+        notifs.append(f"req-1#{lo}:{lo + 2}".encode() + b"|" + encode_slots("p1", {"full": copy.dst_blocks}))
     now = [0.0]
     arrivals = SlottedArrivals({"full": pool}, (0, 4), ttl_s=10, clock=lambda: now[0])
     assert arrivals.feed(b"other#0:4") == [b"other#0:4"]  # not slotted: delivered at once
-    assert arrivals.feed(b"req-1#0:2|full=99+1") == [] and len(arrivals) == 0  # outside the pool
-    assert arrivals.feed(notifs[1]) == [] and len(arrivals) == 1
+    assert arrivals.feed(b"req-1#0:2|p0|full=99+1") == [] and len(arrivals) == 0  # outside the pool
+    assert arrivals.feed(notifs[0].replace(b"|p1|", b"|p0|")) == []  # an earlier push's slot...
+    assert arrivals.feed(notifs[1]) == [] and len(arrivals) == 1  # ...never completes this one
     assert not torch.equal(pool[:, blocks], truth)  # nothing touched before every slot arrived
     assert arrivals.feed(notifs[0]) == [b"req-1#2:4", b"req-1#0:2"]
     assert torch.equal(pool[:, blocks].view(torch.int16), truth.view(torch.int16))
@@ -523,7 +530,7 @@ def test_tp_resharding_over_nixl_is_one_range_per_layer(peer, p, d):
                 if heads is None:
                     continue
                 notif = kv_notification(rid, heads)
-                h = a.write_pages(a.add_peer(blob), pages, notif)
+                h = a.write_pages(a.add_peer(blob), pages, notif, push_id=rid)
                 assert h.num_descs == 2 + 1  # full: 2 layers, sliding: 1 layer
                 sent.append((h, n, notif))
         assert len(sent) == max(p, d)
