@@ -187,7 +187,15 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="profile each decode batch (bench/step_profile.py)")
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
+    ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot"],
+                    help="with --precision mxfp4: the MXFP4 kernel's nibble decode (default: the kernel's)")
     a = ap.parse_args()
+    if a.mxfp4_decode:
+        import pdserve.kernels.moe as moe_mod
+        from pdserve.kernels.triton_moe_mxfp4 import MxConfig
+
+        moe_mod.MXFP4_KERNEL_CONFIG = (MxConfig(decode="bits") if a.mxfp4_decode == "bits"
+                                       else MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"))
     if (a.compare_fused or a.profile) and a.device != "cuda":
         ap.error("--compare-fused and --profile need --device cuda")
     out = Path(a.out)

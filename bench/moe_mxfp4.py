@@ -33,6 +33,11 @@ CONFIGS = {
     "bits gu128x16w8 d32x16w4": MxConfig((128, 16, 8, 3), (32, 16, 4, 3)),
     "bits gu64x16w4s4 d16x16w2s4": MxConfig((64, 16, 4, 4), (16, 16, 2, 4)),
     "bits gu32x32w4 d16x32w4": MxConfig((32, 32, 4, 3), (16, 32, 4, 3)),
+    "dot gu64k256w4 d32k256w4": MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"),
+    "dot gu32k256w4 d16k256w4": MxConfig((32, 256, 4, 3), (16, 256, 4, 3), decode="dot"),
+    "dot gu128k128w4 d32k128w4": MxConfig((128, 128, 4, 3), (32, 128, 4, 3), decode="dot"),
+    "dot gu16k512w4s2 d16k512w4s2": MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"),
+    "dot gu64k512w8s2 d16k256w2": MxConfig((64, 512, 8, 2), (16, 256, 2, 3), decode="dot"),
 }
 
 

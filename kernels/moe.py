@@ -18,6 +18,8 @@ from .swiglu import swiglu
 # Batches up to this many tokens run MXFP4 experts through kernels.triton_moe_mxfp4 on CUDA (decode);
 # larger ones (prefill) through `experts_forward_mxfp4_ref` (the routed experts decoded to bf16).
 MXFP4_KERNEL_MAX_TOKENS = 256  # covers the CUDA-graph decode sizes (the reference syncs)
+# Launch shape / nibble decode of that kernel (a triton_moe_mxfp4.MxConfig); None: its default.
+MXFP4_KERNEL_CONFIG = None
 
 
 @dataclass
@@ -163,7 +165,8 @@ def experts_forward(
             except ImportError:
                 experts_forward_mxfp4 = None
             if experts_forward_mxfp4 is not None:
-                return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
+                return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
+                                             **({"config": MXFP4_KERNEL_CONFIG} if MXFP4_KERNEL_CONFIG else {}))
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
         try:

@@ -37,8 +37,10 @@ from .mxfp4 import MxExperts
 class MxConfig:
     """Launch shape and nibble decode. decode: "bits" (default: each nibble placed into a float32's
     bit fields, 3-4 integer ops), "lut" (one cached table load per byte), "v1" (the first version's
-    select-based decode and strided activation loads). With G_STEP 16 or 32 the K step spans many
-    threads, so each thread keeps several rows on the same activations (loaded once per row set)."""
+    select-based decode and strided activation loads), "dot" (Triton's `tl.dot_scaled`: e2m1 x
+    bf16 on the tensor cores, the token in one of 16 columns; its second entry is BLOCK_K in
+    values, not G_STEP). With G_STEP 16 or 32 the K step spans many threads, so each thread keeps
+    several rows on the same activations (loaded once per row set)."""
 
     gate_up: tuple[int, int, int, int] = (64, 16, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
     down: tuple[int, int, int, int] = (16, 16, 2, 3)
@@ -46,12 +48,12 @@ class MxConfig:
     decode: str = "bits"
 
     def __post_init__(self):
-        if self.decode not in ("bits", "lut", "v1"):
-            raise ValueError(f"decode must be bits, lut or v1, not {self.decode!r}")
+        if self.decode not in ("bits", "lut", "v1", "dot"):
+            raise ValueError(f"decode must be bits, lut, v1 or dot, not {self.decode!r}")
 
     @property
     def mode(self) -> int:
-        return 1 if self.lut or self.decode == "lut" else {"v1": 0, "bits": 2}[self.decode]
+        return 1 if self.lut or self.decode == "lut" else {"v1": 0, "bits": 2, "dot": 3}[self.decode]
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
@@ -130,6 +132,73 @@ def _mx_dot_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask
 
 
 @triton.jit
+def _mx_dot_scaled_rows(blocks_ptr, scales_ptr, stride_row, stride_srow, rows, row_mask, a_ptr, K,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """sum_k W[rows, k] * a[k] through tl.dot_scaled (MXFP4 x bf16, float32 accumulate): the
+    activation is column 0 of a [BLOCK_K, 16] operand (the tensor cores' narrowest N)."""
+    kb = tl.arange(0, BLOCK_K // 2)
+    ks = tl.arange(0, BLOCK_K // 32)
+    kk = tl.arange(0, BLOCK_K)
+    c = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(blocks_ptr + rows[:, None] * stride_row + k0 // 2 + kb[None, :],
+                    mask=row_mask[:, None] & (k0 // 2 + kb[None, :] < K // 2), other=0)
+        s = tl.load(scales_ptr + rows[:, None] * stride_srow + k0 // 32 + ks[None, :],
+                    mask=row_mask[:, None] & (k0 // 32 + ks[None, :] < K // 32), other=127)
+        a = tl.load(a_ptr + k0 + kk[:, None] + 0 * c[None, :], mask=(c[None, :] == 0) & (k0 + kk[:, None] < K),
+                    other=0.0).to(tl.bfloat16)
+        acc = tl.dot_scaled(w, s, "e2m1", a, None, "bf16", acc, fast_math=True)
+    return tl.sum(tl.where(c[None, :] == 0, acc, 0.0), axis=1)
+
+
+@triton.jit
+def _mx_gate_up_dot_kernel(
+    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr,
+    stride_x, stride_be, stride_brow, stride_se, stride_srow, stride_bias, N2, H, limit, alpha,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    rm = rows < N2
+    acc = _mx_dot_scaled_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
+                              x_ptr + token * stride_x, H, BLOCK_N, BLOCK_K, NUM_STAGES)
+    acc += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
+    glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+    glu = tl.minimum(glu, limit)
+    lin = tl.minimum(tl.maximum(lin, -limit), limit)
+    out = glu * tl.sigmoid(alpha * glu) * (lin + 1.0)
+    cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_ptr + pair.to(tl.int64) * (N2 // 2) + cols, out, mask=cols < N2 // 2)
+
+
+@triton.jit
+def _mx_down_dot_kernel(
+    act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr,
+    stride_be, stride_brow, stride_se, stride_srow, stride_bias, stride_out, H, I,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < H
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pair = t * TOP_K + k
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        w = tl.load(wts_ptr + pair).to(tl.float32)
+        y = _mx_dot_scaled_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
+                                act_ptr + pair * I, I, BLOCK_N, BLOCK_K, NUM_STAGES)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
+        out += w * y
+    tl.store(out_ptr + t * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit
 def _mx_gate_up_kernel(
     x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr, lut_ptr,
     stride_x, stride_be, stride_brow, stride_se, stride_srow, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
@@ -197,6 +266,22 @@ def experts_forward_mxfp4(
     act = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
+        return out
+    if config.mode == 3:
+        bn, bk, nw, ns = config.gate_up
+        _mx_gate_up_dot_kernel[(t * k, triton.cdiv(n2, bn))](
+            x, ids, w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, act,
+            x.stride(0), w.gate_up_blocks.stride(0), w.gate_up_blocks.stride(1), w.gate_up_scales.stride(0),
+            w.gate_up_scales.stride(1), w.gate_up_bias.stride(0), n2, h, limit, alpha,
+            TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=ns, num_warps=nw,
+        )
+        bn, bk, nw, ns = config.down
+        _mx_down_dot_kernel[(t, triton.cdiv(h, bn))](
+            act, ids, topk_weights.contiguous().view(-1), w.down_blocks, w.down_scales, w.down_bias, out,
+            w.down_blocks.stride(0), w.down_blocks.stride(1), w.down_scales.stride(0), w.down_scales.stride(1),
+            w.down_bias.stride(0), out.stride(0), h, i,
+            TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=ns, num_warps=nw,
+        )
         return out
     lut = byte_lut(x.device) if config.mode == 1 else ids
     bn, gs, nw, ns = config.gate_up

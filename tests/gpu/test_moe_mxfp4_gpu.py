@@ -53,7 +53,9 @@ def test_mxfp4_moe(t):
     weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
     ref = _ref(x, weights, ids, w)
     for cfg in (MxConfig(), MxConfig((64, 2, 4, 4), (8, 8, 4, 3)), MxConfig((64, 32, 4, 3), (8, 32, 1, 3)),
-                MxConfig((32, 4, 4, 3), (16, 4, 4, 3), decode="lut"), MxConfig(decode="v1")):
+                MxConfig((32, 4, 4, 3), (16, 4, 4, 3), decode="lut"), MxConfig(decode="v1"),
+                MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"),
+                MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot")):
         out = experts_forward_mxfp4(x, weights, ids, w, config=cfg)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         assert rel_l2(out, ref) < 4e-3, rel_l2(out, ref)
