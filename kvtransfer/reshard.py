@@ -188,10 +188,11 @@ class SlottedArrivals:
 
     def _unpack(self, blocks: dict[str, np.ndarray], k: int) -> None:
         pool0 = next(iter(self.pools.values()))
-        if pool0.is_cuda:  # beside the decode steps, which touch other blocks; done before release
+        if pool0.is_cuda:
+            # on its own stream, beside the decode steps (they touch other blocks; NIXL's bytes
+            # are in memory once the notification came), and finished before the release
             if self._stream is None:
                 self._stream = torch.cuda.Stream(pool0.device)
-            self._stream.wait_stream(torch.cuda.current_stream(pool0.device))
             with torch.cuda.stream(self._stream):
                 for g, b in blocks.items():
                     unpack_slotted(self.pools[g], b, k)
