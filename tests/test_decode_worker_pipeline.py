@@ -96,3 +96,12 @@ def test_decode_worker_pipelined_equals_step_by_step(runner):
     assert toks(plain["r1"])[-1] == SCRIPT[9] and toks(plain["r2"]) == SCRIPT[12:13]
     for ev in cancelled:  # a prefix of its script, then the cancel
         assert toks(ev) == SCRIPT[14:14 + len(toks(ev))] and ev[-1][1] is not None
+
+
+def test_rows_that_need_the_host_sampler_are_not_pipelined():
+    from pdserve.engine.decode_pipeline import sampled_on_device
+
+    assert sampled_on_device(SamplingParams(temperature=0))
+    for kw in (dict(temperature=1.0), dict(temperature=0, logprobs=1), dict(temperature=0, min_tokens=2),
+               dict(temperature=0, logit_bias={3: 1.0}), dict(temperature=0, grammar="start: \"x\"")):
+        assert not sampled_on_device(SamplingParams(**kw)), kw
