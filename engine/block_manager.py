@@ -319,11 +319,13 @@ class KVBlockManager:
         """Blocks released under `fence` become reusable (every write into them has ended)."""
         return sum(a.lift_fence(fence) for a in self.allocators.values())
 
-    def prepare(self, seq: SeqBlocks, start: int, num_tokens: int) -> dict[str, torch.Tensor]:
+    def prepare(self, seq: SeqBlocks, start: int, num_tokens: int, *, slide: bool = True) -> dict[str, torch.Tensor]:
         """Make pages for positions [start, start + num_tokens) writable; return the flat slot
-        (block * page_size + offset) of each position in each pool."""
+        (block * page_size + offset) of each position in each pool. `slide=False` keeps the
+        sliding pages before the window of `start` in the table (a chunked prefill's later chunks:
+        the prefix cache adopts every page)."""
         end = start + num_tokens
-        self._make_writable(seq, start, end)
+        self._make_writable(seq, start, end, slide)
         pos = torch.arange(start, end)
         page, off = pos // self.page_size, pos % self.page_size
         slots = {"full": torch.tensor(seq.full)[page] * self.page_size + off}
@@ -342,11 +344,12 @@ class KVBlockManager:
             slots["sliding"] = seq.sliding[page - seq.sliding_first_page] * self.page_size + off
         return slots
 
-    def _make_writable(self, seq: SeqBlocks, start: int, end: int) -> None:
+    def _make_writable(self, seq: SeqBlocks, start: int, end: int, slide: bool = True) -> None:
         if end > len(seq.full) * self.page_size:
             raise KVCacheFull(f"position {end - 1} is beyond the {len(seq.full)} reserved blocks")
         if self.has_sliding:
-            self._slide(seq, start)
+            if slide or not seq.sliding:
+                self._slide(seq, start)
             last_page = (end - 1) // self.page_size
             while seq.sliding_first_page + len(seq.sliding) <= last_page:
                 if not seq.sliding_spare:

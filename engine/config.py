@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """The checkpoint's config.json is missing, malformed or describes a model we do not serve."""
 
 
+# tokens per prefill forward pass (ModelRunner): at 8192 the 20b/120b activations (the MoE's routed
+# copies and expert intermediates, attention's per-chunk buffers) stay a few GiB on an H200, and
+# the GEMMs already run at their large-M rate (docs/engine.md, chunked prefill)
+DEFAULT_PREFILL_CHUNK = 8192
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = VOCAB_SIZE

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from pdserve.kernels.attention import PagedBatch
 
 from .checkpoint import load_weights
-from .config import ModelConfig
+from .config import DEFAULT_PREFILL_CHUNK, ModelConfig
 from .cuda_graphs import DecodeGraphs
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, sliding_first_page
 from .model import GptOssModel, StepContext, make_batches, plan_step
 from .parallel import ShardSpec
 from .sampling import SamplingParams, TokenLogprob, prompt_logprob_rows, unpack_prompt_logprobs
@@ -62,6 +62,7 @@ class StepPlan:
     qo_lens: list[int]
     all_logits: bool = False
     prompt_logprobs: int | None = None  # k: score the prompt instead (see ModelRunner.prefill_scored)
+    score_next: int | None = None  # with prompt_logprobs: the token after these rows (a later chunk's first)
     block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     device_ids: torch.Tensor | None = None
 
@@ -86,9 +87,15 @@ class ModelRunner:
         shard: ShardSpec = ShardSpec(),
         attention_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
     ):
         """cuda_graph_max_batch > 0 (CUDA with FlashInfer only): decode batches up to that size
-        replay CUDA graphs captured here (engine.cuda_graphs); larger ones and prefills run eagerly."""
+        replay CUDA graphs captured here (engine.cuda_graphs); larger ones and prefills run eagerly.
+        prefill_chunk_tokens: a prompt longer than this is prefilled in forward passes of at most
+        this many tokens (docs/engine.md, chunked prefill)."""
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.device = torch.device(device)
         self.cfg = ModelConfig.load(model_dir)
         self.precision = precision or default_precision(self.device)
@@ -163,7 +170,7 @@ class ModelRunner:
         pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, step)
         if plan.prompt_logprobs is not None:
-            return self._score(hidden, input_ids, plan.prompt_logprobs)
+            return self._score(hidden, input_ids, plan.prompt_logprobs, plan.score_next)
         if not plan.all_logits and len(plan.qo_lens) != hidden.shape[0]:
             last = torch.tensor(plan.qo_lens, device=self.device).cumsum(0) - 1
             hidden = hidden[last]
@@ -171,13 +178,17 @@ class ModelRunner:
 
     score_chunk = 1024  # prompt positions whose vocabulary-wide logits exist at once when scoring
 
-    def _score(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits of the last position [V], prompt_logprob_rows of positions 1..L-1), the
-        vocabulary-wide logits made `score_chunk` rows at a time (every rank runs the same chunks)."""
-        n, chunk = hidden.shape[0], self.score_chunk
-        parts = [prompt_logprob_rows(self.model.logits(hidden[s:min(n - 1, s + chunk)]),
-                                     input_ids[s + 1:min(n, s + chunk + 1)], k)
-                 for s in range(0, n - 1, chunk)]
+    def _score(self, hidden: torch.Tensor, input_ids: torch.Tensor, k: int,
+               next_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the last position [V], prompt_logprob_rows of the rows' next tokens: the
+        rows' own ids shifted by one, then `next_id` for the last row when a later chunk follows),
+        the vocabulary-wide logits made `score_chunk` rows at a time (every rank runs the same)."""
+        targets = input_ids[1:]
+        if next_id is not None:
+            targets = torch.cat([targets, targets.new_tensor([next_id])])
+        n, chunk = targets.numel(), self.score_chunk
+        parts = [prompt_logprob_rows(self.model.logits(hidden[s:min(n, s + chunk)]), targets[s:s + chunk], k)
+                 for s in range(0, n, chunk)]
         packed = torch.cat(parts) if parts else torch.zeros(0, 1 + 2 * k, dtype=torch.float64, device=hidden.device)
         return self.model.logits(hidden[-1:])[0], packed
 
@@ -193,12 +204,19 @@ class ModelRunner:
         on: the KV of the positions before it are already in its pages (a cached prefix; its
         sliding table must start at the window of that position). Float32 logits of the last
         position [V] (or of every computed position [L - num_cached, V] with all_logits).
-        `finish=False` keeps every sliding page in the table (a prefix cache adopts them)."""
-        plan = self._prefill_plan(seq)
-        plan.all_logits = all_logits
-        logits = self._step(plan)
+        `finish=False` keeps every sliding page in the table (a prefix cache adopts them).
+
+        More than `prefill_chunk_tokens` positions run as consecutive chunks, each a suffix
+        prefill over the KV the chunks before it wrote (the same path as a cached prefix)."""
+        parts = []
+        for plan in self._prefill_plans(seq):
+            plan.all_logits = all_logits
+            if not all_logits:
+                parts.clear()  # an earlier chunk's last row is no answer: free it before the next pass
+            parts.append(self._step(plan))
+            seq.num_cached += len(plan.input_ids)
         self._prefilled(seq, finish)
-        return logits if all_logits else logits[0]
+        return torch.cat(parts) if all_logits else parts[-1][0]
 
     def prefill_scored(self, seq: Sequence, k: int, *, finish: bool = True) -> tuple[torch.Tensor, list[TokenLogprob]]:
         """`prefill` of a whole prompt (no cached prefix) that also scores it: (float32 logits of
@@ -206,19 +224,42 @@ class ModelRunner:
         likely tokens at its position). No [L, V] buffer: logits are made in chunks."""
         if seq.num_cached:
             raise ValueError("scoring a prompt needs every position computed (no cached prefix)")
-        plan = self._prefill_plan(seq)
-        plan.prompt_logprobs = k
-        last, packed = self._step(plan)
+        packed = []
+        for plan in self._prefill_plans(seq):
+            end = seq.num_cached + len(plan.input_ids)
+            plan.prompt_logprobs = k
+            plan.score_next = seq.prompt_ids[end] if end < len(seq.prompt_ids) else None
+            last, rows = self._step(plan)
+            packed.append(rows)
+            seq.num_cached = end
         self._prefilled(seq, finish)
-        return last, unpack_prompt_logprobs(packed, seq.prompt_ids, k)
+        return last, unpack_prompt_logprobs(torch.cat(packed), seq.prompt_ids, k)
 
-    def _prefill_plan(self, seq: Sequence) -> StepPlan:
-        start, n = seq.num_cached, len(seq.prompt_ids)
-        if not 0 <= start < n:
-            raise ValueError(f"prefill from position {start} of a {n}-token prompt computes nothing")
-        slots = self.cache.prepare(seq.blocks, start, n - start)
-        batches = make_batches(self.cache, [self.cache.tables(seq.blocks, n)], [n - start])
-        return StepPlan(list(seq.prompt_ids[start:]), list(range(start, n)), slots, batches, [n - start])
+    def _prefill_plans(self, seq: Sequence):
+        """The prompt's forward passes from `seq.num_cached`, `prefill_chunk_tokens` at a time;
+        each is planned when the one before it has run (the caller advances seq.num_cached)."""
+        n = len(seq.prompt_ids)
+        if not 0 <= seq.num_cached < n:
+            raise ValueError(f"prefill from position {seq.num_cached} of a {n}-token prompt computes nothing")
+        while seq.num_cached < n:
+            start = seq.num_cached
+            yield self._prefill_plan(seq, start, min(n, start + self.prefill_chunk_tokens))
+            if seq.num_cached == start:
+                raise RuntimeError("prefill chunk ran but the sequence did not advance")
+
+    def _prefill_plan(self, seq: Sequence, start: int, end: int) -> StepPlan:
+        """Positions [start, end) over the KV of every position before them. The request keeps
+        all its sliding pages while it prefills (a prefix cache adopts them); the sliding layers'
+        attention gets only the pages from the window of `start` on."""
+        cache, b = self.cache, seq.blocks
+        slots = cache.prepare(b, start, end - start, slide=False)
+        tables = cache.tables(b, end)
+        if "sliding" in tables:
+            skip = sliding_first_page(start, cache.window, cache.page_size) - b.sliding_first_page
+            if skip > 0:
+                tables["sliding"] = (b.sliding[skip:], end - (b.sliding_first_page + skip) * cache.page_size)
+        batches = make_batches(cache, [tables], [end - start])
+        return StepPlan(list(seq.prompt_ids[start:end]), list(range(start, end)), slots, batches, [end - start])
 
     def _prefilled(self, seq: Sequence, finish: bool) -> None:
         n = len(seq.prompt_ids)

@@ -64,7 +64,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
 def _runner(a: argparse.Namespace):
     from pdserve.engine.model_runner import ModelRunner
 
-    return ModelRunner(a.model, device=a.device, precision=a.precision)
+    return ModelRunner(a.model, device=a.device, precision=a.precision, prefill_chunk_tokens=a.prefill_chunk_tokens)
 
 
 def cmd_logits(a: argparse.Namespace) -> int:
@@ -73,7 +73,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
     if getattr(a, "tp", 1) > 1 or getattr(a, "ep", 1) > 1:
         from pdserve.launch.parallel_logits import parallel_prompt_logits
 
-        logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision)
+        logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision,
+                                        prefill_chunk_tokens=a.prefill_chunk_tokens)
     else:
         runner = _runner(a)
         # on the host, in float32, whatever device and dtype the model computed in
@@ -145,6 +146,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
                    help="expert weights in compute: bf16 (the default on CPU) or FP8 128x128 "
                         "(the default on CUDA)")
+    add_prefill_chunk_arg(p)
+
+
+def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
+    from pdserve.engine.config import DEFAULT_PREFILL_CHUNK
+
+    p.add_argument("--prefill-chunk-tokens", type=_positive_int, default=DEFAULT_PREFILL_CHUNK,
+                   help="longer prompts are prefilled in forward passes of at most this many tokens, "
+                        "each over the KV of the ones before (bounds activation memory)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 # (name, one-line help, description, module, function adding its flags, function running it);

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.engine.config import DEFAULT_PREFILL_CHUNK
+
 
 def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
 def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: list[int], eps: list[int],
-               precision: str | None, device: str, out_dir: str) -> None:
+               precision: str | None, device: str, out_dir: str, prefill_chunk_tokens: int) -> None:
     import torch
 
     from pdserve.engine.model_runner import ModelRunner
@@ -32,7 +34,7 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
         for ep in eps:
             shard = ShardSpec(rank, world, ep)
             runner = ModelRunner(model_dir, device=group.device, precision=precision, shard=shard,
-                                 num_kv_blocks=-(-len(ids) // 16) + 1)
+                                 num_kv_blocks=-(-len(ids) // 16) + 1, prefill_chunk_tokens=prefill_chunk_tokens)
             logits = runner.prompt_logits(ids)
             if rank == 0:
                 np.save(Path(out_dir) / f"ep{ep}.npy", logits.float().cpu().numpy())
@@ -42,9 +44,10 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
 
 
 def parallel_prompt_logits_layouts(model_dir: str, ids: list[int], *, world: int, eps: list[int],
-                                   precision: str | None = None, device: str = "cpu") -> dict[int, np.ndarray]:
+                                   precision: str | None = None, device: str = "cpu",
+                                   prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK) -> dict[int, np.ndarray]:
     """Logits of `ids` for several EP sizes of one world size, from one set of `world` processes:
-    ep -> float32 [L, V]."""
+    ep -> float32 [L, V]. Prompts longer than `prefill_chunk_tokens` run in chunks."""
     import torch.multiprocessing as tmp
 
     from pdserve.engine.config import ModelConfig
@@ -61,13 +64,15 @@ def parallel_prompt_logits_layouts(model_dir: str, ids: list[int], *, world: int
         raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     with tempfile.TemporaryDirectory(prefix="pdserve-logits-") as d:
         init = f"file://{Path(d) / 'rendezvous'}"
-        tmp.spawn(_rank_main, args=(world, init, str(model_dir), list(ids), list(eps), precision, device, d),
+        tmp.spawn(_rank_main, args=(world, init, str(model_dir), list(ids), list(eps), precision, device, d,
+                                             prefill_chunk_tokens),
                   nprocs=world, join=True)
         return {ep: np.load(Path(d) / f"ep{ep}.npy") for ep in eps}
 
 
 def parallel_prompt_logits(model_dir: str, ids: list[int], *, tp: int, ep: int = 1,
-                           precision: str | None = None, device: str = "cpu") -> np.ndarray:
+                           precision: str | None = None, device: str = "cpu",
+                           prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
     """Float32 logits [L, V] of every prompt position on a worker of `tp` ranks, `ep` expert groups."""
     return parallel_prompt_logits_layouts(model_dir, ids, world=tp, eps=[ep], precision=precision,
-                                          device=device)[ep]
+                                          device=device, prefill_chunk_tokens=prefill_chunk_tokens)[ep]

@@ -362,6 +362,8 @@ class Supervisor:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.launch.cli import add_prefill_chunk_arg
+
     p.add_argument("--model", default="tiny", help="checkpoint directory, or `tiny` (built-in random model)")
     p.add_argument("--served-model-name", default="gpt-oss", help="the model name clients send")
     p.add_argument("--host", default="127.0.0.1", help="address the router listens on")
@@ -392,6 +394,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "it gets 429")
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room of each prefill worker for cached prompt prefixes (0 = no prefix cache)")
+    add_prefill_chunk_arg(p)
     p.add_argument("--routing-policy", default=router.routing_policy, choices=["cache_aware", "load"],
                    help="prefill placement: the worker caching the longest prompt prefix, or the least loaded")
     p.add_argument("--max-migrations", type=int, default=router.max_migrations,
@@ -427,7 +430,8 @@ def run(a: argparse.Namespace) -> int:
                                           "--max-queue-wait", str(a.max_queue_wait),
                                           "--routing-policy", a.routing_policy,
                                           "--max-migrations", str(a.max_migrations)],
-                       extra_prefill_args=["--prefix-cache-tokens", str(a.prefix_cache_tokens)],
+                       extra_prefill_args=["--prefix-cache-tokens", str(a.prefix_cache_tokens),
+                                           "--prefill-chunk-tokens", str(a.prefill_chunk_tokens)],
                        extra_decode_args=["--reservation-ttl", str(a.reservation_ttl)])
     from pdserve.proto.rpc import ensure_port_free
 

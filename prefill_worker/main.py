@@ -13,6 +13,7 @@ import logging
 import os
 import uuid
 
+from pdserve.launch.cli import add_prefill_chunk_arg
 from pdserve.proto.lifecycle import add_worker_process_args
 
 log = logging.getLogger("prefill_worker")
@@ -40,6 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompts up to this long go to decode workers of a larger TP as a few large "
                         "writes through a staging buffer of their KV's size (0 = none; longer prompts: "
                         "one write per token row)")
+    add_prefill_chunk_arg(p)
     add_worker_process_args(p)
 
 
