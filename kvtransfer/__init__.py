@@ -1,7 +1,8 @@
 """Moving paged KV blocks between worker ranks with NIXL (RDMA/NVLink on GPUs, UCX/TCP on CPU).
 
 ``plan`` decides which byte ranges move (including head re-sharding when prefill TP != decode
-TP); ``agent`` owns the NIXL agent, memory registration, handshake and notifications.
+TP: packed through ``staging`` by the sender, or slotted and put in place by the receiver,
+``reshard``); ``agent`` owns the NIXL agent, memory registration, handshake and notifications.
 """
 
 from pdserve.kvtransfer.agent import KVTransferAgent, TransferHandle

@@ -15,7 +15,11 @@ per layer (and per run of blocks otherwise): no staging memory, no extra round t
 notification carries the destination blocks (run-length encoded); once the receiver's heads are
 covered (every slot written) it gathers the pages, permutes heads into place and scatters them
 back (``unpack_slotted``), then releases the notifications to the worker, which only then sees
-the request's KV. Slots are assembled per push (an id every sender of one push shares), so the
+the request's KV. Ordering this relies on: a decode worker frees a cancelled request's blocks
+after the prefill side's "ok" fence (decode_worker/request.py), which can reach rank 0 just before
+another rank has polled (within ~1 ms) the notification that makes it unpack those blocks; a new
+request's KV landing in them inside that window would be permuted. Fencing on the KV being
+complete on every rank (not only on "ok") closes it. Slots are assembled per push (an id every sender of one push shares), so the
 slots an earlier, failed push left behind never complete a later one into the same blocks. The bytes a request's pages hold are garbage until then, as for any write in
 flight; nothing reads them before the KV is declared present.
 """
