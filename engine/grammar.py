@@ -16,7 +16,7 @@ as the budget requires: a token can lengthen it by at most about `GROWTH` tokens
 
 from __future__ import annotations
 
-import threading
+import os
 from functools import lru_cache
 
 import llguidance as llg
@@ -32,7 +32,8 @@ MARGIN = 8  # budget kept beyond the way out before it is forced
 GROWTH = 8  # how much one free token may lengthen the way out (nesting, a required key...)
 _CLOSERS = (b"}", b"]", b'"', b"0", b":", b",")  # preferred on the way out, in this order
 _LETTERS = (b"a", b"x")  # allowed inside a free string, never in JSON outside one
-_LOOKAHEAD_LIMIT = 128  # longest way out followed to compare alternatives
+_LOOKAHEAD_LIMIT = 64  # longest way out followed to compare alternatives
+_LOOKAHEAD_ALLOWED = 16  # compared only where this few tokens are allowed (literals, not free text)
 _LOOKAHEAD = 4  # alternatives compared where a few literals are allowed (a channel name, an enum)
 _END_OF_GRAMMAR = "<|endoftext|>"  # llguidance's EOS: grammars end in explicit end tokens instead
 
@@ -43,18 +44,12 @@ class GrammarError(SamplingError):
 
 @lru_cache(maxsize=1)
 def tokenizer() -> llg.LLTokenizer:
-    """The vocabulary as llguidance sees it (about 5 s to build; once per process)."""
+    """The vocabulary as llguidance sees it (a few seconds to build, once per process, on the first
+    request with a grammar)."""
     specials = special_tokens(VOCAB_SIZE)
     return llg.LLTokenizer.from_tiktoken(encoder=token_bytes(), special_tokens=specials,
                                          pattern=O200K_PATTERN, eos_token=specials[_END_OF_GRAMMAR],
                                          n_vocab=VOCAB_SIZE)
-
-
-def warm_up() -> threading.Thread:
-    """Build the tokenizer in the background (workers call it at start)."""
-    t = threading.Thread(target=tokenizer, name="grammar-tokenizer", daemon=True)
-    t.start()
-    return t
 
 
 @lru_cache(maxsize=1)
@@ -88,7 +83,8 @@ def _choose(m: llg.LLMatcher, row: np.ndarray, ids: np.ndarray, limit: int, look
     for c in _ids_of(_CLOSERS):
         if _has(row, c):
             return c
-    longest = ids[np.argsort(-_token_lengths()[ids], kind="stable")[:_LOOKAHEAD if lookahead else 1]]
+    few = lookahead and len(ids) <= _LOOKAHEAD_ALLOWED
+    longest = ids[np.argsort(-_token_lengths()[ids], kind="stable")[:_LOOKAHEAD if few else 1]]
     if len(longest) == 1:
         return int(longest[0])
 
@@ -133,6 +129,19 @@ def _one_hot(row: np.ndarray, token: int) -> None:
     row.view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
 
 
+_initial_paths: dict[str, list[int]] = {}
+
+
+def _initial_way_out(grammar: str, m: llg.LLMatcher) -> list[int]:
+    path = _initial_paths.get(grammar)
+    if path is None:
+        path = _greedy(m.deep_copy(), _LOOKAHEAD_LIMIT * 4, lookahead=True)
+        if len(_initial_paths) >= 256:
+            _initial_paths.pop(next(iter(_initial_paths)))
+        _initial_paths[grammar] = path
+    return path
+
+
 class Matcher:
     """One sequence's place in its grammar and the budget it has left.
 
@@ -147,7 +156,10 @@ class Matcher:
         self.max_new_tokens = max_new_tokens
         self.num_generated = 0
         self._forced: list[int] = []  # the way out, once the budget forces it
-        self._check_at = 0  # num_generated at which the way out is measured again
+        # the way out of the start is the same for every request of a grammar: measured once
+        first = _initial_way_out(grammar, self._m)
+        self._check_at = 0 if len(first) + MARGIN >= max_new_tokens else \
+            max(1, (max_new_tokens - len(first) - MARGIN) // (1 + GROWTH))
         for token in generated:
             self.accept(token)
 
@@ -201,11 +213,13 @@ def matcher_for(params: SamplingParams, generated: list[int]) -> Matcher | None:
 
 
 _executor: llg.LLExecutor | None = None
+_PARALLEL = (os.cpu_count() or 1) >= 8
 
 
 def fill_masks(matchers: list[Matcher | None]) -> np.ndarray | None:
     """The batch's token bitmask: int32 [B, MASK_WORDS], all ones for rows without a grammar;
-    None when no row has one. Free rows are filled in parallel by llguidance's thread pool."""
+    None when no row has one. Free rows are filled in parallel by llguidance's thread pool on a
+    host with the cores for it (on a few, the pool costs more than it saves: docs/performance.md)."""
     global _executor
     if all(m is None for m in matchers):
         return None
@@ -218,8 +232,11 @@ def fill_masks(matchers: list[Matcher | None]) -> np.ndarray | None:
             free.append((m._m, i))
         else:
             m.fill_forced(mask[i])
-    if free:
+    if len(free) > 1 and _PARALLEL:
         if _executor is None:
             _executor = llg.LLExecutor()
         fill_next_token_bitmask_par(_executor, free, mask)
+    else:
+        for m, i in free:
+            fill_next_token_bitmask(m, mask, i)
     return mask

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router import structured_output
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import InvalidRequestError, ModelNotFoundError, RouterError
 from pdserve.router.metrics import RouterMetrics
@@ -100,6 +101,8 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
             raise InvalidRequestError("sampling.top_p must be in [0, 1]", param="sampling.top_p")
         if sampling.top_k < 0:
             raise InvalidRequestError("sampling.top_k must be >= 0", param="sampling.top_k")
+        if sampling.grammar:  # structured output: an llguidance grammar over the generated ids
+            structured_output.check(sampling.grammar, "sampling.grammar")
         if not 0 <= sampling.n <= MAX_CHOICES:
             raise InvalidRequestError(f"sampling.n must be in [0, {MAX_CHOICES}] (0 = 1)", param="sampling.n")
         return sampling

@@ -276,6 +276,10 @@ class OpenAIFrontend:
             if bad:
                 raise InvalidRequestError(f"{param} names token id {bad[0]}, outside the vocabulary "
                                           f"[0, {vocab})", param=param)
+        if grammar and (body.ignore_eos or body.min_tokens):
+            param = "ignore_eos" if body.ignore_eos else "min_tokens"
+            raise InvalidRequestError(f"{param} cannot be combined with a structured output (response_format, "
+                                      "text.format or a forced tool call), which ends the turn itself", param=param)
         if body.min_tokens > max_new_tokens:
             raise InvalidRequestError(f"min_tokens ({body.min_tokens}) exceeds the {max_new_tokens} "
                                       "tokens this request may generate", param="min_tokens")

@@ -51,7 +51,8 @@ def _schema_of(fmt: dict, param: str) -> dict | None:
     return schema
 
 
-def _check(grammar: str, param: str) -> str:
+def check(grammar: str, param: str) -> str:
+    """`grammar` if it compiles, else InvalidRequestError naming llguidance's reason."""
     error = llg.LLMatcher.validate_grammar(grammar, None)
     if error:
         reason = re.split(r"\n\s*\d+ \|", error.split("failed to compile JSON schema: ", 1)[-1])[0].strip()
@@ -82,11 +83,11 @@ def grammar(response_format: dict | None = None, *, tools: list[dict] | None = N
             schema = f.get("parameters") or {"type": "object"}
             calls.append(f'call{i}: <|channel|> "commentary to=functions.{name} " <|constrain|> "json" '
                          f'<|message|> args{i} <|call|>\nargs{i}: {_json(schema)}\n')
-            _check(f"start: args0\nargs0: {_json(schema)}\n", f"tools.{name}.parameters")
+            check(f"start: args0\nargs0: {_json(schema)}\n", f"tools.{name}.parameters")
         alternatives = " | ".join(f"call{i}" for i in range(len(forced)))
         return f"start: analysis? ({alternatives})\n{_ANALYSIS}" + "".join(calls)
     schema = _schema_of(response_format or {}, param)
     if schema is None:
         return ""
-    return _check(f"start: analysis? final\n{_ANALYSIS}"
+    return check(f"start: analysis? final\n{_ANALYSIS}"
                   f"final: <|channel|> \"final\" <|message|> body <|return|>\nbody: {_json(schema)}\n", param)

@@ -81,6 +81,8 @@ def test_generate_defaults_and_length(cluster, stub):
     ({"prompt_token_ids": [1], "sampling": pb.SamplingParams(temperature=9)},
      grpc.StatusCode.INVALID_ARGUMENT),
     ({"prompt_token_ids": list(range(3000))}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt_token_ids": [1], "sampling": pb.SamplingParams(grammar="start: %json{\"type\": \"nope\"}")},
+     grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_generate_rejects_bad_requests(cluster, stub, request_kwargs, code):
     new_script(cluster)

@@ -169,6 +169,13 @@ def test_invalid_response_formats_are_400_naming_the_problem(fresh, value, needl
     assert not fresh.prefill[0].requests
 
 
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
+def test_structured_outputs_refuse_rules_that_fight_the_end_of_the_turn(fresh, extra):
+    error = assert_error(post(fresh, "/v1/chat/completions", body=chat(
+        response_format={"type": "json_object"}, **extra)), 400, param=next(iter(extra)))
+    assert "structured output" in error["message"]
+
+
 def test_neutral_values_of_unhonoured_fields_are_accepted(fresh):
     r = post(fresh, "/v1/chat/completions", body=chat(
         response_format={"type": "text"}, logit_bias={}, top_logprobs=0, ignore_eos=False,
