@@ -208,8 +208,9 @@ class DecodeScheduler:
         if r in self._running:
             self._running.remove(r)
         r.events.put(event)
-        if self._inflight is not None and {id(c) for c in r.choices} & {id(c) for c in self._inflight.seqs}:
-            self._inflight.wait()  # a launched step still writes this request's KV
+        inflight = self._inflight  # read once: `start` ends requests from an API thread
+        if inflight is not None and {id(c) for c in r.choices} & {id(c) for c in inflight.seqs}:
+            inflight.wait()  # a launched step still writes this request's KV
         for blocks in r.choice_blocks:  # never written remotely; shared pages only lose a holder
             self.cache.release(blocks)
         if r.writes_settled():
