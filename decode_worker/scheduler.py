@@ -124,30 +124,31 @@ class DecodeScheduler:
             self._requests[request_id] = r
         return r
 
-    def start(self, request_id: str, first_token: int | list[int], prompt_ids: list[int],
-              params: SamplingParams, num_generated: int = 0) -> DecodeRequest:
+    def start(self, request_id: str, first_token: int | list[int], num_prompt_tokens: int,
+              params: SamplingParams, generated: list[int] = ()) -> DecodeRequest:
         """Hand over the first token (n > 1: every choice's, from the one prefill); the request
-        joins the batch once its KV has arrived. num_generated: the last prompt ids are the
-        request's own earlier samples (a migrated stream): they count as its output
-        (max_new_tokens, penalties, the sampling index)."""
-        if not 0 <= num_generated < len(prompt_ids):
-            raise ValueError(f"num_generated {num_generated} is not within the {len(prompt_ids)}-token prompt")
+        joins the batch once its KV has arrived. The prompt itself stays with the prefill worker:
+        its KV is here. `generated`: the prompt's last ids when they are the request's own earlier
+        samples (a migrated stream): they count as its output (max_new_tokens, penalties, the
+        sampling index)."""
+        generated = list(generated)
+        if not 0 <= len(generated) < num_prompt_tokens:
+            raise ValueError(f"{len(generated)} earlier samples are not within the {num_prompt_tokens}-token prompt")
         firsts = [first_token] if isinstance(first_token, int) else list(first_token)
-        cut = len(prompt_ids) - num_generated
         # structured outputs: each choice's own matcher (outside the lock: the grammar compiles)
-        matchers = [matcher_for(params, list(prompt_ids[cut:]) + [t]) for t in firsts]
+        matchers = [matcher_for(params, generated + [t]) for t in firsts]
         with self._lock:
             r = self._requests.get(request_id)
             if r is None or request_id in self._cancel:
                 raise ReservationError(f"request {request_id} has no live reservation")
-            if len(prompt_ids) != r.num_prompt_tokens:
-                raise ValueError(f"reservation was for {r.num_prompt_tokens} prompt tokens, got {len(prompt_ids)}")
+            if num_prompt_tokens != r.num_prompt_tokens:
+                raise ValueError(f"reservation was for {r.num_prompt_tokens} prompt tokens, got {num_prompt_tokens}")
             n = 1 + len(r.choice_blocks)
             if params.n != n or len(firsts) != n:
                 raise ValueError(f"reservation was for {n} choice(s); got n={params.n} with {len(firsts)} first tokens")
-            choices = [Sequence(request_id, list(prompt_ids[:cut]), params if n == 1 else params.for_choice(i),
-                                output_ids=list(prompt_ids[cut:]), blocks=b, num_cached=len(prompt_ids),
-                                matcher=matchers[i])
+            choices = [Sequence(request_id, [], params if n == 1 else params.for_choice(i),
+                                output_ids=list(generated), blocks=b, num_cached=num_prompt_tokens,
+                                num_prompt_tokens=num_prompt_tokens - len(generated), matcher=matchers[i])
                        for i, b in enumerate([r.blocks, *r.choice_blocks])]
             try:
                 r.first_token(choices[0], self.clock())

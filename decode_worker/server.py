@@ -72,8 +72,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             params = SamplingParams(**sampling_kwargs(request.sampling))
             params.check_vocab(self.scheduler.runner.cfg.vocab_size)
             firsts = list(request.first_token_ids) or [request.first_token_id]
-            r = self.scheduler.start(request.request_id, firsts, list(request.prompt_token_ids), params,
-                                     num_generated=request.num_generated)
+            if request.num_generated != len(request.generated_token_ids):
+                raise ValueError(f"num_generated {request.num_generated} but "
+                                 f"{len(request.generated_token_ids)} generated_token_ids")
+            r = self.scheduler.start(request.request_id, firsts, request.num_prompt_tokens, params,
+                                     generated=list(request.generated_token_ids))
         except ReservationError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except (ValueError, SamplingError) as e:

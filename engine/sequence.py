@@ -27,10 +27,17 @@ class Sequence:
     num_cached: int = 0  # positions whose K/V are in the cache
     finish_reason: FinishReason | None = None
     matcher: "object | None" = None  # engine.grammar.Matcher when the request has a grammar
+    # the prompt's length; -1: len(prompt_ids). A decode worker knows only the length (the KV of
+    # the prompt is in its blocks), so its sequences have no prompt_ids.
+    num_prompt_tokens: int = -1
+
+    def __post_init__(self):
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self.num_prompt_tokens + len(self.output_ids)
 
     @property
     def last_token(self) -> int:
@@ -38,7 +45,7 @@ class Sequence:
 
     @property
     def max_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_new_tokens
+        return self.num_prompt_tokens + self.params.max_new_tokens
 
     def append(self, token: int, eos_ids: tuple[int, ...], max_context: int,
                logprob: TokenLogprob | None = None) -> bool:

@@ -598,7 +598,8 @@ class Generation:
         done = self._prefilled_generated
         request = pdserve_pb2.DecodeRequest(
             request_id=self.request_id, first_token_id=first_token_ids[0],
-            prompt_token_ids=self.prompt_token_ids + self.generated[:done], sampling=self.sampling,
+            num_prompt_tokens=len(self.prompt_token_ids) + done, generated_token_ids=self.generated[:done],
+            sampling=self.sampling,
             first_token_ids=first_token_ids if self.num_choices > 1 else [], num_generated=done)
         unfinished = self.num_choices
         call = worker.stub.Decode(request, timeout=self._remaining())

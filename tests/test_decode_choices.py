@@ -39,7 +39,7 @@ def test_choices_run_as_rows_and_give_every_block_back(tiny_cfg):
     assert len(r.choice_blocks) == n - 1
     h.kv("multi")
     params = SamplingParams(max_new_tokens=max_new, temperature=0, n=n, seed=random.getrandbits(63))
-    h.s.start("multi", [NEXT_TOKEN] * n, [1] * prompt, params)
+    h.s.start("multi", [NEXT_TOKEN] * n, prompt, params)
     assert [c.params.seed for c in r.choices] == [(params.seed + i) % 2**64 for i in range(n)]
     shared = prompt // h.runner.cache.page_size
     h.s.run_once()
@@ -70,7 +70,7 @@ def test_a_refused_reservation_takes_nothing_and_a_wrong_start_is_refused(tiny_c
     assert h.runner.cache.num_used_blocks == 0
     h.s.reserve("two", 5, 3, ttl_s=60, n=2)
     with pytest.raises(ValueError, match="choice"):
-        h.s.start("two", [NEXT_TOKEN], [1] * 5, SamplingParams(max_new_tokens=3, n=2))
+        h.s.start("two", [NEXT_TOKEN], 5, SamplingParams(max_new_tokens=3, n=2))
     with pytest.raises(ValueError):
         h.s.reserve("many", 5, 3, ttl_s=60, n=9)  # more choices than batch rows
 

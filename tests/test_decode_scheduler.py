@@ -99,7 +99,7 @@ def drain(r) -> list:
 
 
 def start(h: Harness, rid: str, n: int, max_new: int = 1000):
-    return h.s.start(rid, NEXT_TOKEN, [1] * n, greedy(max_new))
+    return h.s.start(rid, NEXT_TOKEN, n, greedy(max_new))
 
 
 # -- the state machine itself ------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def _req(rid="r", now=0.0, ttl=60.0) -> DecodeRequest:
 
 
 def _seq(rid="r") -> Sequence:
-    return Sequence(rid, [1] * 5, greedy(10))
+    return Sequence(rid, [], greedy(10), num_prompt_tokens=5)
 
 
 def test_every_transition_and_every_refusal():
@@ -587,3 +587,22 @@ def test_push_over_nixl_notes_and_a_prefill_that_comes_after_its_cancel(nixl_pai
         _submit(h, "late", n)
     h.s.cancel("late")
     _pump(h, lambda: h.blocks() == (24, 0, 0), "the refused prefill did not release the fence")
+
+
+def test_decode_gets_the_prompt_length_and_a_migrated_streams_samples_only(h):
+    """Decode has the prompt's KV; it is given the prompt's length (was: the whole prompt, of
+    which it read the length), and for a migrated stream the samples it had already streamed."""
+    n, earlier = random.randint(8, 30), [random.randrange(100, 200) for _ in range(3)]
+    r = h.s.reserve("m", n, 5, ttl_s=60)
+    h.kv("m")
+    h.s.run_once()
+    with pytest.raises(ValueError, match="prompt tokens"):
+        h.s.start("m", NEXT_TOKEN, n + 1, greedy(5))
+    with pytest.raises(ValueError, match="not within"):
+        h.s.start("m", NEXT_TOKEN, 3, greedy(5), generated=earlier)
+    h.s.start("m", NEXT_TOKEN, n, greedy(5), generated=earlier)
+    seq = r.seq
+    assert seq.prompt_ids == [] and seq.num_prompt_tokens == n - 3 and seq.num_cached == n
+    assert seq.output_ids == earlier + [NEXT_TOKEN] and seq.num_tokens == n + 1
+    h.s.run_once()  # the 5th sample: max_new_tokens counts the earlier ones
+    assert [e.finish_reason for e in drain(r)][-1] is FinishReason.LENGTH and seq.output_ids[-1] == NEXT_TOKEN

@@ -90,7 +90,7 @@ def drive(cluster: LocalCluster, prefill: str, decode: str, prompt: list[int]) -
                                               decode_address=cluster.addresses[decode]),
                             timeout=60).first_token_id
         ids = [first]
-        for chunk in dec.Decode(pb.DecodeRequest(request_id=rid, first_token_id=first, prompt_token_ids=prompt,
+        for chunk in dec.Decode(pb.DecodeRequest(request_id=rid, first_token_id=first, num_prompt_tokens=len(prompt),
                                                  sampling=sampling), timeout=60):
             assert not chunk.error, chunk.error
             ids.extend(chunk.token_ids)

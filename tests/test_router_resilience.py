@@ -124,10 +124,11 @@ def test_decode_worker_dying_mid_stream_migrates(stream):
         [moved] = survivor.decode_requests
         streamed = 1 + 3 * 4  # prefill's token, then three chunks of four
         assert moved.num_generated == streamed
-        assert list(moved.prompt_token_ids[-streamed:]) == script[:streamed]
+        assert list(moved.generated_token_ids) == script[:streamed]  # the prompt's tail, not the prompt
         resumed = [p for w in cluster.prefill for p in w.requests if p.num_generated]
         assert [p.num_generated for p in resumed] == [streamed]
         assert list(resumed[0].prompt_token_ids[-streamed:]) == script[:streamed]
+        assert moved.num_prompt_tokens == len(resumed[0].prompt_token_ids)
         assert resumed[0].sampling.seed == moved.sampling.seed
         metrics = httpx.get(cluster.base_url + "/metrics").text
         assert 'pdserve_migrations_total{outcome="migrated"} 1.0' in metrics
