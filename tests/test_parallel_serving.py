@@ -186,10 +186,12 @@ def test_choices_forked_on_every_rank_decode_like_one(cluster, tiny_runner):
         res = dec.Reserve(pb.ReserveRequest(request_id=rid, num_prompt_tokens=len(prompt), max_new_tokens=MAX_NEW,
                                             ttl_seconds=60, n=n), timeout=30)
         firsts = list(pre.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                    placements=res.placements), timeout=60).first_token_ids)
+                                                    placements=res.placements,
+                                                    decode_address=cluster.addresses["decode-0"]),
+                                  timeout=60).first_token_ids)
         outs = {i: [t] for i, t in enumerate(firsts)}
         for chunk in dec.Decode(pb.DecodeRequest(request_id=rid, first_token_id=firsts[0], first_token_ids=firsts,
-                                                 prompt_token_ids=prompt, sampling=sampling), timeout=60):
+                                                 num_prompt_tokens=len(prompt), sampling=sampling), timeout=60):
             assert not chunk.error, chunk.error
             outs[chunk.choice].extend(chunk.token_ids)
     assert len(outs) == n and outs[0] == outs[1] == outs[2]
