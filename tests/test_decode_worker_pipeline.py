@@ -52,7 +52,7 @@ def _serve(runner: ModelRunner, pipeline: bool, seed: int):
         for note in (push_notification(rid, PUSH, "w"), kv_notification(rid, (0, runner.cfg.num_key_value_heads)),
                      push_notification(rid, OK, "w")):
             inbox.append((0, note))
-        reqs[rid] = s.start(rid, SCRIPT[start + 1], prompt, params)
+        reqs[rid] = s.start(rid, SCRIPT[start + 1], len(prompt), params)
 
     try:
         request("r0", 0, max_new_tokens=12)
