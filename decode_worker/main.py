@@ -42,6 +42,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
                    help="share of the free GPU memory given to KV blocks (without --kv-blocks)")
     p.add_argument("--reservation-ttl", type=float, default=60.0, help="seconds a reservation waits for Decode")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a request's KV transfer may run, from the prefill worker's start of "
+                        "it, before the request fails (keep >= the prefill workers' own)")
     add_worker_process_args(p)
 
 
@@ -62,6 +65,8 @@ def run(a: argparse.Namespace) -> int:
     ensure_port_free(a.host, a.port)  # before minutes of model loading, not after
     if a.max_batch_size < 1 or a.max_batch_size > 1024:
         raise ValueError("--max-batch-size must be in [1, 1024]")
+    if a.kv_transfer_timeout <= 0:
+        raise ValueError("--kv-transfer-timeout must be positive")
     if a.ep is None:
         a.ep = a.tp
     if a.cuda_graph_max_batch is None:
@@ -97,7 +102,8 @@ def run(a: argparse.Namespace) -> int:
                 del readers[r]
         return out
 
-    scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size, head_ranges=head_ranges)
+    scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size, head_ranges=head_ranges,
+                                transfer_timeout_s=a.kv_transfer_timeout)
     scheduler.notification_source = notifications
     service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl,
                             rank_agents=rank_agents)
