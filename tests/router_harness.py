@@ -147,6 +147,8 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         self.peak_kv_blocks = self.peak_requests = 0
         self.max_batch_size = 64        # what Load reports
         self.die_after_chunks: int | None = None
+        self.hold = threading.Event()   # cleared: Decode streams wait before each chunk
+        self.hold.set()
         self.kv_selftest = 0.0          # kv_selftest_bytes_per_second its LoadReports carry
         self.server = _Server(pbg.add_DecodeWorkerServicer_to_server, self)
 
@@ -164,6 +166,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         self.chunk_size, self.token_delay, self.die_after_chunks = 2, 0.0, None
         self.reserve_delay, self.peak_kv_blocks, self.peak_requests = 0.0, 0, 0
         self.max_batch_size = 64
+        self.hold.set()
 
     def Reserve(self, request, context):
         with self.lock:
@@ -213,6 +216,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             finish = (pb.FINISH_REASON_STOP if token in stops else
                       pb.FINISH_REASON_LENGTH if produced >= sampling.max_new_tokens else 0)
             if len(chunk) == self.chunk_size or finish:
+                self.hold.wait()
                 if self.token_delay:
                     time.sleep(self.token_delay)
                 if self.die_after_chunks is not None and chunks >= self.die_after_chunks:
@@ -396,6 +400,8 @@ class Cluster:
             self.script.token_ids = list(script)
 
     def close(self) -> None:
+        for worker in self.decode:
+            worker.hold.set()
         self.router.close()
         for worker in self.prefill + self.decode:
             worker.server.die()

@@ -81,9 +81,8 @@ def _admission_cluster(**config) -> tuple[Cluster, int]:
 _BODY = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "How are you?"}]}
 
 
-async def _streams(base_url: str, n: int, cancel_first: int = 0) -> list[tuple[int, str]]:
-    """n concurrent streamed chats: (status, content or error code) each; the first
-    `cancel_first` are given up by their clients after 0.3 s."""
+async def _streams(base_url: str, n: int) -> list[tuple[int, str]]:
+    """n concurrent streamed chats: (status, content or error code) each."""
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         async def one(i: int) -> tuple[int, str]:
             async with client.stream("POST", "/v1/chat/completions",
@@ -100,13 +99,7 @@ async def _streams(base_url: str, n: int, cancel_first: int = 0) -> list[tuple[i
                             return 200, event["error"]["code"]
                         text += "".join(c["delta"].get("content") or "" for c in event["choices"])
                 return 200, text
-
-        async def cancelled(i: int) -> tuple[int, str]:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(one(i), 0.3)
-            return 0, "gave up"
-        return await asyncio.gather(*(cancelled(i) if i < cancel_first else one(i)
-                                      for i in range(n)))
+        return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 def test_requests_without_kv_room_wait_and_all_finish():
@@ -160,16 +153,34 @@ def test_a_wait_past_max_queue_wait_is_429_and_clients_may_give_up_while_waiting
     try:
         for d in cluster.decode:
             d.token_delay = 0.2  # the first 4 hold their room for ~2 s
-        results = asyncio.run(_streams(cluster.base_url, 12, cancel_first=0))
+        results = asyncio.run(_streams(cluster.base_url, 12))
         assert sorted(results).count((200, "Fine, thanks.")) == 4, results
         assert sorted(results).count((429, "kv_cache_full")) == 8, results
         # clients that give up while waiting leave the queue; nothing is reserved for them
         cluster.reset()
         for d in cluster.decode:
-            d.chunk_size, d.token_delay = 1, 0.2
-        results = asyncio.run(_streams(cluster.base_url, 8, cancel_first=8))
+            d.chunk_size = 1
+            d.hold.clear()  # the placed 4 keep their room until the waiters are gone
         metrics = cluster.router.router.metrics
-        assert wait_for(lambda: cluster.router.call(lambda: metrics.admission_waiting._value.get()) == 0)
+
+        def waiting() -> int:
+            return cluster.router.call(lambda: metrics.admission_waiting._value.get())
+
+        async def placed_and_quitters() -> list[tuple[int, str]]:
+            placed = asyncio.ensure_future(_streams(cluster.base_url, 4))
+            assert await asyncio.to_thread(
+                wait_for, lambda: sum(len(d.reservations) for d in cluster.decode) == 4)
+            quitters = asyncio.ensure_future(_streams(cluster.base_url, 4))
+            assert await asyncio.to_thread(wait_for, lambda: waiting() == 4)
+            quitters.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await quitters
+            assert await asyncio.to_thread(wait_for, lambda: waiting() == 0)
+            for d in cluster.decode:
+                d.hold.set()
+            return await placed
+
+        assert asyncio.run(placed_and_quitters()) == [(200, "Fine, thanks.")] * 4
         assert sum(len(d.reserve_requests) for d in cluster.decode) == 4
         assert wait_for(lambda: not any(d.reservations for d in cluster.decode), timeout=10)
     finally:
