@@ -6,7 +6,10 @@ same run).
 
     python bench/engine_gpu.py --preset 20b --out OUT [--record docs/performance.md]
         [--compare-fused]   decode also with the fused per-layer kernels off (same run, same weights)
-        [--profile]         per-category GPU time of the replayed step, kernels, host time
+        [--profile]         prefill: ms per category (MoE, attention, dense GEMMs, norms/RoPE,
+                            router) against FLOPs / the FP8 rate measured in the run; decode:
+                            per-category GPU time of the replayed step, kernels, host time
+        [--prompt-len 32768 --prefill-chunk-tokens 8192 --prefill-only]   a long prompt, chunked
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.engine.checkpoint_writer import make_random_checkpoint  # noqa: E402
-from pdserve.engine.config import preset  # noqa: E402
+from pdserve.engine.config import DEFAULT_PREFILL_CHUNK, preset  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
@@ -168,13 +171,17 @@ def timed(fn, sync=_sync):
     return out, time.perf_counter() - t
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="20b")
     ap.add_argument("--ckpt", default="/tmp/pdserve-bench-ckpt")
     ap.add_argument("--out", default=".")
     ap.add_argument("--check-tokens", type=int, default=512)
-    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--prefill-tokens", "--prompt-len", dest="prefill_tokens", type=int, default=8192,
+                    help="prompt length of the timed prefill")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=DEFAULT_PREFILL_CHUNK,
+                    help="longer prompts run in chunks of this many tokens (engine.model_runner)")
+    ap.add_argument("--prefill-only", action="store_true", help="stop after the prefill (no decode)")
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64])
@@ -184,20 +191,21 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true", help="swap attention / MoE paths separately and stop")
     ap.add_argument("--compare-fused", action="store_true",
                     help="decode with the fused per-layer kernels off, then on (same run)")
-    ap.add_argument("--profile", action="store_true", help="profile each decode batch (bench/step_profile.py)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the prefill and each decode batch (bench/step_profile.py)")
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
     ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot"],
                     help="with --precision mxfp4: the MXFP4 kernel's nibble decode (default: the kernel's)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.mxfp4_decode:
         import pdserve.kernels.moe as moe_mod
         from pdserve.kernels.triton_moe_mxfp4 import MxConfig
 
         moe_mod.MXFP4_KERNEL_CONFIG = (MxConfig(decode="bits") if a.mxfp4_decode == "bits"
                                        else MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"))
-    if (a.compare_fused or a.profile) and a.device != "cuda":
-        ap.error("--compare-fused and --profile need --device cuda")
+    if a.compare_fused and a.device != "cuda":
+        ap.error("--compare-fused needs --device cuda")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = preset(a.preset)
@@ -210,6 +218,7 @@ def main() -> int:
         _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
     runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192))
+    runner.prefill_chunk_tokens = a.prefill_chunk_tokens
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (a.check_tokens,), generator=g).tolist()
@@ -252,7 +261,24 @@ def main() -> int:
         runner.cache.release(seq.blocks)
         times.append(t)
     t_prefill = sorted(times)[1]
-    print(f"prefill {a.prefill_tokens} tokens: {t_prefill * 1e3:.1f} ms ({a.prefill_tokens / t_prefill:.0f} tok/s)", flush=True)
+    chunks = -(-a.prefill_tokens // a.prefill_chunk_tokens)
+    print(f"prefill {a.prefill_tokens} tokens ({chunks} chunk{'s' if chunks > 1 else ''} of <= "
+          f"{a.prefill_chunk_tokens}): {t_prefill * 1e3:.1f} ms ({a.prefill_tokens / t_prefill:.0f} tok/s)", flush=True)
+    prefill_profile = None
+    if a.profile:
+        from pdserve.bench.step_profile import fp8_flops_rate, prefill_table, profile_prefill
+
+        prefill_profile = profile_prefill(runner, long_ids, fp8_flops_rate())
+        print("\n".join(prefill_table(prefill_profile)), flush=True)
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
+    result = {"date": datetime.date.today().isoformat(), "device": device_name,
+              "preset": a.preset, "logits_rel_l2": err, "argmax_agreement": agree, "load_s": t_load,
+              "prefill_tokens": a.prefill_tokens, "prefill_chunk_tokens": a.prefill_chunk_tokens,
+              "prefill_ms": t_prefill * 1e3, "prefill_tok_s": a.prefill_tokens / t_prefill,
+              "prefill_profile": prefill_profile, "command": "python " + " ".join(sys.argv)}
+    if a.prefill_only:
+        (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
+        return 0 if err < 5e-2 else 1
 
     # decode: batch of B requests at a given context; time steps after the prefills, eagerly and
     # replayed from CUDA graphs (engine.cuda_graphs), the same requests' next steps; with
@@ -319,12 +345,7 @@ def main() -> int:
 
         print("\n".join(table(profiles)), flush=True)
 
-    device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
-    result = {"date": datetime.date.today().isoformat(), "device": device_name,
-              "preset": a.preset, "logits_rel_l2": err, "argmax_agreement": agree, "load_s": t_load,
-              "prefill_tokens": a.prefill_tokens, "prefill_ms": t_prefill * 1e3, "decode": decode,
-              "graph_vs_eager_rel_l2": graph_err, "copy_bandwidth": bw, "profiles": profiles,
-              "command": "python " + " ".join(sys.argv)}
+    result.update(decode=decode, graph_vs_eager_rel_l2=graph_err, copy_bandwidth=bw, profiles=profiles)
     (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
     if a.record:
         lines = [
@@ -339,13 +360,21 @@ def main() -> int:
             "| what | value | floor (FP8 experts) | floor / time | floor (MXFP4 experts) | floor / time |",
             "|---|---|---|---|---|---|",
             f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} | | | | |",
-            f"| prefill {a.prefill_tokens} tokens, batch 1 | {t_prefill * 1e3:.1f} ms | | | | |",
+            f"| prefill {a.prefill_tokens} tokens, batch 1 (chunks of {a.prefill_chunk_tokens}) | "
+            f"{t_prefill * 1e3:.1f} ms, {a.prefill_tokens / t_prefill:.0f} tok/s | | | | |",
         ] + [f"| decode ({d['kernels']}, {d['mode']}) batch {d['batch']} at context {a.decode_context} | "
              f"{d['step_ms']:.2f} ms/step, {d['tok_s_total']:.0f} tok/s total | {d['floor_ms']:.3f} ms | "
              f"{d['floor_ms'] / d['step_ms']:.0%} | {d['floor_mxfp4_ms']:.3f} ms | {d['floor_mxfp4_ms'] / d['step_ms']:.0%} |"
              for d in decode.values()] + [
             f"| decode step, graph vs eager logits, {b} | rel L2 {e:.2e} | | | | |" for b, e in graph_err.items()
         ]
+        if prefill_profile:
+            from pdserve.bench.step_profile import prefill_table
+
+            lines += ["", "Prefill profile (`--profile`): time per category over every chunk of the prompt "
+                      "(GPU kernel time, from a profiled run after the timed ones), floor = useful FLOPs / "
+                      f"FP8 `torch._scaled_mm` 8192^3 rate measured in the run "
+                      f"({prefill_profile['fp8_tflops'] or 0:.0f} TFLOP/s).", ""] + prefill_table(prefill_profile)
         if profiles:
             from pdserve.bench.step_profile import table
 

@@ -1,5 +1,6 @@
 """Where one decode step's time goes: per-category GPU time of the replayed CUDA graph, kernels per
-step, and the host time spent before each replay (bench/engine_gpu.py --profile).
+step, and the host time spent before each replay (bench/engine_gpu.py --profile). And where a
+prefill's goes: per-category time of one prompt (every chunk) against its FLOP floor.
 
 Kernels inside a graph replay carry no Python context, so the categories come from an eager step
 of the same batch profiled with a label around every model part (record_function): each kernel
@@ -103,11 +104,14 @@ def labels(runner):
 def _trace(fn, steps: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -116,8 +120,9 @@ def _trace(fn, steps: int) -> list[dict]:
         return json.loads(path.read_text())["traceEvents"]
 
 
-def _kernels(events: list[dict]) -> list[dict]:
-    """GPU kernels with the innermost `L:` label around the launch (or 'graph' for replays)."""
+def _kernels(events: list[dict], outermost: bool = False) -> list[dict]:
+    """GPU kernels with the innermost (or outermost) `L:` label around the launch (or 'graph' for
+    replays)."""
     rt = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
@@ -138,7 +143,8 @@ def _kernels(events: list[dict]) -> list[dict]:
         elif r is not None:
             best = None
             for a in ann[max(0, bisect.bisect_right(starts, r["ts"]) - 64):bisect.bisect_right(starts, r["ts"])]:
-                if a["ts"] <= r["ts"] <= a["ts"] + a["dur"] and (best is None or a["dur"] < best["dur"]):
+                if a["ts"] <= r["ts"] <= a["ts"] + a["dur"] and (
+                        best is None or (a["dur"] > best["dur"] if outermost else a["dur"] < best["dur"])):
                     best = a
             if best is not None:
                 label = best["name"][2:]
@@ -257,4 +263,114 @@ def table(profiles: dict[str, dict]) -> list[str]:
         for p in profiles.values():
             cells += [f"{p['host_us'].get(h, 0):.0f}", ""]
         lines.append(f"| host: {h} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# -- prefill ------------------------------------------------------------------------------------
+PREFILL_CATEGORIES = {"MoE experts": "MoE", "attention": "attention", "qkv GEMM": "dense GEMMs",
+                      "o_proj GEMM": "dense GEMMs", "vocab GEMM": "dense GEMMs", "linear": "dense GEMMs",
+                      "residual + RMSNorm": "norms/RoPE", "RoPE + KV write": "norms/RoPE", "router": "router",
+                      "embedding": "embedding", "other": "other"}
+
+
+def prefill_flops(cfg, n: int, chunk: int, num_q_heads: int, num_kv_heads: int) -> dict[str, float]:
+    """Useful FLOPs of a prefill of n tokens on one rank, per category (norms, RoPE and the
+    embedding have none worth a floor: they are memory-bound and small)."""
+    h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    chunks = -(-n // chunk)
+    pairs = {"full": n * (n + 1) / 2,  # causal (query, key) pairs; sliding: at most window keys each
+             "sliding": sum(min(i + 1, cfg.sliding_window) for i in range(min(n, cfg.sliding_window)))
+             + max(0, n - cfg.sliding_window) * cfg.sliding_window}
+    att = sum(4 * num_q_heads * d * pairs["sliding" if cfg.is_sliding(i) and cfg.sliding_window > 0 else "full"]
+              for i in range(layers))
+    return {
+        "MoE": n * layers * cfg.experts_per_token * 6 * h * cfg.intermediate_size,
+        "attention": att,
+        "dense GEMMs": n * layers * (2 * h * (num_q_heads + 2 * num_kv_heads) * d + 2 * num_q_heads * d * h)
+        + chunks * 2 * h * cfg.vocab_size,
+        "router": n * layers * 2 * h * cfg.num_local_experts,
+    }
+
+
+def fp8_flops_rate(m: int = 8192, reps: int = 10) -> float | None:
+    """FP8 `torch._scaled_mm` m^3 FLOP/s on this GPU (None without CUDA): the prefill floor's rate."""
+    if not torch.cuda.is_available():
+        return None
+    x = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    y = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+
+    def mm():
+        return torch._scaled_mm(x, y.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    mm()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        mm()
+    e1.record()
+    torch.cuda.synchronize()
+    return 2 * m**3 * reps / (e0.elapsed_time(e1) / 1e3)
+
+
+def _outer_annotations(events: list[dict]) -> list[dict]:
+    """`L:` annotations that no other `L:` annotation encloses (host time on CPU)."""
+    ann = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                  and str(e.get("name", "")).startswith("L:")), key=lambda a: (a["ts"], -a["dur"]))
+    out, end = [], float("-inf")
+    for a in ann:
+        if a["ts"] >= end:
+            out.append(a)
+            end = a["ts"] + a["dur"]
+    return out
+
+
+def profile_prefill(runner, ids: list[int], fp8_rate: float | None = None) -> dict:
+    """One labelled prefill of `ids` (in the runner's chunks): ms per category (GPU kernel time on
+    CUDA, host time of each model part on CPU) and each category's floor, FLOPs / `fp8_rate`."""
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
+
+    cuda = runner.device.type == "cuda"
+
+    def prefill():
+        seq = Sequence("profile", list(ids), SamplingParams(max_new_tokens=1, temperature=0))
+        seq.blocks = runner.cache.reserve(len(ids), local_prompt_tokens=len(ids))
+        try:
+            runner.prefill(seq)
+        finally:
+            runner.cache.release(seq.blocks)
+
+    prefill()  # warm-up at this length (JIT, plans)
+    with labels(runner):
+        events = _trace(prefill, 1)
+    ms = collections.Counter()
+    if cuda:
+        for k in _kernels(events, outermost=True):
+            ms[PREFILL_CATEGORIES.get(k["label"], k["label"])] += k["dur"] / 1e3
+    else:
+        for a in _outer_annotations(events):
+            ms[PREFILL_CATEGORIES.get(a["name"][2:], a["name"][2:])] += a["dur"] / 1e3
+    m = runner.model
+    flops = prefill_flops(m.cfg, len(ids), runner.prefill_chunk_tokens, m.num_q_heads, m.num_kv_heads)
+    cats = {c: {"ms": ms.get(c, 0.0),
+                "floor_ms": flops[c] / fp8_rate * 1e3 if fp8_rate and c in flops else None}
+            for c in ["MoE", "attention", "dense GEMMs", "norms/RoPE", "router", "embedding"]
+            + sorted(set(ms) - {"MoE", "attention", "dense GEMMs", "norms/RoPE", "router", "embedding"})}
+    return {"tokens": len(ids), "chunk": runner.prefill_chunk_tokens, "time": "GPU kernels" if cuda else "host",
+            "categories": cats, "fp8_tflops": fp8_rate / 1e12 if fp8_rate else None,
+            "total_ms": sum(ms.values()),
+            "floor_ms": sum(flops.values()) / fp8_rate * 1e3 if fp8_rate else None}
+
+
+def prefill_table(prof: dict) -> list[str]:
+    """Markdown: ms, floor and floor / time per category of one profiled prefill."""
+    def cell(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = [f"| prefill {prof['tokens']} tokens (chunks of {prof['chunk']}), {prof['time']} | ms | floor ms "
+             "| floor / time |", "|---|---|---|---|"]
+    for c, v in list(prof["categories"].items()) + [("all", {"ms": prof["total_ms"], "floor_ms": prof["floor_ms"]})]:
+        ratio = f"{v['floor_ms'] / v['ms']:.0%}" if v["floor_ms"] is not None and v["ms"] > 0 else "-"
+        lines.append(f"| {c} | {cell(v['ms'])} | {cell(v['floor_ms'])} | {ratio} |")
     return lines
