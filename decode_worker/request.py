@@ -85,6 +85,7 @@ class DecodeRequest:
     writers: set[str] = field(default_factory=set)
     ended_writers: set[str] = field(default_factory=set)
     push_started_at: float | None = None
+    last_push_at: float | None = None  # the latest announced push's start
     push_ended: bool = False  # some writer reported its push over (ok or failed)
     kv_complete: bool = False  # every head of every rank arrived
     kv_arrived_at: float | None = None
@@ -154,6 +155,7 @@ class DecodeRequest:
         if writer in self.ended_writers:  # its end overtook its start: nothing is under way
             return
         self.writers.add(writer)
+        self.last_push_at = now
         if self.push_started_at is None:
             self.push_started_at = now
 
@@ -197,7 +199,11 @@ class DecodeRequest:
         return None
 
     def fence_deadline(self, transfer_timeout_s: float, margin_s: float = 5.0) -> float:
-        """Time after which no prefill worker can still be writing: none begins a push after the
-        request's deadline (the reservation's ttl), and a push ends within the transfer timeout."""
-        start = max(self.reserved_at + self.ttl_s, self.push_started_at or 0.0)
-        return start + transfer_timeout_s + margin_s
+        """Time after which no prefill worker can still be writing, should none say so: a push
+        ends within the transfer timeout of its start, and (never announced) none begins after
+        the request's deadline (the reservation's ttl). The ended request is not retried, so an
+        announced push bounds it (a prefill worker that died mid-push holds blocks for seconds,
+        not for the request's whole deadline)."""
+        if self.last_push_at is not None:
+            return self.last_push_at + transfer_timeout_s + margin_s
+        return self.reserved_at + self.ttl_s + transfer_timeout_s + margin_s

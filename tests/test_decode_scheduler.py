@@ -209,7 +209,10 @@ def test_push_notes_decide_failure_and_fence():
     r.no_writer = True
     assert r.writes_settled()
     r = _req(now=10.0, ttl=60.0)
-    assert r.fence_deadline(30.0, margin_s=5.0) == 10.0 + 60.0 + 30.0 + 5.0
+    assert r.fence_deadline(30.0, margin_s=5.0) == 10.0 + 60.0 + 30.0 + 5.0  # a push may yet begin
+    r.push_begun("a", 12.0)
+    r.push_begun("b", 15.0)
+    assert r.fence_deadline(30.0, margin_s=5.0) == 15.0 + 30.0 + 5.0  # the announced pushes' end
 
 
 def test_notification_wire_format():
@@ -390,7 +393,7 @@ def test_no_block_is_reused_before_the_delayed_write_into_it_ended(tiny_cfg, how
         assert h.blocks() == (0, 0, blocks)
         with pytest.raises(Exception, match="fenced"):
             h.s.reserve("next", 1, 1, ttl_s=60)
-        h.clock.now += 1
+        h.clock.now += 0.5
         h.s.run_once()
     writer.land()  # the late write lands in the fenced blocks: nobody else's KV
     writer.end(ok=False)
