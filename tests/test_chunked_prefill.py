@@ -211,3 +211,21 @@ def test_peak_activation_memory_follows_the_chunk_not_the_prompt(runner, monkeyp
     growth = one_shot[1] - one_shot[0]
     assert growth > 144 * runner.cfg.hidden_size * 2 * 4  # the measure sees the pass grow
     assert chunked - one_shot[0] < 0.1 * growth
+
+
+@pytest.mark.slow
+def test_prefill_worker_chunks_and_the_stream_equals_one_process(tiny_mxfp4, tiny_runner, tmp_path):
+    """A prefill worker started with --prefill-chunk-tokens 8 (1P + 1D over NIXL): greedy tokens
+    of a 45-token prompt equal one process prefilling in the same chunks."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.launch.serve import ClusterSpec, LocalCluster
+    from test_serving_e2e import free_port, grpc_generate
+
+    prompt = _ids(45, random.Random(45))
+    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), kv_blocks=256,
+                       extra_prefill_args=["--prefill-chunk-tokens", "8"])
+    with LocalCluster(spec, tmp_path / "logs") as cluster:
+        ids, _ = grpc_generate(cluster, prompt, max_new_tokens=8, ignore_eos=True, temperature=0.0)
+    local = _chunked(tiny_runner, 8, lambda: LLMEngine(tiny_runner).generate(
+        [prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0))[0])
+    assert ids == local.output_ids and len(ids) == 8
