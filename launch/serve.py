@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.launch.child import PARENT_PID_ENV
-from pdserve.router.config import RouterConfig
+from pdserve.router.main import add_serving_args, serving_argv
 
 log = logging.getLogger("pdserve.serve")
 
@@ -383,22 +383,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reservation-ttl", type=float, default=60.0,
                    help="seconds a decode worker keeps KV blocks reserved for a request whose "
                         "router set no deadline")
-    router = RouterConfig()
-    p.add_argument("--request-timeout", type=float, default=router.request_timeout,
-                   help="seconds a request may take end to end (waiting included)")
-    p.add_argument("--max-queued-requests", type=int, default=router.max_queued_requests,
-                   help="requests that may wait at the router for a decode batch slot and KV "
-                        "blocks; more get 429 at once (0 = no waiting)")
-    p.add_argument("--max-queue-wait", type=float, default=router.max_queue_wait,
-                   help="seconds a request may wait for a decode batch slot and KV blocks before "
-                        "it gets 429")
+    add_serving_args(p)
     p.add_argument("--prefix-cache-tokens", type=int, default=65536,
                    help="KV room of each prefill worker for cached prompt prefixes (0 = no prefix cache)")
     add_prefill_chunk_arg(p)
-    p.add_argument("--routing-policy", default=router.routing_policy, choices=["cache_aware", "load"],
-                   help="prefill placement: the worker caching the longest prompt prefix, or the least loaded")
-    p.add_argument("--max-migrations", type=int, default=router.max_migrations,
-                   help="times a stream moves to another decode worker when its own dies (0 = it ends)")
     p.add_argument("--log-dir", default=None, help="where process logs go (none: a temp dir)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of an exited process in a row before serve gives up on it (0 = never "
@@ -425,11 +413,7 @@ def run(a: argparse.Namespace) -> int:
                        grpc_port=a.grpc_port, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                        device=a.device, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp, decode_ep=a.decode_ep,
                        max_batch_size=a.max_batch_size, kv_blocks=a.kv_blocks,
-                       extra_router_args=["--request-timeout", str(a.request_timeout),
-                                          "--max-queued-requests", str(a.max_queued_requests),
-                                          "--max-queue-wait", str(a.max_queue_wait),
-                                          "--routing-policy", a.routing_policy,
-                                          "--max-migrations", str(a.max_migrations)],
+                       extra_router_args=serving_argv(a),
                        extra_prefill_args=["--prefix-cache-tokens", str(a.prefix_cache_tokens),
                                            "--prefill-chunk-tokens", str(a.prefill_chunk_tokens)],
                        extra_decode_args=["--reservation-ttl", str(a.reservation_ttl)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 from typing import TYPE_CHECKING
@@ -18,14 +19,47 @@ from pdserve.router.config import RouterConfig
 if TYPE_CHECKING:
     from pdserve.router.discovery import Discovery
 
-__all__ = ["add_router_args", "run_router", "config_from_args", "discovery_from_args"]
+__all__ = ["add_router_args", "add_serving_args", "serving_argv", "run_router", "config_from_args",
+           "discovery_from_args"]
 
 log = logging.getLogger(__name__)
+
+
+# the router flags `pdserve serve` takes too and hands to the router it starts
+_SERVING_FLAGS = ("request_timeout", "max_queued_requests", "max_queue_wait", "routing_policy",
+                  "max_migrations")
+
+
+def add_serving_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How requests are served (timeout, admission queue, placement, migration): flags of
+    `pdserve router` that `pdserve serve` takes too; `serving_argv` hands them on."""
+    defaults = RouterConfig()
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
+                   help="seconds a request may take end to end (waiting included)")
+    parser.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                   help="requests that may wait at the router for a decode batch slot and KV "
+                        "blocks; more get 429 at once (0 = no waiting)")
+    parser.add_argument("--max-queue-wait", type=float, default=defaults.max_queue_wait,
+                   help="seconds a request may wait for a decode batch slot and KV blocks before "
+                        "it gets 429")
+    parser.add_argument("--routing-policy", default=defaults.routing_policy, choices=["cache_aware", "load"],
+                   help="prefill placement: the worker caching the longest prompt prefix (cache_aware) "
+                        "or the least loaded (load)")
+    parser.add_argument("--max-migrations", type=int, default=defaults.max_migrations,
+                   help="times a stream is re-prefilled and continued elsewhere when its decode "
+                        "worker dies or drops it (0 = the stream ends in an error)")
+
+
+def serving_argv(args: argparse.Namespace) -> list[str]:
+    """The `add_serving_args` flags of `args`, as `pdserve router` arguments."""
+    return [arg for name in _SERVING_FLAGS
+            for arg in ("--" + name.replace("_", "-"), str(getattr(args, name)))]
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     defaults = RouterConfig()
     g = parser.add_argument_group("router")
+    add_serving_args(g)
     g.add_argument("--host", default=defaults.host, help="address to listen on (HTTP and gRPC)")
     g.add_argument("--port", type=int, default=defaults.port, help="HTTP (OpenAI API) port")
     g.add_argument("--grpc-port", type=int, default=defaults.grpc_port,
@@ -34,18 +68,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients must send")
     g.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens,
                    help="completion budget when the request sets none (capped by the context)")
-    g.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
-                   help="seconds a request may take end to end")
     g.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                    help="largest request body accepted (larger: HTTP 413)")
     g.add_argument("--max-text-chars", type=int, default=defaults.max_text_chars,
                    help="most characters of text in one request, checked before tokenizing")
-    g.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
-                   help="requests that may wait at the router for a decode batch slot and KV "
-                        "blocks; more get 429 at once (0 = no waiting)")
-    g.add_argument("--max-queue-wait", type=float, default=defaults.max_queue_wait,
-                   help="seconds a request may wait for a decode batch slot and KV blocks before "
-                        "it gets 429")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=defaults.graceful_shutdown_timeout,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--api-key-file", default=None,
@@ -60,17 +86,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--breaker-max-reset-timeout", type=float, default=defaults.breaker_max_reset_timeout,
                    help="longest wait between probes of a worker out of rotation (how soon one "
                         "restarted on its address is back)")
-    g.add_argument("--routing-policy", default=defaults.routing_policy, choices=["cache_aware", "load"],
-                   help="prefill placement: the worker caching the longest prompt prefix (cache_aware) "
-                        "or the least loaded (load)")
     g.add_argument("--prefix-imbalance-tokens", type=int, default=defaults.prefix_imbalance_tokens,
                    help="cache_aware: route by load instead when the best match's queue holds this "
                         "many more prompt tokens than the least-loaded worker's")
     g.add_argument("--prefix-index-tokens", type=int, default=defaults.prefix_index_tokens,
                    help="cache_aware: prompt tokens remembered per prefill worker")
-    g.add_argument("--max-migrations", type=int, default=defaults.max_migrations,
-                   help="times a stream is re-prefilled and continued elsewhere when its decode "
-                        "worker dies or drops it (0 = the stream ends in an error)")
     g.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size,
                    help="/v1/responses kept for previous_response_id (store: true), at most")
     g.add_argument("--responses-store-ttl", type=float, default=defaults.responses_store_ttl,
@@ -96,26 +116,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
-                        served_model_name=args.served_model_name,
-                        default_max_tokens=args.default_max_tokens,
-                        request_timeout=args.request_timeout,
-                        max_request_bytes=args.max_request_bytes,
-                        max_text_chars=args.max_text_chars,
-                        responses_store_size=args.responses_store_size,
-                        responses_store_ttl=args.responses_store_ttl,
-                        responses_store_max_chars=args.responses_store_max_chars,
-                        max_queued_requests=args.max_queued_requests,
-                        max_queue_wait=args.max_queue_wait,
-                        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
-                        api_key_file=args.api_key_file, tls_cert_file=args.tls_cert_file,
-                        tls_key_file=args.tls_key_file,
-                        breaker_reset_timeout=args.breaker_reset_timeout,
-                        breaker_max_reset_timeout=args.breaker_max_reset_timeout,
-                        routing_policy=args.routing_policy,
-                        prefix_imbalance_tokens=args.prefix_imbalance_tokens,
-                        prefix_index_tokens=args.prefix_index_tokens,
-                        max_migrations=args.max_migrations)
+    """A RouterConfig of the flags named after its fields (the rest keep their defaults)."""
+    return RouterConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(RouterConfig)
+                           if hasattr(args, field.name)})
 
 
 def discovery_from_args(args: argparse.Namespace) -> Discovery:
