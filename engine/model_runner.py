@@ -34,6 +34,10 @@ class InvalidRequest(ValueError):
     """A request the model cannot run: token ids out of range, empty or over-long prompt."""
 
 
+class PrefillStopped(RuntimeError):
+    """A chunked prefill's `stop` said so between two chunks (the request was cancelled)."""
+
+
 def default_precision(device: torch.device) -> str:
     return "fp8" if device.type == "cuda" else "bf16"
 
@@ -199,7 +203,8 @@ class ModelRunner:
             return self.group.run(plan, self.execute)
         return self.execute(plan)
 
-    def prefill(self, seq: Sequence, all_logits: bool = False, *, finish: bool = True) -> torch.Tensor:
+    def prefill(self, seq: Sequence, all_logits: bool = False, *, finish: bool = True,
+                stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run the prompt (batch size 1) into the request's blocks from position `seq.num_cached`
         on: the KV of the positions before it are already in its pages (a cached prefix; its
         sliding table must start at the window of that position). Float32 logits of the last
@@ -207,9 +212,10 @@ class ModelRunner:
         `finish=False` keeps every sliding page in the table (a prefix cache adopts them).
 
         More than `prefill_chunk_tokens` positions run as consecutive chunks, each a suffix
-        prefill over the KV the chunks before it wrote (the same path as a cached prefix)."""
+        prefill over the KV the chunks before it wrote (the same path as a cached prefix);
+        `stop()` true before a chunk raises PrefillStopped (seq.num_cached: the positions done)."""
         parts = []
-        for plan in self._prefill_plans(seq):
+        for plan in self._prefill_plans(seq, stop):
             plan.all_logits = all_logits
             if not all_logits:
                 parts.clear()  # an earlier chunk's last row is no answer: free it before the next pass
@@ -218,14 +224,15 @@ class ModelRunner:
         self._prefilled(seq, finish)
         return torch.cat(parts) if all_logits else parts[-1][0]
 
-    def prefill_scored(self, seq: Sequence, k: int, *, finish: bool = True) -> tuple[torch.Tensor, list[TokenLogprob]]:
+    def prefill_scored(self, seq: Sequence, k: int, *, finish: bool = True,
+                       stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, list[TokenLogprob]]:
         """`prefill` of a whole prompt (no cached prefix) that also scores it: (float32 logits of
         the last position [V], the logprob of every prompt token after the first with the k most
         likely tokens at its position). No [L, V] buffer: logits are made in chunks."""
         if seq.num_cached:
             raise ValueError("scoring a prompt needs every position computed (no cached prefix)")
         packed = []
-        for plan in self._prefill_plans(seq):
+        for plan in self._prefill_plans(seq, stop):
             end = seq.num_cached + len(plan.input_ids)
             plan.prompt_logprobs = k
             plan.score_next = seq.prompt_ids[end] if end < len(seq.prompt_ids) else None
@@ -235,14 +242,17 @@ class ModelRunner:
         self._prefilled(seq, finish)
         return last, unpack_prompt_logprobs(torch.cat(packed), seq.prompt_ids, k)
 
-    def _prefill_plans(self, seq: Sequence):
+    def _prefill_plans(self, seq: Sequence, stop: Callable[[], bool] | None = None):
         """The prompt's forward passes from `seq.num_cached`, `prefill_chunk_tokens` at a time;
         each is planned when the one before it has run (the caller advances seq.num_cached)."""
-        n = len(seq.prompt_ids)
-        if not 0 <= seq.num_cached < n:
-            raise ValueError(f"prefill from position {seq.num_cached} of a {n}-token prompt computes nothing")
+        n, first = len(seq.prompt_ids), seq.num_cached
+        if not 0 <= first < n:
+            raise ValueError(f"prefill from position {first} of a {n}-token prompt computes nothing")
         while seq.num_cached < n:
             start = seq.num_cached
+            if start > first and stop is not None and stop():
+                raise PrefillStopped(f"request {seq.request_id} stopped after {start - first} of "
+                                     f"{n - first} prompt positions")
             yield self._prefill_plan(seq, start, min(n, start + self.prefill_chunk_tokens))
             if seq.num_cached == start:
                 raise RuntimeError("prefill chunk ran but the sequence did not advance")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.grammar import fill_masks, matcher_for
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, PrefillStopped
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
 from pdserve.engine.sequence import Sequence
@@ -259,24 +259,32 @@ class PrefillExecutor:
         lease = self.prefix_cache.acquire(job.prompt_ids, reuse=job.params.prompt_logprobs is None)
         seq = Sequence(job.request_id, job.prompt_ids, job.params, blocks=lease.blocks,
                        num_cached=lease.num_cached)
-        computed_ok = False
+        computed_ok = stopped = False
+
+        def stop() -> bool:  # checked between chunks of a long prompt
+            return job.cancelled or job.deadline is not None and time.monotonic() > job.deadline
+
         try:
             k = job.params.prompt_logprobs
-            if k is None:
-                last, prompt_lps = self.runner.prefill(seq, finish=False), []
-            else:
-                last, prompt_lps = self.runner.prefill_scored(seq, k, finish=False)
-            computed_ok = True
-            last = last[None]
-            before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
-            # n > 1: every choice draws its first token from the one prefill's logits
-            choices = [job.params.for_choice(i) for i in range(job.params.n)] if job.params.n > 1 else [job.params]
-            bitmask = fill_masks([matcher_for(c, before) for c in choices])  # structured outputs
-            out = sample(last.expand(len(choices), -1), choices, [before] * len(choices),
-                         stop_ids=self.runner.cfg.eos_token_ids,
-                         token_bitmask=None if bitmask is None else torch.from_numpy(bitmask))
+            try:
+                if k is None:
+                    last, prompt_lps = self.runner.prefill(seq, finish=False, stop=stop), []
+                else:
+                    last, prompt_lps = self.runner.prefill_scored(seq, k, finish=False, stop=stop)
+                computed_ok = True
+            except PrefillStopped:
+                stopped = True
+            if not stopped:
+                last = last[None]
+                before = job.prompt_ids[n - job.sample_index:] if job.sample_index else []
+                # n > 1: every choice draws its first token from the one prefill's logits
+                choices = [job.params.for_choice(i) for i in range(job.params.n)] if job.params.n > 1 else [job.params]
+                bitmask = fill_masks([matcher_for(c, before) for c in choices])  # structured outputs
+                out = sample(last.expand(len(choices), -1), choices, [before] * len(choices),
+                             stop_ids=self.runner.cfg.eos_token_ids,
+                             token_bitmask=None if bitmask is None else torch.from_numpy(bitmask))
             computed = time.monotonic()
-            if job.cancelled or job.deadline is not None and computed > job.deadline:
+            if stopped or job.cancelled or job.deadline is not None and computed > job.deadline:
                 self._notify_decode(job, FAILED)  # no push for this request, ever
                 if job.cancelled:
                     raise InterruptedError(f"request {job.request_id} was cancelled")

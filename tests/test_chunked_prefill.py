@@ -229,3 +229,35 @@ def test_prefill_worker_chunks_and_the_stream_equals_one_process(tiny_mxfp4, tin
     local = _chunked(tiny_runner, 8, lambda: LLMEngine(tiny_runner).generate(
         [prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0))[0])
     assert ids == local.output_ids and len(ids) == 8
+
+
+@pytest.mark.parametrize("why", ["cancelled", "deadline"])
+def test_a_cancelled_long_prompt_stops_at_the_next_chunk(runner, why):
+    """The prefill worker checks cancel and deadline between chunks: one chunk runs, nothing is
+    pushed, every block goes back (the prefix cache adopts nothing from a stopped prompt)."""
+    import time
+
+    from pdserve.prefill_worker.executor import PrefillExecutor, PrefillJob
+
+    executor = PrefillExecutor(runner, agent=None)
+    job = PrefillJob("long", _ids(40, random.Random(40)), SamplingParams(temperature=0), placements=[])
+    calls = []
+    forward = runner.model.forward
+
+    def first_chunk_then_stop(ids, pos, step):
+        calls.append(ids.shape[0])
+        if why == "cancelled":
+            job.cancelled = True
+        else:
+            job.deadline = time.monotonic() - 1
+        return forward(ids, pos, step)
+
+    runner.model.forward = first_chunk_then_stop
+    try:
+        with pytest.raises(InterruptedError if why == "cancelled" else TimeoutError):
+            _chunked(runner, 8, lambda: executor._run(job))
+    finally:
+        del runner.model.forward
+    assert calls == [8]
+    assert executor.prefix_cache.num_cached_pages == 0
+    assert runner.cache.num_used_blocks == 0

@@ -482,7 +482,7 @@ class FakePrefillRunner:
     def validate_prompt(self, ids):
         pass
 
-    def prefill(self, seq, all_logits=False, *, finish=True):
+    def prefill(self, seq, all_logits=False, *, finish=True, stop=None):  # one chunk: never stops
         start, n = seq.num_cached, len(seq.prompt_ids)
         self.cache.prepare(seq.blocks, start, n - start)
         seq.num_cached = n
