@@ -156,8 +156,7 @@ class PrefillExecutor:
         self.max_queued_tokens = max_queued_tokens
         self.transfer_timeout_s = transfer_timeout_s
         # runs a KVPush on every rank of the worker; a multi-rank worker's leader replaces it
-        self.push = lambda p: push_kv(self.agent, p, self.transfer_timeout_s,
-                                      self._running.abort if self._running else None)
+        self.push = lambda p: push_kv(self.agent, p, self.transfer_timeout_s, self.current_abort())
         self._queue: deque[PrefillJob] = deque()
         self._jobs: dict[str, PrefillJob] = {}
         self._running: PrefillJob | None = None
@@ -222,6 +221,11 @@ class PrefillExecutor:
         if dropped:
             self._notify_decode(job, FAILED)
         return True
+
+    def current_abort(self) -> threading.Event | None:
+        """The running job's abort event (set by Cancel): what stops its push under way."""
+        job = self._running
+        return job.abort if job is not None else None
 
     def load(self) -> dict:
         with self._lock:

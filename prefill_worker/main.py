@@ -74,7 +74,8 @@ def run(a: argparse.Namespace) -> int:
 
     def push_on_all_ranks(push) -> int:
         """Every rank writes its KV heads into the decode ranks that hold them."""
-        reports = leader.call("push", push, lambda p: push_report(agent, p, a.kv_transfer_timeout),
+        reports = leader.call("push", push,
+                              lambda p: push_report(agent, p, a.kv_transfer_timeout, executor.current_abort()),
                               want_reply=True)
         errors = [f"rank {r}: {msg}" for r, (status, msg) in enumerate(reports) if status != "ok"]
         if errors:

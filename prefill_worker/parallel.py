@@ -18,15 +18,16 @@ import uuid
 log = logging.getLogger("prefill_worker")
 
 
-def push_report(agent, push, timeout_s: float):
+def push_report(agent, push, timeout_s: float, abort=None):
     """Run this rank's share of a KVPush; a per-request failure is reported, not raised (the
-    group must stay in step): ("ok", bytes) or ("error", message)."""
+    group must stay in step): ("ok", bytes) or ("error", message). `abort` (the leader's: a
+    Cancel) stops this rank's writes; the other ranks' end within the transfer timeout."""
     from pdserve.kvtransfer import KVTransferError
 
     from .executor import push_kv
 
     try:
-        return "ok", push_kv(agent, push, timeout_s)
+        return "ok", push_kv(agent, push, timeout_s, abort)
     except KVTransferError as e:
         return "error", f"{type(e).__name__}: {e}"
 

@@ -493,8 +493,11 @@ class FakePrefillRunner:
         return logits if all_logits else logits[-1]
 
 
-@pytest.fixture
-def nixl_pair(tiny_cfg):
+@pytest.fixture(params=["executor", "rank-group"])
+def nixl_pair(tiny_cfg, request):
+    """A decode scheduler and a prefill executor with real NIXL agents; the push either the
+    executor's own or as a worker's rank group runs it (prefill_worker/main.py: every rank's
+    share through push_report, the leader's abortable)."""
     import threading
     import uuid
 
@@ -509,7 +512,19 @@ def nixl_pair(tiny_cfg):
     pre_runner = FakePrefillRunner(tiny_cfg)
     pre = KVTransferAgent(f"pre-{tag}", pre_runner.cache.pools, head_range=(0, 4))
     gate, log = threading.Event(), []
-    ex = PrefillExecutor(pre_runner, SlowAgent(pre, gate, log), transfer_timeout_s=30)
+    slow = SlowAgent(pre, gate, log)
+    ex = PrefillExecutor(pre_runner, slow, transfer_timeout_s=30)
+    if request.param == "rank-group":
+        from pdserve.kvtransfer import KVTransferError
+        from pdserve.prefill_worker.parallel import push_report
+
+        def push_on_one_rank(p):
+            status, out = push_report(slow, p, 30, ex.current_abort())
+            if status != "ok":
+                raise KVTransferError(out)
+            return out
+
+        ex.push = push_on_one_rank
     ex.start()
     h.service = DecodeService(h.s, dec, worker_id="dec")
     h.executor, h.gate, h.log = ex, gate, log
