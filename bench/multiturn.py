@@ -168,30 +168,17 @@ HEADER = ["prefix cache", "turns ok", "prompt tokens", "prefill tokens computed"
           "TTFT mean ms", "TTFT p50 ms", "TTFT p90 ms", "TTFT turns 2+ ms", "e2e mean ms", "wall s"]
 
 
-def scrape_token_metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
-    out = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in out:
-                out[sample.name] += sample.value
-    return out
-
-
 def measure(url: str, target: str, w: ChatWorkload, label: str, temperature: float,
             timeout_s: float) -> ChatRun:
-    from pdserve.bench.serving import BenchError
+    from pdserve.bench.serving import BenchError, scrape_metrics
 
     warm = ChatWorkload(1, 1, 8, 8, 2, math.inf, w.seed + 7919)  # first-call costs out of the run
     asyncio.run(run_chat(target, warm, temperature, timeout_s))
-    before = scrape_token_metrics(url, TOKEN_METRICS)
+    before = scrape_metrics(url, TOKEN_METRICS)
     t0 = time.perf_counter()
     turns = asyncio.run(run_chat(target, w, temperature, timeout_s))
     wall = time.perf_counter() - t0
-    after = scrape_token_metrics(url, TOKEN_METRICS)
+    after = scrape_metrics(url, TOKEN_METRICS)
     failed = [t for t in turns if t.error]
     if len(failed) == len(turns):
         raise BenchError(f"every turn failed; first: {failed[0].error}")
@@ -238,7 +225,7 @@ def run_chat_bench(a, argv: list[str]) -> dict:
                                     a.temperature, a.request_timeout))
     else:
         if not a.grpc_target:
-            from pdserve.bench.serving import BenchError
+            from pdserve.bench.serving import BenchError, scrape_metrics
 
             raise BenchError("--workload chat with --url needs --grpc-target host:port")
         runs.append(measure(a.url, a.grpc_target, w, "as served", a.temperature, a.request_timeout))

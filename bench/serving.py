@@ -565,11 +565,11 @@ SERVER_METRICS = (
 )
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over label sets}, for `SERVER_METRICS`."""
+def parse_metrics(text: str, names: tuple[str, ...] = SERVER_METRICS) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets}, for `names`."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = dict.fromkeys(SERVER_METRICS, 0.0)
+    out = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in out:
@@ -577,7 +577,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def scrape_metrics(url: str) -> dict[str, float]:
+def scrape_metrics(url: str, names: tuple[str, ...] = SERVER_METRICS) -> dict[str, float]:
     import httpx
 
     try:
@@ -585,7 +585,7 @@ def scrape_metrics(url: str) -> dict[str, float]:
         resp.raise_for_status()
     except httpx.HTTPError as e:
         raise BenchError(f"cannot read {url}/metrics: {e}") from None
-    return parse_metrics(resp.text)
+    return parse_metrics(resp.text, names)
 
 
 @dataclass(frozen=True)
