@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pbg
 from pdserve.router.config import ConfigError, RouterConfig
-from router_harness import FakeDecode, FakePrefill, KVFabric, RouterThread, Script, harmony_ids
+from router_harness import FakeDecode, FakePrefill, KVFabric, RouterThread, Script, harmony_ids, wait_for
 
 CHAT = {"model": "gpt-oss-test", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -106,6 +106,8 @@ def test_tls_on_both_ports(tmp_path, workers):
         base = f"https://localhost:{router.router.http_port}"
         with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=10) as client:
             assert client.get(base + "/metrics").status_code == 200
+            # the router answers before its health checks have seen the workers (503 until then)
+            assert wait_for(lambda: client.get(base + "/health").status_code == 200, 10)
             reply = client.post(base + "/v1/chat/completions", json=CHAT)
             assert reply.status_code == 200, reply.text
         with pytest.raises(httpx.TransportError):

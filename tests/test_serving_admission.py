@@ -62,4 +62,7 @@ def test_streams_beyond_slots_and_kv_room_wait_and_all_finish(tiny_mxfp4, tmp_pa
         waited = [line for line in metrics.splitlines()
                   if line.startswith("pdserve_admission_queue_wait_seconds_count")]
         assert waited and float(waited[0].split()[-1]) > 0, waited  # the router queue was used
-        assert 'endpoint="completions",status="5' not in metrics  # (/health is 503 until ready)
+        # no 5xx from any API endpoint; the health probe's 503s while the cluster started are right
+        errors = [line for line in metrics.splitlines() if line.startswith("pdserve_requests_total{")
+                  and 'status="5' in line and 'endpoint="health"' not in line]
+        assert not errors, errors
