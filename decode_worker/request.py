@@ -47,7 +47,6 @@ class State(enum.Enum):
 
 
 LIVE = (State.AWAITING_KV, State.KV_READY, State.QUEUED, State.RUNNING)
-TERMINAL = (State.FINISHED, State.FAILED, State.CANCELLED)
 
 
 class InvalidTransition(RuntimeError):

@@ -165,20 +165,3 @@ class PoolLayout:
     def mem_type(self) -> str:
         """NIXL memory segment type."""
         return "DRAM" if self.device == "cpu" else "VRAM"
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "addr": self.addr, "shape": list(self.shape),
-                "dtype": self.dtype, "device": self.device,
-                "head_start": self.head_start, "head_end": self.head_end}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PoolLayout:
-        try:
-            return cls(name=str(d["name"]), addr=int(d["addr"]),
-                       shape=tuple(int(s) for s in d["shape"]), dtype=str(d["dtype"]),
-                       device=str(d["device"]), head_start=int(d["head_start"]),
-                       head_end=int(d["head_end"]))
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, KVLayoutError):
-                raise
-            raise KVLayoutError(f"malformed pool layout {d!r}: {e}") from e

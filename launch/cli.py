@@ -15,8 +15,6 @@ import sys
 import threading
 from pathlib import Path
 
-EXIT_USAGE = 2
-
 
 class CLIError(Exception):
     """A user-facing failure: printed as one line, exit code 1."""

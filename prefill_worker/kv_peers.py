@@ -44,7 +44,6 @@ class KVPeerDirectory:
         self.timeout_s = timeout_s
         self._peers: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
-        self.fetches = 0
 
     def resolve(self, names: list[str], address: str) -> dict[str, bytes]:
         """Blobs of the agents `names`, asking the decode worker at `address` for missing ones."""
@@ -59,7 +58,6 @@ class KVPeerDirectory:
             except grpc.RpcError as e:
                 raise UnknownKVPeer(f"cannot ask decode worker {address} for its KV peers: "
                                     f"{e.code().name}: {e.details()}") from None
-            self.fetches += 1
             log.info("learned KV peers %s from decode worker %s", [i.agent_name for i in infos], address)
             with self._lock:
                 for info in infos:

@@ -25,11 +25,6 @@ _PROBES = frozenset({"/health", "/metrics"})  # logged at DEBUG unless they fail
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 
 
-def request_id_of(scope: dict) -> str:
-    """The id of the request in `scope` (set by `AccessLog`; empty outside it)."""
-    return scope.get("pdserve.request_id", "")
-
-
 class AccessLog:
     """ASGI middleware; install it outside `RequestAccounting` (added after it)."""
 
@@ -42,7 +37,6 @@ class AccessLog:
             return
         sent = dict(scope.get("headers") or []).get(HEADER, b"")
         request_id = sent.decode() if _CLIENT_ID.fullmatch(sent) else uuid.uuid4().hex
-        scope["pdserve.request_id"] = request_id
         started: int | None = None
 
         async def send_with_id(message) -> None:

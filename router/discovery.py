@@ -142,13 +142,8 @@ _BACKENDS: dict[str, Callable[[dict], Discovery]] = {
 }
 
 
-def register_backend(kind: str, factory: Callable[[dict], Discovery]) -> None:
-    """Add a backend (the Ray launcher registers "ray"); `factory` receives the options dict."""
-    _BACKENDS[kind] = factory
-
-
 def make_discovery(kind: str, **options) -> Discovery:
-    """Build the discovery backend named `kind` ("static" | "kubernetes" | registered others).
+    """Build the discovery backend named `kind` ("static" | "kubernetes" | "ray").
 
     Options are backend-specific: static takes `prefill`, `decode` (lists of `host:port`, commas
     allowed); kubernetes takes `namespace`, `prefill_selector`, `decode_selector`, `port_name`,

@@ -10,7 +10,6 @@ import grpc
 WORKER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE})
 # The worker is alive but full (KV blocks or bounded queue): try another, then push back.
 WORKER_FULL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
-RETRYABLE = WORKER_GONE | WORKER_FULL
 # An error on a call we did not cancel that means the worker process died or lost its connection:
 # take the worker out of rotation at once (its breaker opens) instead of waiting for probes.
 WORKER_DIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
