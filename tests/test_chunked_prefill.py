@@ -261,3 +261,20 @@ def test_a_cancelled_long_prompt_stops_at_the_next_chunk(runner, why):
     assert calls == [8]
     assert executor.prefix_cache.num_cached_pages == 0
     assert runner.cache.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_tp2_prefill_worker_chunks_like_one_process(tiny_mxfp4, tiny_runner, tmp_path):
+    """A TP2 prefill worker (two gloo ranks, the leader broadcasting each chunk's plan) with
+    --prefill-chunk-tokens 8: the greedy stream is the single-process model's up to the TP
+    rounding of tests/test_parallel_serving.py."""
+    from pdserve.launch.serve import ClusterSpec, LocalCluster
+    from test_parallel_serving import MAX_NEW, check_greedy
+    from test_serving_e2e import free_port, grpc_generate
+
+    prompt = _ids(45, random.Random(46))
+    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), kv_blocks=256,
+                       prefill_tp=2, extra_prefill_args=["--prefill-chunk-tokens", "8"])
+    with LocalCluster(spec, tmp_path / "logs") as cluster:
+        ids, _ = grpc_generate(cluster, prompt, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
+    check_greedy(tiny_runner, [(prompt, ids)])
