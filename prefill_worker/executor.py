@@ -83,6 +83,7 @@ class PrefillJob:
     peers: dict[str, bytes] = field(default_factory=dict)  # decode agent name -> peer info
     cancelled: bool = False
     abort: threading.Event = field(default_factory=threading.Event)  # stops a push under way
+    decode_told: bool = False  # the decode worker heard how the push ended (or must not: unsettled)
 
 
 @dataclass
@@ -248,6 +249,8 @@ class PrefillExecutor:
                 if not job.future.cancelled():
                     job.future.set_result(result)
             except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                if not job.decode_told:  # e.g. the forward failed: no push will come
+                    self._notify_decode(job, FAILED)
                 if not job.future.cancelled():
                     job.future.set_exception(e)
             finally:
@@ -312,7 +315,8 @@ class PrefillExecutor:
             nbytes = self.push(plan)
         except BaseException as e:
             if KVWritesUnsettled.__name__ not in str(e) and not isinstance(e, KVWritesUnsettled):
-                self._notify_decode(job, FAILED)  # else the decode worker waits out its fence
+                self._notify_decode(job, FAILED)
+            job.decode_told = True  # unsettled: the decode worker waits out its fence
             raise
         self._notify_decode(job, OK)
         return nbytes
@@ -320,6 +324,7 @@ class PrefillExecutor:
     def _notify_decode(self, job: PrefillJob, kind: str) -> None:
         """Tell the decode worker's rank 0 (whose bookkeeping it is) that this worker's push of the
         request begins or ended; best effort: without it the decode side waits out its fence."""
+        job.decode_told = job.decode_told or kind != PUSH
         p = next((p for p in job.placements if p.tp_rank == 0), None)
         if p is None or p.kv_agent_name not in job.peers:
             return

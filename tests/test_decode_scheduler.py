@@ -624,3 +624,17 @@ def test_decode_gets_the_prompt_length_and_a_migrated_streams_samples_only(h):
     assert seq.output_ids == earlier + [NEXT_TOKEN] and seq.num_tokens == n + 1
     h.s.run_once()  # the 5th sample: max_new_tokens counts the earlier ones
     assert [e.finish_reason for e in drain(r)][-1] is FinishReason.LENGTH and seq.output_ids[-1] == NEXT_TOKEN
+
+
+def test_a_prefill_that_fails_before_pushing_tells_the_decode_side(nixl_pair):
+    h = nixl_pair
+
+    def broken(seq, *a, **kw):
+        raise RuntimeError("the forward failed")
+
+    h.executor.runner.prefill = broken
+    job, fut = _submit(h, "doomed", random.randint(5, 40))
+    with pytest.raises(RuntimeError):
+        fut.result(timeout=60)
+    h.s.cancel("doomed")  # the router gives up on the request
+    _pump(h, lambda: h.blocks() == (24, 0, 0), "the decode side was not told: blocks fenced")
