@@ -20,8 +20,8 @@ Time limits (`overdue`), none of which runs while the request waits for a batch 
   the KV is here, Decode gets at least the transfer timeout, however late the KV came);
 - a KV transfer that began (the prefill worker said "push") and has not completed within the
   transfer timeout;
-- Decode came (the prefill worker reported its push done) but no push was ever announced and the
-  KV is not complete within the transfer timeout (a lost notification).
+- Decode came (so the prefill worker's push is over), no push is under way, and the KV is not
+  complete within the transfer timeout of Decode (a lost notification).
 A push the prefill worker reports failed fails the request at once.
 """
 
