@@ -417,8 +417,10 @@ class Generation:
             self._raise_wait_exceeded(give_up, reason)
         place = self._orch.admission.enter(front=front)
         self._queue_place = place
+        tries = False
         try:
             await asyncio.wait_for(place, timeout)
+            tries = not self.aborted
         except asyncio.TimeoutError:
             self._raise_wait_exceeded(give_up, reason)
         except asyncio.CancelledError:
@@ -428,7 +430,9 @@ class Generation:
         finally:
             self._orch.admission.leave(place)
             self._queue_place = None
-        return not self.aborted
+            if place.done() and not place.cancelled() and not tries:
+                self._orch.admission.wake()  # woken, then cancelled: the turn goes to the next one
+        return tries
 
     def _raise_wait_exceeded(self, give_up: float, reason: str) -> None:
         if give_up <= self.deadline:

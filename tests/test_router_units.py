@@ -252,3 +252,27 @@ async def _until(predicate, timeout: float) -> bool:
             return True
         await asyncio.sleep(0.01)
     return predicate()
+
+
+def test_a_waiter_woken_and_then_cancelled_hands_its_turn_to_the_next():
+    """Cancelling a request cannot take back a wake it already got: it must pass the turn on,
+    or the next waiter sleeps although room came back (until some later load report)."""
+    from pdserve.router.orchestrator import Orchestrator
+
+    async def run():
+        metrics = RouterMetrics()
+        config = RouterConfig(max_queue_wait=60)
+        orch = Orchestrator(config, WorkerRegistry(config, metrics), LoadAwarePolicy(), metrics)
+        first, second = (orch.generate(f"r{i}", [1, 2, 3], pb.SamplingParams(max_new_tokens=4))
+                         for i in range(2))
+        loop = asyncio.get_running_loop()
+        waits = [asyncio.create_task(g._wait_for_room(loop.time(), front=False)) for g in (first, second)]
+        await asyncio.sleep(0)
+        assert orch.admission.waiting == 2
+        orch.admission.wake()   # room for one: the first's turn...
+        first.cancel("client disconnected")  # ...but its client left before it could take it
+        assert await asyncio.wait_for(waits[0], 5) is False
+        assert await asyncio.wait_for(waits[1], 5) is True  # the second got the turn
+        assert orch.admission.waiting == 0
+
+    asyncio.run(run())
