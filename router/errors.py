@@ -45,10 +45,15 @@ class PayloadTooLargeError(RouterError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class ModelNotFoundError(RouterError):
+class NotFoundError(RouterError):
+    """What the request names does not exist here (a model, a stored response)."""
+
     http_status = 404
     error_type = "invalid_request_error"
     grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class ModelNotFoundError(NotFoundError):
 
     def __init__(self, model: str, served: str) -> None:
         super().__init__(f"The model '{model}' does not exist; this server serves '{served}'.",

@@ -30,10 +30,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator,
                       model_validator)
 
-from pdserve.router.errors import InvalidRequestError, RouterError
+from pdserve.router.errors import InvalidRequestError, NotFoundError, RouterError
 from pdserve.router.harmony import Delta, HarmonyError
 from pdserve.router.accounting import CLIENT_CLOSED, Outcome, outcome_of
-from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream
+from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream, error_response
 from pdserve.router.openai_schema import NOT_HONOURED as CHAT_NOT_HONOURED
 from pdserve.router import structured_output
 from pdserve.router.openai_schema import CHAT_ONLY
@@ -542,9 +542,8 @@ class ResponsesAPI:
 
 
 def _not_found(response_id: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": f"No response with id {response_id!r} is stored.",
-                                   "type": "invalid_request_error", "param": "response_id",
-                                   "code": "response_not_found"}}, status_code=404)
+    return error_response(NotFoundError(f"No response with id {response_id!r} is stored.",
+                                        param="response_id", code="response_not_found"))
 
 
 class _Run:
