@@ -21,7 +21,9 @@ time, KV transfer bytes and seconds. The single-process baseline replays the sam
 prompts, seeds and stop ids into an in-process engine after the cluster has stopped.
 
 `--workload chat` runs the multi-turn chat workload of bench/multiturn.py instead (conversations
-sharing a system prompt; with `--spawn`, prefix caching off vs on).
+sharing a system prompt; with `--spawn`, prefix caching off vs on). `--workload structured` (bench/
+structured.py) measures what structured outputs cost per token: chat with and without a JSON
+schema at decode batches 1 and 64.
 
 `--doc` replaces this run's subsection (same label) in the "Serving (CPU)" section of a markdown
 file, between `<!-- serving:begin -->` and `<!-- serving:end -->`; the rest of the file is kept.
@@ -840,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=["completions", "grpc"], default="completions",
                    help="HTTP /v1/completions (SSE) or the gRPC Generate token API (ignore_eos)")
     p.add_argument("--grpc-target", default=None, help="host:port of the router's gRPC API (with --url)")
-    p.add_argument("--workload", dest="scenario", choices=["random", "chat"], default="random",
+    p.add_argument("--workload", dest="scenario", choices=["random", "chat", "structured"], default="random",
                    help="random prompts, or multi-turn chat sharing a system prompt (bench/multiturn.py: "
                         "with --spawn, prefix cache off vs on; gRPC API)")
     p.add_argument("--conversations", type=_positive, default=8, help="chat: conversations")
@@ -1026,6 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.bench.multiturn import run_chat_bench
 
             run_chat_bench(a, argv)
+        elif a.scenario == "structured":
+            from pdserve.bench.structured import run_structured_bench
+
+            run_structured_bench(a, argv)
         else:
             run(a, argv)
     except (BenchError, TimeoutError, RuntimeError) as e:

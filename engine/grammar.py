@@ -30,9 +30,10 @@ from .vocab import O200K_PATTERN, special_tokens, token_bytes
 MASK_WORDS = (VOCAB_SIZE + 31) // 32  # int32 words of one bitmask row
 MARGIN = 8  # budget kept beyond the way out before it is forced
 GROWTH = 8  # how much one free token may lengthen the way out (nesting, a required key...)
-_CLOSERS = (b"}", b"]", b'"', b"0", b":", b",")  # preferred on the way out, in this order
+_CLOSERS = (b"}", b"]", b'"', b",", b":", b"0")  # preferred on the way out, in this order
 _LETTERS = (b"a", b"x")  # allowed inside a free string, never in JSON outside one
 _LOOKAHEAD_LIMIT = 64  # longest way out followed to compare alternatives
+_FREE_TEXT_TOKENS = 150_000  # a mask allowing this many tokens is free text (a string, the analysis)
 _LOOKAHEAD_ALLOWED = 16  # compared only where this few tokens are allowed (literals, not free text)
 _LOOKAHEAD = 4  # alternatives compared where a few literals are allowed (a channel name, an enum)
 _END_OF_GRAMMAR = "<|endoftext|>"  # llguidance's EOS: grammars end in explicit end tokens instead
@@ -61,6 +62,20 @@ def _token_lengths() -> np.ndarray:
 
 
 @lru_cache(maxsize=1)
+def _text_only() -> np.ndarray:
+    """bool [V]: ordinary tokens of whole UTF-8 characters without a quote or backslash: text that
+    never leaves a JSON string or the analysis, nor stops inside a character."""
+    safe = np.zeros(VOCAB_SIZE, dtype=bool)
+    for text, i in token_bytes().items():
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        safe[i] = b'"' not in text and b"\\" not in text
+    return safe
+
+
+@lru_cache(maxsize=1)
 def _ids_of(texts: tuple[bytes, ...]) -> tuple[int, ...]:
     ids = token_bytes()
     return tuple(ids[t] for t in texts)
@@ -70,11 +85,13 @@ def _has(row: np.ndarray, token: int) -> bool:
     return bool(row.view(np.uint32)[token >> 5] >> (token & 31) & 1)
 
 
-def _choose(m: llg.LLMatcher, row: np.ndarray, ids: np.ndarray, limit: int, lookahead: bool) -> int:
-    """The next token of the way out: a special token (the grammar's structure), else the first
-    allowed closer (a quote first inside a string, where braces are text), else the longest allowed
-    token or, with `lookahead`, the one of the few longest whose own way out is shortest."""
-    special = ids[ids >= len(token_bytes())]
+def _choose(m: llg.LLMatcher, row: np.ndarray, limit: int, lookahead: bool) -> int | None:
+    """The next token of the way out (None: nothing is allowed): a special token (the grammar's
+    structure), else the first allowed closer (a quote first inside a string, where braces are
+    text), else the longest allowed token or, with `lookahead` where only a few are allowed (a
+    channel name), the one of the few longest whose own way out is shortest."""
+    first_special = len(token_bytes())
+    special = allowed(row, start=first_special)
     if len(special):
         return int(special[0])
     quote = token_bytes()[b'"']
@@ -83,6 +100,9 @@ def _choose(m: llg.LLMatcher, row: np.ndarray, ids: np.ndarray, limit: int, look
     for c in _ids_of(_CLOSERS):
         if _has(row, c):
             return c
+    ids = allowed(row)
+    if not len(ids):
+        return None
     few = lookahead and len(ids) <= _LOOKAHEAD_ALLOWED
     longest = ids[np.argsort(-_token_lengths()[ids], kind="stable")[:_LOOKAHEAD if few else 1]]
     if len(longest) == 1:
@@ -98,15 +118,15 @@ def _choose(m: llg.LLMatcher, row: np.ndarray, ids: np.ndarray, limit: int, look
 
 
 def _greedy(m: llg.LLMatcher, limit: int, lookahead: bool) -> list[int]:
-    """Walk `m` (moved: pass a copy) along the way out until its grammar accepts; the tokens."""
+    """Walk `m` (moved: pass a copy) along the way out until its grammar accepts; the tokens.
+    Alternatives are compared (`lookahead`) only right after a special token: where a header names
+    its channel."""
     row, path = np.empty((1, MASK_WORDS), dtype=np.int32), []
+    first_special = len(token_bytes())
     while not m.is_accepting() and len(path) < limit:
         fill_next_token_bitmask(m, row)
-        ids = allowed(row[0])
-        if not len(ids):
-            break
-        token = _choose(m, row[0], ids, limit - len(path), lookahead)
-        if not m.consume_token(token):
+        token = _choose(m, row[0], limit - len(path), lookahead and bool(path) and path[-1] >= first_special)
+        if token is None or not m.consume_token(token):
             break
         path.append(token)
     return path
@@ -119,9 +139,13 @@ def check(grammar: str) -> None:
         raise GrammarError(f"grammar does not compile: {error}")
 
 
-def allowed(row: np.ndarray) -> np.ndarray:
-    """Token ids whose bit is set in one bitmask row."""
-    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB_SIZE])
+def allowed(row: np.ndarray, start: int = 0) -> np.ndarray:
+    """Token ids >= start whose bit is set in one bitmask row (cheap where few words are set)."""
+    first = start >> 5
+    words = np.flatnonzero(row[first:]) + first
+    bits = np.unpackbits(row[words].view(np.uint8), bitorder="little").reshape(-1, 32).astype(bool)
+    ids = (words[:, None] * 32 + np.arange(32))[bits]
+    return ids[(ids >= start) & (ids < VOCAB_SIZE)]
 
 
 def _one_hot(row: np.ndarray, token: int) -> None:
@@ -156,10 +180,13 @@ class Matcher:
         self.max_new_tokens = max_new_tokens
         self.num_generated = 0
         self._forced: list[int] = []  # the way out, once the budget forces it
+        # the last way out measured, while still valid: text inside a string or the analysis
+        # (`_in_text`) does not move it, so the budget is then checked every step for free
+        self._path: list[int] | None = None
+        self._in_text = False
         # the way out of the start is the same for every request of a grammar: measured once
         first = _initial_way_out(grammar, self._m)
-        self._check_at = 0 if len(first) + MARGIN >= max_new_tokens else \
-            max(1, (max_new_tokens - len(first) - MARGIN) // (1 + GROWTH))
+        self._check_at = max(0, (max_new_tokens - len(first) - MARGIN) // (1 + GROWTH))
         for token in generated:
             self.accept(token)
 
@@ -177,13 +204,20 @@ class Matcher:
     def needs_free_mask(self) -> bool:
         """Decide whether this step is forced (True: the grammar's own mask is wanted)."""
         remaining = self.max_new_tokens - self.num_generated
-        if not self._forced and self.num_generated >= self._check_at:
-            path = self.way_out(remaining)
-            slack = remaining - len(path) - MARGIN
-            if slack <= 0:
-                self._forced = path
-            else:
-                self._check_at = self.num_generated + max(1, slack // (1 + GROWTH))
+        if self._forced:
+            return False
+        fresh = self._path is None and self.num_generated >= self._check_at
+        if fresh:
+            self._path = self.way_out(remaining)
+            row = np.empty((1, MASK_WORDS), dtype=np.int32)
+            fill_next_token_bitmask(self._m, row)
+            self._in_text = int(np.bitwise_count(row.view(np.uint32)).sum()) >= _FREE_TEXT_TOKENS
+        if self._path is not None:
+            slack = remaining - len(self._path) - MARGIN
+            if slack < 1 + GROWTH:  # the next check would be too late: out now
+                self._forced = list(self._path)
+            elif fresh:
+                self._check_at = self.num_generated + slack // (1 + GROWTH)
         return not self._forced
 
     def fill_forced(self, row: np.ndarray) -> None:
@@ -204,6 +238,8 @@ class Matcher:
         if not self._m.consume_token(token):
             raise GrammarError(f"token {token} is not allowed by the grammar: {self._m.get_error()}")
         self.num_generated += 1
+        if self._path is not None and not (self._in_text and _text_only()[token]):
+            self._path = None  # the way out moved: measured again when the schedule says
 
 
 def matcher_for(params: SamplingParams, generated: list[int]) -> Matcher | None:

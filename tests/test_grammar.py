@@ -17,8 +17,9 @@ from pdserve.router.harmony import HarmonyCodec
 
 SCHEMAS = [
     {"type": "object"},
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 3}},
-     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 3}, "name": {"type": "string"}},
+     "required": ["age", "name"], "additionalProperties": False},  # a number followed by a key: the way
+    # out must leave the digits (a comma before another zero)
     {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green"]},
                                       "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
      "required": ["color", "tags"], "additionalProperties": False},
