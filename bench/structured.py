@@ -153,7 +153,8 @@ def run_structured_bench(a, argv: list[str]) -> dict:
               f"Command: `python -m pdserve.bench.serving {shlex.join(argv)}`\n\n"
               f"Chat requests streamed, max_tokens {int(max_tokens)}, {a.prefill_workers}P+{a.decode_workers}D; "
               "the schema: an object with a string, an integer, an enum array and a nested object, all required. "
-              "On CPU the tiny model's step is short, so the mask's share is larger than on a GPU.\n")
+              "On CPU the tiny model's step is short, so the mask's share is larger than on a GPU; the machine is shared, "
+              "so a difference of a few ms (either sign) is noise.\n")
     table = render(runs)
     print("\n" + header + "\n" + table, flush=True)
     title = a.label or f"structured outputs, {a.prefill_workers}P+{a.decode_workers}D, batch 1 and 64"
