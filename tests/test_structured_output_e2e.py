@@ -74,6 +74,12 @@ def test_responses_text_format(client):
                                                  "strict": True}})
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+    tool = {"type": "function", **WEATHER["function"]}
+    r = client.responses.create(model=MODEL, input="weather?", max_output_tokens=80, tools=[tool],
+                                tool_choice="required")
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
 
 
 def test_an_invalid_schema_is_a_400_naming_the_problem(client):
