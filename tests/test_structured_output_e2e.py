@@ -53,6 +53,14 @@ def test_every_json_schema_answer_validates(client):
         assert r.usage.completion_tokens <= budget
 
 
+def test_a_streamed_answer_validates(client):
+    schema = SCHEMAS[3]
+    stream = _chat(client, max_tokens=100, stream=True, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_json_object_and_forced_tool_calls(client):
     r = _chat(client, max_tokens=60, n=3, response_format={"type": "json_object"})
     assert len(r.choices) == 3  # each choice with its own matcher
