@@ -190,7 +190,7 @@ def _process(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
     if banned:
         rows, cols = zip(*banned)
         x.index_put_((_tensor(rows, torch.long, dev), _tensor(cols, torch.long, dev)),
-                     torch.tensor(float("-inf"), device=dev))
+                     x.new_full((len(rows),), float("-inf")))  # made on the device: no host copy
     if token_bitmask is not None:
         x = apply_token_bitmask(x, token_bitmask)
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
