@@ -166,7 +166,8 @@ def load_weights(
     if progress is None:
         progress = sys.stderr.isatty() and shard.tp_rank == 0
     for i in tqdm(range(cfg.num_hidden_layers), desc=f"loading {Path(model_dir).name}",
-                  unit="layer", file=sys.stderr, disable=not progress, leave=False):
+                  unit="layer", file=sys.stderr, disable=not progress, leave=False,
+                  mininterval=0):  # a layer takes seconds: show each (and a fast load still ends at N/N)
         p = f"model.layers.{i}."
         a = p + "self_attn."
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
