@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -140,8 +141,25 @@ def test_no_more_requests_than_batch_slots_are_placed_on_a_decode_worker():
 def test_a_full_queue_refuses_at_once_with_429():
     """Room for 4, 2 may wait: of 10 at once, 4 run, 2 wait and run, 4 get 429 up front."""
     cluster, _ = _admission_cluster(max_queued_requests=2, max_queue_wait=20)
+    metrics = cluster.router.router.metrics
+
+    def refused() -> float:
+        return sum(s.value for m in metrics.requests.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("status") == "429")
     try:
-        results = asyncio.run(_streams(cluster.base_url, 10))
+        # the 4 placed keep their room until all 10 are placed, queued or refused (on a fast host
+        # the first ones could otherwise finish before the last arrive, and more would get in)
+        for d in cluster.decode:
+            d.hold.clear()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(asyncio.run, _streams(cluster.base_url, 10))
+            try:
+                assert wait_for(lambda: cluster.router.call(refused) == 4 and cluster.router.call(
+                    lambda: metrics.admission_waiting._value.get()) == 2)
+            finally:
+                for d in cluster.decode:
+                    d.hold.set()
+            results = running.result(timeout=60)
         assert sorted(results).count((200, "Fine, thanks.")) == 6, results
         assert sorted(results).count((429, "kv_cache_full")) == 4, results
     finally:
