@@ -4,14 +4,15 @@
 # the per-category profile. Run from the checkout root after `source .gpu/setup.sh`:
 #     OUT=/tmp/out STEPS=tests,bench bash bench/device_decode.sh
 # STEPS: tests (tests/gpu/$TESTS), bench (engine_gpu --compare-fused --profile), mxfp4
-# (bench/moe_mxfp4.py). BUDGET: seconds.
+# (bench/moe_mxfp4.py), peer (engine_gpu --peer-triton: OpenAI's gpt_oss.triton on the same weights,
+# decode at batch 1 and 64; triton_kernels from $TRITON_KERNELS_DIR, default .gpu/triton_kernels). BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
 OUT=${OUT:-/tmp/out}
 W=/tmp/wdec
 mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-tests,bench}
+STEPS=${STEPS:-tests,bench,peer}
 BUDGET=${BUDGET:-540}
 TESTS=${TESTS:-"tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_engine_graphs_gpu.py"}
 BENCH_ARGS=${BENCH_ARGS:-"--compare-fused --profile"}
@@ -25,7 +26,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,p
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$W/env.log"
 
 # the checkpoint and the XQA decode modules build in the background while the tests run
-if has bench && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
+if { has bench || has peer; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
   ( python3 -c "
 from pathlib import Path
 from bench.model import ensure_checkpoint
@@ -52,16 +53,28 @@ if has tests; then
   pack
 fi
 
-if has bench; then
+if has bench || has peer; then
   [ -n "${ckpt_pid:-}" ] && wait "$ckpt_pid"
   wait $xqa_pid 2>/dev/null
   tail -1 "$W/ckpt20.log" 2>/dev/null
-  mkdir -p /tmp/ckpt-eg "$W/eg" && ln -sfn /tmp/ckpt/20b-mxfp4-seed0 /tmp/ckpt-eg/20b-24
+  mkdir -p /tmp/ckpt-eg "$W/eg" "$W/peer" && ln -sfn /tmp/ckpt/20b-mxfp4-seed0 /tmp/ckpt-eg/20b-24
   log "checkpoint ready"
+fi
+if has bench; then
   timeout "$(left 20)" python3 bench/engine_gpu.py --preset 20b --ckpt /tmp/ckpt-eg --out "$W/eg" \
     --record "$W/eg/performance.md" $BENCH_ARGS > "$W/eg.log" 2>&1
   log "engine_gpu rc=$?"
   grep -vE "^\s*$|Warning|warn" "$W/eg.log" | tail -60
+  pack
+fi
+if has peer; then
+  # short pdserve part (1k prefill, 16 decode steps), then the peer on the same weights
+  tk=$(readlink -f "${TRITON_KERNELS_DIR:-${PDSERVE_GPU_CACHE:-.gpu}/triton_kernels}")
+  PYTHONPATH=$tk:$PYTHONPATH timeout "$(left 15)" python3 bench/engine_gpu.py \
+    --preset 20b --ckpt /tmp/ckpt-eg --out "$W/peer" --record "$W/peer/performance.md" --prefill-tokens 1024 \
+    --decode-steps 16 --batches 1,64 --peer-triton > "$W/peer.log" 2>&1
+  log "engine_gpu --peer-triton rc=$?"
+  grep -vE "^\s*$|Warning|warn" "$W/peer.log" | tail -25
   pack
 fi
 if has mxfp4; then

@@ -10,6 +10,9 @@ same run).
                             router) against FLOPs / the FP8 rate measured in the run; decode:
                             per-category GPU time of the replayed step, kernels, host time
         [--prompt-len 32768 --prefill-chunk-tokens 8192 --prefill-only]   a long prompt, chunked
+        [--peer-triton]     then OpenAI's Triton implementation (gpt_oss.triton) on the same weights:
+                            its decode step per batch size, and pdserve's throughput over its
+                            (bench/peer_triton.py; needs gpt-oss and triton_kernels)
 """
 
 from __future__ import annotations
@@ -197,7 +200,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
     ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot"],
                     help="with --precision mxfp4: the MXFP4 kernel's nibble decode (default: the kernel's)")
+    ap.add_argument("--peer-triton", action="store_true",
+                    help="after pdserve's decode, time OpenAI's gpt_oss.triton on the same weights")
     a = ap.parse_args(argv)
+    if a.peer_triton:
+        from pdserve.bench import peer_triton
+
+        if a.device != "cuda" or a.prefill_only or a.diagnose:
+            ap.error("--peer-triton times decode on CUDA: needs --device cuda, without --prefill-only/--diagnose")
+        if (why := peer_triton.missing()) is not None:
+            ap.exit(2, f"engine_gpu.py: --peer-triton {why}\n")
     if a.mxfp4_decode:
         import pdserve.kernels.moe as moe_mod
         from pdserve.kernels.triton_moe_mxfp4 import MxConfig
@@ -345,7 +357,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\n".join(table(profiles)), flush=True)
 
-    result.update(decode=decode, graph_vs_eager_rel_l2=graph_err, copy_bandwidth=bw, profiles=profiles)
+    peer = None
+    if a.peer_triton:
+        # pdserve's engine step per batch in the shipped variant (the last one measured), graphs
+        ours = {b: decode[f"{variant} graphs {b}"]["step_ms"] for b in a.batches}
+        peer = peer_triton.measure(ckpt, cfg, a.batches, a.decode_context, a.decode_steps, ids, fast, ours, g)
+        print(f"peer {peer['impl']}: loaded in {peer['load_s']:.0f} s; logits vs pdserve ({a.check_tokens} tokens) "
+              f"rel L2 {peer['logits_rel_l2_vs_pdserve']:.2e}, argmax agreement "
+              f"{peer['argmax_agreement_vs_pdserve']:.3f}; pdserve = {variant}, graphs", flush=True)
+        print("\n".join(peer_triton.table(peer)), flush=True)
+
+    result.update(decode=decode, graph_vs_eager_rel_l2=graph_err, copy_bandwidth=bw, profiles=profiles,
+                  peer_triton=peer)
     (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
     if a.record:
         lines = [
@@ -382,6 +405,16 @@ def main(argv: list[str] | None = None) -> int:
                       "(us per step, kernels per step; categories from an eager step of the same batch "
                       "labelled per model part), the replay alone back to back, and the host's median time "
                       "per engine step in each phase (GPU idle while the host plans).", ""] + table(profiles)
+        if peer:
+            lines += ["", f"Same-run peer (`--peer-triton`): OpenAI's Triton implementation, {peer['impl']}, "
+                      "loaded by its own `from_checkpoint` from the same files (MXFP4 experts through "
+                      "`triton_kernels.matmul_ogs`); its logits on the check prompt against pdserve's: rel L2 "
+                      f"{peer['logits_rel_l2_vs_pdserve']:.2e}, argmax agreement {peer['argmax_agreement_vs_pdserve']:.3f}. "
+                      "Its decode step as its `TokenGenerator` runs it (one CUDA graph replayed per token, greedy "
+                      "ids read back by the host), over a cache of B equal-length rows sized to the context plus "
+                      f"the steps taken (its decode attention reads the whole cache); pdserve: decode ({variant}, "
+                      "graphs) above. pdserve / peer = pdserve's tokens/s over the peer's (> 1: pdserve faster).",
+                      ""] + peer_triton.table(peer)
         lines += ["<!-- engine-gpu:end -->", ""]
         from pdserve.bench.doc_section import replace_section
 

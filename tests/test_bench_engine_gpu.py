@@ -4,8 +4,12 @@ category (the same code a GPU host runs; no timing is asserted), its figures in 
 from __future__ import annotations
 
 import json
+import random
+import sys
 
-from pdserve.bench import engine_gpu
+import pytest
+
+from pdserve.bench import engine_gpu, peer_triton
 
 
 def test_chunked_prefill_profile_on_cpu(tmp_path, capsys):
@@ -39,3 +43,28 @@ def test_prefill_flops_count_the_model():
     assert f["attention"] == 12 * 4 * 64 * 64 * (8192 * 8193 / 2 + sliding_pairs)
     assert 50e12 < sum(f.values()) < 60e12  # ~56 TFLOP: the 67 ms floor at ~840 TFLOP/s
     assert prefill_flops(cfg, 8192, 1024, 64, 8)["dense GEMMs"] > f["dense GEMMs"]  # a vocab row per chunk
+
+
+def test_peer_triton_needs_cuda(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        engine_gpu.main(["--device", "cpu", "--peer-triton", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--peer-triton times decode on CUDA" in capsys.readouterr().err
+
+
+def test_peer_triton_missing_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton_kernels", None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        engine_gpu.main(["--peer-triton", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1  # one line, before any work
+    assert "pip install gpt-oss" in err and "triton_kernels" in err and "import failed" in err
+
+
+def test_peer_prefill_chunks_cover_the_context_in_bounded_calls():
+    rng = random.Random()
+    for _ in range(500):
+        context, batch = rng.randint(64, 40_000), rng.randint(1, 256)
+        chunks = peer_triton.prefill_chunks(context, batch)
+        assert sum(chunks) == context, (context, batch, chunks)
+        assert min(chunks) >= 64  # the peer's prefill attention alone (no reference check)
+        assert max(chunks) * batch <= max(8192, 128 * batch)  # bounded [rows, vocab] logits

@@ -26,54 +26,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def openai_reference(ckpt, cfg):
-    """OpenAI's reference model, its parameters filled from our HF-layout checkpoint (its MXFP4
-    experts decoded by the reference's own decoder)."""
+    """OpenAI's reference model, its parameters filled from our HF-layout checkpoint through the
+    name adapter the GPU benchmark's peer loads with (its MXFP4 experts decoded by the reference's
+    own decoder)."""
     model_mod = pytest.importorskip("gpt_oss.torch.model")
-    from gpt_oss.torch.weights import Checkpoint
+    from pdserve.bench.peer_triton import hf_layout_checkpoint, reference_config
 
-    from pdserve.engine.checkpoint import CheckpointReader
-
-    rc = model_mod.ModelConfig(
-        num_hidden_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts,
-        experts_per_token=cfg.experts_per_token, vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        swiglu_limit=cfg.swiglu_limit, head_dim=cfg.head_dim,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        sliding_window=cfg.sliding_window, initial_context_length=cfg.initial_context_length,
-        rope_theta=cfg.rope_theta, rope_scaling_factor=cfg.rope_scaling_factor,
-        rope_ntk_alpha=cfg.rope_ntk_alpha, rope_ntk_beta=cfg.rope_ntk_beta,
-    )
-    ref = model_mod.Transformer(rc, device=torch.device("cpu")).eval()
-    r = CheckpointReader(ckpt)
-    ref_ckpt = Checkpoint(str(ckpt), torch.device("cpu"))
-    src = {"embedding.weight": "model.embed_tokens.weight", "norm.scale": "model.norm.weight",
-           "unembedding.weight": "lm_head.weight"}
-    for i in range(cfg.num_hidden_layers):
-        p, b = f"model.layers.{i}.", f"block.{i}."
-        src |= {b + "attn.norm.scale": p + "input_layernorm.weight", b + "attn.sinks": p + "self_attn.sinks",
-                b + "attn.out.weight": p + "self_attn.o_proj.weight", b + "attn.out.bias": p + "self_attn.o_proj.bias",
-                b + "mlp.norm.scale": p + "post_attention_layernorm.weight",
-                b + "mlp.gate.weight": p + "mlp.router.weight", b + "mlp.gate.bias": p + "mlp.router.bias",
-                b + "mlp.mlp1_bias": p + "mlp.experts.gate_up_proj_bias",
-                b + "mlp.mlp2_bias": p + "mlp.experts.down_proj_bias"}
+    ref = model_mod.Transformer(reference_config(cfg), device=torch.device("cpu")).eval()
+    checkpoint = hf_layout_checkpoint(ckpt, torch.device("cpu"))
     for name, param in ref.named_parameters():
-        i = name.split(".")[1] if name.startswith("block.") else None
-        p = f"model.layers.{i}."
-        if name in src:
-            t = r.get(src[name])
-        elif name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-            kind = name.rsplit(".", 1)[1]
-            t = torch.cat([r.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"])
-        elif name.endswith("mlp1_weight") or name.endswith("mlp2_weight"):
-            proj = "gate_up_proj" if "mlp1" in name else "down_proj"
-            if cfg.experts_format == "mxfp4":
-                t = ref_ckpt._get_mxfp4_tensor(f"{p}mlp.experts.{proj}_blocks", f"{p}mlp.experts.{proj}_scales",
-                                               dtype=torch.bfloat16)
-            else:
-                t = r.get(f"{p}mlp.experts.{proj}").transpose(1, 2)
-        else:
-            raise AssertionError(f"no source for reference parameter {name}")
-        param.data.copy_(t)
+        param.data.copy_(checkpoint.get(name))
     return ref
 
 
