@@ -70,7 +70,7 @@ fi
 if has peer; then
   # short pdserve part (1k prefill, 16 decode steps), then the peer on the same weights
   tk=$(readlink -f "${TRITON_KERNELS_DIR:-${PDSERVE_GPU_CACHE:-.gpu}/triton_kernels}")
-  PYTHONPATH=$tk:$PYTHONPATH timeout "$(left 15)" python3 bench/engine_gpu.py \
+  PYTHONPATH=$tk${PYTHONPATH:+:$PYTHONPATH} timeout "$(left 15)" python3 bench/engine_gpu.py \
     --preset 20b --ckpt /tmp/ckpt-eg --out "$W/peer" --record "$W/peer/performance.md" --prefill-tokens 1024 \
     --decode-steps 16 --batches 1,64 --peer-triton > "$W/peer.log" 2>&1
   log "engine_gpu --peer-triton rc=$?"
