@@ -97,6 +97,34 @@ def fp8_linear_ref(
     return out
 
 
+def fp8_weight_linear_ref(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """What the FP8-weight linear layer computes with x kept as it is (kernels.triton_fp8_linear's
+    default mode): x times the dequantised 128x128-block weights, float32 accumulation started
+    from the bias. x [M, K] -> float32 [M, N]."""
+    out = x.float() @ dequantize_weight_fp8(w, w_scale).T
+    if bias is not None:
+        out = out + bias.float()
+    return out
+
+
+def linear_fp8(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The engine's FP8-weight linear layer (attention projections): [M, K] -> [M, N] in x.dtype.
+    On CUDA the Triton kernel (kernels.triton_fp8_linear, launch shape by M), elsewhere the
+    reference of its default mode, rounded once to x.dtype."""
+    if x.is_cuda:
+        try:
+            from .triton_fp8_linear import fp8_linear
+        except ImportError:
+            fp8_linear = None
+        if fp8_linear is not None:
+            return fp8_linear(x, w, w_scale, bias)
+    return fp8_weight_linear_ref(x, w, w_scale, bias).to(x.dtype)
+
+
 def pad_intermediate(size: int, max_tp: int = 8) -> int:
     """Expert intermediate size after FP8 padding: a multiple of 128 * max_tp, so each of TP
     1, 2, 4, 8 shards is whole blocks (2880 -> 3072). Padded channels have zero weights and

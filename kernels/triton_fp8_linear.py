@@ -1,0 +1,239 @@
+"""FP8 linear layers for the attention projections: out = x @ (W * block scales)^T + bias.
+
+W is e4m3 [N, K] with one float32 scale per 128x128 block (`kernels.fp8.quantize_weight_fp8`),
+x is [M, K] (bf16 in the engine), out is [M, N] in x.dtype. gpt-oss' QKV is [5120, 2880] and O
+[2880, 4096], both with a bias. At decode (M <= 64) the layer is bound by the weight bytes: FP8
+halves them against bf16 (QKV 14.7 MB, O 11.8 MB a layer).
+
+One kernel for every M. The weights are the tensor-core M side ("swap AB"): a program computes a
+[BLOCK_N, BLOCK_M] tile of out^T, BLOCK_N weight rows against BLOCK_M (>= 16) tokens, in 128-deep
+K steps, each promoted into a float32 accumulator that starts from the bias (loaded once per tile)
+with its block scale: `acc += dot(w, x^T) * w_scale (* x_scale)`. Two activation modes
+(`LinearConfig.x_fp8`):
+
+- x kept as it is (bf16): each W tile is upcast to x.dtype in registers (exact: every e4m3 value
+  is a bf16), so the only difference from the dequantised float32 product is the float32
+  accumulation order; no activation quantisation error.
+- x quantised per 1x128 group to e4m3 first (`kernels.triton_moe.quantize_act`, one more launch,
+  the quantisation of the MoE GEMMs) and multiplied on the FP8 tensor cores with both scales.
+
+Decode batches leave few weight tiles per SM (QKV: 80 tiles of 64 rows for 132 SMs), so K can be
+split over `split_k` programs per tile. The reduction is deterministic without float atomics: each
+program stores its float32 partial tile, then bumps the tile's arrival counter (acq_rel, after a
+CTA barrier); the last to arrive sums the partials in split order (the bias is in split 0's),
+writes the output and resets the counter for the next launch. Results are bit-identical from run
+to run whatever the arrival order. No host synchronisation: CUDA-graph capturable.
+
+Launch shapes come from `CONFIGS` by M (and the weight shape where a sweep found a better one:
+`bench/fp8_linear.py` measures them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import BLOCK, FP8, cdiv
+from .triton_moe import quantize_act
+
+DECODE_MAX_M = 64  # the skinny (bandwidth-bound) regime the decode configs are for
+NUM_SMS_H200 = 132
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One launch shape. block_m: tokens per program (>= 16, the smallest tensor-core tile; 0 =
+    the next power of two >= M, at least 16, at most 64); split_k: programs sharing a tile's K
+    steps (0 = enough programs for about 4 per SM); x_fp8: quantise x to e4m3 (see module doc)."""
+
+    block_n: int = 64
+    block_m: int = 0
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+    x_fp8: bool = False
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1) or self.block_n > 256:
+            raise ValueError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
+        if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"block_m must be 0 or a power of two >= 16, got {self.block_m}")
+        if self.split_k < 0 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad launch shape {self}")
+
+    @property
+    def label(self) -> str:
+        m = self.block_m or "auto"
+        s = self.split_k or "auto"
+        return f"{'fp8x' if self.x_fp8 else 'bf16x'} n{self.block_n} m{m} sk{s} w{self.num_warps} s{self.num_stages}"
+
+
+# (max M, config), first match wins; `WEIGHT_CONFIGS[(N, K)]` overrides for one weight shape.
+# Prefill tiles (M > 64): 128 weight rows x 128 tokens, one program per tile.
+CONFIGS: list[tuple[int, LinearConfig]] = [
+    (16, LinearConfig(block_n=64, num_stages=4)),
+    (32, LinearConfig(block_n=64, num_stages=4)),
+    (64, LinearConfig(block_n=64, num_stages=3)),
+    (1 << 62, LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3)),
+]
+WEIGHT_CONFIGS: dict[tuple[int, int], list[tuple[int, LinearConfig]]] = {}
+
+
+def select_config(m: int, n: int, k: int) -> LinearConfig:
+    for bound, cfg in WEIGHT_CONFIGS.get((n, k), CONFIGS):
+        if m <= bound:
+            return cfg
+    return CONFIGS[-1][1]
+
+
+def launch_shape(cfg: LinearConfig, m: int, n: int, k: int,
+                 num_sms: int = NUM_SMS_H200) -> tuple[int, int, int]:
+    """(block_m, split_k, k_steps_per_split) for M x N x K: split_k never leaves a split empty."""
+    block_m = cfg.block_m or min(64, max(16, triton.next_power_of_2(max(m, 1))))
+    tiles = cdiv(n, cfg.block_n) * cdiv(max(m, 1), block_m)
+    num_k = cdiv(k, BLOCK)
+    split = cfg.split_k or max(1, min(num_k // 2, cdiv(4 * num_sms, tiles)))
+    split = max(1, min(split, num_k))
+    k_per = cdiv(num_k, split)
+    return block_m, cdiv(num_k, k_per), k_per
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, xs_ptr,             # X_FP8: e4m3 [M, K] + f32 [M, ceil(K/128)]; else [M, K] (bf16/f16/f32)
+    w_ptr, ws_ptr, bias_ptr,   # e4m3 [N, K], f32 [ceil(N/128), ceil(K/128)], [N] (HAS_BIAS)
+    out_ptr,                   # [M, N]
+    part_ptr, count_ptr,       # SPLIT: f32 [split_k, M, N] partial tiles, int32 [tiles] counters (zero)
+    M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, X_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    n64 = offs_n.to(tl.int64)
+    m64 = offs_m.to(tl.int64)
+    offs_k0 = tl.arange(0, 128)
+    w_rows = w_ptr + n64[:, None] * stride_wn
+    x_rows = x_ptr + m64[:, None] * stride_xm
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn
+    xs_rows = xs_ptr + m64 * stride_xsm
+
+    if HAS_BIAS:  # in split 0's accumulator only
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32) + bias[:, None]
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+
+    num_k = tl.cdiv(K, 128)
+    k_lo = pid_k * K_PER
+    # Scales are plain loads the software pipeliner does not stage: fetch each one a K step ahead.
+    k_first = tl.minimum(k_lo, num_k - 1)
+    ws_next = tl.load(ws_rows + k_first, mask=n_ok, other=0.0)
+    if X_FP8:
+        xs_next = tl.load(xs_rows + k_first, mask=m_ok, other=0.0)
+    # K_PER steps from k_lo; the last split's steps past K load nothing (masked, zero) and add 0.
+    # (Triton 3.6's interpreter under numpy 2 takes only constexpr loop bounds.)
+    for i in range(0, K_PER):
+        kb = k_lo + i
+        nxt = tl.minimum(kb + 1, num_k - 1)
+        w_scale = ws_next
+        ws_next = tl.load(ws_rows + nxt, mask=n_ok, other=0.0)
+        offs_k = kb * 128 + offs_k0
+        k_ok = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if X_FP8:
+            x_scale = xs_next
+            xs_next = tl.load(xs_rows + nxt, mask=m_ok, other=0.0)
+            acc += tl.dot(w, tl.trans(xv)) * w_scale[:, None] * x_scale[None, :]
+        else:
+            acc += tl.dot(w.to(xv.dtype), tl.trans(xv), input_precision="ieee") * w_scale[:, None]
+
+    out_ptrs = out_ptr + m64[None, :] * stride_om + n64[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K > 1:
+        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+        rows = pid_k * M + m64
+        tl.store(part_ptr + rows[None, :] * N + n64[:, None], acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the last of the tile's programs: sum in split order
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                rows = s * M + m64
+                total += tl.load(part_ptr + rows[None, :] * N + n64[:, None], mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_TILES = 1 << 16  # split-K tiles per launch (arrival counters kept per device)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Per-tile arrival counters, zero between launches (each launch's reducing programs reset
+    theirs). One buffer per device: launches on one stream never overlap."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return c
+
+
+def fp8_linear(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    config: LinearConfig | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ (w [N, K] e4m3 * 128x128 block scales)^T + bias -> [M, N] in x.dtype.
+
+    `config`: the launch shape (default `select_config`); `x_fp8`: x already quantised (e4m3
+    [M, K], float32 [M, ceil(K/128)]) for a config with x_fp8 (tests; skips the quantisation)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} are not [M, K] and [N, K]")
+    m, k = x.shape
+    n = w.shape[0]
+    if w.dtype != FP8 or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (cdiv(n, BLOCK), cdiv(k, BLOCK)):
+        raise ValueError(f"w must be e4m3 with float32 scales [{cdiv(n, BLOCK)}, {cdiv(k, BLOCK)}], got "
+                         f"{w.dtype} and {w_scale.dtype} {tuple(w_scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {n} output features")
+    if w.stride(1) != 1 or w_scale.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("w rows, w_scale rows and the bias must be contiguous")
+    cfg = config or select_config(m, n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if cfg.x_fp8:
+        xq, xs = x_fp8 if x_fp8 is not None else quantize_act(x)
+    else:
+        xq = x if x.stride(1) == 1 else x.contiguous()
+        xs = w_scale  # unused
+    block_m, split, k_per = launch_shape(cfg, m, n, k)
+    num_n, num_m = cdiv(n, cfg.block_n), cdiv(m, block_m)
+    if split > 1:
+        if num_n * num_m > MAX_TILES:
+            raise ValueError(f"{num_n * num_m} split-K tiles exceed {MAX_TILES}: use a larger tile")
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        part = counters = out  # unused
+    _fp8_linear_kernel[(num_n * split, num_m)](
+        xq, xs, w, w_scale, bias if bias is not None else w_scale, out, part, counters,
+        m, n, k,
+        xq.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, X_FP8=cfg.x_fp8, HAS_BIAS=bias is not None,
+        SPLIT_K=split, K_PER=k_per, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
