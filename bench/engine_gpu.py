@@ -13,6 +13,7 @@ same run).
         [--peer-triton]     then OpenAI's Triton implementation (gpt_oss.triton) on the same weights:
                             its decode step per batch size, and pdserve's throughput over its
                             (bench/peer_triton.py; needs gpt-oss and triton_kernels)
+        [--attention-precision fp8]   QKV / O projection weights in FP8 (kernels/triton_fp8_linear.py)
 """
 
 from __future__ import annotations
@@ -55,15 +56,20 @@ def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
         return (experts_forward_mxfp4_ref if isinstance(w, MxExperts) else experts_forward_ref)(x, weights, ids, w, *a, **kw)
 
     saved_moe, saved_attn, saved_backend = model_mod.experts_forward, runner.attention, runner.model.attention_backend
+    saved_proj = model_mod.linear_fp8
     if moe:
         model_mod.experts_forward = reference
     if attention:
+        from pdserve.kernels.fp8 import fp8_weight_linear_ref
+
         runner.model.attention_backend = "torch"
         runner.attention = runner.model.make_attention()
+        model_mod.linear_fp8 = lambda x, w, s, b=None: fp8_weight_linear_ref(x, w, s, b).to(x.dtype)
     try:
         yield
     finally:
         model_mod.experts_forward = saved_moe
+        model_mod.linear_fp8 = saved_proj
         runner.model.attention_backend = saved_backend
         runner.attention = saved_attn
 
@@ -135,7 +141,8 @@ def decode_bytes(runner: ModelRunner, batch: int, context: int, expert_bits: flo
     touched = e * (1 - (1 - k / e) ** batch)
     for i, (a, m) in enumerate(w.layers):
         total += sum(nbytes(t) for t in (a.qkv_weight, a.qkv_bias, a.o_weight, a.o_bias, a.sinks, a.norm,
-                                         m.router_weight, m.router_bias, m.norm))
+                                         a.qkv_scale, a.o_scale, m.router_weight, m.router_bias, m.norm)
+                     if t is not None)
         ex = m.experts
         if isinstance(ex, MxExperts):  # as published: blocks, scales and biases
             per = sum(nbytes(t) for t in (ex.gate_up_blocks, ex.gate_up_scales, ex.gate_up_bias,
@@ -198,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile the prefill and each decode batch (bench/step_profile.py)")
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
+    ap.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
+                    help="QKV and O projection weights: bf16 (cuBLAS) or FP8 128x128 blocks (Triton)")
     ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot"],
                     help="with --precision mxfp4: the MXFP4 kernel's nibble decode (default: the kernel's)")
     ap.add_argument("--peer-triton", action="store_true",
@@ -229,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (ckpt / "config.json").is_file():
         _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
-    runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192))
+    runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192,
+                                                       attention_precision=a.attention_precision))
     runner.prefill_chunk_tokens = a.prefill_chunk_tokens
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
     g = torch.Generator().manual_seed(1)
@@ -374,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = [
             "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
-            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), {a.precision} experts; decode "
+            f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), {a.precision} experts, "
+            f"{a.attention_precision} attention projections; decode "
             "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests; kernels: "
             "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router; pipelined = "
             "each step launched before the host reads the previous step's tokens (engine.llm_engine). Floors: bytes a "

@@ -61,6 +61,13 @@ class _LinearLabels:
         with torch.profiler.record_function("L:" + self._names.get(w.shape[0], "linear")):
             return self._real.linear(x, w, b)
 
+    def fp8(self, real):
+        """engine.model's linear_fp8 (attention precision fp8), labelled the same way."""
+        def linear_fp8(x, w, scale, b=None):
+            with torch.profiler.record_function("L:" + self._names.get(w.shape[0], "linear")):
+                return real(x, w, scale, b)
+        return linear_fp8
+
 
 class _LabelledRope:
     """engine.model's RotaryEmbedding with a label around each call (tables passed through)."""
@@ -82,9 +89,11 @@ def labels(runner):
 
     m, p = runner.model, _Patches()
     d = m.cfg.head_dim
-    p.set(M, "F", _LinearLabels(torch.nn.functional, {(m.num_q_heads + 2 * m.num_kv_heads) * d: "qkv GEMM",
-                                                      m.cfg.hidden_size: "o_proj GEMM",
-                                                      m.w.unembedding.shape[0]: "vocab GEMM"}))
+    lin = _LinearLabels(torch.nn.functional, {(m.num_q_heads + 2 * m.num_kv_heads) * d: "qkv GEMM",
+                                              m.cfg.hidden_size: "o_proj GEMM",
+                                              m.w.unembedding.shape[0]: "vocab GEMM"})
+    p.set(M, "F", lin)
+    p.set(M, "linear_fp8", lin.fp8(M.linear_fp8))
     p.set(m, "_add_norm", _labelled("residual + RMSNorm", m._add_norm))
     p.set(m, "_route", _labelled("router", m._route))
     p.set(M, "experts_forward", _labelled("MoE experts", M.experts_forward))

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8_exact
+from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8, quantize_weight_fp8_exact
 from pdserve.kernels.moe import ExpertWeights
 from pdserve.kernels.mxfp4 import MxExperts, dequantize_mxfp4
 
@@ -103,6 +103,9 @@ class AttentionWeights:
     o_bias: torch.Tensor | None  # only on TP rank 0 (added once)
     sinks: torch.Tensor  # float32 [hq local]
     norm: torch.Tensor  # float32 [H]
+    # attention precision fp8: both projections are e4m3 with these float32 128x128 block scales
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -122,6 +125,9 @@ class ModelWeights:
     unembedding: torch.Tensor  # [V local, H]
 
 
+ATTENTION_PRECISIONS = ("bf16", "fp8")
+
+
 def _rows(a: int, b: int) -> tuple[slice]:
     return (slice(a, b),)
 
@@ -134,14 +140,19 @@ def load_weights(
     precision: str = "bf16",
     device: torch.device | str = "cpu",
     progress: bool | None = None,
+    attention_precision: str = "bf16",
 ) -> ModelWeights:
     """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8), or
     keeping MXFP4 experts as published (mxfp4: single rank, decode pools; see kernels.moe).
+    `attention_precision` fp8 quantises this rank's QKV and O projection weights to e4m3 with
+    128x128 block scales (amax / 448) on the target device; biases stay bf16.
 
     `progress`: a bar per layer on stderr (None: when stderr is a terminal, on rank 0 only).
     """
     if precision not in ("bf16", "fp8", "mxfp4"):
         raise ValueError(f"precision must be bf16, fp8 or mxfp4, not {precision!r}")
+    if attention_precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"attention_precision must be one of {ATTENTION_PRECISIONS}, not {attention_precision!r}")
     if precision == "mxfp4" and (cfg.experts_format != "mxfp4" or shard.world_size > 1):
         raise ValueError("precision mxfp4 keeps a checkpoint's MXFP4 experts on a single rank; this is "
                          f"a {cfg.experts_format} checkpoint on {shard.world_size} ranks")
@@ -194,6 +205,9 @@ def load_weights(
             experts=_load_experts(r, p + "mlp.experts.", cfg, shard, precision, dev),
             norm=put(r.get(p + "post_attention_layernorm.weight", shape=(H,)), torch.float32),
         )
+        if attention_precision == "fp8":
+            attn.qkv_weight, attn.qkv_scale = quantize_weight_fp8(attn.qkv_weight)
+            attn.o_weight, attn.o_scale = quantize_weight_fp8(attn.o_weight)
         layers.append((attn, moe))
     return ModelWeights(embedding, v0, layers, norm, unembedding)
 

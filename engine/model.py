@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import PagedBatch, make_sink_attention
+from pdserve.kernels.fp8 import linear_fp8
 from pdserve.kernels.moe import experts_forward, route
 
 from .checkpoint import ModelWeights
@@ -41,6 +42,14 @@ def fused_kernels_wanted(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None):
+    """An attention projection: bf16 weights through cuBLAS, or e4m3 weights with 128x128 block
+    scales (attention precision fp8) through kernels.fp8.linear_fp8."""
+    if scale is None:
+        return F.linear(x, w, bias)
+    return linear_fp8(x, w, scale, bias)
 
 
 @dataclass
@@ -120,7 +129,7 @@ class GptOssModel:
     def _attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         a, _ = self.w.layers[layer]
         D = self.cfg.head_dim
-        qkv = F.linear(t, a.qkv_weight, a.qkv_bias)
+        qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale)
         nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
         group, _ = step.cache.layer_group[layer]
         if self.fused:
@@ -136,7 +145,7 @@ class GptOssModel:
             step.cache.write(layer, step.slots, k, v)
             q = q.contiguous()
         o = step.attention[group].run(q, step.cache.layer_cache(layer), a.sinks)
-        o = F.linear(o.reshape(-1, nq), a.o_weight, a.o_bias)
+        o = _project(o.reshape(-1, nq), a.o_weight, a.o_bias, a.o_scale)
         return all_reduce(o, self.shard)
 
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
