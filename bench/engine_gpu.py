@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
     runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192,
-                                                       attention_precision=a.attention_precision))
+                                                attention_precision=a.attention_precision))
     runner.prefill_chunk_tokens = a.prefill_chunk_tokens
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
     g = torch.Generator().manual_seed(1)
