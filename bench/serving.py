@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
@@ -492,22 +492,35 @@ async def run_against_router(make_client: Callable[[], HTTPCompletions | GRPCGen
 
 
 # ---- the single-process baseline -----------------------------------------------------------------
-def run_engine(model_dir: str, requests: Sequence[Request], warmup: Sequence[Request], *,
-               concurrency: int | None, temperature: float, ignore_eos: bool, stop_token_ids: list[int],
-               max_batch_size: int, torch_threads: int | None = None, device: str = "cpu"
-               ) -> tuple[list[Outcome], CPUUse]:
-    """Replay the schedule into an in-process `LLMEngine`: a request that arrives during a step
-    joins at the next one (its latency counts from the arrival); with `concurrency`, request k
-    starts when request k-concurrency's slot frees, as the client's semaphore does."""
+def baseline_engine(model_dir: str, *, max_batch_size: int, torch_threads: int | None = None,
+                    device: str = "cpu"):
+    """The single-process engine the cluster is compared with, configured as a user would run it:
+    on CUDA its decode steps replay CUDA graphs up to the batch limit, as a one-rank decode
+    worker's do (same precision default, KV room sized from free memory)."""
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.model_runner import InvalidRequest, ModelRunner
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.model_runner import ModelRunner
 
     if torch_threads:
         import torch
 
         torch.set_num_threads(torch_threads)
-    engine = LLMEngine(ModelRunner(model_dir, device=device), max_batch_size=max_batch_size)
+    graphs = max_batch_size if device == "cuda" else 0
+    return LLMEngine(ModelRunner(model_dir, device=device, cuda_graph_max_batch=graphs), max_batch_size=max_batch_size)
+
+
+def run_engine(model_dir: str, requests: Sequence[Request], warmup: Sequence[Request], *,
+               concurrency: int | None, temperature: float, ignore_eos: bool, stop_token_ids: list[int],
+               max_batch_size: int, torch_threads: int | None = None, device: str = "cpu", engine=None
+               ) -> tuple[list[Outcome], CPUUse]:
+    """Replay the schedule into an in-process `LLMEngine` (`engine`, else one made by
+    baseline_engine): a request that arrives during a step joins at the next one (its latency
+    counts from the arrival); with `concurrency`, request k starts when request k-concurrency's
+    slot frees, as the client's semaphore does."""
+    from pdserve.engine.model_runner import InvalidRequest
+    from pdserve.engine.sampling import SamplingParams
+
+    if engine is None:
+        engine = baseline_engine(model_dir, max_batch_size=max_batch_size, torch_threads=torch_threads, device=device)
 
     def params(r: Request) -> SamplingParams:
         return SamplingParams(temperature=temperature, seed=r.seed, max_new_tokens=r.max_tokens,
@@ -814,6 +827,10 @@ def _rate(text: str) -> float:
     return value
 
 
+def _rates(text: str) -> list[float]:
+    return [_rate(t) for t in text.split(",") if t.strip()] or [_rate(text)]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -851,6 +868,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-len", type=_positive, default=64, help="chat: tokens of each user turn")
     p.add_argument("--num-requests", type=_positive, default=100)
     p.add_argument("--rate", type=_rate, default=math.inf, help="Poisson arrival rate, req/s (inf: all at once)")
+    p.add_argument("--rates", type=_rates, default=None,
+                   help="comma-separated rates (req/s): the same workload at each in turn against the same "
+                        "servers (warm-up before the first only), the baseline engine loaded once, and a "
+                        "summary table; replaces --rate")
     p.add_argument("--concurrency", type=_positive, default=None, help="at most this many in flight")
     for kind, default in (("input", 128), ("output", 32)):
         p.add_argument(f"--{kind}-len", type=_positive, default=default, help=f"mean {kind} tokens")
@@ -879,6 +900,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--api grpc with --url needs --grpc-target host:port")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
+    if a.rates and a.scenario != "random":
+        p.error("--rates sweeps the random workload only")
     if not 0 <= a.temperature <= 2:
         p.error("--temperature must be in [0, 2]")
     try:
@@ -918,10 +941,18 @@ def _check_fits(requests: Sequence[Request], max_context: int | None) -> None:
                          "lower --input-len/--output-len or their spread")
 
 
-def _label(a: argparse.Namespace) -> str:
+def _load(rate: float) -> str:
+    return f"Poisson {rate:g} req/s" if not math.isinf(rate) else "all at once"
+
+
+def _label(a: argparse.Namespace, rate: float | None = None) -> str:
+    """The doc subsection's title: model, layout, API, requests, load (a sweep: its rates)."""
     model = a.model if a.model == "tiny" else Path(a.model).name
     where = f"{a.prefill_workers}P+{a.decode_workers}D" if a.spawn else "external router"
-    load = f"Poisson {a.rate:g} req/s" if not math.isinf(a.rate) else "all at once"
+    if rate is None and a.rates:
+        load = "rates " + ", ".join(f"{r:g}" for r in a.rates) + " req/s"
+    else:
+        load = _load(a.rate if rate is None else rate)
     if a.concurrency:
         load += f", concurrency {a.concurrency}"
     threads = f", {a.torch_threads} torch thread{'s' * (a.torch_threads > 1)}" if a.torch_threads else ""
@@ -929,9 +960,11 @@ def _label(a: argparse.Namespace) -> str:
 
 
 def run(a: argparse.Namespace, argv: list[str]) -> dict:
-    """The whole benchmark; returns what --json writes."""
-    w: Workload = a.workload
-    requests, warmup = w.requests(), w.warmup(a.warmup)
+    """The whole benchmark; returns what --json writes: one run's figures, or with --rates one
+    entry per rate under "runs" and the sweep's summary table."""
+    rates = a.rates or [a.workload.rate]
+    workloads = [replace(a.workload, rate=r) for r in rates]
+    warmup = a.workload.warmup(a.warmup)  # before the first rate only: the servers stay warm
     cluster = None
     if a.spawn:
         from pdserve.launch.serve import ClusterSpec, LocalCluster
@@ -958,33 +991,76 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
                 model_dir = str(builtin_tiny_model())
             else:
                 model_dir = a.model
+    measured = []  # per rate: (outcomes, metrics before, after, CPU)
     try:
-        _check_fits([*requests, *warmup], _max_context(url, a.served_model_name))
+        _check_fits([r for w in workloads for r in w.requests()] + warmup, _max_context(url, a.served_model_name))
+
         def make_client() -> HTTPCompletions | GRPCGenerate:
             if a.api == "completions":
                 return HTTPCompletions(url, a.served_model_name, a.temperature, a.request_timeout)
             return GRPCGenerate(grpc_target, a.served_model_name, a.temperature, a.request_timeout)
 
-        print(f"bench: {len(warmup)} warm-up + {len(requests)} measured requests", file=sys.stderr, flush=True)
         pgids = {p.pid for p in cluster.procs.values()} if cluster is not None else None
-        outcomes, before, after, cpu = asyncio.run(
-            run_against_router(make_client, requests, warmup, a.concurrency, url, pgids))
+        for k, w in enumerate(workloads):
+            print(f"bench: {len(warmup) if k == 0 else 0} warm-up + {w.num_requests} measured requests"
+                  + (f" at {w.rate:g} req/s" if a.rates else ""), file=sys.stderr, flush=True)
+            measured.append(asyncio.run(run_against_router(make_client, w.requests(), warmup if k == 0 else [],
+                                                           a.concurrency, url, pgids)))
     finally:
         if cluster is not None:
             cluster.stop()
-    stats = summarize(outcomes, requests)
-    server = ServerView.delta(before, after)
-    base_outcomes, base, base_cpu = None, None, None
+    baseline: list[tuple[list[Outcome], CPUUse] | None] = [None] * len(workloads)
     if not a.no_baseline:
         from pdserve.router.harmony import HarmonyCodec
 
         print("bench: single-process baseline (LLMEngine)", file=sys.stderr, flush=True)
-        base_outcomes, base_cpu = run_engine(model_dir, requests, warmup, concurrency=a.concurrency,
-                                   temperature=a.temperature, ignore_eos=a.api == "grpc",
-                                   stop_token_ids=HarmonyCodec().stop_token_ids(),
-                                   max_batch_size=a.max_batch_size, torch_threads=a.torch_threads,
-                                   device=a.device)
-        base = summarize(base_outcomes, requests)
+        engine = baseline_engine(model_dir, max_batch_size=a.max_batch_size, torch_threads=a.torch_threads,
+                                 device=a.device)
+        for k, w in enumerate(workloads):
+            baseline[k] = run_engine(model_dir, w.requests(), warmup if k == 0 else [], concurrency=a.concurrency,
+                                     temperature=a.temperature, ignore_eos=a.api == "grpc",
+                                     stop_token_ids=HarmonyCodec().stop_token_ids(),
+                                     max_batch_size=a.max_batch_size, engine=engine)
+    reports = [_report(a, argv, w, warmup, *m, *(b or (None, None)))
+               for w, m, b in zip(workloads, measured, baseline)]
+    results = [r for r, _, _ in reports]
+    if not a.rates:
+        result = results[0]
+    else:
+        sweep = render_sweep(rates, [c for _, c, _ in reports], [b for _, _, b in reports])
+        print("\n" + sweep, flush=True)
+        result = {"title": a.label or _label(a), "rates": rates, "sweep": sweep, "runs": results}
+        if a.doc:
+            update_doc(a.doc, result["title"], f"Command: `{results[0]['command']}`\n\n{sweep}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def render_sweep(rates: list[float], cluster: list[RunStats], base: list[RunStats | None]) -> str:
+    """One row per rate and system: throughput and mean/p90 TTFT and TPOT (ms)."""
+    rows = []
+    for rate, c, b in zip(rates, cluster, base):
+        for name, s in (("cluster", c), ("single process", b)):
+            if s is None:
+                continue
+            rows.append([f"{rate:g}", name, f"{s.completed} / {s.sent}", _num(s.request_throughput),
+                         _num(s.output_throughput, 1), _num(1e3 * s.ttft.mean, 1), _num(1e3 * s.ttft.p90, 1),
+                         _num(1e3 * s.tpot.mean, 2), _num(1e3 * s.tpot.p90, 2)])
+    return _table(["rate (req/s)", "system", "completed / sent", "requests/s", "output tokens/s",
+                   "TTFT mean (ms)", "TTFT p90 (ms)", "TPOT mean (ms)", "TPOT p90 (ms)"], rows) + "\n"
+
+
+def _report(a: argparse.Namespace, argv: list[str], w: Workload, warmup: list[Request], outcomes: list[Outcome],
+            before: dict[str, float], after: dict[str, float], cpu: CPUUse,
+            base_outcomes: list[Outcome] | None, base_cpu: CPUUse | None
+            ) -> tuple[dict, RunStats, RunStats | None]:
+    """Print (and record in --doc) one rate's tables: (the figures --json writes for it, the
+    cluster's and the baseline's statistics)."""
+    requests = w.requests()
+    stats = summarize(outcomes, requests)
+    server = ServerView.delta(before, after)
+    base = summarize(base_outcomes, requests) if base_outcomes is not None else None
     name = f"cluster {a.prefill_workers}P+{a.decode_workers}D" if a.spawn else "router"
     tables = render_tables(stats, base, server, name, cpu, base_cpu)
     command = "python -m pdserve.bench.serving " + shlex.join(argv)
@@ -1005,19 +1081,19 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
               + ("HTTP `/v1/completions`, streamed." if a.api == "completions" else "gRPC `Generate`, ignore_eos.")
               + "\n")
     print("\n" + header + "\n" + tables, flush=True)
-    title = a.label or _label(a)
+    if a.rates:
+        title = f"{a.label}, {_load(w.rate)}" if a.label else _label(a, w.rate)
+    else:
+        title = a.label or _label(a)
     if a.doc:
         update_doc(a.doc, title, header + "\n" + tables)
         print(f"bench: wrote '{title}' to {a.doc}", file=sys.stderr, flush=True)
-    result = {"title": title, "date": date, "device": device, "commit": commit, "command": command,
-              "config": {k: v for k, v in vars(a).items() if k != "workload"},
-              "cluster": asdict(stats), "baseline": asdict(base) if base else None, "server": asdict(server),
-              "cpu": asdict(cpu), "baseline_cpu": asdict(base_cpu) if base_cpu else None,
-              "outcomes": [asdict(o) for o in outcomes],
-              "baseline_outcomes": [asdict(o) for o in base_outcomes] if base_outcomes else None}
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
-    return result
+    return {"title": title, "date": date, "device": device, "commit": commit, "command": command,
+            "config": {k: v for k, v in vars(a).items() if k != "workload"},
+            "cluster": asdict(stats), "baseline": asdict(base) if base else None, "server": asdict(server),
+            "cpu": asdict(cpu), "baseline_cpu": asdict(base_cpu) if base_cpu else None,
+            "outcomes": [asdict(o) for o in outcomes],
+            "baseline_outcomes": [asdict(o) for o in base_outcomes] if base_outcomes else None}, stats, base
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,9 +116,13 @@ def test_parse_args():
     assert bs.parse_args(["--url", "http://x:1", "--api", "grpc", "--grpc-target", "x:2"]).api == "grpc"
     for argv in ([], ["--url", "u", "--spawn"], ["--spawn", "--rate", "0"], ["--spawn", "--rate", "fast"],
                  ["--spawn", "--prefill-workers", "0"], ["--url", "u", "--api", "grpc"],
-                 ["--spawn", "--input-dist", "uniform", "--input-spread", "2"], ["--spawn", "--warmup", "-1"]):
+                 ["--spawn", "--input-dist", "uniform", "--input-spread", "2"], ["--spawn", "--warmup", "-1"],
+                 ["--spawn", "--rates", "1,0"], ["--spawn", "--rates", "1,x"],
+                 ["--spawn", "--rates", "1,2", "--workload", "chat"]):
         with pytest.raises(SystemExit):
             bs.parse_args(argv)
+    rates = sorted(random.sample(range(1, 50), 3))
+    assert bs.parse_args(["--url", "u", "--rates", ",".join(map(str, rates)) + ",inf"]).rates == [*rates, math.inf]
 
 
 def test_cpu_accounting_counts_a_process_group():
@@ -220,6 +224,17 @@ def test_render_tables_ratios():
     assert rows["TTFT"] == ["cluster", "100.0", "100.0", "100.0", "100.0"]
 
 
+def test_render_sweep_one_row_per_rate_and_system():
+    reqs = [bs.Request(0, 0.0, [1] * 4, 3, 0)]
+    t = random.uniform(0.05, 0.5)
+    run = bs.summarize([bs.Outcome(0, 0.0, 4, end=4 * t, output_tokens=3, events=[(t, 1), (2 * t, 2)])], reqs)
+    md = bs.render_sweep([2.0, math.inf], [run, run], [run, None])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["2", "cluster"], ["2", "single process"], ["inf", "cluster"]]
+    assert rows[0][2:] == ["1 / 1", f"{1 / (4 * t):.2f}", f"{3 / (4 * t):.1f}", f"{1e3 * t:.1f}", f"{1e3 * t:.1f}",
+                           f"{1e3 * 1.5 * t:.2f}", f"{1e3 * 1.5 * t:.2f}"]
+
+
 # ---- end to end ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_engine_baseline_runs_the_schedule(tiny_mxfp4):
@@ -253,3 +268,26 @@ def test_spawned_cluster_end_to_end(tiny_mxfp4, tmp_path):
     assert r["cpu"]["machine_s"] >= r["cpu"]["server_s"] + r["cpu"]["client_s"] - 0.5  # tick rounding
     text = doc.read_text()
     assert "### tiny-mxfp4, 1P+1D, completions, 5 requests, Poisson 8 req/s" in text and "KV transfer" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_rate_sweep_one_cluster_one_baseline_engine(tiny_mxfp4, tmp_path, monkeypatch):
+    made = []
+    real = bs.baseline_engine
+    monkeypatch.setattr(bs, "baseline_engine", lambda *args, **kw: made.append(1) or real(*args, **kw))
+    out, doc = tmp_path / "r.json", tmp_path / "perf.md"
+    argv = ["--spawn", "--model", str(tiny_mxfp4), "--num-requests", "3", "--rates", "8,inf", "--input-len", "16",
+            "--output-len", "3", "--warmup", "1", "--max-batch-size", "4", "--json", str(out), "--doc", str(doc),
+            "--log-dir", str(tmp_path)]
+    assert bs.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["rates"] == [8, math.inf]
+    assert len(r["runs"]) == 2 and made == [1]
+    for run in r["runs"]:
+        assert run["cluster"]["completed"] == run["baseline"]["completed"] == 3
+        assert run["server"]["prefills"] == 3  # the warm-up (first rate only) is not counted
+    assert "Poisson 8 req/s" in r["runs"][0]["title"] and "all at once" in r["runs"][1]["title"]
+    text = doc.read_text()
+    assert "### tiny-mxfp4, 1P+1D, completions, 3 requests, rates 8, inf req/s" in text
+    assert text.count("| 8 | cluster |") == 1 and text.count("| inf | single process |") == 1
