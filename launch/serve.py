@@ -62,6 +62,7 @@ class ClusterSpec:
     decode_ep: int | None = None  # None: = decode_tp (EP4 TP4 on 4 GPUs)
     max_batch_size: int = 64
     kv_blocks: int | None = None
+    kv_memory_fraction: float | None = None  # decode workers without kv_blocks (None: the worker's default)
     extra_router_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
     extra_prefill_args: list[str] = field(default_factory=list)  # e.g. --prefix-cache-tokens 0
@@ -122,6 +123,35 @@ class LocalCluster:
             nxt += n
         return plan
 
+    def start_waves(self) -> list[list[tuple[str, int]]]:
+        """The workers as (role, index), in groups started together, each group once the one before
+        is ready. All in one group, unless decode workers size their KV caches from free GPU memory
+        (no kv_blocks) on GPUs that other workers use: then the prefill workers load first and each
+        decode worker after those sharing its GPUs, so that the free memory it measures is what
+        the others left."""
+        s = self.spec
+        prefill = [("prefill", i) for i in range(s.prefill_workers)]
+        decode = [("decode", i) for i in range(s.decode_workers)]
+        if not self._gpus or s.kv_blocks:
+            return [prefill + decode]
+
+        def gpus(role: str, i: int) -> set[str]:
+            return set(self._gpus[f"{role}-{i}"].split(","))
+
+        prefill_gpus = set().union(*(gpus(*w) for w in prefill))
+        waves: list[tuple[set[str], list[tuple[str, int]]]] = []  # decode workers on disjoint GPUs
+        for w in decode:
+            for used, wave in waves:
+                if not used & gpus(*w):
+                    used |= gpus(*w)
+                    wave.append(w)
+                    break
+            else:
+                waves.append((gpus(*w), [w]))
+        if len(waves) == 1 and not waves[0][0] & prefill_gpus:
+            return [prefill + decode]
+        return [prefill] + [wave for _, wave in waves]
+
     def _spawn(self, name: str, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **(extra_env or {})}
@@ -153,6 +183,8 @@ class LocalCluster:
                      "--max-batch-size", str(s.max_batch_size)]
             if s.kv_blocks:
                 args += ["--kv-blocks", str(s.kv_blocks)]
+            elif s.kv_memory_fraction is not None:
+                args += ["--kv-memory-fraction", str(s.kv_memory_fraction)]
             args += s.extra_decode_args
         gpus = self._gpus.get(name)
         self._spawn(name, args, {"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
@@ -194,10 +226,9 @@ class LocalCluster:
         s = self.spec
         self._check_cancel()  # interrupted while the built-in model was being made
         self._gpus = self.gpu_plan()
-        names = [self.start_worker("prefill", i) for i in range(s.prefill_workers)]
-        names += [self.start_worker("decode", i) for i in range(s.decode_workers)]
         try:
-            self._wait_ready(names, timeout)
+            for wave in self.start_waves():
+                self._wait_ready([self.start_worker(role, i) for role, i in wave], timeout)
             self.start_router()
             self.wait_healthy(timeout)
         except BaseException:
@@ -361,6 +392,16 @@ class Supervisor:
         return {"router", "prefill", "decode"} <= left
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     from pdserve.launch.cli import add_prefill_chunk_arg
 
@@ -380,6 +421,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="requests each decode worker decodes together; more wait for a slot")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV blocks of 16 tokens per decode worker (none: sized from free memory)")
+    p.add_argument("--kv-memory-fraction", type=_fraction, default=None,
+                   help="without --kv-blocks: share of the free GPU memory each decode worker gives to KV "
+                        "blocks (none: the decode worker's default). Workers sharing a GPU start prefill "
+                        "first, so a decode worker measures what the prefill workers left")
     p.add_argument("--reservation-ttl", type=float, default=60.0,
                    help="seconds a decode worker keeps KV blocks reserved for a request whose "
                         "router set no deadline")
@@ -413,7 +458,7 @@ def run(a: argparse.Namespace) -> int:
                        grpc_port=a.grpc_port, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                        device=a.device, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp, decode_ep=a.decode_ep,
                        max_batch_size=a.max_batch_size, kv_blocks=a.kv_blocks,
-                       extra_router_args=serving_argv(a),
+                       kv_memory_fraction=a.kv_memory_fraction, extra_router_args=serving_argv(a),
                        extra_prefill_args=["--prefix-cache-tokens", str(a.prefix_cache_tokens),
                                            "--prefill-chunk-tokens", str(a.prefill_chunk_tokens)],
                        extra_decode_args=["--reservation-ttl", str(a.reservation_ttl)])
