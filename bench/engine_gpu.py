@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode with the fused per-layer kernels off, then on (same run)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the prefill and each decode batch (bench/step_profile.py)")
+    ap.add_argument("--compare-moe-prefill", action="store_true",
+                    help="time the prefill with the Triton MoE kernels, then with DeepGEMM's (same run)")
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
     ap.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
@@ -272,31 +274,49 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefill backend {backend}: {rel_l2(runner.prompt_logits(ids[:100]), ref[:100]):.2e}", flush=True)
         return 0
 
-    # prefill at batch size 1
-    long_ids = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
-    runner.prompt_logits(long_ids[:1024])  # warm-up (JIT, plans)
-    times = []
-    for _ in range(3):
-        seq = Sequence("p", long_ids, SamplingParams(max_new_tokens=1, temperature=0))
-        seq.blocks = runner.cache.reserve(len(long_ids), local_prompt_tokens=len(long_ids))
-        _, t = timed(lambda: runner.prefill(seq))
-        runner.cache.release(seq.blocks)
-        times.append(t)
-    t_prefill = sorted(times)[1]
-    chunks = -(-a.prefill_tokens // a.prefill_chunk_tokens)
-    print(f"prefill {a.prefill_tokens} tokens ({chunks} chunk{'s' if chunks > 1 else ''} of <= "
-          f"{a.prefill_chunk_tokens}): {t_prefill * 1e3:.1f} ms ({a.prefill_tokens / t_prefill:.0f} tok/s)", flush=True)
-    prefill_profile = None
-    if a.profile:
-        from pdserve.bench.step_profile import fp8_flops_rate, prefill_table, profile_prefill
+    # prefill at batch size 1; with --compare-moe-prefill once per MoE prefill path (same run)
+    import pdserve.kernels.moe as moe_mod
+    from pdserve.kernels import deepgemm_moe
 
-        prefill_profile = profile_prefill(runner, long_ids, fp8_flops_rate())
-        print("\n".join(prefill_table(prefill_profile)), flush=True)
+    long_ids = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
+    dg_default = moe_mod.DEEPGEMM_MIN_TOKENS
+    moe_paths = {"default": dg_default}
+    if a.compare_moe_prefill:
+        if not deepgemm_moe.available():
+            ap.error("--compare-moe-prefill needs DeepGEMM installed on a Hopper GPU (docs/install.md)")
+        moe_paths = {"triton": None, "deepgemm": dg_default}
+    prefill, prefill_profile = {}, None
+    for path, min_tokens in moe_paths.items():
+        moe_mod.DEEPGEMM_MIN_TOKENS = min_tokens
+        runner.prompt_logits(long_ids[:1024])  # warm-up (JIT, plans)
+        times = []
+        for _ in range(3):
+            seq = Sequence("p", long_ids, SamplingParams(max_new_tokens=1, temperature=0))
+            seq.blocks = runner.cache.reserve(len(long_ids), local_prompt_tokens=len(long_ids))
+            _, t = timed(lambda: runner.prefill(seq))
+            runner.cache.release(seq.blocks)
+            times.append(t)
+        t_path = sorted(times)[1]
+        chunks = -(-a.prefill_tokens // a.prefill_chunk_tokens)
+        print(f"prefill {a.prefill_tokens} tokens ({chunks} chunk{'s' if chunks > 1 else ''} of <= "
+              f"{a.prefill_chunk_tokens}), MoE path {path}: {t_path * 1e3:.1f} ms "
+              f"({a.prefill_tokens / t_path:.0f} tok/s)", flush=True)
+        prefill[path] = {"ms": t_path * 1e3, "tok_s": a.prefill_tokens / t_path}
+        if a.profile:
+            from pdserve.bench.step_profile import fp8_flops_rate, prefill_table, profile_prefill
+
+            prof = profile_prefill(runner, long_ids, fp8_flops_rate())
+            prefill[path]["profile"] = prof
+            prefill_profile = prof  # the last path's (the default one) goes to the doc
+            print("\n".join(prefill_table(prof)), flush=True)
+    moe_mod.DEEPGEMM_MIN_TOKENS = dg_default
+    t_prefill = prefill[list(moe_paths)[-1]]["ms"] / 1e3
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     result = {"date": datetime.date.today().isoformat(), "device": device_name,
               "preset": a.preset, "logits_rel_l2": err, "argmax_agreement": agree, "load_s": t_load,
               "prefill_tokens": a.prefill_tokens, "prefill_chunk_tokens": a.prefill_chunk_tokens,
               "prefill_ms": t_prefill * 1e3, "prefill_tok_s": a.prefill_tokens / t_prefill,
+              "prefill_by_moe_path": {k: {"ms": v["ms"], "tok_s": v["tok_s"]} for k, v in prefill.items()},
               "prefill_profile": prefill_profile, "command": "python " + " ".join(sys.argv)}
     if a.prefill_only:
         (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
@@ -394,9 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             "| what | value | floor (FP8 experts) | floor / time | floor (MXFP4 experts) | floor / time |",
             "|---|---|---|---|---|---|",
             f"| logits vs plain-torch path ({a.check_tokens} tokens) | rel L2 {err:.2e}, argmax agreement {agree:.3f} | | | | |",
-            f"| prefill {a.prefill_tokens} tokens, batch 1 (chunks of {a.prefill_chunk_tokens}) | "
-            f"{t_prefill * 1e3:.1f} ms, {a.prefill_tokens / t_prefill:.0f} tok/s | | | | |",
-        ] + [f"| decode ({d['kernels']}, {d['mode']}) batch {d['batch']} at context {a.decode_context} | "
+        ] + [f"| prefill {a.prefill_tokens} tokens, batch 1 (chunks of {a.prefill_chunk_tokens}), MoE path "
+             f"{path} | {v['ms']:.1f} ms, {v['tok_s']:.0f} tok/s | | | | |" for path, v in prefill.items()] + [f"| decode ({d['kernels']}, {d['mode']}) batch {d['batch']} at context {a.decode_context} | "
              f"{d['step_ms']:.2f} ms/step, {d['tok_s_total']:.0f} tok/s total | {d['floor_ms']:.3f} ms | "
              f"{d['floor_ms'] / d['step_ms']:.0%} | {d['floor_mxfp4_ms']:.3f} ms | {d['floor_mxfp4_ms'] / d['step_ms']:.0%} |"
              for d in decode.values()] + [

@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: sink attention and the FP8 MoE layer against peers and floors.
 
-    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,gemv,gemm,sweep]
+    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,moe_prefill,gemv,gemm,sweep]
                             [--doc docs/performance.md] [--json results.json]
 
 Prints one table per section and replaces the "## Kernels" section of `--doc` (date, device,
@@ -525,6 +525,71 @@ def bench_gemv(ceil: dict, quick: bool) -> str:
     )
 
 
+def bench_moe_prefill(ceil: dict, quick: bool) -> str:
+    """The MoE layer at prefill sizes: our Triton grouped path against the DeepGEMM path
+    (kernels.deepgemm_moe: DeepGEMM's grouped GEMMs with our routing, SwiGLU and combine kernels
+    around them), and DeepGEMM's two GEMMs alone and with a separate bias add (the peers); TFLOP/s
+    on useful FLOPs. Needs `deep_gemm` importable (bench/build_deepgemm.sh, then PYTHONPATH=$DG_SITE)."""
+    from pdserve.kernels import deepgemm_moe as dm
+    from pdserve.kernels import triton_moe as tm
+
+    if not dm.available():
+        return "### MoE layer at prefill, DeepGEMM path: not run (deep_gemm not importable on this GPU)\n"
+    rows = []
+    for model, num_e in MODELS.items():
+        w = bench_weights(num_e)
+        for t in [256, 512, 1024, 8192] + ([] if quick else [32768]):
+            x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
+            cfg = tm.select_config(t * TOP_K, num_e)
+            reps = 10 if t <= 8192 else 5
+            tri_out = tm.experts_forward(x, weights, ids, w, config=cfg)
+            dg_out = dm.experts_forward(x, weights, ids, w)  # (first call JIT-compiles DeepGEMM)
+            torch.cuda.synchronize()
+            err = ((dg_out.float() - tri_out.float()).norm() / tri_out.float().norm()).item()
+            t_tri = time_it(lambda: tm.experts_forward(x, weights, ids, w, config=cfg), reps=reps)
+            t_dg = time_it(lambda: dm.experts_forward(x, weights, ids, w), reps=reps)
+            # the peers: DeepGEMM's two GEMMs on the same routed rows, alone and + a bias add each
+            r = tm.align_routing(ids, 0, num_e, dm._m_alignment())
+            m_idx = torch.where(r.sorted_slot >= 0, r.block_expert.repeat_interleave(r.route_m), -1)
+            a, a_s = tm.quantize_act(x)
+            a = a[(r.sorted_slot.clamp(min=0) // TOP_K).long()]
+            a_st = a_s[(r.sorted_slot.clamp(min=0) // TOP_K).long()].t().contiguous()
+            act = a.new_zeros(r.max_rows, INTER)
+            act_st = torch.ones(INTER // 128, r.max_rows, device=DEV)
+            bias_gu = w.gate_up_bias.to(torch.bfloat16)[m_idx.clamp(min=0).long()]
+            bias_dn = w.down_bias.to(torch.bfloat16)[m_idx.clamp(min=0).long()]
+
+            def gemms(bias: bool):
+                h = dm._grouped_gemm(a, a_st, w.gate_up, w.gate_up_scale, m_idx)
+                y = dm._grouped_gemm(act, act_st, w.down, w.down_scale, m_idx)
+                if bias:
+                    h.add_(bias_gu)
+                    y.add_(bias_dn)
+
+            t_g = time_it(lambda: gemms(False), reps=reps)
+            t_gb = time_it(lambda: gemms(True), reps=reps)
+            flops = 2 * t * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
+            tf = lambda s: f"{flops / s / 1e12:.0f}"  # noqa: E731
+            rows.append([model, t, fmt_us(t_tri), tf(t_tri), fmt_us(t_dg), tf(t_dg),
+                         f"{t_tri / t_dg:.2f}x", tf(t_g), tf(t_gb), f"{t_gb / t_dg:.2f}x",
+                         f"{err:.1e}"])
+            print(f"[moe_prefill] {rows[-1]}", flush=True)
+            del a, act, bias_gu, bias_dn
+            torch.cuda.empty_cache()
+        del w
+        torch.cuda.empty_cache()
+    return table(
+        "MoE layer at prefill: Triton grouped path vs DeepGEMM path (kernels/deepgemm_moe.py: "
+        "routing + gather/quant + DeepGEMM gate_up + bias/SwiGLU/quant + DeepGEMM down + "
+        "bias x weight combine); peers = DeepGEMM's two GEMMs alone / + a separate bias add; "
+        "us and TFLOP/s on useful FLOPs; L2 flushed",
+        ["model", "tokens", "Triton path us", "Triton TFLOP/s", "DeepGEMM path us",
+         "DeepGEMM path TFLOP/s", "speed-up", "DeepGEMM GEMMs alone TFLOP/s",
+         "DeepGEMM GEMMs + bias add TFLOP/s", "path vs GEMMs + bias add", "rel L2 vs Triton path"],
+        rows,
+    )
+
+
 def _gemm_parts(t: int, num_e: int, w, cfg):
     from pdserve.kernels import triton_moe as tm
 
@@ -863,6 +928,8 @@ def main(argv: list[str] | None = None) -> None:
             out.append(bench_sweep(ceil, args.quick))
         elif section == "moe":
             out.append(bench_moe(ceil, args.quick))
+        elif section == "moe_prefill":
+            out.append(bench_moe_prefill(ceil, args.quick))
         elif section == "gemv":
             out.append(bench_gemv(ceil, args.quick))
         elif section == "gemm":

@@ -2,7 +2,9 @@
 
 `route` and `experts_forward` are the reference (plain torch, CPU). On CUDA, `experts_forward`
 hands FP8 experts to the Triton grouped GEMMs in `kernels.triton_moe` when that module is
-importable; both compute the same function and are compared by the GPU tests.
+importable, and prefill-sized batches to DeepGEMM's grouped GEMMs (`kernels.deepgemm_moe`) when
+DeepGEMM is installed on a Hopper GPU; all compute the same function and are compared by the GPU
+tests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from .swiglu import swiglu
 MXFP4_KERNEL_MAX_TOKENS = 256  # covers the CUDA-graph decode sizes (the reference syncs)
 # Launch shape / nibble decode of that kernel (a triton_moe_mxfp4.MxConfig); None: its default.
 MXFP4_KERNEL_CONFIG = None
+# FP8 batches of at least this many tokens run through DeepGEMM's grouped GEMMs when it is
+# installed (kernels.deepgemm_moe: about 2x the Triton kernels' rate at prefill sizes on an H200,
+# docs/performance.md); smaller ones (decode, CUDA graphs) through the Triton kernels. None: never.
+DEEPGEMM_MIN_TOKENS: int | None = 512
 
 
 @dataclass
@@ -169,6 +175,11 @@ def experts_forward(
                                              **({"config": MXFP4_KERNEL_CONFIG} if MXFP4_KERNEL_CONFIG else {}))
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
+        if DEEPGEMM_MIN_TOKENS is not None and x.shape[0] >= DEEPGEMM_MIN_TOKENS:
+            from . import deepgemm_moe
+
+            if deepgemm_moe.available():
+                return deepgemm_moe.experts_forward(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
         try:
             from . import triton_moe
         except ImportError:

@@ -151,15 +151,16 @@ def _swiglu_quantize(h, limit, alpha, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _swiglu_quant_kernel(
-    partial_ptr,                 # f32 [SPLIT_K, rows, N] gate/up partial sums (valid rows only)
+    partial_ptr,                 # [SPLIT_K, rows, N] gate/up partial sums (valid rows only), f32 or bf16
     bias_ptr,                    # f32 [E, N]
-    out_ptr, out_scale_ptr,      # e4m3 [rows, N/2], f32 [rows, N/256]
+    out_ptr, out_scale_ptr,      # e4m3 [rows, N/2], f32 [rows, N/256] (any strides)
     sorted_slot_ptr, block_expert_ptr,
     N, limit, alpha,
-    stride_split, stride_pm, stride_be, stride_om, stride_osm,
+    stride_split, stride_pm, stride_be, stride_om, stride_osm, stride_osg,
     ROUTE_M: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Split-K epilogue of the gate/up GEMM: sum the partials, add the bias, SwiGLU, quantise."""
+    """Epilogue of a gate/up GEMM without one (split-K partials, or DeepGEMM's bf16 output):
+    sum the partials, add the bias, SwiGLU, quantise."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ROUTE_M)
@@ -173,12 +174,12 @@ def _swiglu_quant_kernel(
     ptrs = partial_ptr + rows[:, None] * stride_pm + offs_n[None, :]
     h = tl.zeros((BLOCK_M, 256), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        h += tl.load(ptrs + s * stride_split, mask=row_ok[:, None], other=0.0)
+        h += tl.load(ptrs + s * stride_split, mask=row_ok[:, None], other=0.0).to(tl.float32)
     h += tl.load(bias_ptr + expert * stride_be + offs_n)[None, :]
     q, q_scale = _swiglu_quantize(h, limit, alpha, BLOCK_M, 256)
     offs_o = pid_n * 128 + tl.arange(0, 128)
     tl.store(out_ptr + rows[:, None] * stride_om + offs_o[None, :], q)
-    tl.store(out_scale_ptr + rows * stride_osm + pid_n, q_scale)
+    tl.store(out_scale_ptr + rows * stride_osm + pid_n * stride_osg, q_scale)
 
 
 @triton.jit

@@ -297,7 +297,7 @@ def gate_up_swiglu(
             partial, w.gate_up_bias, out, out_scale, routing.sorted_slot, routing.block_expert,
             n, float(limit), float(alpha),
             partial.stride(0), partial.stride(1), w.gate_up_bias.stride(0), out.stride(0),
-            out_scale.stride(0),
+            out_scale.stride(0), out_scale.stride(1),
             ROUTE_M=routing.route_m, BLOCK_M=16, SPLIT_K=split, num_warps=4,
         )
     return out, out_scale
