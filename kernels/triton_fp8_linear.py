@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import BLOCK, FP8, cdiv
-from .triton_moe import quantize_act
+from .triton_moe import _empty, quantize_act
 
 DECODE_MAX_M = 64  # the skinny (bandwidth-bound) regime the decode configs are for
 NUM_SMS_H200 = 132
@@ -212,7 +212,7 @@ def fp8_linear(
     if w.stride(1) != 1 or w_scale.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
         raise ValueError("w rows, w_scale rows and the bias must be contiguous")
     cfg = config or select_config(m, n, k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = _empty((m, n), x.dtype, x.device)  # NaN-filled under triton_moe.POISON (tests)
     if m == 0:
         return out
     if cfg.x_fp8:
@@ -225,7 +225,7 @@ def fp8_linear(
     if split > 1:
         if num_n * num_m > MAX_TILES:
             raise ValueError(f"{num_n * num_m} split-K tiles exceed {MAX_TILES}: use a larger tile")
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        part = _empty((split, m, n), torch.float32, x.device)
         counters = _counters(x.device)
     else:
         part = counters = out  # unused

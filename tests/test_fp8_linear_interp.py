@@ -1,0 +1,129 @@
+"""The FP8-weight linear kernel (kernels/triton_fp8_linear.py) in Triton's CPU interpreter against
+the dequantised float32 reference (`kernels.fp8.fp8_weight_linear_ref`; `fp8_linear_ref` for the
+1x128-quantised-activation mode, given the same quantised x).
+
+The kernel runs in a child process with TRITON_INTERPRET=1 (read when triton is imported); this
+process draws fresh inputs and compares. float32 activations: the interpreter's bf16 dot is wrong
+(the GPU tests cover bf16). Shapes are ragged (K and N not multiples of 128, M not of the tile) and
+cover split-K (several programs per tile, the last one reducing), several token tiles, no bias.
+Outputs are NaN-filled before the launch (triton_moe.POISON), so an unwritten element fails.
+Tolerance: rel L2 2e-6 (float32 sums in another order; measured ~2e-7).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from numerics import rel_l2
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 2e-6
+# name: (M, N, K, config kwargs, bias)
+CASES = {
+    "ragged": (3, 200, 300, dict(block_n=32), True),
+    "ragged-split3": (3, 200, 300, dict(block_n=16, split_k=3), True),
+    "two-token-tiles-split2": (20, 96, 520, dict(block_n=64, block_m=16, split_k=2), True),
+    "auto-split": (1, 256, 1024, dict(block_n=64), True),
+    "no-bias-split4": (5, 130, 1000, dict(block_n=32, split_k=4), False),
+    "fp8x-split2": (4, 200, 300, dict(block_n=32, split_k=2, x_fp8=True), True),
+    "fp8x": (17, 64, 256, dict(block_n=64, split_k=1, x_fp8=True), False),
+}
+
+
+def _case(name: str, seed: int) -> dict:
+    from pdserve.kernels.fp8 import quantize_act_fp8, quantize_weight_fp8
+
+    m, n, k, cfg, bias = CASES[name]
+    g = torch.Generator().manual_seed(seed)
+    wq, ws = quantize_weight_fp8(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(m, k, generator=g)
+    xq, xs = quantize_act_fp8(x)
+    b = torch.randn(n, generator=g) if bias else None
+    return dict(name=name, x=x, xq=xq, xs=xs, w=wq, ws=ws, b=b, cfg=cfg)
+
+
+def _child(in_path: str, out_path: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from pdserve.kernels import triton_moe
+    from pdserve.kernels.triton_fp8_linear import LinearConfig, fp8_linear
+
+    triton_moe.POISON = True
+    results = {}
+    for c in torch.load(in_path):
+        cfg = LinearConfig(**c["cfg"])
+        x_fp8 = (c["xq"], c["xs"]) if cfg.x_fp8 else None
+        out = fp8_linear(c["x"], c["w"], c["ws"], c["b"], config=cfg, x_fp8=x_fp8)
+        again = fp8_linear(c["x"], c["w"], c["ws"], c["b"], config=cfg, x_fp8=x_fp8)  # counters were reset
+        results[c["name"]] = dict(out=out, again=again)
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fp8_linear_interp")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    cases = [_case(name, seed + i) for i, name in enumerate(CASES)]
+    torch.save(cases, tmp / "in.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"interpreter child failed (seed {seed}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    print(f"seed {seed}")
+    return {c["name"]: c for c in cases}, torch.load(tmp / "out.pt")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(run, name):
+    from pdserve.kernels.fp8 import fp8_linear_ref, fp8_weight_linear_ref
+
+    cases, results = run
+    c, r = cases[name], results[name]
+    if c["cfg"].get("x_fp8"):
+        ref = fp8_linear_ref(c["x"], c["w"], c["ws"], c["b"])
+    else:
+        ref = fp8_weight_linear_ref(c["x"], c["w"], c["ws"], c["b"])
+    assert r["out"].shape == ref.shape and r["out"].dtype == torch.float32
+    assert not r["out"].isnan().any()
+    assert rel_l2(r["out"], ref) < TOL
+    assert torch.equal(r["again"], r["out"])
+
+
+def test_launch_shapes_leave_no_split_empty():
+    from pdserve.kernels.triton_fp8_linear import LinearConfig, launch_shape, select_config
+
+    for n, k in ((5120, 2880), (2880, 4096), (640, 2880), (2880, 512), (200, 300)):
+        for m in (1, 3, 16, 17, 64, 300, 8192):
+            for split in (0, 1, 2, 3, 7, 64):
+                cfg = LinearConfig(block_n=64, split_k=split)
+                block_m, s, k_per = launch_shape(cfg, m, n, k)
+                num_k = -(-k // 128)
+                assert 1 <= s <= num_k and (s - 1) * k_per < num_k <= s * k_per
+                assert block_m >= 16 and (block_m >= m or block_m == 64)
+            assert select_config(m, n, k).block_m or m <= 64  # prefill tiles are explicit
+
+
+def test_bad_inputs_are_refused():
+    from pdserve.kernels.fp8 import quantize_weight_fp8
+    from pdserve.kernels.triton_fp8_linear import LinearConfig, fp8_linear
+
+    wq, ws = quantize_weight_fp8(torch.randn(64, 256))
+    with pytest.raises(ValueError, match="not \\[M, K\\]"):
+        fp8_linear(torch.randn(2, 128), wq, ws)
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_linear(torch.randn(2, 256), wq.float(), ws)
+    with pytest.raises(ValueError, match="bias"):
+        fp8_linear(torch.randn(2, 256), wq, ws, torch.zeros(63))
+    with pytest.raises(ValueError, match="block_n"):
+        LinearConfig(block_n=48)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
