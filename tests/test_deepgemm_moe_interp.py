@@ -58,6 +58,9 @@ def _make_case(name: str, spec: dict, seed: int) -> dict:
     x = (torch.randn(spec["t"], h, generator=g) * (1 + 3 * torch.rand(spec["t"], 1, generator=g))).to(torch.bfloat16)
     weights, ids = route(x.float(), torch.randn(spec["n_global"], h, generator=g) * 0.05,
                          torch.randn(spec["n_global"], generator=g) * 0.1, TOP_K)
+    if spec["first"]:  # EP: token 0 has no local expert, token 1 only local ones
+        ids[0] = torch.arange(TOP_K)
+        ids[1] = spec["first"] + torch.arange(TOP_K)
     return dict(name=name, x=x, weights=weights.to(torch.bfloat16), ids=ids, first=spec["first"],
                 bias=spec["bias"], gate_up=gq, gate_up_scale=gs, down=dq, down_scale=ds,
                 gate_up_bias=torch.randn(e, 2 * i, generator=g) * 0.1,
@@ -181,8 +184,8 @@ def test_layer_vs_experts_forward_ref(run, name):
     assert err < 2.5e-2 and err_exact <= 1.1 * ref_exact
     local = (c["ids"] >= c["first"]) & (c["ids"] < c["first"] + c["gate_up"].shape[0])
     assert (out[~local.any(1)] == 0).all(), "a token with no local expert got a contribution"
-    if name == "ep_half":
-        assert (~local.any(1)).any() and local.any(1).any()
+    if c["first"]:
+        assert not local[0].any() and local[1].all()
 
 
 if __name__ == "__main__":
