@@ -43,12 +43,27 @@ first_file() { for f in "$@"; do [ -f "$f" ] && { echo "$f"; return 0; }; done; 
 dg_wheel=$(first_file "$repo"/.gpu/wheels/sgl_deep_gemm-0.2.0-*.whl)
 tvm_wheel=$(first_file "$repo"/.gpu/dg/apache_tvm_ffi-0.1.11-*.whl)
 
-[ -f "$src/deepgemm/csrc/tvm_ffi_api.cpp" ] \
-  || die "DeepGEMM sources not found under $src/deepgemm (carry .gpu, which holds .gpu/dg/src)"
-[ -f "$src/fmt/include/fmt/format.h" ] || die "fmt headers not found under $src/fmt/include"
-[ -n "$dg_wheel" ] || die "sgl_deep_gemm-0.2.0 wheel (CUTLASS headers) not found in .gpu/wheels"
-[ -n "$tvm_wheel" ] || die "apache_tvm_ffi-0.1.11 wheel not found in .gpu/dg"
-commit=$(cat "$src/deepgemm/COMMIT")
+if [ -f "$src/csrc/tvm_ffi_api.cpp" ]; then
+  # a git clone: git clone --recursive -b release/v0.1.2 https://github.com/sgl-project/DeepGEMM
+  dg=$src
+  fmt_inc=$src/third-party/fmt/include
+  cutlass_inc=$src/third-party/cutlass/include
+  [ -f "$cutlass_inc/cutlass/version.h" ] || die "CUTLASS submodule missing under $src (clone with --recursive)"
+  commit=$(git -C "$src" rev-parse HEAD 2>/dev/null || cat "$src/COMMIT")
+  tvm_spec=${tvm_wheel:-apache-tvm-ffi==0.1.11}  # from PyPI when no wheel is at hand
+else
+  # the unpacked layout: $src/deepgemm (sources) + $src/fmt, CUTLASS from the 0.2.0 wheel
+  dg=$src/deepgemm
+  fmt_inc=$src/fmt/include
+  cutlass_inc=
+  [ -f "$dg/csrc/tvm_ffi_api.cpp" ] \
+    || die "DeepGEMM sources not found under $src (a clone of sgl-project/DeepGEMM release/v0.1.2, or $src/deepgemm)"
+  [ -n "$dg_wheel" ] || die "sgl_deep_gemm-0.2.0 wheel (CUTLASS headers) not found in .gpu/wheels"
+  [ -n "$tvm_wheel" ] || die "apache_tvm_ffi-0.1.11 wheel not found in .gpu/dg"
+  commit=$(cat "$dg/COMMIT")
+  tvm_spec=$tvm_wheel
+fi
+[ -f "$fmt_inc/fmt/format.h" ] || die "fmt headers not found under $fmt_inc"
 torch_version=$("$py" -c "import torch; print(torch.__version__)") \
   || die "'$py' cannot import torch"
 stamp="torch=$torch_version deepgemm=$commit"
@@ -77,8 +92,13 @@ else
   fi
   rm -rf "$site"
   mkdir -p "$site/third-party/cutlass/include" "$site/third-party/fmt" "$site/deep_gemm/include"
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --target "$site" "$tvm_wheel" || die "pip install of $tvm_wheel failed"
+  no_index=--no-index
+  [ -f "$tvm_spec" ] || no_index=
+  "$py" -m pip install -q $no_index --no-deps --no-compile --no-cache-dir \
+      --target "$site" "$tvm_spec" || die "pip install of $tvm_spec failed"
+  if [ -n "$cutlass_inc" ]; then
+    cp -r "$cutlass_inc/cute" "$cutlass_inc/cutlass" "$site/third-party/cutlass/include/"
+  else
   # CUTLASS/CuTe headers from the 0.2.0 wheel (a zip; no unzip binary needed)
   "$py" - "$dg_wheel" "$site/third-party/cutlass/include" <<'PY' || die "extracting CUTLASS headers failed"
 import os, shutil, sys, zipfile
@@ -97,16 +117,17 @@ if n < 500:
     sys.exit(f"only {n} CUTLASS/CuTe headers found in {wheel}")
 print(f"build_deepgemm: {n} CUTLASS/CuTe headers from {os.path.basename(wheel)}")
 PY
-  cp -r "$src/fmt/include" "$site/third-party/fmt/include"
-  cp -r "$src/deepgemm/csrc" "$site/csrc"
+  fi
+  cp -r "$fmt_inc" "$site/third-party/fmt/include"
+  cp -r "$dg/csrc" "$site/csrc"
   # the Python package as the sgl wheel lays it out: sgl_deep_gemm/__init__.py is the package root
-  cp "$src/deepgemm/sgl_deep_gemm/__init__.py" "$site/deep_gemm/__init__.py"
-  tr -d '[:space:]' < "$src/deepgemm/sgl_deep_gemm/VERSION" > "$site/deep_gemm/VERSION"
-  cp "$src/deepgemm/LICENSE" "$site/deep_gemm/LICENSE"
+  cp "$dg/sgl_deep_gemm/__init__.py" "$site/deep_gemm/__init__.py"
+  tr -d '[:space:]' < "$dg/sgl_deep_gemm/VERSION" > "$site/deep_gemm/VERSION"
+  cp "$dg/LICENSE" "$site/deep_gemm/LICENSE"
   for sub in utils testing legacy mega; do
-    cp -r "$src/deepgemm/deep_gemm/$sub" "$site/deep_gemm/$sub"
+    cp -r "$dg/deep_gemm/$sub" "$site/deep_gemm/$sub"
   done
-  cp -r "$src/deepgemm/deep_gemm/include/deep_gemm" "$site/deep_gemm/include/deep_gemm"
+  cp -r "$dg/deep_gemm/include/deep_gemm" "$site/deep_gemm/include/deep_gemm"
   # the runtime JIT compiles kernels with -I<package>/include: cute and cutlass must be there too
   ln -s ../../third-party/cutlass/include/cute "$site/deep_gemm/include/cute"
   ln -s ../../third-party/cutlass/include/cutlass "$site/deep_gemm/include/cutlass"
