@@ -4,7 +4,7 @@
 # then bench/engine_gpu.py's prefill with each MoE path and its per-category profile. Run from the
 # checkout root after `source .gpu/setup.sh`:
 #     OUT=/tmp/out STEPS=build,tests,kernels,engine bash bench/device_prefill.sh
-# STEPS: build (bench/build_deepgemm.sh into $DG_SITE), tests ($TESTS), kernels (bench.kernels
+# STEPS: ckpt (write the 20b checkpoint in the background), build (bench/build_deepgemm.sh into $DG_SITE), tests ($TESTS), kernels (bench.kernels
 # --sections moe_prefill), engine (20b: 8k prompt, both MoE paths, profile; then a 32k prompt),
 # engine120 (120b with $LAYERS120 layers, 8k prompt, both paths). BUDGET: seconds for the script.
 # Logs and results go to $OUT/prefill.tgz.
@@ -26,15 +26,21 @@ pack() { tar -czf "$OUT/prefill.tgz" -C "$W" . 2>/dev/null; }
 source bench/device_caches.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee "$W/env.log"
 
-# the 20b checkpoint is written in the background while DeepGEMM builds and the tests run
-if { has engine || has engine120; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
-  ( python3 -c "
+# the 20b checkpoint is written in the background (its own session: with STEPS=ckpt it outlives this
+# call, for the next call on the same machine) while DeepGEMM builds and the tests run
+if { has engine || has engine120 || has ckpt; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ] \
+   && ! pgrep -f "ensure_checkpoint" > /dev/null; then
+  setsid nohup python3 -c "
 from pathlib import Path
 from bench.model import ensure_checkpoint
 print(*ensure_checkpoint('20b', Path('/tmp/ckpt')))
-" > "$W/ckpt20.log" 2>&1 ) &
-  ckpt_pid=$!
+" > /tmp/ckpt20.log 2>&1 < /dev/null &
 fi
+wait_ckpt() {  # until the checkpoint is renamed into place (ensure_checkpoint writes it atomically)
+  while [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ] && pgrep -f "ensure_checkpoint" > /dev/null; do sleep 2; done
+  tail -1 /tmp/ckpt20.log 2>/dev/null
+  mkdir -p /tmp/ckpt-eg && ln -sfn /tmp/ckpt/20b-mxfp4-seed0 /tmp/ckpt-eg/20b-24
+}
 
 if has build; then
   timeout "$(left 60)" bash bench/build_deepgemm.sh > "$W/build_deepgemm.log" 2>&1
@@ -58,9 +64,7 @@ if has kernels; then
   pack
 fi
 if has engine || has engine120; then
-  [ -n "${ckpt_pid:-}" ] && wait "$ckpt_pid"
-  tail -1 "$W/ckpt20.log" 2>/dev/null
-  mkdir -p /tmp/ckpt-eg && ln -sfn /tmp/ckpt/20b-mxfp4-seed0 /tmp/ckpt-eg/20b-24
+  wait_ckpt
 fi
 if has engine; then
   mkdir -p "$W/eg8k" "$W/eg32k"
