@@ -13,6 +13,7 @@ import logging
 import os
 import uuid
 
+from pdserve.launch.cli import add_attention_precision_arg
 from pdserve.proto.lifecycle import add_worker_process_args
 
 log = logging.getLogger("decode_worker")
@@ -27,6 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
                    help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA)")
+    add_attention_precision_arg(p)
     p.add_argument("--tp", type=int, default=1, help="ranks of this worker (attention TP)")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel groups, dividing --tp (none: --tp, i.e. EP4 TP4 on 4 GPUs)")

@@ -45,7 +45,7 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
 
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
                          num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction, shard=group.shard,
-                         cuda_graph_max_batch=a.cuda_graph_max_batch)
+                         cuda_graph_max_batch=a.cuda_graph_max_batch, attention_precision=a.attention_precision)
     agent = KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(runner.cfg.num_key_value_heads),
                             listen_host=a.kv_host or a.host)

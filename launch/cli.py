@@ -62,7 +62,8 @@ def cmd_convert(a: argparse.Namespace) -> int:
 def _runner(a: argparse.Namespace):
     from pdserve.engine.model_runner import ModelRunner
 
-    return ModelRunner(a.model, device=a.device, precision=a.precision, prefill_chunk_tokens=a.prefill_chunk_tokens)
+    return ModelRunner(a.model, device=a.device, precision=a.precision, prefill_chunk_tokens=a.prefill_chunk_tokens,
+                       attention_precision=a.attention_precision)
 
 
 def cmd_logits(a: argparse.Namespace) -> int:
@@ -72,7 +73,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
         from pdserve.launch.parallel_logits import parallel_prompt_logits
 
         logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision,
-                                        prefill_chunk_tokens=a.prefill_chunk_tokens)
+                                        prefill_chunk_tokens=a.prefill_chunk_tokens,
+                                        attention_precision=a.attention_precision)
     else:
         runner = _runner(a)
         # on the host, in float32, whatever device and dtype the model computed in
@@ -144,7 +146,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
                    help="expert weights in compute: bf16 (the default on CPU) or FP8 128x128 "
                         "(the default on CUDA)")
+    add_attention_precision_arg(p)
     add_prefill_chunk_arg(p)
+
+
+def add_attention_precision_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
+                   help="QKV and O projection weights: bf16, or FP8 with 128x128 block scales "
+                        "(quantised at load; half the bytes a decode step reads for them)")
 
 
 def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:

@@ -61,7 +61,8 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
     cfg = ModelConfig.load(a.model)
     blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
-                         num_kv_blocks=blocks, shard=group.shard, prefill_chunk_tokens=a.prefill_chunk_tokens)
+                         num_kv_blocks=blocks, shard=group.shard, prefill_chunk_tokens=a.prefill_chunk_tokens,
+                         attention_precision=a.attention_precision)
     staging = kv_staging_bytes(runner.cache, min(cfg.max_context, a.kv_staging_tokens))
     agent = KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(cfg.num_key_value_heads),

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from pdserve.launch.cli import main
 
@@ -50,6 +51,17 @@ def test_logits_writes_float32_every_position(tiny_mxfp4, tiny_runner, tmp_path,
     arr = np.load(out)
     assert arr.shape == (4, 201088) and arr.dtype == np.float32
     np.testing.assert_array_equal(arr, tiny_runner.prompt_logits([5, 6, 7, 8]).numpy())
+
+
+def test_logits_with_fp8_attention_projections(tiny_mxfp4, tiny_runner, tmp_path, capsys):
+    """--attention-precision fp8 reaches the model: different logits, within the engine's bound."""
+    out = tmp_path / "l.npy"
+    code, _, err = run_cli(capsys, "logits", "--model", tiny_mxfp4, "--prompt-ids", "5,6,7,8", "--out", out,
+                           "--precision", "bf16", "--attention-precision", "fp8")
+    assert code == 0, err
+    got, bf16 = torch.from_numpy(np.load(out)), tiny_runner.prompt_logits([5, 6, 7, 8])
+    err = float((got.double() - bf16.double()).norm() / bf16.double().norm())
+    assert 0 < err < 5e-2
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt-config", "unsupported", "bad-ids", "out-of-range",
