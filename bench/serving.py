@@ -728,6 +728,8 @@ def describe_device() -> str:
         import torch
 
         version = f", torch {torch.__version__}"
+        if torch.cuda.is_available():
+            version += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     except ImportError:
         version = ""
     return f"{model}, {os.cpu_count()} cores{mem}{version}"
@@ -1027,7 +1029,8 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     if not a.rates:
         result = results[0]
     else:
-        sweep = render_sweep(rates, [c for _, c, _ in reports], [b for _, _, b in reports])
+        name = f"cluster {a.prefill_workers}P+{a.decode_workers}D" if a.spawn else "router"
+        sweep = render_sweep(rates, [c for _, c, _ in reports], [b for _, _, b in reports], name)
         print("\n" + sweep, flush=True)
         result = {"title": a.label or _label(a), "rates": rates, "sweep": sweep, "runs": results}
         if a.doc:
@@ -1037,14 +1040,15 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     return result
 
 
-def render_sweep(rates: list[float], cluster: list[RunStats], base: list[RunStats | None]) -> str:
+def render_sweep(rates: list[float], cluster: list[RunStats], base: list[RunStats | None],
+                 name: str = "cluster") -> str:
     """One row per rate and system: throughput and mean/p90 TTFT and TPOT (ms)."""
     rows = []
     for rate, c, b in zip(rates, cluster, base):
-        for name, s in (("cluster", c), ("single process", b)):
+        for system, s in ((name, c), ("single process", b)):
             if s is None:
                 continue
-            rows.append([f"{rate:g}", name, f"{s.completed} / {s.sent}", _num(s.request_throughput),
+            rows.append([f"{rate:g}", system, f"{s.completed} / {s.sent}", _num(s.request_throughput),
                          _num(s.output_throughput, 1), _num(1e3 * s.ttft.mean, 1), _num(1e3 * s.ttft.p90, 1),
                          _num(1e3 * s.tpot.mean, 2), _num(1e3 * s.tpot.p90, 2)])
     return _table(["rate (req/s)", "system", "completed / sent", "requests/s", "output tokens/s",

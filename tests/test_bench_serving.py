@@ -290,4 +290,4 @@ def test_rate_sweep_one_cluster_one_baseline_engine(tiny_mxfp4, tmp_path, monkey
     assert "Poisson 8 req/s" in r["runs"][0]["title"] and "all at once" in r["runs"][1]["title"]
     text = doc.read_text()
     assert "### tiny-mxfp4, 1P+1D, completions, 3 requests, rates 8, inf req/s" in text
-    assert text.count("| 8 | cluster |") == 1 and text.count("| inf | single process |") == 1
+    assert text.count("| 8 | cluster 1P+1D |") == 1 and text.count("| inf | single process |") == 1
