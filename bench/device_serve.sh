@@ -67,14 +67,14 @@ cleanup() {  # everything this call started (the serve step's cluster, warm-ups,
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# the random 20b checkpoint (bench/model.py's, as bench/device_decode.sh uses); it records its pid
+# the random 20b checkpoint (bench/model.py's, where bench/device_decode.sh and device_prefill.sh
+# write it too); a writer already running, ours or theirs, is waited for, never doubled
 write_ckpt="
-import os
 from pathlib import Path
-Path('/tmp/ckpt20.pid').write_text(str(os.getpid()))
 from pdserve.bench.model import ensure_checkpoint
 print(*ensure_checkpoint('20b', Path('$CKPT_ROOT')))
 "
+writing_ckpt() { pgrep -f ensure_checkpoint > /dev/null; }
 # the uninstalled checkout as `pdserve` (links on PYTHONPATH)
 source bench/device_pkg.sh
 
@@ -83,12 +83,10 @@ if has prep; then
     (source bench/offline_wheels.sh install "$WHEELS_NIXL" --target "$SITE_NIXL" > /dev/null \
        && $PY -c "import nixl_cu13._api; print('nixl_cu13 loads')") || { log "nixl wheels: install failed"; exit 1; }
   fi
-  if [ "$DEVICE" = cuda ] && [ ! -f "$(ckpt_dir)/config.json" ] && ! kill -0 "$(cat /tmp/ckpt20.pid 2>/dev/null)" 2>/dev/null; then
+  if [ "$DEVICE" = cuda ] && [ ! -f "$(ckpt_dir)/config.json" ] && ! writing_ckpt; then
     # detached (its own session): it goes on writing after this call returns; the serve step waits for it
-    rm -f /tmp/ckpt20.pid
     setsid nohup $PY -c "$write_ckpt" > /tmp/ckpt20.log 2>&1 < /dev/null &
-    for _ in $(seq 1 20); do [ -s /tmp/ckpt20.pid ] && break; sleep 0.5; done
-    log "writing the random 20b checkpoint in the background (pid $(cat /tmp/ckpt20.pid 2>/dev/null), /tmp/ckpt20.log)"
+    log "writing the random 20b checkpoint in the background (/tmp/ckpt20.log)"
   fi
 fi
 has serve || exit 0
@@ -108,10 +106,9 @@ if [ "$DEVICE" = cuda ]; then
     bg_pids+=($!)
   done
   if [ ! -f "$(ckpt_dir)/config.json" ]; then
-    writer=$(cat /tmp/ckpt20.pid 2>/dev/null)
-    if [ -n "$writer" ] && kill -0 "$writer" 2>/dev/null; then  # the prep step's, not our child
-      log "waiting for the checkpoint writer of the prep step (pid $writer)"
-      while kill -0 "$writer" 2>/dev/null && [ "$SECONDS" -lt $(( BUDGET - 300 )) ]; do sleep 2; done
+    if writing_ckpt; then  # the prep step's (or another script's), not our child
+      log "waiting for the checkpoint writer already running"
+      while writing_ckpt && [ ! -f "$(ckpt_dir)/config.json" ] && [ "$SECONDS" -lt $(( BUDGET - 300 )) ]; do sleep 2; done
     else
       log "writing the random 20b checkpoint"
       timeout "$(left 300)" $PY -c "$write_ckpt" > /tmp/ckpt20.log 2>&1
