@@ -46,11 +46,12 @@ DECODE_CONFIGS = [
     LinearConfig(block_n=32, num_stages=4, x_fp8=True),
     LinearConfig(block_n=128, num_stages=3, x_fp8=True),
 ]
-PREFILL_CONFIGS = [
+PREFILL_CONFIGS = [  # no register spills (ptxas for sm_90a, offline)
     LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3),
-    LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
-    LinearConfig(block_n=128, block_m=256, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
-    LinearConfig(block_n=256, block_m=128, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
+    LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4),
+    LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4, x_fp8=True),
+    LinearConfig(block_n=64, block_m=256, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
+    LinearConfig(block_n=256, block_m=64, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
 ]
 
 

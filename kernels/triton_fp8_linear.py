@@ -169,7 +169,7 @@ def _fp8_linear_kernel(
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last of the tile's programs: sum in split order
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
+            for s in range(0, SPLIT_K):  # a loop, not unrolled: one partial tile live at a time
                 rows = s * M + m64
                 total += tl.load(part_ptr + rows[None, :] * N + n64[:, None], mask=mask, other=0.0,
                                  cache_modifier=".cg")
