@@ -45,6 +45,11 @@ DECODE_CONFIGS = [
     LinearConfig(block_n=64, split_k=1, num_stages=4, x_fp8=True),
     LinearConfig(block_n=32, num_stages=4, x_fp8=True),
     LinearConfig(block_n=128, num_stages=3, x_fp8=True),
+    LinearConfig(block_n=64, num_stages=4, tma=True),
+    LinearConfig(block_n=64, split_k=1, num_stages=4, tma=True),
+    LinearConfig(block_n=64, split_k=2, num_stages=4, tma=True),
+    LinearConfig(block_n=32, num_stages=4, tma=True),
+    LinearConfig(block_n=64, num_stages=4, x_fp8=True, tma=True),
 ]
 PREFILL_CONFIGS = [  # no register spills (ptxas for sm_90a, offline)
     LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3),
@@ -52,6 +57,10 @@ PREFILL_CONFIGS = [  # no register spills (ptxas for sm_90a, offline)
     LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4, x_fp8=True),
     LinearConfig(block_n=64, block_m=256, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
     LinearConfig(block_n=256, block_m=64, split_k=1, num_warps=8, num_stages=3, x_fp8=True),
+    LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3, tma=True),
+    LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4, tma=True),
+    LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4, x_fp8=True, tma=True),
+    LinearConfig(block_n=64, block_m=256, split_k=1, num_warps=8, num_stages=3, x_fp8=True, tma=True),
 ]
 
 
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = measure_ceilings()
     bw = ceil["copy_bw"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    configs = DECODE_CONFIGS[:3] if a.quick else DECODE_CONFIGS
+    configs = DECODE_CONFIGS[:3] + [c for c in DECODE_CONFIGS if c.tma][:1] if a.quick else DECODE_CONFIGS
     rows = bench_decode([int(v) for v in a.m.split(",")], configs, bw, g)
     best = best_table(rows)
     prefill = bench_prefill([int(v) for v in a.prefill_m.split(",") if v], bw, g)

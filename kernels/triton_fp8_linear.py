@@ -47,7 +47,9 @@ NUM_SMS_H200 = 132
 class LinearConfig:
     """One launch shape. block_m: tokens per program (>= 16, the smallest tensor-core tile; 0 =
     the next power of two >= M, at least 16, at most 64); split_k: programs sharing a tile's K
-    steps (0 = enough programs for about 4 per SM); x_fp8: quantise x to e4m3 (see module doc)."""
+    steps (0 = enough programs for about 4 per SM); x_fp8: quantise x to e4m3 (see module doc);
+    tma: x and W tiles through TMA (tensor descriptors; falls back to pointer loads where a row
+    is not 16-byte aligned)."""
 
     block_n: int = 64
     block_m: int = 0
@@ -55,6 +57,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     x_fp8: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1) or self.block_n > 256:
@@ -68,7 +71,8 @@ class LinearConfig:
     def label(self) -> str:
         m = self.block_m or "auto"
         s = self.split_k or "auto"
-        return f"{'fp8x' if self.x_fp8 else 'bf16x'} n{self.block_n} m{m} sk{s} w{self.num_warps} s{self.num_stages}"
+        tma = " tma" if self.tma else ""
+        return f"{'fp8x' if self.x_fp8 else 'bf16x'} n{self.block_n} m{m} sk{s} w{self.num_warps} s{self.num_stages}{tma}"
 
 
 # (max M, config), first match wins; `WEIGHT_CONFIGS[(N, K)]` overrides for one weight shape.
@@ -105,12 +109,13 @@ def launch_shape(cfg: LinearConfig, m: int, n: int, k: int,
 def _fp8_linear_kernel(
     x_ptr, xs_ptr,             # X_FP8: e4m3 [M, K] + f32 [M, ceil(K/128)]; else [M, K] (bf16/f16/f32)
     w_ptr, ws_ptr, bias_ptr,   # e4m3 [N, K], f32 [ceil(N/128), ceil(K/128)], [N] (HAS_BIAS)
+                               # TMA: x_ptr, w_ptr are tensor descriptors of [BLOCK_M | BLOCK_N, 128] blocks
     out_ptr,                   # [M, N]
     part_ptr, count_ptr,       # SPLIT: f32 [split_k, M, N] partial tiles, int32 [tiles] counters (zero)
     M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, X_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr, TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -122,9 +127,10 @@ def _fp8_linear_kernel(
     m_ok = offs_m < M
     n64 = offs_n.to(tl.int64)
     m64 = offs_m.to(tl.int64)
-    offs_k0 = tl.arange(0, 128)
-    w_rows = w_ptr + n64[:, None] * stride_wn
-    x_rows = x_ptr + m64[:, None] * stride_xm
+    if not TMA:
+        offs_k0 = tl.arange(0, 128)
+        w_rows = w_ptr + n64[:, None] * stride_wn
+        x_rows = x_ptr + m64[:, None] * stride_xm
     ws_rows = ws_ptr + (offs_n // 128) * stride_wsn
     xs_rows = xs_ptr + m64 * stride_xsm
 
@@ -148,10 +154,14 @@ def _fp8_linear_kernel(
         nxt = tl.minimum(kb + 1, num_k - 1)
         w_scale = ws_next
         ws_next = tl.load(ws_rows + nxt, mask=n_ok, other=0.0)
-        offs_k = kb * 128 + offs_k0
-        k_ok = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # blocks past the edges (M, N, K) read as zeros
+            w = w_ptr.load([pid_n * BLOCK_N, kb * 128])
+            xv = x_ptr.load([pid_m * BLOCK_M, kb * 128])
+        else:
+            offs_k = kb * 128 + offs_k0
+            k_ok = offs_k < K
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if X_FP8:
             x_scale = xs_next
             xs_next = tl.load(xs_rows + nxt, mask=m_ok, other=0.0)
@@ -192,6 +202,11 @@ def _counters(device: torch.device) -> torch.Tensor:
     return c
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and row stride and contiguous rows."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
     config: LinearConfig | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -222,6 +237,14 @@ def fp8_linear(
         xs = w_scale  # unused
     block_m, split, k_per = launch_shape(cfg, m, n, k)
     num_n, num_m = cdiv(n, cfg.block_n), cdiv(m, block_m)
+    tma = cfg.tma and _tma_ok(xq) and _tma_ok(w)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(xq, [block_m, BLOCK])
+        w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, BLOCK])
+    else:
+        x_arg, w_arg = xq, w
     if split > 1:
         if num_n * num_m > MAX_TILES:
             raise ValueError(f"{num_n * num_m} split-K tiles exceed {MAX_TILES}: use a larger tile")
@@ -230,10 +253,10 @@ def fp8_linear(
     else:
         part = counters = out  # unused
     _fp8_linear_kernel[(num_n * split, num_m)](
-        xq, xs, w, w_scale, bias if bias is not None else w_scale, out, part, counters,
+        x_arg, xs, w_arg, w_scale, bias if bias is not None else w_scale, out, part, counters,
         m, n, k,
         xq.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=block_m, X_FP8=cfg.x_fp8, HAS_BIAS=bias is not None,
-        SPLIT_K=split, K_PER=k_per, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split, K_PER=k_per, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

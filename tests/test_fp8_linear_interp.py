@@ -35,6 +35,11 @@ CASES = {
     "no-bias-split4": (5, 130, 1000, dict(block_n=32, split_k=4), False),
     "fp8x-split2": (4, 200, 300, dict(block_n=32, split_k=2, x_fp8=True), True),
     "fp8x": (17, 64, 256, dict(block_n=64, split_k=1, x_fp8=True), False),
+    # TMA tensor descriptors (rows 16-byte aligned), and the pointer fallback where they are not
+    "tma-split3": (3, 200, 320, dict(block_n=64, split_k=3, tma=True), True),
+    "tma-two-token-tiles": (20, 96, 528, dict(block_n=32, block_m=16, split_k=2, tma=True), False),
+    "tma-fp8x": (4, 200, 320, dict(block_n=32, split_k=2, x_fp8=True, tma=True), True),
+    "tma-fallback": (3, 200, 300, dict(block_n=32, tma=True), True),
 }
 
 

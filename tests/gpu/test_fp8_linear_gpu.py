@@ -36,6 +36,9 @@ CONFIGS = {
     "n128-auto": LinearConfig(block_n=128, num_stages=3),
     "fp8x-n64": LinearConfig(block_n=64, x_fp8=True),
     "fp8x-n128-split3": LinearConfig(block_n=128, split_k=3, x_fp8=True),
+    "tma-n64": LinearConfig(block_n=64, tma=True),
+    "tma-n64-nosplit": LinearConfig(block_n=64, split_k=1, tma=True),
+    "tma-fp8x-n64": LinearConfig(block_n=64, x_fp8=True, tma=True),
 }
 
 
@@ -74,13 +77,24 @@ def test_decode_matches_reference(shape, m, name, seed):
     assert err < TOL, (shape, m, name, err)
 
 
+PREFILL_CONFIGS = {
+    "default": None,
+    "n64m128": LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4),
+    "n64m128-fp8x": LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4, x_fp8=True),
+    "n128m128-tma": LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3, tma=True),
+    "n64m128-fp8x-tma": LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4, x_fp8=True,
+                                     tma=True),
+}
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("x_fp8", [False, True])
-def test_prefill_matches_reference(shape, x_fp8, seed):
+@pytest.mark.parametrize("name", list(PREFILL_CONFIGS))
+def test_prefill_matches_reference(shape, name, seed):
     n, k = SHAPES[shape]
+    cfg = PREFILL_CONFIGS[name]
     x, wq, ws, b = _problem(n, k, 300, seed)  # 300: ragged against the 128-token tile
-    cfg = LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3, x_fp8=x_fp8)
     out = fp8_linear(x, wq, ws, b, config=cfg)
+    x_fp8 = cfg is not None and cfg.x_fp8
     assert rel_l2(out.float().cpu(), _reference(x, wq, ws, b, x_fp8)) < TOL
 
 
@@ -92,7 +106,7 @@ def test_no_bias_and_tp_shard_shapes(seed):
         assert rel_l2(out.float().cpu(), _reference(x, wq, ws, None, False)) < TOL
 
 
-@pytest.mark.parametrize("name", ["default", "fp8x-n128-split3"])
+@pytest.mark.parametrize("name", ["default", "fp8x-n128-split3", "tma-n64"])
 def test_split_k_deterministic_and_graph_replay(name, seed):
     """Split-K sums in split order whatever the arrival order: repeated calls are bit-identical,
     the arrival counters are reset for the next launch, and a CUDA graph replays the same."""
