@@ -24,6 +24,9 @@ CTA barrier); the last to arrive sums the partials in split order (the bias is i
 writes the output and resets the counter for the next launch. Results are bit-identical from run
 to run whatever the arrival order. No host synchronisation: CUDA-graph capturable.
 
+Tiles are loaded with plain (cp.async) loads, or with `LinearConfig.tma` through TMA tensor
+descriptors (one bulk copy per tile, zero fill past the edges: fewer registers and no masks).
+
 Launch shapes come from `CONFIGS` by M (and the weight shape where a sweep found a better one:
 `bench/fp8_linear.py` measures them).
 """
