@@ -172,24 +172,24 @@ def _fp8_linear_kernel(
         else:
             acc += tl.dot(w.to(xv.dtype), tl.trans(xv), input_precision="ieee") * w_scale[:, None]
 
-    out_ptrs = out_ptr + m64[None, :] * stride_om + n64[:, None]
+    # int32 element offsets (the launcher checks split_k * M * N < 2^31): half the registers of
+    # 64-bit pointer tiles
+    out_off = offs_m[None, :] * stride_om + offs_n[:, None]
     mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K > 1:
         tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-        rows = pid_k * M + m64
-        tl.store(part_ptr + rows[None, :] * N + n64[:, None], acc, mask=mask)
+        part_off = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part_ptr + pid_k * M * N + part_off, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter moves
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:  # the last of the tile's programs: sum in split order
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(0, SPLIT_K):  # a loop, not unrolled: one partial tile live at a time
-                rows = s * M + m64
-                total += tl.load(part_ptr + rows[None, :] * N + n64[:, None], mask=mask, other=0.0,
-                                 cache_modifier=".cg")
+                total += tl.load(part_ptr + s * M * N + part_off, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + tile, 0)
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 MAX_TILES = 1 << 16  # split-K tiles per launch (arrival counters kept per device)
@@ -240,6 +240,9 @@ def fp8_linear(
         xs = w_scale  # unused
     block_m, split, k_per = launch_shape(cfg, m, n, k)
     num_n, num_m = cdiv(n, cfg.block_n), cdiv(m, block_m)
+    if split * m * n >= 1 << 31:
+        raise ValueError(f"{m} x {n} outputs x {split} splits overflow the kernel's int32 offsets: "
+                         "run fewer tokens per call")
     tma = cfg.tma and _tma_ok(xq) and _tma_ok(w)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
