@@ -14,6 +14,8 @@ same run).
                             its decode step per batch size, and pdserve's throughput over its
                             (bench/peer_triton.py; needs gpt-oss and triton_kernels)
         [--attention-precision fp8]   QKV / O projection weights in FP8 (kernels/triton_fp8_linear.py)
+        [--compare-attention-precision]   prefill and decode with bf16, then FP8 projections (same
+                            run, same weights: the FP8 ones quantised from the loaded bf16 ones)
 """
 
 from __future__ import annotations
@@ -72,6 +74,26 @@ def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
         model_mod.linear_fp8 = saved_proj
         runner.model.attention_backend = saved_backend
         runner.attention = saved_attn
+
+
+class AttentionPrecisions:
+    """Both forms of the attention projections on one runner: the loaded bf16 weights and their
+    FP8 128x128 quantisation (as loading with attention_precision fp8 makes), swapped in place."""
+
+    def __init__(self, runner: ModelRunner):
+        from pdserve.kernels.fp8 import quantize_weight_fp8
+
+        self.layers = [a for a, _ in runner.model.w.layers]
+        if any(a.qkv_scale is not None for a in self.layers):
+            raise ValueError("--compare-attention-precision starts from bf16 projections")
+        self.forms = {
+            "bf16": [(a.qkv_weight, None, a.o_weight, None) for a in self.layers],
+            "fp8": [(*quantize_weight_fp8(a.qkv_weight), *quantize_weight_fp8(a.o_weight)) for a in self.layers],
+        }
+
+    def use(self, precision: str) -> None:
+        for a, (qkv, qkv_scale, o, o_scale) in zip(self.layers, self.forms[precision]):
+            a.qkv_weight, a.qkv_scale, a.o_weight, a.o_scale = qkv, qkv_scale, o, o_scale
 
 
 def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[float]]:
@@ -209,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
     ap.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
                     help="QKV and O projection weights: bf16 (cuBLAS) or FP8 128x128 blocks (Triton)")
+    ap.add_argument("--compare-attention-precision", action="store_true",
+                    help="prefill and decode with bf16, then FP8 attention projections (same run)")
     ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot"],
                     help="with --precision mxfp4: the MXFP4 kernel's nibble decode (default: the kernel's)")
     ap.add_argument("--peer-triton", action="store_true",
@@ -229,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                                        else MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"))
     if a.compare_fused and a.device != "cuda":
         ap.error("--compare-fused needs --device cuda")
+    if a.compare_attention_precision and a.attention_precision != "bf16":
+        ap.error("--compare-attention-precision loads bf16 projections and quantises them itself")
+    if a.compare_attention_precision and a.compare_moe_prefill:
+        ap.error("--compare-attention-precision and --compare-moe-prefill: one comparison per run")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = preset(a.preset)
@@ -252,6 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     err = rel_l2(fast, ref)
     agree = float((fast.argmax(-1) == ref.argmax(-1)).float().mean())
     print(f"logits vs torch path: rel L2 {err:.2e}, argmax agreement {agree:.3f}", flush=True)
+    attn_forms = AttentionPrecisions(runner) if a.compare_attention_precision else None
+    attn_list = ["bf16", "fp8"] if attn_forms else [a.attention_precision]
+    if attn_forms:
+        attn_forms.use("fp8")
+        fast8 = runner.prompt_logits(ids)
+        with torch_path(runner):
+            ref8 = runner.prompt_logits(ids)
+        attn_forms.use("bf16")
+        print(f"FP8 attention projections: logits vs torch path rel L2 {rel_l2(fast8, ref8):.2e}; vs bf16 "
+              f"projections rel L2 {rel_l2(fast8, fast):.2e}, argmax agreement "
+              f"{float((fast8.argmax(-1) == fast.argmax(-1)).float().mean()):.3f}", flush=True)
     if a.diagnose:
         per_call = compare_per_call(runner, ids)
         for kind, errs in per_call.items():
@@ -281,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     long_ids = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
     dg_default = moe_mod.DEEPGEMM_MIN_TOKENS
     moe_paths = {"default": dg_default}
+    if attn_forms:
+        moe_paths = {"attention bf16": dg_default, "attention fp8": dg_default}
     if a.compare_moe_prefill:
         if not deepgemm_moe.available():
             ap.error("--compare-moe-prefill needs DeepGEMM installed on a Hopper GPU (docs/install.md)")
@@ -288,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill, prefill_profile = {}, None
     for path, min_tokens in moe_paths.items():
         moe_mod.DEEPGEMM_MIN_TOKENS = min_tokens
+        if attn_forms:
+            attn_forms.use(path.split()[-1])
         runner.prompt_logits(long_ids[:1024])  # warm-up (JIT, plans)
         times = []
         for _ in range(3):
@@ -299,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         t_path = sorted(times)[1]
         chunks = -(-a.prefill_tokens // a.prefill_chunk_tokens)
         print(f"prefill {a.prefill_tokens} tokens ({chunks} chunk{'s' if chunks > 1 else ''} of <= "
-              f"{a.prefill_chunk_tokens}), MoE path {path}: {t_path * 1e3:.1f} ms "
+              f"{a.prefill_chunk_tokens}), {path if attn_forms else 'MoE path ' + path}: {t_path * 1e3:.1f} ms "
               f"({a.prefill_tokens / t_path:.0f} tok/s)", flush=True)
         prefill[path] = {"ms": t_path * 1e3, "tok_s": a.prefill_tokens / t_path}
         if a.profile:
@@ -332,8 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     # (per-layer kernels, pipelined decode): before = the torch ops stepped one at a time
     variants = ([("plain", False), ("fused", False), ("fused", True)] if a.compare_fused
                 else [("fused" if fused_default else "plain", True)])
-    for kernels, pipeline in variants:
-        variant = f"{kernels}{', pipelined' if pipeline else ''}"
+    variants = [(k, p, attn) for attn in attn_list for k, p in variants]
+    for kernels, pipeline, attn in variants:
+        variant = f"{kernels}{', pipelined' if pipeline else ''}{', attention ' + attn if attn_forms else ''}"
+        if attn_forms:
+            attn_forms.use(attn)
         runner.model.fused = kernels == "fused"
         graphs = DecodeGraphs(runner.model, runner.cache, max(a.batches), max_context=runner.max_context,
                               capture=a.device == "cuda")
@@ -365,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"decode ({variant}, {mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} "
                       f"ms/step, {batch / per_step:.0f} tok/s total; floor {floor_s * 1e3:.3f} ms "
                       f"({floor_s / per_step:.0%}), MXFP4-expert floor {floor4_s * 1e3:.3f} ms", flush=True)
-            if a.profile and a.device == "cuda" and (kernels, pipeline) in (variants[0], variants[-1]):
+            if a.profile and a.device == "cuda" and (kernels, pipeline, attn) in (variants[0], variants[-1]):
                 from pdserve.bench.step_profile import profile_decode
 
                 prof = profile_decode(eng, runner, graphs)
@@ -405,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
             f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), {a.precision} experts, "
-            f"{a.attention_precision} attention projections; decode "
+            f"{'bf16 and FP8' if attn_forms else a.attention_precision} attention projections; decode "
             "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests; kernels: "
             "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router; pipelined = "
             "each step launched before the host reads the previous step's tokens (engine.llm_engine). Floors: bytes a "

@@ -30,6 +30,40 @@ def test_chunked_prefill_profile_on_cpu(tmp_path, capsys):
         assert f"| {c} |" in out
 
 
+def test_attention_precision_comparison_on_cpu(tmp_path, capsys):
+    """--compare-attention-precision: the FP8 projections' logits against the torch path and bf16,
+    then a prefill per precision, each profiled with its projections labelled as dense GEMMs."""
+    args = ["--preset", "tiny", "--device", "cpu", "--precision", "bf16", "--ckpt", str(tmp_path / "ckpt"),
+            "--out", str(tmp_path), "--check-tokens", "16", "--prompt-len", "40", "--prefill-chunk-tokens", "32",
+            "--profile", "--prefill-only", "--compare-attention-precision"]
+    assert engine_gpu.main(args) == 0
+    out = capsys.readouterr().out
+    assert "FP8 attention projections: logits vs torch path rel L2 0.00e+00" in out  # CPU: the reference itself
+    assert "attention bf16:" in out and "attention fp8:" in out
+    result = json.loads((tmp_path / "engine_gpu.json").read_text())
+    assert set(result["prefill_by_moe_path"]) == {"attention bf16", "attention fp8"}
+    assert result["prefill_profile"]["categories"]["dense GEMMs"]["ms"] > 0
+
+
+def test_profile_labels_fp8_projections(tiny_mxfp4):
+    """The profile's labels cover the FP8 projections (engine.model.linear_fp8) like F.linear."""
+    import torch
+
+    import pdserve.engine.model as model_mod
+    from pdserve.bench.step_profile import labels
+    from pdserve.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=16, attention_precision="fp8")
+    a = runner.model.w.layers[0][0]
+    x = torch.randn(3, runner.cfg.hidden_size, dtype=torch.bfloat16)
+    with torch.profiler.profile() as prof, labels(runner):
+        model_mod.linear_fp8(x, a.qkv_weight, a.qkv_scale, a.qkv_bias)
+        model_mod.linear_fp8(torch.randn(3, a.o_weight.shape[1], dtype=torch.bfloat16), a.o_weight, a.o_scale,
+                             a.o_bias)
+    names = {e.name for e in prof.events()}
+    assert {"L:qkv GEMM", "L:o_proj GEMM"} <= names
+
+
 def test_prefill_flops_count_the_model():
     from pdserve.bench.step_profile import prefill_flops
     from pdserve.engine.config import preset
