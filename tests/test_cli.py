@@ -61,7 +61,7 @@ def test_logits_with_fp8_attention_projections(tiny_mxfp4, tiny_runner, tmp_path
     assert code == 0, err
     got, bf16 = torch.from_numpy(np.load(out)), tiny_runner.prompt_logits([5, 6, 7, 8])
     err = float((got.double() - bf16.double()).norm() / bf16.double().norm())
-    assert 0 < err < 5e-2
+    assert 0 < err < 8e-2
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt-config", "unsupported", "bad-ids", "out-of-range",

@@ -115,9 +115,9 @@ def test_fp8_path_close_to_bf16(tiny_mxfp4, prompt, ours_bf16):
 
 def test_fp8_attention_projections_close_to_bf16(tiny_mxfp4, prompt, ours_bf16, reference_logits):
     """QKV and O weights in e4m3 with 128x128 block scales (amax / 448), activations kept bf16:
-    the weight rounding (3 mantissa bits) is the whole difference. Measured 2.9e-2 against bf16 on
-    this model; bound 5e-2, and FP8 experts + FP8 projections within the FP8-expert bound 8e-2
-    (docs/engine.md)."""
+    the weight rounding (3 mantissa bits) is the whole difference, about as large as the FP8
+    experts' (on 8 random prompts of this model 2.4-6.6e-2 against bf16, FP8 experts 3.5-6.5e-2;
+    both together 4.7-8.0e-2). Bounds (docs/engine.md): 8e-2 alone, 1.2e-1 with FP8 experts."""
     from pdserve.engine.model_runner import ModelRunner
 
     runner = ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=64, attention_precision="fp8")
@@ -125,10 +125,10 @@ def test_fp8_attention_projections_close_to_bf16(tiny_mxfp4, prompt, ours_bf16, 
     assert a.qkv_weight.dtype == a.o_weight.dtype == torch.float8_e4m3fn and a.qkv_scale is not None
     fp8 = runner.prompt_logits(prompt)
     err = rel_l2(fp8, ours_bf16)
-    assert 0 < err <= 5e-2, err
-    assert rel_l2(fp8, reference_logits) <= 5e-2
+    assert 0 < err <= 8e-2, err
+    assert rel_l2(fp8, reference_logits) <= 8e-2
     both = ModelRunner(str(tiny_mxfp4), precision="fp8", num_kv_blocks=64, attention_precision="fp8")
-    assert rel_l2(both.prompt_logits(prompt), ours_bf16) <= 8e-2
+    assert rel_l2(both.prompt_logits(prompt), ours_bf16) <= 1.2e-1
 
 
 def test_attention_precision_checked(tiny_mxfp4):

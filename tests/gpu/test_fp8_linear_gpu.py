@@ -132,7 +132,7 @@ def test_split_k_deterministic_and_graph_replay(name, seed):
 
 def test_engine_fp8_attention(tmp_path):
     """The engine with FP8 projections: logits close to bf16 projections (weight rounding, the
-    bound of the CPU test), and a decode step replayed from a CUDA graph bit-identical to the
+    bound 8e-2 of the CPU test), and a decode step replayed from a CUDA graph bit-identical to the
     same padded step run eagerly."""
     pytest.importorskip("flashinfer")
     from pdserve.engine.checkpoint_writer import make_random_checkpoint
@@ -150,7 +150,7 @@ def test_engine_fp8_attention(tmp_path):
                          cuda_graph_max_batch=4)
     assert runner.model.w.layers[0][0].qkv_weight.dtype == torch.float8_e4m3fn
     fp8 = runner.prompt_logits(ids)
-    assert rel_l2(fp8, bf16) < 5e-2
+    assert rel_l2(fp8, bf16) < 8e-2
     seqs = []
     for i, p in enumerate([ids[:7], ids[:20], ids[:33]]):
         s = Sequence(f"r{i}", list(p), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
