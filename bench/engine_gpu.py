@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.kernels import deepgemm_moe
 
     long_ids = torch.randint(0, cfg.vocab_size, (a.prefill_tokens,), generator=g).tolist()
-    dg_default = moe_mod.DEEPGEMM_MIN_TOKENS
+    dg_default = moe_mod.DEEPGEMM_MIN_ROWS_PER_EXPERT
     moe_paths = {"default": dg_default}
     if attn_forms:
         moe_paths = {"attention bf16": dg_default, "attention fp8": dg_default}
@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--compare-moe-prefill needs DeepGEMM installed on a Hopper GPU (docs/install.md)")
         moe_paths = {"triton": None, "deepgemm": dg_default}
     prefill, prefill_profile = {}, None
-    for path, min_tokens in moe_paths.items():
-        moe_mod.DEEPGEMM_MIN_TOKENS = min_tokens
+    for path, min_rows in moe_paths.items():
+        moe_mod.DEEPGEMM_MIN_ROWS_PER_EXPERT = min_rows
         if attn_forms:
             attn_forms.use(path.split()[-1])
         runner.prompt_logits(long_ids[:1024])  # warm-up (JIT, plans)
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill[path]["profile"] = prof
             prefill_profile = prof  # the last path's (the default one) goes to the doc
             print("\n".join(prefill_table(prof)), flush=True)
-    moe_mod.DEEPGEMM_MIN_TOKENS = dg_default
+    moe_mod.DEEPGEMM_MIN_ROWS_PER_EXPERT = dg_default
     t_prefill = prefill[list(moe_paths)[-1]]["ms"] / 1e3
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     result = {"date": datetime.date.today().isoformat(), "device": device_name,

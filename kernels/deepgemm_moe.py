@@ -24,6 +24,7 @@ compiles each shape the first time it sees it (seconds, cached on disk in $DG_JI
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -37,11 +38,18 @@ from .triton_moe import GATE_UP_BLOCK_N, _empty, align_routing
 
 GATHER_ROWS = 32  # rows per program of the gather/quantise launch
 
+log = logging.getLogger(__name__)
+_failed: str | None = None  # why DeepGEMM failed in this process (then it is not used again)
+
+
+def available() -> bool:
+    """DeepGEMM importable and working so far, and the GPU a Hopper (its SM90 FP8 kernels).
+    `PDSERVE_DEEPGEMM=0` turns it off."""
+    return _failed is None and _importable()
+
 
 @functools.cache
-def available() -> bool:
-    """DeepGEMM importable and the current GPU a Hopper (its SM90 FP8 kernels). `PDSERVE_DEEPGEMM=0`
-    turns it off."""
+def _importable() -> bool:
     if os.environ.get("PDSERVE_DEEPGEMM", "1") == "0" or not torch.cuda.is_available():
         return False
     if torch.cuda.get_device_capability() != (9, 0):
@@ -118,6 +126,24 @@ def _grouped_gemm(a: torch.Tensor, a_scale_t: torch.Tensor, w: torch.Tensor, w_s
     out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_scale_t.t()), (w, w_scale), out, m_index)
     return out
+
+
+def experts_forward_or_none(*args, **kwargs) -> torch.Tensor | None:
+    """`experts_forward`, or None when DeepGEMM is unavailable or fails: a build against another
+    torch fails its host-side checks on the first call (`dim == 2 or dim == 3`), and the caller
+    then runs the Triton kernels instead; the failure is logged once and DeepGEMM is not tried
+    again in this process. (Its checks run before anything is launched, so nothing is half done.)"""
+    global _failed
+    if not available():
+        return None
+    try:
+        return experts_forward(*args, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        raise  # the request's own failure, not DeepGEMM's
+    except (RuntimeError, AssertionError) as e:
+        _failed = f"{type(e).__name__}: {e}"
+        log.warning("DeepGEMM MoE path failed; using the Triton kernels from now on: %s", _failed)
+        return None
 
 
 def experts_forward(

@@ -22,10 +22,12 @@ from .swiglu import swiglu
 MXFP4_KERNEL_MAX_TOKENS = 256  # covers the CUDA-graph decode sizes (the reference syncs)
 # Launch shape / nibble decode of that kernel (a triton_moe_mxfp4.MxConfig); None: its default.
 MXFP4_KERNEL_CONFIG = None
-# FP8 batches of at least this many tokens run through DeepGEMM's grouped GEMMs when it is
-# installed (kernels.deepgemm_moe: about 2x the Triton kernels' rate at prefill sizes on an H200,
-# docs/performance.md); smaller ones (decode, CUDA graphs) through the Triton kernels. None: never.
-DEEPGEMM_MIN_TOKENS: int | None = 512
+# FP8 batches with at least this many routed rows per local expert on average run through
+# DeepGEMM's grouped GEMMs when it is installed (kernels.deepgemm_moe); smaller ones (decode, CUDA
+# graphs, short prompts) through the Triton kernels. On an H200 the DeepGEMM path was 1.41-1.96x
+# faster from 128 rows per expert (20b: 1024+ tokens; 120b: 8192 tokens) and 0.73-0.81x below
+# (docs/performance.md). None: never.
+DEEPGEMM_MIN_ROWS_PER_EXPERT: int | None = 128
 
 
 @dataclass
@@ -175,11 +177,13 @@ def experts_forward(
                                              **({"config": MXFP4_KERNEL_CONFIG} if MXFP4_KERNEL_CONFIG else {}))
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
-        if DEEPGEMM_MIN_TOKENS is not None and x.shape[0] >= DEEPGEMM_MIN_TOKENS:
+        rows = topk_ids.numel() / max(w.num_local_experts, 1)
+        if DEEPGEMM_MIN_ROWS_PER_EXPERT is not None and rows >= DEEPGEMM_MIN_ROWS_PER_EXPERT:
             from . import deepgemm_moe
 
-            if deepgemm_moe.available():
-                return deepgemm_moe.experts_forward(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
+            out = deepgemm_moe.experts_forward_or_none(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
+            if out is not None:
+                return out
         try:
             from . import triton_moe
         except ImportError:

@@ -65,15 +65,36 @@ def test_deepgemm_path_vs_ref_and_triton(t, num_experts, first, num_global, add_
     assert torch.equal(out, again), "the DeepGEMM path is not run-to-run deterministic"
 
 
-def test_dispatch_by_size(monkeypatch):
+def test_dispatch_by_rows_per_expert(monkeypatch):
     w = experts(32)
-    monkeypatch.setattr(moe, "DEEPGEMM_MIN_TOKENS", 512)
-    big = routed(512, 32, seed=3)
+    monkeypatch.setattr(moe, "DEEPGEMM_MIN_ROWS_PER_EXPERT", 128)
+    big = routed(1024, 32, seed=3)  # 1024 x 4 pairs / 32 experts = 128 rows each
     assert torch.equal(moe.experts_forward(*big, w), dm.experts_forward(*big, w))
-    small = routed(511, 32, seed=4)
+    small = routed(1023, 32, seed=4)
     assert torch.equal(moe.experts_forward(*small, w), tm.experts_forward(*small, w))
-    monkeypatch.setattr(moe, "DEEPGEMM_MIN_TOKENS", None)
+    monkeypatch.setattr(moe, "DEEPGEMM_MIN_ROWS_PER_EXPERT", None)
     assert torch.equal(moe.experts_forward(*big, w), tm.experts_forward(*big, w))
+
+
+def test_failing_deepgemm_falls_back_to_triton(monkeypatch, caplog):
+    """A DeepGEMM build that fails its host checks (as the sgl-deep-gemm 0.2.0 wheel does under
+    torch 2.11) costs one warning, not the request: the Triton kernels run instead, from then on."""
+    w = experts(32)
+    x, weights, ids = routed(1024, 32, seed=5)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("Assertion error (utils/layout.hpp:16): dim == 2 or dim == 3")
+
+    monkeypatch.setattr(dm, "experts_forward", broken)
+    monkeypatch.setattr(dm, "_failed", None)
+    with caplog.at_level("WARNING"):
+        out = moe.experts_forward(x, weights, ids, w)
+    assert torch.equal(out, tm.experts_forward(x, weights, ids, w))
+    assert "dim == 2 or dim == 3" in caplog.text and not dm.available()
+    moe.experts_forward(x, weights, ids, w)
+    assert len(calls) == 1, "a failed DeepGEMM was tried again"
 
 
 def test_cuda_graph_replay_equals_eager():
