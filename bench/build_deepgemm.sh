@@ -11,9 +11,10 @@
 # from the 0.2.0 wheel (byte-identical to the CUTLASS commit v0.1.2 pins).
 #
 # Usage, on the device from the repo root after `source .gpu/setup.sh`:
-#     bash bench/build_deepgemm.sh [--force] [--layout-only]
+#     bash bench/build_deepgemm.sh [--force] [--layout-only] [--no-smoke]
 #     DG_SITE=/tmp/dg-site python -m pdserve.bench.kernels --sections gemm
-# --force rebuilds even if the site already holds a build for this torch; --layout-only stops
+# --force rebuilds even if the site already holds a build for this torch; --no-smoke skips the
+# GPU smoke test (an image build has no GPU; the build itself needs none); --layout-only stops
 # after laying out the source tree (no CUDA needed). Environment: DG_SITE (default /tmp/dg-site),
 # DG_SRC (default .gpu/dg/src), PYTHON (default python3), CUDA_HOME (default: from nvcc).
 # The last line printed is `DG_SITE=<path>`. DeepGEMM JIT-compiles its kernels with nvcc on first
@@ -25,12 +26,14 @@ log() { echo "build_deepgemm: [$((SECONDS - t_start))s] $*"; }
 
 force=0
 layout_only=0
+smoke=1
 for arg in "$@"; do
   case "$arg" in
     --force) force=1 ;;
     --layout-only) layout_only=1 ;;
+    --no-smoke) smoke=0 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) die "unknown argument '$arg' (expected --force or --layout-only)" ;;
+    *) die "unknown argument '$arg' (expected --force, --layout-only or --no-smoke)" ;;
   esac
 done
 
@@ -169,6 +172,11 @@ PY
   log "compiled in $((SECONDS - t_build))s"
 fi
 
+if [ "$smoke" = 0 ]; then
+  log "done (no smoke test)"
+  echo "DG_SITE=$site"
+  exit 0
+fi
 # ---- smoke test in a fresh process (loads the built _C.so; JIT-compiles two kernels)
 log "smoke test (first use JIT-compiles kernels with nvcc; cache: ${DG_JIT_CACHE_DIR:-~/.deep_gemm})"
 PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" - "$site" <<'PY' || die "smoke test failed"

@@ -542,7 +542,7 @@ def test_worker_transports_caches_and_stop_sequence(name):
         assert env["UCX_PROTO_INFO"] == "y"  # the log names the transport UCX picked per peer
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
         assert mounts["jit-cache"] == jit["mountPath"]
-        for var in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH"):
+        for var in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "DG_JIT_CACHE_DIR"):
             assert env[var].startswith(jit["mountPath"] + "/")
         volume = {v["name"]: v for v in pod["volumes"]}["jit-cache"]
         assert {"hostPath": "hostPath", "pvc": "persistentVolumeClaim", "emptyDir": "emptyDir"}[jit["type"]] in volume
