@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.engine.checkpoint_writer import make_random_checkpoint  # noqa: E402
 from pdserve.engine.config import DEFAULT_PREFILL_CHUNK, preset  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -135,22 +136,6 @@ def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[floa
     return errs
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(11):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    del a, b
-    return nbytes / sorted(times[1:])[5]
-
-
 def decode_bytes(runner: ModelRunner, batch: int, context: int, expert_bits: float | None = None) -> float:
     """Bytes one decode step must read at least: every non-expert weight once (the embedding's B
     rows), the experts the batch routes to (expected distinct ones under uniform routing), the KV
@@ -203,6 +188,13 @@ def timed(fn, sync=_sync):
     return out, time.perf_counter() - t
 
 
+def _logits_rc(err: float, bound: float | None) -> int:
+    if bound is not None and not err <= bound:
+        print(f"logits rel L2 {err:.2e} above --max-logits-rel-l2 {bound:.1e}", flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="20b")
@@ -225,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode with the fused per-layer kernels off, then on (same run)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the prefill and each decode batch (bench/step_profile.py)")
+    ap.add_argument("--max-logits-rel-l2", type=float, default=None,
+                    help="exit 1 when the logits differ more from the plain-torch path (with real "
+                         "weights; on random weights the two diverge by design: docs/performance.md)")
     ap.add_argument("--compare-moe-prefill", action="store_true",
                     help="time the prefill with the Triton MoE kernels, then with DeepGEMM's (same run)")
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
@@ -363,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
               "prefill_profile": prefill_profile, "command": "python " + " ".join(sys.argv)}
     if a.prefill_only:
         (out / "engine_gpu.json").write_text(json.dumps(result, indent=2))
-        return 0 if err < 5e-2 else 1
+        return _logits_rc(err, a.max_logits_rel_l2)
 
     # decode: batch of B requests at a given context; time steps after the prefills, eagerly and
     # replayed from CUDA graphs (engine.cuda_graphs), the same requests' next steps; with
@@ -496,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
         body = "\n".join(lines).strip("\n")  # from the begin marker to the end marker
         replace_section(Path(a.record), "<!-- engine-gpu:begin -->", "<!-- engine-gpu:end -->", body)
-    return 0 if err < 5e-2 else 1
+    return _logits_rc(err, a.max_logits_rel_l2)
 
 
 if __name__ == "__main__":

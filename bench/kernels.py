@@ -105,12 +105,18 @@ def guarded(name: str, fn, *a, **kw):
 
 
 # ------------------------------------------------------------------------------------ ceilings
-def measure_ceilings() -> dict:
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy of nbytes / 2: bytes read + written per second (median of 10): the
+    bandwidth floor every benchmark here divides by."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV).random_()
     b = torch.empty_like(a)
-    t_copy = time_it(lambda: b.copy_(a), reps=10, flush=False)
+    t = time_it(lambda: b.copy_(a), reps=10, flush=False)
     del a, b
+    return nbytes / t
+
+
+def measure_ceilings() -> dict:
+    copy_bw = copy_bandwidth()
     m = 8192
     x = torch.randn(m, m, device=DEV).to(torch.float8_e4m3fn)
     y = torch.randn(m, m, device=DEV).to(torch.float8_e4m3fn)
@@ -119,7 +125,7 @@ def measure_ceilings() -> dict:
                     reps=10, flush=False)
     xb, yb = torch.randn(m, m, device=DEV, dtype=torch.bfloat16), torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
     t_bf16 = time_it(lambda: xb @ yb, reps=10, flush=False)
-    c = dict(copy_bw=2 * n / t_copy, fp8_flops=2 * m**3 / t_fp8, bf16_flops=2 * m**3 / t_bf16)
+    c = dict(copy_bw=copy_bw, fp8_flops=2 * m**3 / t_fp8, bf16_flops=2 * m**3 / t_bf16)
     props = torch.cuda.get_device_properties(0)
     c["device"] = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
     table("Ceilings (measured in this run)", ["quantity", "value"], [

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.moe import ExpertWeights, experts_forward  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4 import MxConfig, MxExperts, experts_forward_mxfp4  # noqa: E402
 
@@ -36,20 +37,6 @@ CONFIGS = {
     "dot gu16k512w4s2 d16k512w4s2": MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"),
     "dot gu64k512w8s2 d16k256w2": MxConfig((64, 512, 8, 2), (16, 256, 2, 3), decode="dot"),
 }
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ts = []
-    for _ in range(11):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    return nbytes / sorted(ts[1:])[5]
 
 
 def main() -> int:

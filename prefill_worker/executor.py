@@ -150,8 +150,6 @@ class PrefillExecutor:
         compute only the part of a prompt that is not cached (engine.prefix_cache)."""
         self.runner = runner
         self.prefix_cache = PrefixCache(runner.cache, enabled=prefix_cache)
-        self.cached_tokens_total = 0
-        self.prompt_tokens_total = 0
         self.agent = agent
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
@@ -300,8 +298,6 @@ class PrefillExecutor:
             done = time.monotonic()
         finally:
             self.prefix_cache.release(lease, computed=computed_ok)
-        self.cached_tokens_total += lease.num_cached
-        self.prompt_tokens_total += n
         return PrefillResult(out.tokens[0], nbytes, done - computed, started - job.enqueued_at, computed - started,
                              cached_tokens=lease.num_cached, first_logprob=out.logprobs[0],
                              prompt_logprobs=prompt_lps,
