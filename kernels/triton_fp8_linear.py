@@ -43,6 +43,7 @@ from .fp8 import BLOCK, FP8, cdiv
 from .triton_moe import _empty, quantize_act
 
 DECODE_MAX_M = 64  # the skinny (bandwidth-bound) regime the decode configs are for
+GEMV_MAX_M = 16  # the GEMV kernel's FMAs grow with M: past a few tokens the tensor cores win
 NUM_SMS_H200 = 132
 
 
@@ -52,7 +53,11 @@ class LinearConfig:
     the next power of two >= M, at least 16, at most 64); split_k: programs sharing a tile's K
     steps (0 = enough programs for about 4 per SM); x_fp8: quantise x to e4m3 (see module doc);
     tma: x and W tiles through TMA (tensor descriptors; falls back to pointer loads where a row
-    is not 16-byte aligned)."""
+    is not 16-byte aligned); quant_in_kernel (with x_fp8): each program quantises its own x tiles
+    per 1x128 group in registers (as `quantize_act` does, no launch of its own). block_k > 0 selects the GEMV kernel instead (M <= GEMV_MAX_M, no
+    tensor cores, bf16 x only): block_k-deep K steps (a multiple of 128), block_n (a power of two
+    dividing 128) weight rows a program, prefetch (1 or 2) steps of weights in flight in registers;
+    block_m, num_stages, x_fp8 and tma do not apply."""
 
     block_n: int = 64
     block_m: int = 0
@@ -61,10 +66,20 @@ class LinearConfig:
     num_stages: int = 4
     x_fp8: bool = False
     tma: bool = False
+    quant_in_kernel: bool = False
+    block_k: int = 0
+    prefetch: int = 1
 
     def __post_init__(self):
-        if self.block_n < 16 or self.block_n & (self.block_n - 1) or self.block_n > 256:
+        if self.block_k:
+            if self.block_k % BLOCK or self.block_k & (self.block_k - 1) or self.prefetch not in (1, 2):
+                raise ValueError(f"GEMV block_k must be a power-of-two multiple of 128 and prefetch 1 or 2, got {self}")
+            if self.block_n < 1 or self.block_n & (self.block_n - 1) or self.block_n > BLOCK or self.x_fp8 or self.tma:
+                raise ValueError(f"GEMV block_n must be a power of two dividing 128 (bf16 x, no TMA), got {self}")
+        elif self.block_n < 16 or self.block_n & (self.block_n - 1) or self.block_n > 256:
             raise ValueError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
+        if self.quant_in_kernel and not self.x_fp8:
+            raise ValueError("quant_in_kernel quantises x for x_fp8: set both")
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
             raise ValueError(f"block_m must be 0 or a power of two >= 16, got {self.block_m}")
         if self.split_k < 0 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
@@ -72,10 +87,13 @@ class LinearConfig:
 
     @property
     def label(self) -> str:
-        m = self.block_m or "auto"
         s = self.split_k or "auto"
+        if self.block_k:
+            return f"gemv n{self.block_n} k{self.block_k} sk{s} w{self.num_warps} pf{self.prefetch}"
+        m = self.block_m or "auto"
         tma = " tma" if self.tma else ""
-        return f"{'fp8x' if self.x_fp8 else 'bf16x'} n{self.block_n} m{m} sk{s} w{self.num_warps} s{self.num_stages}{tma}"
+        mode = ("fp8xq" if self.quant_in_kernel else "fp8x") if self.x_fp8 else "bf16x"
+        return f"{mode} n{self.block_n} m{m} sk{s} w{self.num_warps} s{self.num_stages}{tma}"
 
 
 # (max M, config), first match wins; `WEIGHT_CONFIGS[(N, K)]` overrides for one weight shape.
@@ -98,10 +116,15 @@ def select_config(m: int, n: int, k: int) -> LinearConfig:
 
 def launch_shape(cfg: LinearConfig, m: int, n: int, k: int,
                  num_sms: int = NUM_SMS_H200) -> tuple[int, int, int]:
-    """(block_m, split_k, k_steps_per_split) for M x N x K: split_k never leaves a split empty."""
-    block_m = cfg.block_m or min(64, max(16, triton.next_power_of_2(max(m, 1))))
+    """(block_m, split_k, k_steps_per_split) for M x N x K: split_k never leaves a split empty.
+    K steps are 128 deep (block_k deep for the GEMV kernel, whose block_m is M rounded up)."""
+    if cfg.block_k:
+        block_m = triton.next_power_of_2(max(m, 1))
+        num_k = cdiv(k, cfg.block_k)
+    else:
+        block_m = cfg.block_m or min(64, max(16, triton.next_power_of_2(max(m, 1))))
+        num_k = cdiv(k, BLOCK)
     tiles = cdiv(n, cfg.block_n) * cdiv(max(m, 1), block_m)
-    num_k = cdiv(k, BLOCK)
     split = cfg.split_k or max(1, min(num_k // 2, cdiv(4 * num_sms, tiles)))
     split = max(1, min(split, num_k))
     k_per = cdiv(num_k, split)
@@ -109,8 +132,47 @@ def launch_shape(cfg: LinearConfig, m: int, n: int, k: int,
 
 
 @triton.jit
+def _split_k_store(acc, out_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_om, tile, pid_k,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store a [BLOCK_N, BLOCK_M] float32 tile of out^T: directly, or (split K) as this program's
+    partial, the last of the tile's programs to arrive summing the partials in split order."""
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    # int32 element offsets (the launcher checks split_k * M * N < 2^31): half the registers of
+    # 64-bit pointer tiles
+    out_off = offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K > 1:
+        part_off = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part_ptr + pid_k * M * N + part_off, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter moves
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the last of the tile's programs: sum in split order
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, SPLIT_K):  # a loop, not unrolled: one partial tile live at a time
+                total += tl.load(part_ptr + s * M * N + part_off, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
+            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """float32 in [-448, 448] rounded to the nearest e4m3 value (ties to even), so that the cast
+    to e4m3 is exact: the GPU's cast rounds the same, the CPU interpreter's (Triton 3.6) does
+    not carry a rounded-up mantissa into the exponent. Adding then subtracting 1.5 * 2^23 ulp
+    rounds |v| to a multiple of its e4m3 ulp (2^(e-3), e >= -6: subnormals below 2^-6)."""
+    a = tl.abs(v)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    magic = ((e - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5
+    r = (a + magic) - magic
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
 def _fp8_linear_kernel(
-    x_ptr, xs_ptr,             # X_FP8: e4m3 [M, K] + f32 [M, ceil(K/128)]; else [M, K] (bf16/f16/f32)
+    x_ptr, xs_ptr,             # X_FP8 and not QUANT_X: e4m3 [M, K] + f32 [M, ceil(K/128)]; else [M, K] (bf16/f16/f32)
     w_ptr, ws_ptr, bias_ptr,   # e4m3 [N, K], f32 [ceil(N/128), ceil(K/128)], [N] (HAS_BIAS)
                                # TMA: x_ptr, w_ptr are tensor descriptors of [BLOCK_M | BLOCK_N, 128] blocks
     out_ptr,                   # [M, N]
@@ -118,7 +180,7 @@ def _fp8_linear_kernel(
     M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, X_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_PER: tl.constexpr, TMA: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr, TMA: tl.constexpr, QUANT_X: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -148,7 +210,7 @@ def _fp8_linear_kernel(
     # Scales are plain loads the software pipeliner does not stage: fetch each one a K step ahead.
     k_first = tl.minimum(k_lo, num_k - 1)
     ws_next = tl.load(ws_rows + k_first, mask=n_ok, other=0.0)
-    if X_FP8:
+    if X_FP8 and not QUANT_X:
         xs_next = tl.load(xs_rows + k_first, mask=m_ok, other=0.0)
     # K_PER steps from k_lo; the last split's steps past K load nothing (masked, zero) and add 0.
     # (Triton 3.6's interpreter under numpy 2 takes only constexpr loop bounds.)
@@ -166,30 +228,105 @@ def _fp8_linear_kernel(
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             xv = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if X_FP8:
-            x_scale = xs_next
-            xs_next = tl.load(xs_rows + nxt, mask=m_ok, other=0.0)
+            if QUANT_X:  # quantize_act's 1x128 groups, in registers: rows past M quantise to 0
+                xf = xv.to(tl.float32)
+                x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12), 448.0)
+                xv = _round_e4m3(tl.clamp(tl.math.div_rn(xf, x_scale[:, None]), -448.0, 448.0)).to(w.dtype)
+            else:
+                x_scale = xs_next
+                xs_next = tl.load(xs_rows + nxt, mask=m_ok, other=0.0)
             acc += tl.dot(w, tl.trans(xv)) * w_scale[:, None] * x_scale[None, :]
         else:
             acc += tl.dot(w.to(xv.dtype), tl.trans(xv), input_precision="ieee") * w_scale[:, None]
 
-    # int32 element offsets (the launcher checks split_k * M * N < 2^31): half the registers of
-    # 64-bit pointer tiles
-    out_off = offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K > 1:
-        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-        part_off = offs_m[None, :] * N + offs_n[:, None]
-        tl.store(part_ptr + pid_k * M * N + part_off, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:  # the last of the tile's programs: sum in split order
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(0, SPLIT_K):  # a loop, not unrolled: one partial tile live at a time
-                total += tl.load(part_ptr + s * M * N + part_off, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
-            tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+    _split_k_store(acc, out_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_om, tile, pid_k,
+                   BLOCK_N, BLOCK_M, SPLIT_K)
+
+
+@triton.jit
+def _step_scales(ws_row, kb, num_kb, offs_k0, BLOCK_K: tl.constexpr):
+    """A GEMV step's weight block scales over [1, BLOCK_K], x's layout: scalar loads put in place
+    (a gather would get a layout of its own, re-laid out through shared memory every step)."""
+    s = tl.zeros((1, BLOCK_K), dtype=tl.float32)
+    for g in tl.static_range(BLOCK_K // 128):
+        s = tl.where((offs_k0 // 128)[None, :] == g, tl.load(ws_row + kb + g, mask=kb + g < num_kb, other=0.0), s)
+    return s
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,                     # [M, K] (bf16/f16/f32), rows contiguous
+    w_ptr, ws_ptr, bias_ptr,   # e4m3 [N, K], f32 [ceil(N/128), ceil(K/128)], [N] (HAS_BIAS)
+    out_ptr, part_ptr, count_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_wsn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Decode GEMV: BLOCK_N weight rows (inside one 128-row scale block) against all BLOCK_M tokens,
+    K_PER steps of BLOCK_K. The weights stream in 8-byte loads held in registers PREFETCH steps
+    ahead (the scales one step ahead); each step's block scales are folded into x (float32), so a
+    weight byte costs one upcast and one FMA per token. One token: per-thread partial sums,
+    reduced across threads once at the end; more tokens: each token's dot reduced every step."""
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 8 contiguous K a thread: the weights' 8-byte loads then share the layout of x's 16-byte
+    # (bf16) loads, where 16-byte weight loads would be re-laid out through shared memory each step
+    offs_k0 = tl.max_contiguous(tl.arange(0, BLOCK_K), 8)
+    cols = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_base = x_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_xm
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn
+    m_left = M - pid_m * BLOCK_M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    # masks: K (a multiple of 16 keeps the loads 16 bytes wide) and, for a prefetch, whether the
+    # step is still this split's (a scalar)
+    k_lo = pid_k * (K_PER * BLOCK_K)
+    num_kb = tl.cdiv(K, 128)
+    offs_k = k_lo + offs_k0
+    w_next = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PREFETCH == 2:
+        offs_k2 = offs_k + BLOCK_K
+        w_next2 = tl.load(w_rows + offs_k2[None, :], mask=n_ok[:, None] & (offs_k2 < K)[None, :] & (1 < K_PER),
+                          other=0.0)
+    s_next = _step_scales(ws_row, k_lo // 128, num_kb, offs_k0, BLOCK_K)  # scales: one step ahead
+    for i in range(0, K_PER):
+        w = w_next
+        k_ok = offs_k < K
+        offs_nk = offs_k + BLOCK_K
+        if PREFETCH == 2:
+            w_next = w_next2
+            offs_k2 = offs_nk + BLOCK_K
+            w_next2 = tl.load(w_rows + offs_k2[None, :], mask=n_ok[:, None] & (offs_k2 < K)[None, :] & (i + 2 < K_PER),
+                              other=0.0)
+        else:
+            w_next = tl.load(w_rows + offs_nk[None, :], mask=n_ok[:, None] & (offs_nk < K)[None, :] & (i + 1 < K_PER),
+                             other=0.0)
+        s = s_next
+        s_next = _step_scales(ws_row, (k_lo + (i + 1) * BLOCK_K) // 128, num_kb, offs_k0, BLOCK_K)
+        wf = w.to(tl.float32)
+        for mm in tl.static_range(BLOCK_M):
+            xv = tl.load(x_base + mm * stride_xm + offs_k[None, :], mask=(k_ok & (mm < m_left))[None, :], other=0.0)
+            prod = wf * (xv.to(tl.float32) * s)
+            if BLOCK_M == 1:  # a thread's 8 consecutive K: summed in registers
+                acc1 += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 8, 8)), axis=2)
+            else:
+                acc += tl.where(cols[None, :] == mm, tl.sum(prod, axis=1)[:, None], 0.0)
+        offs_k = offs_nk
+    if BLOCK_M == 1:
+        acc += tl.sum(acc1, axis=1)[:, None]
+    if HAS_BIAS:  # in split 0's partial only
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
+    tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+    _split_k_store(acc, out_ptr, part_ptr, count_ptr, offs_n, pid_m * BLOCK_M + cols, M, N, stride_om, tile,
+                   pid_k, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
 MAX_TILES = 1 << 16  # split-K tiles per launch (arrival counters kept per device)
@@ -230,10 +367,12 @@ def fp8_linear(
     if w.stride(1) != 1 or w_scale.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
         raise ValueError("w rows, w_scale rows and the bias must be contiguous")
     cfg = config or select_config(m, n, k)
+    if cfg.block_k and m > GEMV_MAX_M:
+        raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} tokens, got {m}: use a tensor-core config")
     out = _empty((m, n), x.dtype, x.device)  # NaN-filled under triton_moe.POISON (tests)
     if m == 0:
         return out
-    if cfg.x_fp8:
+    if cfg.x_fp8 and not cfg.quant_in_kernel:
         xq, xs = x_fp8 if x_fp8 is not None else quantize_act(x)
     else:
         xq = x if x.stride(1) == 1 else x.contiguous()
@@ -258,11 +397,19 @@ def fp8_linear(
         counters = _counters(x.device)
     else:
         part = counters = out  # unused
+    if cfg.block_k:
+        _fp8_gemv_kernel[(num_n * split, num_m)](
+            xq, w, w_scale, bias if bias is not None else w_scale, out, part, counters, m, n, k,
+            xq.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+            SPLIT_K=split, K_PER=k_per, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=1,
+        )
+        return out
     _fp8_linear_kernel[(num_n * split, num_m)](
         x_arg, xs, w_arg, w_scale, bias if bias is not None else w_scale, out, part, counters,
         m, n, k,
         xq.stride(0), xs.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_M=block_m, X_FP8=cfg.x_fp8, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_M=block_m, X_FP8=cfg.x_fp8, HAS_BIAS=bias is not None, QUANT_X=cfg.quant_in_kernel,
         SPLIT_K=split, K_PER=k_per, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -40,6 +40,17 @@ CASES = {
     "tma-two-token-tiles": (20, 96, 528, dict(block_n=32, block_m=16, split_k=2, tma=True), False),
     "tma-fp8x": (4, 200, 320, dict(block_n=32, split_k=2, x_fp8=True, tma=True), True),
     "tma-fallback": (3, 200, 300, dict(block_n=32, tma=True), True),
+    # x quantised inside the kernel (no quantisation launch): rows past M, ragged K, split K
+    "fp8xq-split2": (5, 200, 300, dict(block_n=32, split_k=2, x_fp8=True, quant_in_kernel=True), True),
+    "tma-fp8xq-two-token-tiles": (20, 96, 528, dict(block_n=32, block_m=16, split_k=1, x_fp8=True,
+                                                     quant_in_kernel=True, tma=True), False),
+    # the GEMV kernel (block_k > 0): one token (per-thread partial sums), several (per-step dots),
+    # ragged K inside a step, N not a multiple of the row tile, split K, two steps prefetched
+    "gemv-one-token": (1, 200, 300, dict(block_n=8, block_k=256, split_k=1), True),
+    "gemv-one-token-split2-pf2": (1, 136, 1000, dict(block_n=16, block_k=128, split_k=2, prefetch=2), True),
+    "gemv-three-tokens-pf2": (3, 72, 700, dict(block_n=8, block_k=256, split_k=1, prefetch=2), False),
+    "gemv-16-tokens-split3": (16, 40, 900, dict(block_n=4, block_k=128, split_k=3, num_warps=2), True),
+    "gemv-auto-split": (2, 64, 1024, dict(block_n=8, block_k=256, prefetch=2), True),
 }
 
 
@@ -64,7 +75,7 @@ def _child(in_path: str, out_path: str) -> None:
     results = {}
     for c in torch.load(in_path):
         cfg = LinearConfig(**c["cfg"])
-        x_fp8 = (c["xq"], c["xs"]) if cfg.x_fp8 else None
+        x_fp8 = (c["xq"], c["xs"]) if cfg.x_fp8 and not cfg.quant_in_kernel else None
         out = fp8_linear(c["x"], c["w"], c["ws"], c["b"], config=cfg, x_fp8=x_fp8)
         again = fp8_linear(c["x"], c["w"], c["ws"], c["b"], config=cfg, x_fp8=x_fp8)  # counters were reset
         results[c["name"]] = dict(out=out, again=again)
@@ -112,6 +123,11 @@ def test_launch_shapes_leave_no_split_empty():
                 num_k = -(-k // 128)
                 assert 1 <= s <= num_k and (s - 1) * k_per < num_k <= s * k_per
                 assert block_m >= 16 and (block_m >= m or block_m == 64)
+                gemv = LinearConfig(block_n=8, block_k=512, split_k=split)
+                block_m, s, k_per = launch_shape(gemv, m, n, k)
+                num_k = -(-k // 512)
+                assert 1 <= s <= num_k and (s - 1) * k_per < num_k <= s * k_per
+                assert block_m >= m and block_m < 2 * m
             assert select_config(m, n, k).block_m or m <= 64  # prefill tiles are explicit
 
 
@@ -128,6 +144,14 @@ def test_bad_inputs_are_refused():
         fp8_linear(torch.randn(2, 256), wq, ws, torch.zeros(63))
     with pytest.raises(ValueError, match="block_n"):
         LinearConfig(block_n=48)
+    with pytest.raises(ValueError, match="quant_in_kernel"):
+        LinearConfig(quant_in_kernel=True)
+    with pytest.raises(ValueError, match="GEMV block_k"):
+        LinearConfig(block_n=8, block_k=192)
+    with pytest.raises(ValueError, match="GEMV block_n"):
+        LinearConfig(block_n=256, block_k=256)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        fp8_linear(torch.randn(17, 256), wq, ws, config=LinearConfig(block_n=8, block_k=128))
 
 
 if __name__ == "__main__":
