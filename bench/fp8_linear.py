@@ -2,6 +2,7 @@
 GEMM, on gpt-oss' QKV [5120, 2880] and O [2880, 4096] (20b and 120b share them), with bias.
 
     python bench/fp8_linear.py [--m 1,2,4,8,16,32,64] [--prefill-m 1024,8192] [--quick] [--out FILE.json]
+    python bench/fp8_linear.py --candidates [--budget-s 110]   # CANDIDATES only, M 1/4/16/64, < 2 min
 
 Decode (M <= 64) is bound by the weight bytes: each row reports us per call, the weight stream in
 TB/s (weights + scales; bf16 for cuBLAS) and the FP8 floor (FP8 weights + scales / the copy
@@ -12,6 +13,8 @@ config is checked against the float32 reference of its mode before it is timed. 
 the MoE down kernel (kernels/triton_fp8_gemm.py) run as a dense GEMM (one expert; float32 out,
 activations pre-quantised, launch alone). Prefill rows (--prefill-m) report TFLOP/s.
 Ends with the best config per (shape, M): the table for `triton_fp8_linear.WEIGHT_CONFIGS`.
+--candidates times only the CANDIDATES of each M (and cuBLAS bf16), measures the copy bandwidth
+alone, and stops starting new configs after --budget-s seconds (the best table still prints).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.bench.kernels import measure_ceilings, time_it  # noqa: E402
 from pdserve.kernels.fp8 import (fp8_linear_ref, fp8_weight_linear_ref, quantize_act_fp8,  # noqa: E402
                                  quantize_weight_fp8)
-from pdserve.kernels.triton_fp8_linear import LinearConfig, fp8_linear, launch_shape, select_config  # noqa: E402
+from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
+from pdserve.kernels.triton_fp8_linear import (GEMV_MAX_M, LinearConfig, fp8_linear, launch_shape,  # noqa: E402
+                                               select_config)
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}  # (N, K): 64 q + 2 x 8 kv heads of 64; hidden 2880
 LAYERS = 8  # weight copies per timed graph: 8 x 11.8-14.7 MB FP8 (2x that in bf16) > L2
@@ -48,6 +54,45 @@ DECODE_CONFIGS = [
     LinearConfig(block_n=32, num_stages=4, tma=True),
     LinearConfig(block_n=64, num_stages=4, x_fp8=True, tma=True),
 ]
+# The decode short list by M (ptxas for sm_90a, offline: no spills; 8-byte weight loads, no layout
+# conversion in the K loop; "in flight" = weight bytes requested ahead per SM, about 40 KB hides
+# HBM latency). GEMV rows: (block_n, block_k, warps, prefetch) -> QKV | O programs, registers.
+# fp8xq: x quantised in the kernel, FP8 tensor cores (no upcast: the bf16x kernel's W tile goes
+# through 2-byte shared loads and per-element converts).
+CANDIDATES: dict[int, list[LinearConfig]] = {
+    1: [
+        LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2),    # 1280 | 720 progs, 92 regs, ~39 | 22 KB
+        LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),    # 640 | 720 (split 2), 126-137 regs
+        LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=2),   # 1280 | 720, 80 regs, ~48 | 44 KB
+        LinearConfig(block_n=2, block_k=1024, num_warps=2, prefetch=2),   # 2560 | 1440, 88 regs, ~44 KB
+        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 2560 | 1440, 89 regs, ~39 | 22 KB
+        LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=1),   # 640 | 720, 96-128 regs
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
+    ],
+    4: [
+        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 96 regs, ~39 | 22 KB
+        LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),    # 165-177 regs, ~39 | 40 KB
+        LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2),    # 125 regs
+        LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=1),   # 96 regs
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
+    ],
+    16: [
+        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 168 regs: 16 FMAs a weight
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
+        LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_stages=4),
+        LinearConfig(block_n=64, x_fp8=True),
+    ],
+    64: [
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
+        LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_stages=4),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, split_k=2),
+        LinearConfig(block_n=64, x_fp8=True),
+    ],
+}
 PREFILL_CONFIGS = [  # no register spills (ptxas for sm_90a, offline)
     LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3),
     LinearConfig(block_n=64, block_m=128, split_k=1, num_warps=4, num_stages=4),
@@ -107,7 +152,9 @@ def moe_gemm_runner(m: int, n: int, k: int, layers):
     return lambda lay: tm.down_weighted(a, a_scale, routing, by_id[id(lay)], route_w, True, cfg.down)
 
 
-def bench_decode(ms: list[int], configs: list[LinearConfig], bw: float, g: torch.Generator) -> list[dict]:
+def bench_decode(ms: list[int], configs, bw: float, g: torch.Generator, moe: bool = True,
+                 deadline: float = float("inf")) -> list[dict]:
+    """configs: a list, or a function of M giving one; configs start until `deadline` (time.time())."""
     rows = []
     for shape, (n, k) in SHAPES.items():
         layers = make_weights(n, k, g)
@@ -118,16 +165,21 @@ def bench_decode(ms: list[int], configs: list[LinearConfig], bw: float, g: torch
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             runs = {"cuBLAS bf16": (lambda lay: F.linear(x, lay[0], lay[3]), bf16_bytes)}
             try:
-                runs["moe fp8 gemm"] = (moe_gemm_runner(m, n, k, layers), fp8_bytes)
+                if moe:
+                    runs["moe fp8 gemm"] = (moe_gemm_runner(m, n, k, layers), fp8_bytes)
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                 print(f"{shape} M={m}: moe fp8 gemm unavailable: {type(e).__name__}: {e}", flush=True)
             default = select_config(m, n, k)
-            for cfg in [default] + [c for c in configs if c != default]:
+            listed = configs(m) if callable(configs) else configs
+            for cfg in [default] + [c for c in listed if c != default and (not c.block_k or m <= GEMV_MAX_M)]:
                 runs[("default " if cfg == default else "") + cfg.label] = (
                     lambda lay, cfg=cfg: fp8_linear(x, lay[1], lay[2], lay[3], config=cfg), fp8_bytes, cfg)
             _, wq, ws, b = layers[0]
             refs = {False: fp8_weight_linear_ref(x, wq, ws, b), True: fp8_linear_ref(x, wq, ws, b)}
             for name, (fn, nb, *cfg) in runs.items():
+                if time.time() > deadline:
+                    print(f"{shape} M={m} {name}: skipped (time budget spent)", flush=True)
+                    continue
                 try:
                     if cfg:
                         err = rel_l2(fn(layers[0]), refs[cfg[0].x_fp8])
@@ -203,10 +255,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-m", default="1024,8192", help="prefill token counts ('' = none)")
     ap.add_argument("--quick", action="store_true", help="the default config and two others only")
     ap.add_argument("--out", default=None, help="JSON file for every row")
+    ap.add_argument("--candidates", action="store_true",
+                    help="CANDIDATES at M 1, 4, 16, 64 (--m ignored), cuBLAS bf16 alongside, no prefill")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="--candidates: start no config after this")
     a = ap.parse_args(argv)
+    start = time.time()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if a.candidates:
+        ceil = {"copy_bw": copy_bandwidth()}
+        print(f"device-to-device copy (read + write): {ceil['copy_bw'] / 1e12:.2f} TB/s", flush=True)
+        rows = bench_decode(sorted(CANDIDATES), CANDIDATES.get, ceil["copy_bw"], g, moe=False,
+                            deadline=start + a.budget_s)
+        best = best_table(rows)
+        print(f"total {time.time() - start:.0f} s", flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(dict(ceilings=ceil, decode=rows, best=best), indent=1))
+        return 0
     ceil = measure_ceilings()
     bw = ceil["copy_bw"]
-    g = torch.Generator(device="cuda").manual_seed(0)
     configs = DECODE_CONFIGS[:3] + [c for c in DECODE_CONFIGS if c.tma][:1] if a.quick else DECODE_CONFIGS
     rows = bench_decode([int(v) for v in a.m.split(",")], configs, bw, g)
     best = best_table(rows)

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from pdserve.kernels.fp8 import fp8_linear_ref, fp8_weight_linear_ref, quantize_weight_fp8  # noqa: E402
-from pdserve.kernels.triton_fp8_linear import LinearConfig, fp8_linear, launch_shape  # noqa: E402
+from pdserve.kernels.triton_fp8_linear import GEMV_MAX_M, LinearConfig, fp8_linear, launch_shape  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}
 TOL = 4e-3
@@ -39,6 +39,19 @@ CONFIGS = {
     "tma-n64": LinearConfig(block_n=64, tma=True),
     "tma-n64-nosplit": LinearConfig(block_n=64, split_k=1, tma=True),
     "tma-fp8x-n64": LinearConfig(block_n=64, x_fp8=True, tma=True),
+    # x quantised inside the kernel, and every config of bench/fp8_linear.py's CANDIDATES
+    "fp8xq-n64": LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
+    "fp8xq-n64-tma": LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
+    "fp8xq-n128": LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_stages=4),
+    "fp8xq-n64-split2": LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, split_k=2),
+    # the GEMV kernel (at most GEMV_MAX_M tokens: 64 is refused)
+    "gemv-n4-k512-w2-pf2": LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2),
+    "gemv-n8-k512-w2-pf2": LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),
+    "gemv-n4-k1024-w4-pf2": LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=2),
+    "gemv-n2-k1024-w2-pf2": LinearConfig(block_n=2, block_k=1024, num_warps=2, prefetch=2),
+    "gemv-n2-k512-w1-pf2": LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),
+    "gemv-n8-k1024-w4-pf1": LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=1),
+    "gemv-n8-k512-w2-split3": LinearConfig(block_n=8, block_k=512, num_warps=2, split_k=3, prefetch=2),
 }
 
 
@@ -70,11 +83,25 @@ def test_decode_matches_reference(shape, m, name, seed):
     n, k = SHAPES[shape]
     cfg = CONFIGS[name]
     x, wq, ws, b = _problem(n, k, m, seed)
+    if cfg is not None and cfg.block_k and m > GEMV_MAX_M:
+        with pytest.raises(ValueError, match="GEMV kernel takes at most"):
+            fp8_linear(x, wq, ws, b, config=cfg)
+        return
     out = fp8_linear(x, wq, ws, b, config=cfg)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     x_fp8 = cfg is not None and cfg.x_fp8
     err = rel_l2(out.float().cpu(), _reference(x, wq, ws, b, x_fp8))
     assert err < TOL, (shape, m, name, err)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", [name for name, cfg in CONFIGS.items() if cfg is not None and cfg.block_k])
+def test_gemv_most_tokens(shape, name, seed):
+    """The GEMV kernel at GEMV_MAX_M tokens (each token's dot reduced every K step)."""
+    n, k = SHAPES[shape]
+    x, wq, ws, b = _problem(n, k, GEMV_MAX_M, seed)
+    out = fp8_linear(x, wq, ws, b, config=CONFIGS[name])
+    assert rel_l2(out.float().cpu(), _reference(x, wq, ws, b, False)) < TOL
 
 
 PREFILL_CONFIGS = {
@@ -106,7 +133,7 @@ def test_no_bias_and_tp_shard_shapes(seed):
         assert rel_l2(out.float().cpu(), _reference(x, wq, ws, None, False)) < TOL
 
 
-@pytest.mark.parametrize("name", ["default", "fp8x-n128-split3", "tma-n64"])
+@pytest.mark.parametrize("name", ["default", "fp8x-n128-split3", "tma-n64", "fp8xq-n64", "gemv-n8-k512-w2-split3"])
 def test_split_k_deterministic_and_graph_replay(name, seed):
     """Split-K sums in split order whatever the arrival order: repeated calls are bit-identical,
     the arrival counters are reset for the next launch, and a CUDA graph replays the same."""
