@@ -60,7 +60,7 @@ def run(a: argparse.Namespace) -> int:
     from pdserve.proto.lifecycle import WorkerLifecycle
     from pdserve.proto.rpc import ensure_port_free, make_server
 
-    from .parallel import build_rank, follower_main
+    from .parallel import build_rank, follower_main, unpack_on_every_rank
     from .scheduler import DecodeScheduler
     from .server import DecodeService
 
@@ -107,6 +107,7 @@ def run(a: argparse.Namespace) -> int:
     scheduler = DecodeScheduler(runner, max_batch_size=a.max_batch_size, head_ranges=head_ranges,
                                 transfer_timeout_s=a.kv_transfer_timeout)
     scheduler.notification_source = notifications
+    scheduler.kv_unpack = unpack_on_every_rank(leader, agent)
     service = DecodeService(scheduler, agent, worker_id=worker_id, default_ttl_s=a.reservation_ttl,
                             rank_agents=rank_agents)
     if a.kv_selftest_mib > 0:

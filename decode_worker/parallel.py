@@ -10,6 +10,9 @@ KV arrival: prefill ranks write into the decode ranks whose KV heads they share;
 notification names the request and the heads it carried (kvtransfer.notify).
 Followers forward their notifications to the leader over a pipe; the leader's scheduler declares a
 request's KV present once every rank's heads are covered, whatever the prefill worker's TP.
+Re-sharded writes (prefill TP > decode TP) are put in place by every rank on the leader's command
+(`unpack_on_every_rank`), never by a rank on its own: only the leader knows whether the request
+still holds the blocks (kvtransfer.reshard).
 """
 
 from __future__ import annotations
@@ -48,8 +51,14 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
                          cuda_graph_max_batch=a.cuda_graph_max_batch, attention_precision=a.attention_precision)
     agent = KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(runner.cfg.num_key_value_heads),
-                            listen_host=a.kv_host or a.host)
+                            listen_host=a.kv_host or a.host, unpack_on_arrival=False)
     return runner, agent
+
+
+def unpack_on_every_rank(leader, agent):
+    """The scheduler's `kv_unpack`: rank 0's agent and, by a command, every follower's put the
+    requests' slotted KV in place; returns once all ranks have (their replies are gathered)."""
+    return lambda requests: leader.call("kv_unpack", requests, agent.unpack, want_reply=True)
 
 
 def follower_main(rank: int, init: str, a: argparse.Namespace, worker_id: str, leader_pid: int, conn) -> None:
@@ -66,6 +75,6 @@ def follower_main(rank: int, init: str, a: argparse.Namespace, worker_id: str, l
             stop.set()
             agent.close()
 
-        return {"step": runner.execute}, cleanup
+        return {"step": runner.execute, "kv_unpack": agent.unpack}, cleanup
 
     run_follower(rank, a.tp, init, leader_pid, a.ep, a.device, setup)

@@ -87,6 +87,7 @@ class DecodeRequest:
     last_push_at: float | None = None  # the latest announced push's start
     push_ended: bool = False  # some writer reported its push over (ok or failed)
     kv_complete: bool = False  # every head of every rank arrived
+    kv_slotted: bool = False  # some rank got writes narrower than its heads (put in place on command)
     kv_arrived_at: float | None = None
     no_writer: bool = False  # the caller said no prefill worker was ever asked to write
 

@@ -13,6 +13,13 @@ end in the loop thread, so no step ever runs on blocks that were given away.
 Blocks of an ended request whose KV writes may still land (a push under way, or a prefill worker
 that may yet begin one) are released under a fence, lifted when the prefill side reports the push
 over, or at the latest when no push can still be running (`DecodeRequest.fence_deadline`).
+
+Re-sharded KV (prefill TP > decode TP, kvtransfer.reshard) lands in slots that each rank must
+permute into place. The ranks do that only when this loop says so (`kv_unpack`), once the request's
+KV is on every rank, and under the lock that also guards every release of blocks: the blocks are
+the request's until every rank has finished, and a rank that sees an ended request's slots late
+(its notifications polled after the push's "ok" reached rank 0) never touches their next owner's
+KV. So the fence above needs no word from the other ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ class DecodeScheduler:
     head_ranges : global KV heads [lo, hi) of each rank of the worker (default: one rank, all).
     transfer_timeout_s : how long a KV transfer may run once the prefill worker began it.
     notification_source : set by the server: returns (rank, notification) pairs since last call.
+    kv_unpack : set by the server when its ranks' agents leave slotted writes to their owner
+        (``unpack_on_arrival=False``): puts the given requests' slotted KV in place on every rank,
+        [(request id, pool -> blocks it holds)], and returns once every rank has.
     """
 
     def __init__(
@@ -80,6 +90,7 @@ class DecodeScheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self.notification_source: Notifications | None = None
+        self.kv_unpack: Callable[[list[tuple[str, dict[str, list[int]]]]], object] | None = None
         self.masks = MaskPipeline()
         self.steps = 0
         self._block_copies: dict[str, list[tuple[int, int]]] = {}  # forks admitted, run with the next step
@@ -241,10 +252,23 @@ class DecodeScheduler:
             if r is not None and r.push_over(n.writer, ok=n.kind == OK):
                 log.warning("request %s: %s", r.request_id, r.error)
                 self._end(r, TokenEvent([], FinishReason.ERROR, r.error))
-        elif r is not None and self._arrivals.add(rank, n.request_id, n.heads):
-            r.kv_arrived(now)
-            if r.state is State.QUEUED:
-                self._queued.append(r)
+        elif r is not None:
+            if n.heads is not None and n.heads != tuple(self._arrivals.head_ranges[rank]):
+                r.kv_slotted = True
+            if self._arrivals.add(rank, n.request_id, n.heads):
+                if r.kv_slotted and self.kv_unpack is not None:
+                    # every rank puts the pages in place while the request holds them (under the
+                    # lock: no block changes hands before all ranks are done; module docstring)
+                    self.kv_unpack([(r.request_id, self._holds(r))])
+                r.kv_arrived(now)
+                if r.state is State.QUEUED:
+                    self._queued.append(r)
+
+    def _holds(self, r: DecodeRequest) -> dict[str, list[int]]:
+        holds = {"full": list(r.blocks.full)}
+        if self.cache.has_sliding:
+            holds["sliding"] = r.blocks.owned_sliding()
+        return holds
 
     def _housekeeping(self) -> None:
         notes = list(self.notification_source()) if self.notification_source is not None else []

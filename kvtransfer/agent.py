@@ -22,7 +22,8 @@ on an H200), and NIXL posts synchronously. So ranges adjacent on both sides are 
 ``staging_bytes`` a re-sharded WRITE to a rank owning a subset of our heads is packed into whole
 pages first (``kvtransfer.staging``), and a WRITE to a rank owning more heads than ours whose
 notification names the request and heads (``notify.kv_notification``) writes whole pages into
-slots the receiving agent unpacks before it delivers the notification (``kvtransfer.reshard``).
+slots the receiving agent unpacks before it delivers the notification, or when the blocks'
+owner says so (``unpack``; ``kvtransfer.reshard``).
 Either way a run of consecutive destination blocks is one descriptor per layer; scattered
 blocks cost one per (layer, page); other re-shardings one per (layer, page, k/v, token).
 
@@ -221,12 +222,15 @@ class KVTransferAgent:
     progress_poll_us : fallback wake-up period of NIXL's UCX progress thread, which otherwise
         sleeps in poll() until UCX has work. nixl's Python wrapper passes 0, which makes that
         thread spin a core per agent even when idle (measured); >= 1000 costs ~3% of a core.
+    unpack_on_arrival : put slotted writes' heads in place as soon as this rank's slots of a
+        request are all here; False leaves that to ``unpack``, which the owner of the blocks calls
+        while the request still holds them (a decode worker's leader; kvtransfer.reshard).
     """
 
     def __init__(self, name: str, pools: Mapping[str, torch.Tensor], *,
                  head_range: tuple[int, int], backend: str = "UCX",
                  listen_host: str = "127.0.0.1", staging_bytes: int = 0,
-                 progress_poll_us: int = 1000):
+                 progress_poll_us: int = 1000, unpack_on_arrival: bool = True):
         if not name or not isinstance(name, str):
             raise KVLayoutError("agent name must be a non-empty string")
         if not pools:
@@ -238,7 +242,7 @@ class KVTransferAgent:
         if len(devices) != 1:
             raise KVLayoutError(f"all pools of a rank must be on one device, got {sorted(devices)}")
         self._pools = dict(pools)  # keep the registered memory alive
-        self._slotted = SlottedArrivals(self._pools, head_range)
+        self._slotted = SlottedArrivals(self._pools, head_range, unpack_on_arrival=unpack_on_arrival)
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         self._notifs: list[bytes] = []
@@ -485,6 +489,14 @@ class KVTransferAgent:
                 return False
             time.sleep(delay)
             delay = min(2 * delay, 2e-3)
+
+    def unpack(self, requests: list[tuple[str, dict[str, list[int]]]]) -> list[str]:
+        """With ``unpack_on_arrival=False``: put in place the slotted writes of these requests
+        whose slots are all here, each given with the blocks it holds (pool -> block ids); the
+        ids of those unpacked (finished on the device) before this returns."""
+        with self._lock:
+            self._check_open()
+            return [rid for rid, holds in requests if self._slotted.unpack(rid, holds)]
 
     def send_notification(self, peer_name: str, notif: bytes) -> None:
         """Send a notification not tied to a transfer (e.g. "request cancelled")."""

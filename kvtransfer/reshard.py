@@ -13,15 +13,23 @@ writes its page ``i`` into slot ``s * n + i``, i.e. page ``b_{(s*n+i) // k}`` at
 ``((s*n+i) % k) * source page bytes``. Over consecutive blocks on both sides that is ONE range
 per layer (and per run of blocks otherwise): no staging memory, no extra round trip. The write's
 notification carries the destination blocks (run-length encoded); once the receiver's heads are
-covered (every slot written) it gathers the pages, permutes heads into place and scatters them
-back (``unpack_slotted``), then releases the notifications to the worker, which only then sees
-the request's KV. Ordering this relies on: a decode worker frees a cancelled request's blocks
-after the prefill side's "ok" fence (decode_worker/request.py), which can reach rank 0 just before
-another rank has polled (within ~1 ms) the notification that makes it unpack those blocks; a new
-request's KV landing in them inside that window would be permuted. Fencing on the KV being
-complete on every rank (not only on "ok") closes it. Slots are assembled per push (an id every sender of one push shares), so the
-slots an earlier, failed push left behind never complete a later one into the same blocks. The bytes a request's pages hold are garbage until then, as for any write in
-flight; nothing reads them before the KV is declared present.
+covered (every slot written) the pages are gathered, their heads permuted into place and
+scattered back (``unpack_slotted``) before the worker counts the request's KV as present. Slots
+are assembled per push (an id every sender of one push shares), so the slots an earlier, failed
+push left behind never complete a later one into the same blocks. The bytes a request's pages
+hold are garbage until then, as for any write in flight; nothing reads them before the KV is
+declared present.
+
+Who unpacks, and when: a standalone receiver unpacks as soon as its slots are all there. The ranks
+of a decode worker (``unpack_on_arrival=False``) only mark them ready and unpack when their
+leader's scheduler says so (``unpack``, naming the blocks the request holds). It says so only
+while the request holds its blocks, under the lock that guards every release of blocks, and the
+command returns once every rank has unpacked (decode_worker.scheduler). Guarantee: a rank permutes pages
+only of blocks their request still holds. A request that ends before its KV is on every rank is
+never unpacked anywhere, so its blocks are reusable as soon as no write into them can land (the
+prefill side's "ok"/"failed" fence), and a rank that polls its slots late, after the blocks went
+to another request, leaves the new owner's KV alone. Any later write for the request (another
+push) drops a ready entry: its pages are being rewritten.
 """
 
 from __future__ import annotations
@@ -123,31 +131,47 @@ class _Held:
     notifs: list[bytes] = field(default_factory=list)
 
 
+@dataclass
+class _Ready:
+    """A request's slots, all here, waiting for the leader's word to unpack (deferred mode)."""
+
+    since: float
+    push_id: bytes
+    blocks: dict[str, np.ndarray]
+    k: int
+
+
 class SlottedArrivals:
     """Receiver side: holds the notifications of slotted writes until this rank's heads are
-    covered for the request, then unpacks its pages and releases them (``feed``).
+    covered for the request, then unpacks its pages and releases them (``feed``), or with
+    ``unpack_on_arrival=False`` releases them and keeps the pages ready for ``unpack``.
 
     pools : the rank's pool tensors by name; heads : its global KV heads ``[lo, hi)``.
-    A request whose slots never all arrive (its push failed or was cancelled) is dropped after
-    ``ttl_s``; its pages are never touched. One caller at a time (the agent's lock).
+    A request whose slots never all arrive (its push failed or was cancelled), or that is ready
+    and never unpacked (it ended meanwhile), is dropped after ``ttl_s``; its pages are never
+    touched. One caller at a time (the agent's lock).
     """
 
     def __init__(self, pools: dict[str, torch.Tensor], heads: tuple[int, int], ttl_s: float = 600.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, unpack_on_arrival: bool = True):
         self.pools = pools
         self.heads = heads
         self.ttl_s = ttl_s
         self.clock = clock
+        self.unpack_on_arrival = unpack_on_arrival
         self._held: dict[str, _Held] = {}
+        self._ready: dict[str, _Ready] = {}
         self._stream = None
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._held) + len(self._ready)
 
     def feed(self, raw: bytes) -> list[bytes]:
         """One received notification -> the notifications to deliver now (plain ones at once)."""
         self._expire()
         if SEP not in raw:
+            if self._ready:
+                self._rewritten(raw)
             return [raw]
         notif, _, tail = raw.partition(SEP)
         push_id, _, tail = tail.partition(SEP)
@@ -161,6 +185,9 @@ class SlottedArrivals:
         except KVLayoutError as e:
             log.error("request %s: bad slotted write dropped: %s", n.request_id, e)
             return []
+        ready = self._ready.get(n.request_id)
+        if ready is not None and ready.push_id != push_id:
+            del self._ready[n.request_id]  # another push rewrites the pages
         held = self._held.get(n.request_id)
         if held is None or held.push_id != push_id or held.width != width or any(
                 not np.array_equal(held.blocks.get(g, ()), b) for g, b in blocks.items()):
@@ -171,8 +198,34 @@ class SlottedArrivals:
             return []
         del self._held[n.request_id]
         k = (self.heads[1] - self.heads[0]) // width
-        self._unpack(blocks, k)
+        if self.unpack_on_arrival:
+            self._unpack(blocks, k)
+        else:
+            self._ready[n.request_id] = _Ready(self.clock(), push_id, blocks, k)
         return held.notifs
+
+    def unpack(self, request_id: str, holds: dict[str, np.ndarray]) -> bool:
+        """Deferred mode: put the request's ready slots in place, provided they lie in the blocks
+        it holds (``holds``: pool -> block ids); True if pages were unpacked, False when there
+        was nothing ready (its writes to this rank were not slotted) or it lay elsewhere."""
+        ready = self._ready.pop(request_id, None)
+        if ready is None:
+            return False
+        for g, b in ready.blocks.items():
+            if not np.isin(b, np.asarray(holds.get(g, ()), dtype=np.int64)).all():
+                log.error("request %s: slotted KV in %s blocks it does not hold: not unpacked", request_id, g)
+                return False
+        self._unpack(ready.blocks, ready.k)
+        return True
+
+    def _rewritten(self, raw: bytes) -> None:
+        """A plain write for a request with ready slots: a later push writes its pages in place."""
+        try:
+            n = parse_notification(raw)
+        except UnicodeDecodeError:
+            return
+        if n.kind == WRITE:
+            self._ready.pop(n.request_id, None)
 
     def _check(self, blocks: dict[str, np.ndarray], heads: tuple[int, int]) -> dict[str, np.ndarray]:
         lo, hi = self.heads
@@ -189,6 +242,7 @@ class SlottedArrivals:
 
     def forget(self, request_id: str) -> None:
         self._held.pop(request_id, None)
+        self._ready.pop(request_id, None)
 
     def _unpack(self, blocks: dict[str, np.ndarray], k: int) -> None:
         pool0 = next(iter(self.pools.values()))
@@ -206,8 +260,10 @@ class SlottedArrivals:
                 unpack_slotted(self.pools[g], b, k)
 
     def _expire(self) -> None:
-        if self._held:
+        if self._held or self._ready:
             now = self.clock()
             for rid in [r for r, h in self._held.items() if now - h.since > self.ttl_s]:
                 log.warning("request %s: slotted KV writes incomplete after %g s: dropped", rid, self.ttl_s)
                 del self._held[rid]
+            for rid in [r for r, h in self._ready.items() if now - h.since > self.ttl_s]:
+                del self._ready[rid]  # its request ended before every rank had its KV

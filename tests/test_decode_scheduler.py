@@ -638,3 +638,96 @@ def test_a_prefill_that_fails_before_pushing_tells_the_decode_side(nixl_pair):
         fut.result(timeout=60)
     h.s.cancel("doomed")  # the router gives up on the request
     _pump(h, lambda: h.blocks() == (24, 0, 0), "the decode side was not told: blocks fenced")
+
+
+# -- re-sharded KV (prefill TP4 -> decode TP2) into reused blocks, with a rank that polls late --------
+@pytest.mark.parametrize("how", ["cancel", "expire"])
+def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request(tiny_cfg, how):
+    """Each decode rank gets its heads as two slotted writes to put in place (kvtransfer.reshard).
+    The victim ends and its blocks are freed on the prefill side's "ok" to rank 0, while rank 1
+    has not yet polled the victim's slots; the next request gets the very same blocks and its KV
+    lands in them; only then does rank 1 poll, seeing the victim's slots complete beside the next
+    request's. No rank may put the victim's slots in place any more (that would permute the new
+    owner's KV): the next request's KV must be bit-exact on both ranks."""
+    import time
+    import uuid
+
+    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.prefill_worker.executor import KVPush, push_kv
+
+    rng = random.Random()
+    nb = rng.randint(2, 6)  # the whole cache: the next request must take the victim's blocks
+    h = Harness(tiny_cfg, num_blocks=nb, head_ranges=[(0, 2), (2, 4)])
+    shape = h.runner.cache.pools["full"].shape  # (layers, blocks, 2, page, heads, dim)
+    tag = uuid.uuid4().hex[:6]
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    truth = torch.randint(-2**15, 2**15, (shape[0], 2 * nb, *shape[2:]), generator=gen,
+                          dtype=torch.int16).view(torch.bfloat16)  # prefill blocks: victim's, next's
+    dec = [KVTransferAgent(f"dec{r}-{tag}", {"full": torch.zeros(*shape[:4], 2, shape[5], dtype=torch.bfloat16)},
+                           head_range=(2 * r, 2 * r + 2), unpack_on_arrival=False) for r in (0, 1)]
+    pre = [KVTransferAgent(f"pre{i}-{tag}", {"full": truth[..., i:i + 1, :].contiguous()}, head_range=(i, i + 1))
+           for i in range(4)]
+    unpacked = []
+
+    def unpack_on_every_rank(requests):  # what the leader's "kv_unpack" command does
+        unpacked.append([rid for rid, _ in requests])
+        for a in dec:
+            a.unpack(requests)
+
+    h.s.kv_unpack = unpack_on_every_rank
+    polled = {0: [], 1: []}
+
+    def poll(rank: int, *want: bytes) -> None:
+        """Poll decode rank `rank` until `want` arrived; hand what it saw to the scheduler."""
+        end = time.monotonic() + 60
+        while not all(w in polled[rank] for w in want):
+            assert time.monotonic() < end, f"rank {rank} never got {want}"
+            got = dec[rank].take_notifications()
+            polled[rank] += got
+            h.inbox += [(rank, n) for n in got]
+            time.sleep(0.001)
+
+    def push(rid: str, src: int, kind: str) -> None:
+        blocks = h.s._requests[rid].blocks.full if kind == PUSH else None
+        peer = pre[0].add_peer(dec[0].peer_info())
+        pre[0].send_notification(peer, push_notification(rid, kind, pre[0].name))
+        if kind == PUSH:  # every prefill rank writes its head into a slot on the decode rank
+            targets = [(d.peer_info(), {"full": [(src + i, b) for i, b in enumerate(blocks)]}) for d in dec]
+            p = KVPush(rid, targets)
+            for a in pre:
+                push_kv(a, p, timeout_s=30)
+
+    try:
+        victim = list(h.s.reserve("victim", 4 * nb - 1, 1, ttl_s=60).blocks.full)
+        push("victim", 0, PUSH)
+        slots = [kv_notification("victim", (i, i + 1)) for i in range(4)]
+        poll(0, push_notification("victim", PUSH, pre[0].name), *slots[:2])  # rank 1: not yet
+        h.s.run_once()
+        assert h.state("victim") is State.AWAITING_KV
+        if how == "cancel":
+            h.s.cancel("victim")
+        else:
+            h.clock.now += 31  # the push began and is not complete (rank 1): transfer timeout
+        h.s.run_once()
+        assert h.state("victim") is None and h.blocks() == (0, 0, nb)  # fenced: the push is not over
+        push("victim", 0, OK)
+        poll(0, push_notification("victim", OK, pre[0].name))
+        h.s.run_once()
+        assert h.blocks() == (nb, 0, 0)  # every write landed: the blocks may be handed out
+
+        nxt = h.s.reserve("next", 4 * nb - 1, 1, ttl_s=60)
+        assert sorted(nxt.blocks.full) == sorted(victim)
+        push("next", nb, PUSH)
+        push("next", nb, OK)
+        # rank 1 polls at last: the victim's slots, all there, and the next request's
+        poll(1, *slots[2:], *[kv_notification("next", (i, i + 1)) for i in (2, 3)])
+        poll(0, *[kv_notification("next", (i, i + 1)) for i in (0, 1)], push_notification("next", OK, pre[0].name))
+        h.s.run_once()
+        assert h.state("next") is State.KV_READY and unpacked == [["next"]]
+        for r, a in enumerate(dec):
+            got = a._pools["full"][:, nxt.blocks.full].view(torch.int16)
+            want = truth[:, nb:2 * nb, ..., 2 * r:2 * r + 2, :].view(torch.int16)
+            assert torch.equal(got, want), f"rank {r}: the next request's KV was overwritten"
+    finally:
+        for a in pre + dec:
+            a.close()

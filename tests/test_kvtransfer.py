@@ -192,6 +192,56 @@ def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered():
     assert arrivals.feed(b"x#0:4") == [b"x#0:4"] and len(arrivals) == 0
 
 
+def test_deferred_slotted_arrivals_unpack_only_when_told_and_only_in_the_blocks_held():
+    """A decode rank (unpack_on_arrival=False) releases the notifications once its slots are all
+    here but moves nothing until its leader says so, naming the blocks the request holds; a later
+    write for the request, or the TTL, drops what was ready."""
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    blocks = np.random.default_rng().permutation(12)[:5].astype(np.int64)
+    truth = torch.randint(-2**15, 2**15, (2, 5, 2, 4, 4, 8), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    pool = torch.zeros(2, 12, 2, 4, 4, 8, dtype=torch.bfloat16)
+    dst = PoolLayout.from_tensor("full", pool, (0, 4))
+    flat = pool.view(torch.uint8).numpy().ravel()
+
+    def slots(rid: str, push: str) -> list[bytes]:
+        out = []
+        for lo in (0, 2):
+            part = truth[..., lo:lo + 2, :].contiguous()
+            copy = plan_pool_copy(PoolLayout.from_tensor("full", part, (lo, lo + 2)), dst,
+                                  np.stack([np.arange(5), blocks], 1), slotted=True)
+            scratch = np.zeros_like(flat, dtype=np.int64)
+            _apply(copy, part.view(torch.uint8).numpy().ravel(), flat, scratch, scratch.copy(), 0)
+            out.append(kv_notification(rid, (lo, lo + 2)) + b"|" + encode_slots(push, {"full": copy.dst_blocks}))
+        return out
+
+    now = [0.0]
+    arrivals = SlottedArrivals({"full": pool}, (0, 4), ttl_s=10, clock=lambda: now[0], unpack_on_arrival=False)
+    holds = {"full": np.concatenate([blocks, [99]])}
+    assert arrivals.unpack("r", holds) is False  # nothing arrived
+    first, second = slots("r", "p1")
+    assert arrivals.feed(first) == []
+    assert arrivals.feed(second) == [kv_notification("r", (0, 2)), kv_notification("r", (2, 4))]
+    raw = pool.clone()
+    assert arrivals.unpack("r", {"full": blocks[1:]}) is False  # not all its blocks: never moved
+    assert torch.equal(pool.view(torch.int16), raw.view(torch.int16)) and len(arrivals) == 0
+    for later in (kv_notification("r", (0, 4)), slots("r", "p2")[0]):  # another push rewrites it
+        for n in slots("r", "p1"):
+            arrivals.feed(n)
+        arrivals.feed(later)
+        assert arrivals.unpack("r", holds) is False
+        assert torch.equal(pool.view(torch.int16), raw.view(torch.int16))
+    arrivals.forget("r")
+    for n in slots("r", "p1"):
+        arrivals.feed(n)
+    now[0] = 11.0  # the request ended and nobody said unpack: dropped after the TTL
+    arrivals.feed(b"x#0:4")
+    assert len(arrivals) == 0 and arrivals.unpack("r", holds) is False
+    for n in slots("r", "p3"):
+        arrivals.feed(n)
+    assert arrivals.unpack("r", holds) is True
+    assert torch.equal(pool[:, blocks].view(torch.int16), truth.view(torch.int16))
+
+
 def test_plan_copy_packs_stageable_pools_back_to_back():
     src = {"full": _layout(heads=(0, 8)), "sliding": _layout("sliding", layers=1, heads=(0, 8))}
     dst = {"full": _layout(heads=(2, 4)), "sliding": _layout("sliding", layers=1, heads=(2, 4))}
