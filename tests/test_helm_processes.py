@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,18 +29,9 @@ import yaml
 
 from helm_chart import (CHART, NAMESPACE, REPO, container, container_env, expand_refs, find, flag, one,
                         render_values)
+from ports import free_ports
 
 pytestmark = pytest.mark.slow
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def image_entrypoint(dockerfile: Path) -> list[str]:

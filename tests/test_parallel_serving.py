@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ import pytest
 
 from pdserve.launch.serve import ClusterSpec, LocalCluster
 from processes import alive
+from ports import free_ports
 
 LAYOUTS = {"prefill-0": (2, 1), "prefill-1": (1, 1), "decode-0": (2, 2), "decode-1": (1, 1)}  # (tp, ep)
 MAX_NEW = 16
@@ -54,15 +54,10 @@ class MixedCluster(LocalCluster):
         return json.loads((self.tmp / f"{name}.ready").read_text())["rank_pids"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_mxfp4, tmp_path_factory):
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), prefill_workers=2,
+    port, grpc_port = free_ports(2)
+    spec = ClusterSpec(model=str(tiny_mxfp4), port=port, grpc_port=grpc_port, prefill_workers=2,
                        decode_workers=2, max_batch_size=16, kv_blocks=512)
     with MixedCluster(spec, tmp_path_factory.mktemp("logs")) as c:
         yield c

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.launch.ray_job import RayJobConfigError, config_from_dict, load_config
+from ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -142,12 +142,6 @@ def test_guard_kills_the_whole_group_only_once_its_owner_died():
 
 
 # ---- the whole job on a local Ray head -------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def processes_with(marker: str) -> dict[int, str]:
     """pid -> command line of every live process whose command line contains `marker`."""
     found = {}
@@ -207,11 +201,11 @@ def ray_head(tmp_path):
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_DEDUP_LOGS": "0"}  # every actor's own lines in `ray job logs`, none merged
     env.pop("RAY_ADDRESS", None)
-    dashboard = free_port()
+    dashboard, gcs, agent, client = free_ports(4)
     temp_dir = Path(f"/tmp/ray-{uuid.uuid4().hex[:8]}")  # short: Ray's socket paths are limited
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           f"--port={free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-           f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+           f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+           f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
            "--num-cpus=4", "--num-gpus=0", "--object-store-memory=200000000", f"--temp-dir={temp_dir}",
            "--disable-usage-stats"]
     log = open(tmp_path / "ray-head.log", "wb")
@@ -269,13 +263,13 @@ def chat(url: str) -> None:
 def test_ray_job_serves_survives_a_worker_crash_and_leaves_no_process(ray_head, tmp_path):
     address, env = ray_head
     namespace = f"pdserve-test-{uuid.uuid4().hex[:8]}"  # also in every worker's --worker-id
-    http_port = free_port()
+    http_port, grpc_port = free_ports(2)
     config = tmp_path / "pdserve-cpu.yaml"
     config.write_text(f"""\
 model: tiny
 device: cpu
 namespace: {namespace}
-router: {{host: 127.0.0.1, port: {http_port}, grpc_port: {free_port()}, discovery_interval_s: 1.0}}
+router: {{host: 127.0.0.1, port: {http_port}, grpc_port: {grpc_port}, discovery_interval_s: 1.0}}
 prefill: {{replicas: 1, cpus_per_rank: 1}}
 decode: {{replicas: 1, cpus_per_rank: 1, kv_blocks: 512, max_batch_size: 16}}
 """)

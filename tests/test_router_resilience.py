@@ -1,9 +1,7 @@
 """Worker deaths, client disconnects and timeouts: retries, error events, Cancel on both sides."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import threading
 import sys
@@ -13,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from ports import free_ports
 from router_harness import Cluster, harmony_ids, wait_for
 
 MODEL = "gpt-oss-test"
@@ -158,7 +157,8 @@ def test_decode_worker_dying_non_streamed_is_502():
     cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=[8192, 2048],
                       router_config={"max_migrations": 0})
     try:
-        cluster.decode[0].die_after_chunks = 1
+        for d in cluster.decode:  # whichever the router picks (it may not know the KV sizes yet)
+            d.die_after_chunks = 1
         r = httpx.post(cluster.base_url + "/v1/chat/completions",
                        json={"model": MODEL, "messages": USER}, timeout=10)
         assert r.status_code == 502
@@ -226,31 +226,33 @@ def test_request_timeout_is_504_and_frees_the_workers(cluster):
         cluster.router.call(lambda: setattr(config, "request_timeout", 600.0))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.mark.slow
 def test_cli_serves_and_shuts_down_on_sigterm(cluster):
     cluster.reset()
-    port, grpc_port = _free_port(), _free_port()
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.router.main", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--served-model-name", MODEL, "--discovery", "static",
-         "--prefill", ",".join(p.address for p in cluster.prefill),
-         "--decode", cluster.decode[0].address, "--decode", cluster.decode[1].address],
-        cwd=repo,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(3):  # on fresh ports if another process took one between choosing and binding
+        port, grpc_port = free_ports(2)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.router.main", "--port", str(port), "--grpc-port", str(grpc_port),
+             "--served-model-name", MODEL, "--discovery", "static",
+             "--prefill", ",".join(p.address for p in cluster.prefill),
+             "--decode", cluster.decode[0].address, "--decode", cluster.decode[1].address],
+            cwd=repo,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: proc.poll() is not None or _healthy(port), timeout=30)
+        if proc.poll() is None:
+            break
+        output = proc.stdout.read()
+        assert "address already in use" in output, output
     try:
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_for(healthy, timeout=30), proc.stdout.read() if proc.poll() is not None else ""
+        assert _healthy(port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                        json={"model": MODEL, "messages": USER}, timeout=10)
         assert r.json()["choices"][0]["message"]["content"] == STORY

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 
 import grpc
@@ -14,14 +13,9 @@ import httpx
 import pytest
 
 from pdserve.launch.serve import ClusterSpec, LocalCluster
+from ports import free_ports
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_loads(cluster: LocalCluster) -> dict:
@@ -51,7 +45,8 @@ def wait_kv_drained(cluster: LocalCluster, timeout: float = 30.0) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_mxfp4, tmp_path_factory):
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(),
+    port, grpc_port = free_ports(2)
+    spec = ClusterSpec(model=str(tiny_mxfp4), port=port, grpc_port=grpc_port,
                        prefill_workers=2, decode_workers=2, max_batch_size=64, kv_blocks=2048)
     with LocalCluster(spec, tmp_path_factory.mktemp("logs")) as c:
         yield c
@@ -223,7 +218,8 @@ def tool_cluster(tmp_path_factory):
             '{"city":"Paris"}<|call|>')
     script = enc.encode(text, allowed_special="all")
     ckpt = make_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "m", script)
-    spec = ClusterSpec(model=str(ckpt), port=free_port(), grpc_port=free_port(), kv_blocks=512)
+    port, grpc_port = free_ports(2)
+    spec = ClusterSpec(model=str(ckpt), port=port, grpc_port=grpc_port, kv_blocks=512)
     with LocalCluster(spec, tmp_path_factory.mktemp("logs")) as c:
         yield c
 
