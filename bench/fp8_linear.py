@@ -65,32 +65,36 @@ CANDIDATES: dict[int, list[LinearConfig]] = {
         LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),    # 640 | 720 (split 2), 126-137 regs
         LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=2),   # 1280 | 720, 80 regs, ~48 | 44 KB
         LinearConfig(block_n=2, block_k=1024, num_warps=2, prefetch=2),   # 2560 | 1440, 88 regs, ~44 KB
-        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 2560 | 1440, 89 regs, ~39 | 22 KB
+        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 2560 | 1440, 89 regs, ~39 | 22 KB, no barrier
+        LinearConfig(block_n=2, block_k=1024, num_warps=1, prefetch=2),   # 2560 | 1440, 161 regs, O: ~44 KB in 1 wave
         LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=1),   # 640 | 720, 96-128 regs
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
     ],
     4: [
-        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 96 regs, ~39 | 22 KB
+        LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 96 regs, ~39 | 22 KB, no barrier
+        LinearConfig(block_n=2, block_k=1024, num_warps=1, prefetch=2),   # 171 regs, ~44 KB
         LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),    # 165-177 regs, ~39 | 40 KB
         LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2),    # 125 regs
-        LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=1),   # 96 regs
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
     ],
+    # From 16 tokens the split-K partials ([split, M, N] float32, written then read back) grow
+    # with M: at 64 tokens the default split 6 moves 7.9 MB of them for QKV's 14.7 MB of weights.
     16: [
         LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 168 regs: 16 FMAs a weight
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
-        LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_stages=4),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, split_k=3),
+        LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_warps=8, num_stages=3, tma=True),
         LinearConfig(block_n=64, x_fp8=True),
     ],
     64: [
-        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
-        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
-        LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_stages=4),
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, split_k=2),
-        LinearConfig(block_n=64, x_fp8=True),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, split_k=3, tma=True),
+        LinearConfig(block_n=128, x_fp8=True, quant_in_kernel=True, num_warps=8, num_stages=3, split_k=4, tma=True),
+        LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
+        LinearConfig(block_n=64, x_fp8=True, split_k=2),
     ],
 }
 PREFILL_CONFIGS = [  # no register spills (ptxas for sm_90a, offline)
