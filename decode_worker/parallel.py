@@ -61,6 +61,11 @@ def unpack_on_every_rank(leader, agent):
     return lambda requests: leader.call("kv_unpack", requests, agent.unpack, want_reply=True)
 
 
+def rank_commands(runner, agent) -> dict:
+    """What a follower rank runs when the leader says so (`engine.parallel.follow`)."""
+    return {"step": runner.execute, "kv_unpack": agent.unpack}
+
+
 def follower_main(rank: int, init: str, a: argparse.Namespace, worker_id: str, leader_pid: int, conn) -> None:
     from pdserve.engine.parallel import gather_objects, run_follower
 
@@ -75,6 +80,6 @@ def follower_main(rank: int, init: str, a: argparse.Namespace, worker_id: str, l
             stop.set()
             agent.close()
 
-        return {"step": runner.execute, "kv_unpack": agent.unpack}, cleanup
+        return rank_commands(runner, agent), cleanup
 
     run_follower(rank, a.tp, init, leader_pid, a.ep, a.device, setup)

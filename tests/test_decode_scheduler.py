@@ -652,6 +652,9 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
     import time
     import uuid
 
+    from types import SimpleNamespace
+
+    from pdserve.decode_worker.parallel import rank_commands, unpack_on_every_rank
     from pdserve.kvtransfer import KVTransferAgent
     from pdserve.prefill_worker.executor import KVPush, push_kv
 
@@ -669,12 +672,17 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
            for i in range(4)]
     unpacked = []
 
-    def unpack_on_every_rank(requests):  # what the leader's "kv_unpack" command does
-        unpacked.append([rid for rid, _ in requests])
-        for a in dec:
-            a.unpack(requests)
+    class TwoRanks:
+        """LeaderGroup.call over rank 0 (here) and rank 1 (its command table, as it follows)."""
 
-    h.s.kv_unpack = unpack_on_every_rank
+        follower = rank_commands(SimpleNamespace(execute=None), dec[1])
+
+        def call(self, name, payload, local, want_reply):
+            unpacked.append([rid for rid, _ in payload])
+            out = [local(payload), self.follower[name](payload)]
+            return out if want_reply else out[0]
+
+    h.s.kv_unpack = unpack_on_every_rank(TwoRanks(), dec[0])
     polled = {0: [], 1: []}
 
     def poll(rank: int, *want: bytes) -> None:
@@ -727,7 +735,7 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
         for r, a in enumerate(dec):
             got = a._pools["full"][:, nxt.blocks.full].view(torch.int16)
             want = truth[:, nb:2 * nb, ..., 2 * r:2 * r + 2, :].view(torch.int16)
-            assert torch.equal(got, want), f"rank {r}: the next request's KV was overwritten"
+            assert torch.equal(got, want), f"rank {r}: the next request's KV is not what its prefill wrote"
     finally:
         for a in pre + dec:
             a.close()
