@@ -51,6 +51,8 @@ CASES = {
     "gemv-three-tokens-pf2": (3, 72, 700, dict(block_n=8, block_k=256, split_k=1, prefetch=2), False),
     "gemv-16-tokens-split3": (16, 40, 900, dict(block_n=4, block_k=128, split_k=3, num_warps=2), True),
     "gemv-auto-split": (2, 64, 1024, dict(block_n=8, block_k=256, prefetch=2), True),
+    "gemv-wide-steps-ragged": (1, 66, 1000, dict(block_n=2, block_k=512, num_warps=1, split_k=1, prefetch=2), True),
+    "gemv-wide-steps-split2": (4, 36, 2100, dict(block_n=4, block_k=1024, split_k=2), False),
 }
 
 
