@@ -57,7 +57,8 @@ class LinearConfig:
     per 1x128 group in registers (as `quantize_act` does, no launch of its own). block_k > 0 selects the GEMV kernel instead (M <= GEMV_MAX_M, no
     tensor cores, bf16 x only): block_k-deep K steps (a multiple of 128), block_n (a power of two
     dividing 128) weight rows a program, prefetch (1 or 2) steps of weights in flight in registers;
-    block_m, num_stages, x_fp8 and tma do not apply."""
+    words: weights as 32-bit words decoded by bit placement (bf16 x, K and row strides multiples
+    of 4; otherwise the byte kernel runs); block_m, num_stages, x_fp8 and tma do not apply."""
 
     block_n: int = 64
     block_m: int = 0
@@ -69,6 +70,7 @@ class LinearConfig:
     quant_in_kernel: bool = False
     block_k: int = 0
     prefetch: int = 1
+    words: bool = False
 
     def __post_init__(self):
         if self.block_k:
@@ -78,6 +80,8 @@ class LinearConfig:
                 raise ValueError(f"GEMV block_n must be a power of two dividing 128 (bf16 x, no TMA), got {self}")
         elif self.block_n < 16 or self.block_n & (self.block_n - 1) or self.block_n > 256:
             raise ValueError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
+        if self.words and not self.block_k:
+            raise ValueError("words is a GEMV option: set block_k")
         if self.quant_in_kernel and not self.x_fp8:
             raise ValueError("quant_in_kernel quantises x for x_fp8: set both")
         if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
@@ -89,7 +93,7 @@ class LinearConfig:
     def label(self) -> str:
         s = self.split_k or "auto"
         if self.block_k:
-            return f"gemv n{self.block_n} k{self.block_k} sk{s} w{self.num_warps} pf{self.prefetch}"
+            return f"gemv{'w' if self.words else ''} n{self.block_n} k{self.block_k} sk{s} w{self.num_warps} pf{self.prefetch}"
         m = self.block_m or "auto"
         tma = " tma" if self.tma else ""
         mode = ("fp8xq" if self.quant_in_kernel else "fp8x") if self.x_fp8 else "bf16x"
@@ -329,6 +333,103 @@ def _fp8_gemv_kernel(
                    pid_k, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
+@triton.jit
+def _e4m3_at(w, SHIFT: tl.constexpr):
+    """The e4m3 byte at bit SHIFT of int32 words as float32, times 2^-120: magnitude bits to
+    20-26, sign to 31 (exact for subnormals too: they land on float32 subnormals)."""
+    if SHIFT >= 20:
+        mag = (w >> (SHIFT - 20)) & 0x07F00000
+    else:
+        mag = (w << (20 - SHIFT)) & 0x07F00000
+    return (mag | ((w << (24 - SHIFT)) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_at(xw, SHIFT: tl.constexpr):
+    """The bf16 at bit SHIFT of int64 words as float32 (its bits moved to 16-31)."""
+    if SHIFT >= 16:
+        b = (xw >> (SHIFT - 16)) & 0xFFFF0000
+    else:
+        b = (xw << 16) & 0xFFFF0000
+    return b.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_gemv_words_kernel(
+    x_ptr,                     # bf16 [M, K], K and the row stride multiples of 4
+    w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_wsn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_PER: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """`_fp8_gemv_kernel` on 32-bit words: a weight word (4 e4m3) and an activation word (4 bf16,
+    int64) per lane, each byte placed into float32 bits by shifts and masks, where Triton's e4m3
+    convert and the carried fp8 registers cost ~11 SASS instructions a weight byte (~7 here).
+    The decode's 2^-120 is undone by 2^64 on the scales and 2^56 on the sums (powers of two:
+    the same roundings as unscaled, products of bf16, e4m3 and scale magnitudes stay normal)."""
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w0 = tl.arange(0, BLOCK_K // 4)
+    cols = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    kw = K // 4
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64)[:, None] * (stride_wn // 4)
+    x_base = x_ptr.to(tl.pointer_type(tl.int64)) + (pid_m * BLOCK_M).to(tl.int64) * (stride_xm // 4)
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn
+    m_left = M - pid_m * BLOCK_M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    k_lo = pid_k * (K_PER * BLOCK_K)
+    num_kb = tl.cdiv(K, 128)
+    offs_w = k_lo // 4 + offs_w0
+    w_next = tl.load(w_rows + offs_w[None, :], mask=n_ok[:, None] & (offs_w < kw)[None, :], other=0)
+    if PREFETCH == 2:
+        offs_w2 = offs_w + BLOCK_K // 4
+        w_next2 = tl.load(w_rows + offs_w2[None, :], mask=n_ok[:, None] & (offs_w2 < kw)[None, :] & (1 < K_PER), other=0)
+    for i in range(0, K_PER):
+        w = w_next
+        offs_nw = offs_w + BLOCK_K // 4
+        if PREFETCH == 2:
+            w_next = w_next2
+            offs_w2 = offs_nw + BLOCK_K // 4
+            w_next2 = tl.load(w_rows + offs_w2[None, :], mask=n_ok[:, None] & (offs_w2 < kw)[None, :] & (i + 2 < K_PER),
+                              other=0)
+        else:
+            w_next = tl.load(w_rows + offs_nw[None, :], mask=n_ok[:, None] & (offs_nw < kw)[None, :] & (i + 1 < K_PER),
+                             other=0)
+        kb = (k_lo + i * BLOCK_K) // 128
+        s = tl.zeros((BLOCK_K // 4,), dtype=tl.float32)
+        for g in tl.static_range(BLOCK_K // 128):  # 32 words a scale group
+            sg = tl.load(ws_row + kb + g, mask=kb + g < num_kb, other=0.0) * 18446744073709551616.0  # 2^64
+            s = tl.where((offs_w0 // 32) == g, sg, s)
+        f0 = _e4m3_at(w, 0)
+        f1 = _e4m3_at(w, 8)
+        f2 = _e4m3_at(w, 16)
+        f3 = _e4m3_at(w, 24)
+        for mm in tl.static_range(BLOCK_M):
+            xw = tl.load(x_base + mm * (stride_xm // 4) + offs_w, mask=(offs_w < kw) & (mm < m_left), other=0)
+            part = (f0 * (_bf16_at(xw, 0) * s)[None, :] + f1 * (_bf16_at(xw, 16) * s)[None, :]
+                    + f2 * (_bf16_at(xw, 32) * s)[None, :] + f3 * (_bf16_at(xw, 48) * s)[None, :])
+            if BLOCK_M == 1:
+                acc1 += part
+            else:
+                acc += tl.where(cols[None, :] == mm, tl.sum(part, axis=1)[:, None], 0.0)
+        offs_w = offs_nw
+    if BLOCK_M == 1:
+        acc += tl.sum(acc1, axis=1)[:, None]
+    acc = acc * 72057594037927936.0  # 2^56
+    if HAS_BIAS:  # in split 0's partial only
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
+    tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+    _split_k_store(acc, out_ptr, part_ptr, count_ptr, offs_n, pid_m * BLOCK_M + cols, M, N, stride_om, tile,
+                   pid_k, BLOCK_N, BLOCK_M, SPLIT_K)
+
+
 MAX_TILES = 1 << 16  # split-K tiles per launch (arrival counters kept per device)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -397,8 +498,10 @@ def fp8_linear(
         counters = _counters(x.device)
     else:
         part = counters = out  # unused
+    words = (cfg.words and xq.dtype == torch.bfloat16 and k % 4 == 0 and xq.stride(0) % 4 == 0
+             and w.stride(0) % 4 == 0 and xq.data_ptr() % 8 == 0 and w.data_ptr() % 4 == 0)
     if cfg.block_k:
-        _fp8_gemv_kernel[(num_n * split, num_m)](
+        (_fp8_gemv_words_kernel if words else _fp8_gemv_kernel)[(num_n * split, num_m)](
             xq, w, w_scale, bias if bias is not None else w_scale, out, part, counters, m, n, k,
             xq.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,

@@ -55,10 +55,12 @@ CONFIGS = {
     "gemv-n4-k512-w2-pf2": LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2),
     "gemv-n8-k512-w2-pf2": LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),
     "gemv-n4-k1024-w4-pf2": LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=2),
-    "gemv-n2-k1024-w2-pf2": LinearConfig(block_n=2, block_k=1024, num_warps=2, prefetch=2),
     "gemv-n2-k512-w1-pf2": LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),
-    "gemv-n2-k1024-w1-pf2": LinearConfig(block_n=2, block_k=1024, num_warps=1, prefetch=2),
-    "gemv-n8-k1024-w4-pf1": LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=1),
+    "gemvw-n16-k512-w4-pf2": LinearConfig(block_n=16, block_k=512, num_warps=4, prefetch=2, words=True),
+    "gemvw-n8-k512-w2-pf2": LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2, words=True),
+    "gemvw-n4-k512-w2-pf2": LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2, words=True),
+    "gemvw-n8-k1024-w4-pf2": LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=2, words=True),
+    "gemvw-n8-k512-split3": LinearConfig(block_n=8, block_k=512, num_warps=2, split_k=3, words=True),
     "gemv-n8-k512-w2-split3": LinearConfig(block_n=8, block_k=512, num_warps=2, split_k=3, prefetch=2),
 }
 
@@ -141,7 +143,8 @@ def test_no_bias_and_tp_shard_shapes(seed):
         assert rel_l2(out.float().cpu(), _reference(x, wq, ws, None, False)) < TOL
 
 
-@pytest.mark.parametrize("name", ["default", "fp8x-n128-split3", "tma-n64", "fp8xq-n64", "gemv-n8-k512-w2-split3"])
+@pytest.mark.parametrize("name", ["default", "fp8x-n128-split3", "tma-n64", "fp8xq-n64", "gemv-n8-k512-w2-split3",
+                                  "gemvw-n8-k512-split3"])
 def test_split_k_deterministic_and_graph_replay(name, seed):
     """Split-K sums in split order whatever the arrival order: repeated calls are bit-identical,
     the arrival counters are reset for the next launch, and a CUDA graph replays the same."""
