@@ -62,20 +62,21 @@ DECODE_CONFIGS = [
 CANDIDATES: dict[int, list[LinearConfig]] = {
     1: [
         # 32-bit-word decode: 7-9 SASS instructions a weight byte against 11-13 for the byte kernel
-        LinearConfig(block_n=16, block_k=512, num_warps=4, prefetch=2, words=True),  # 320 | 180 progs, 126 regs
+        LinearConfig(block_n=16, block_k=512, num_warps=4, prefetch=2, words=True),  # 640 | 540 progs (split 2 | 3), 126 regs
         LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2, words=True),   # 640 | 720 (split 2), 125 regs
+        LinearConfig(block_n=8, block_k=512, num_warps=4, prefetch=2, words=True),   # 640 | 720, 68 regs, 8.8 a byte
         LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2, words=True),   # 1280 | 720, 69 regs
-        LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=2, words=True),  # 640 | 720, 104-127 regs
+        LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=2, words=True),  # 640 | 720 (split 2), 104-127 regs
         LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2),    # 1280 | 720 progs, 92 regs, ~39 | 22 KB
         LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),    # 640 | 720 (split 2), 126-137 regs
-        LinearConfig(block_n=4, block_k=1024, num_warps=4, prefetch=2),   # 1280 | 720, 80 regs, ~48 | 44 KB
         LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 2560 | 1440, 89 regs, ~39 | 22 KB, no barrier
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True, tma=True),
     ],
     4: [
-        LinearConfig(block_n=16, block_k=512, num_warps=4, prefetch=2, words=True),  # 168 regs, 15 a byte
-        LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2, words=True),   # 168 regs, 16 a byte
+        LinearConfig(block_n=16, block_k=512, num_warps=4, prefetch=2, words=True),  # 244 regs, 12.8 a byte
+        LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2, words=True),   # 244 regs, 13.7 a byte
+        LinearConfig(block_n=8, block_k=512, num_warps=4, prefetch=2, words=True),   # 152 regs, 15.5 a byte
         LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),    # 96 regs, ~39 | 22 KB, no barrier
         LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2),    # 165-177 regs, ~39 | 40 KB
         LinearConfig(block_n=64, x_fp8=True, quant_in_kernel=True),

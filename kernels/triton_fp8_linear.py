@@ -382,8 +382,14 @@ def _fp8_gemv_words_kernel(
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // 128) * stride_wsn
     m_left = M - pid_m * BLOCK_M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if BLOCK_M == 1:
+    # up to 4 tokens: per-thread partial sums a token (reduced across threads once, at the end)
+    if BLOCK_M <= 4:
         acc1 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    if BLOCK_M >= 2 and BLOCK_M <= 4:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    if BLOCK_M == 4:
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+        acc4 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     k_lo = pid_k * (K_PER * BLOCK_K)
     num_kb = tl.cdiv(K, 128)
     offs_w = k_lo // 4 + offs_w0
@@ -415,13 +421,24 @@ def _fp8_gemv_words_kernel(
             xw = tl.load(x_base + mm * (stride_xm // 4) + offs_w, mask=(offs_w < kw) & (mm < m_left), other=0)
             part = (f0 * (_bf16_at(xw, 0) * s)[None, :] + f1 * (_bf16_at(xw, 16) * s)[None, :]
                     + f2 * (_bf16_at(xw, 32) * s)[None, :] + f3 * (_bf16_at(xw, 48) * s)[None, :])
-            if BLOCK_M == 1:
-                acc1 += part
-            else:
+            if BLOCK_M > 4:
                 acc += tl.where(cols[None, :] == mm, tl.sum(part, axis=1)[:, None], 0.0)
+            elif mm == 0:
+                acc1 += part
+            elif mm == 1:
+                acc2 += part
+            elif mm == 2:
+                acc3 += part
+            else:
+                acc4 += part
         offs_w = offs_nw
-    if BLOCK_M == 1:
-        acc += tl.sum(acc1, axis=1)[:, None]
+    if BLOCK_M <= 4:
+        acc += tl.where(cols[None, :] == 0, tl.sum(acc1, axis=1)[:, None], 0.0)
+    if BLOCK_M >= 2 and BLOCK_M <= 4:
+        acc += tl.where(cols[None, :] == 1, tl.sum(acc2, axis=1)[:, None], 0.0)
+    if BLOCK_M == 4:
+        acc += tl.where(cols[None, :] == 2, tl.sum(acc3, axis=1)[:, None], 0.0)
+        acc += tl.where(cols[None, :] == 3, tl.sum(acc4, axis=1)[:, None], 0.0)
     acc = acc * 72057594037927936.0  # 2^56
     if HAS_BIAS:  # in split 0's partial only
         acc += tl.load(bias_ptr + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[:, None]

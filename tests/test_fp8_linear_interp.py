@@ -59,6 +59,8 @@ CASES = {
     # float32 x, which runs the byte kernel instead
     "gemvw-one-token-bf16": (1, 72, 1000, dict(block_n=8, block_k=512, num_warps=2, prefetch=2, words=True), True),
     "gemvw-three-tokens-split2-bf16": (3, 40, 900, dict(block_n=4, block_k=256, split_k=2, words=True), False),
+    "gemvw-two-tokens-bf16": (2, 24, 520, dict(block_n=8, block_k=128, prefetch=2, words=True), True),
+    "gemvw-five-tokens-bf16": (5, 24, 520, dict(block_n=8, block_k=256, words=True), True),
     "gemvw-f32-falls-back": (2, 40, 300, dict(block_n=4, block_k=128, words=True), True),
 }
 

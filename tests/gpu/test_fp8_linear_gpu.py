@@ -58,6 +58,7 @@ CONFIGS = {
     "gemv-n2-k512-w1-pf2": LinearConfig(block_n=2, block_k=512, num_warps=1, prefetch=2),
     "gemvw-n16-k512-w4-pf2": LinearConfig(block_n=16, block_k=512, num_warps=4, prefetch=2, words=True),
     "gemvw-n8-k512-w2-pf2": LinearConfig(block_n=8, block_k=512, num_warps=2, prefetch=2, words=True),
+    "gemvw-n8-k512-w4-pf2": LinearConfig(block_n=8, block_k=512, num_warps=4, prefetch=2, words=True),
     "gemvw-n4-k512-w2-pf2": LinearConfig(block_n=4, block_k=512, num_warps=2, prefetch=2, words=True),
     "gemvw-n8-k1024-w4-pf2": LinearConfig(block_n=8, block_k=1024, num_warps=4, prefetch=2, words=True),
     "gemvw-n8-k512-split3": LinearConfig(block_n=8, block_k=512, num_warps=2, split_k=3, words=True),
