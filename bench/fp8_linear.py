@@ -161,14 +161,16 @@ def moe_gemm_runner(m: int, n: int, k: int, layers):
 
 def bench_decode(ms: list[int], configs, bw: float, g: torch.Generator, moe: bool = True,
                  deadline: float = float("inf")) -> list[dict]:
-    """configs: a list, or a function of M giving one; configs start until `deadline` (time.time())."""
+    """configs: a list, or a function of M giving one; configs start until `deadline` (time.time()).
+    Token counts outermost: a spent budget leaves out the largest M of both shapes."""
     rows = []
-    for shape, (n, k) in SHAPES.items():
-        layers = make_weights(n, k, g)
-        fp8_bytes = nbytes(layers[0][1], layers[0][2], layers[0][3])
-        bf16_bytes = nbytes(layers[0][0], layers[0][3])
-        floor = fp8_bytes / bw
-        for m in ms:
+    weights = {shape: make_weights(n, k, g) for shape, (n, k) in SHAPES.items()}
+    for m in ms:
+        for shape, (n, k) in SHAPES.items():
+            layers = weights[shape]
+            fp8_bytes = nbytes(layers[0][1], layers[0][2], layers[0][3])
+            bf16_bytes = nbytes(layers[0][0], layers[0][3])
+            floor = fp8_bytes / bw
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             runs = {"cuBLAS bf16": (lambda lay: F.linear(x, lay[0], lay[3]), bf16_bytes)}
             try:
@@ -205,8 +207,8 @@ def bench_decode(ms: list[int], configs, bw: float, g: torch.Generator, moe: boo
                                  of_floor=floor / t, config=vars(cfg[0]) if cfg else None))
                 print(f"{shape:3s} M={m:3d} {name:40s} {t * 1e6:7.2f} us {nb / t / 1e12:5.2f} TB/s "
                       f"{floor / t:5.0%} of FP8 floor {floor * 1e6:.2f} us{extra}", flush=True)
-        del layers
-        torch.cuda.empty_cache()
+    del weights
+    torch.cuda.empty_cache()
     return rows
 
 
