@@ -17,3 +17,9 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def server_ports() -> dict[str, int]:
+    """`port` and `grpc_port` for a ClusterSpec (two distinct free ports)."""
+    port, grpc_port = free_ports(2)
+    return {"port": port, "grpc_port": grpc_port}

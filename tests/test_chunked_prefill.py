@@ -219,10 +219,11 @@ def test_prefill_worker_chunks_and_the_stream_equals_one_process(tiny_mxfp4, tin
     of a 45-token prompt equal one process prefilling in the same chunks."""
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.launch.serve import ClusterSpec, LocalCluster
-    from test_serving_e2e import free_port, grpc_generate
+    from ports import server_ports
+    from test_serving_e2e import grpc_generate
 
     prompt = _ids(45, random.Random(45))
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), kv_blocks=256,
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(), kv_blocks=256,
                        extra_prefill_args=["--prefill-chunk-tokens", "8"])
     with LocalCluster(spec, tmp_path / "logs") as cluster:
         ids, _ = grpc_generate(cluster, prompt, max_new_tokens=8, ignore_eos=True, temperature=0.0)
@@ -270,10 +271,11 @@ def test_tp2_prefill_worker_chunks_like_one_process(tiny_mxfp4, tiny_runner, tmp
     rounding of tests/test_parallel_serving.py."""
     from pdserve.launch.serve import ClusterSpec, LocalCluster
     from test_parallel_serving import MAX_NEW, check_greedy
-    from test_serving_e2e import free_port, grpc_generate
+    from ports import server_ports
+    from test_serving_e2e import grpc_generate
 
     prompt = _ids(45, random.Random(46))
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), kv_blocks=256,
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(), kv_blocks=256,
                        prefill_tp=2, extra_prefill_args=["--prefill-chunk-tokens", "8"])
     with LocalCluster(spec, tmp_path / "logs") as cluster:
         ids, _ = grpc_generate(cluster, prompt, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)

@@ -17,7 +17,7 @@ import pytest
 from pdserve.launch.serve import ClusterSpec, LocalCluster
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from test_serving_e2e import free_port
+from ports import server_ports
 
 pytestmark = pytest.mark.slow
 STREAM_TOKENS = 200
@@ -41,7 +41,7 @@ def metric_lines(cluster: LocalCluster, prefix: str) -> list[str]:
 
 def test_decode_worker_stopped_under_10_streams_finishes_them_and_gets_nothing_new(tiny_mxfp4, tmp_path):
     rng = random.Random()
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), decode_workers=2,
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(), decode_workers=2,
                        max_batch_size=16, extra_worker_args=["--drain-timeout", "120"])
     cluster = LocalCluster(spec, tmp_path)
     try:

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from pdserve.launch.serve import ClusterSpec, LocalCluster
-from test_serving_e2e import free_port, wait_kv_drained, worker_loads
+from ports import server_ports
+from test_serving_e2e import wait_kv_drained, worker_loads
 
 pytestmark = pytest.mark.slow
 PAGE = 16  # the workers' default page size: only complete pages are cached
@@ -24,7 +25,7 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module")
 def cluster(tiny_mxfp4, tmp_path_factory):
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(),
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(),
                        prefill_workers=2, decode_workers=2, max_batch_size=64, kv_blocks=2048)
     with LocalCluster(spec, tmp_path_factory.mktemp("logs")) as c:
         yield c

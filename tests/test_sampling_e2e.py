@@ -13,7 +13,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.launch.serve import ClusterSpec, LocalCluster
 from pdserve.router.harmony import HarmonyCodec
-from test_serving_e2e import free_port, wait_kv_drained
+from ports import server_ports
+from test_serving_e2e import wait_kv_drained
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ RETURN = 200002  # <|return|>: a Harmony end-of-turn id
 
 @pytest.fixture(scope="module")
 def cluster(tiny_mxfp4, tmp_path_factory):
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(),
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(),
                        max_batch_size=16, kv_blocks=512)
     with LocalCluster(spec, tmp_path_factory.mktemp("logs")) as c:
         yield c

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from processes import alive, children, cmdline, descendants
-from test_serving_e2e import free_port
+from ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,11 @@ class Serve:
     """`pdserve serve` in a child process; its output lines collected by a thread."""
 
     def __init__(self, model: str, log_dir: str, *extra: str):
-        self.port = free_port()
+        self.port, grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.launch.cli", "serve", "--model", model, "--port", str(self.port),
-             "--grpc-port", str(free_port()), "--log-dir", log_dir, *extra],
+             "--grpc-port", str(grpc_port), "--log-dir", log_dir, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from pdserve.launch.serve import ClusterSpec, LocalCluster
-from test_serving_e2e import free_port, wait_kv_drained
+from ports import server_ports
+from test_serving_e2e import wait_kv_drained
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ def test_streams_beyond_slots_and_kv_room_wait_and_all_finish(tiny_mxfp4, tmp_pa
     # 2 batch slots and KV room for 4 requests; 10 at once: 2 decode, 1 waits for a slot on the
     # decode worker (its KV already there: the router places up to slots + 25%), 7 wait at the
     # router
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(),
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(),
                        max_batch_size=2, kv_blocks=4 * 3)
     rng = random.Random()
     prompts = [[rng.randrange(1000, 200_000) for _ in range(PROMPT_TOKENS)] for _ in range(10)]

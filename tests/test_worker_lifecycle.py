@@ -112,9 +112,9 @@ def test_sigterm_drains_a_real_decode_worker(tiny_mxfp4, tmp_path):
     from pdserve.launch.serve import ClusterSpec, LocalCluster
     from pdserve.proto import pdserve_pb2 as pb
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-    from test_serving_e2e import free_port
+    from ports import server_ports
 
-    spec = ClusterSpec(model=str(tiny_mxfp4), port=free_port(), grpc_port=free_port(), kv_blocks=512,
+    spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(), kv_blocks=512,
                        extra_worker_args=["--drain-timeout", "120"])
     with LocalCluster(spec, tmp_path) as cluster:
         decode = cluster.procs["decode-0"]
