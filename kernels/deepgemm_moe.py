@@ -34,7 +34,7 @@ import triton.language as tl
 from .fp8 import BLOCK, FP8, cdiv
 from .moe import ExpertWeights
 from .triton_fp8_gemm import _quantize_rows, _swiglu_quant_kernel
-from .triton_moe import GATE_UP_BLOCK_N, _empty, align_routing
+from .triton_moe import GATE_UP_BLOCK_N, _check_inputs, _empty, align_routing
 
 GATHER_ROWS = 32  # rows per program of the gather/quantise launch
 
@@ -55,7 +55,7 @@ def _importable() -> bool:
     if torch.cuda.get_device_capability() != (9, 0):
         return False
     try:
-        import deep_gemm  # noqa: F401  (built from source: docs/install.md)
+        import deep_gemm  # noqa: F401  (built from source: README, "Real weights")
     except Exception:  # missing, or built against another torch / CUDA
         return False
     return hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous")
@@ -157,8 +157,6 @@ def experts_forward(
 ) -> torch.Tensor:
     """Same contract as `kernels.moe.experts_forward_ref` for FP8 experts: x [T, H] -> [T, H] in
     x.dtype, the routing-weighted sum over the token's *local* experts."""
-    from .triton_moe import _check_inputs
-
     _check_inputs(x, topk_weights, topk_ids, w)
     t, h = x.shape
     if t == 0:

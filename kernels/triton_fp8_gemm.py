@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_math import swiglu_f32
+
 FP8_MAX = 448.0
 GROUP = 128  # activation group and weight block edge
 
@@ -143,10 +145,7 @@ def _swiglu_quantize(h, limit, alpha, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     """[BM, 256] gate/up pre-activations (glu even, linear odd columns) -> clamped SwiGLU,
     quantised to e4m3 [BM, 128] + one float32 scale per row."""
     glu, lin = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N // 2, 2)))
-    glu = tl.minimum(glu, limit)
-    lin = tl.clamp(lin, -limit, limit)
-    act = glu * tl.sigmoid(alpha * glu) * (lin + 1.0)
-    return _quantize_rows(act, 448.0)
+    return _quantize_rows(swiglu_f32(glu, lin, limit, alpha), 448.0)
 
 
 @triton.jit

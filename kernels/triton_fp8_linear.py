@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival import arrival_counters
 from .fp8 import BLOCK, FP8, cdiv
 from .triton_moe import _empty, quantize_act
 
@@ -447,19 +448,7 @@ def _fp8_gemv_words_kernel(
                    pid_k, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
-MAX_TILES = 1 << 16  # split-K tiles per launch (arrival counters kept per device)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Per-tile arrival counters, zero between launches (each launch's reducing programs reset
-    theirs). One buffer per device: launches on one stream never overlap."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return c
-
-
+MAX_TILES = 1 << 16  # split-K tiles per launch (kernels.arrival counters)
 def _tma_ok(t: torch.Tensor) -> bool:
     """A TMA descriptor needs a 16-byte aligned base and row stride and contiguous rows."""
     return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
@@ -512,7 +501,7 @@ def fp8_linear(
         if num_n * num_m > MAX_TILES:
             raise ValueError(f"{num_n * num_m} split-K tiles exceed {MAX_TILES}: use a larger tile")
         part = _empty((split, m, n), torch.float32, x.device)
-        counters = _counters(x.device)
+        counters = arrival_counters(x.device, "fp8_linear", MAX_TILES)
     else:
         part = counters = out  # unused
     words = (cfg.words and xq.dtype == torch.bfloat16 and k % 4 == 0 and xq.stride(0) % 4 == 0

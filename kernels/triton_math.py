@@ -1,5 +1,6 @@
-"""Float32 exp and rsqrt that round as torch's CUDA kernels do (libdevice, the functions nvcc's
-expf / rsqrtf are), and plain fallbacks for Triton's CPU interpreter, which has no libdevice.
+"""Float32 math the kernels share: exp and rsqrt that round as torch's CUDA kernels do (libdevice,
+the functions nvcc's expf / rsqrtf are, with plain fallbacks for Triton's CPU interpreter, which
+has no libdevice), and gpt-oss' clamped SwiGLU.
 
 Kernels pass `ACCURATE=not INTERPRET`; the interpreter evaluates both in numpy float32.
 """
@@ -28,3 +29,11 @@ def rsqrt_f32(x, ACCURATE: tl.constexpr):
         return tl.extra.cuda.libdevice.rsqrt(x)
     else:
         return 1.0 / tl.sqrt(x)
+
+
+@triton.jit
+def swiglu_f32(glu, lin, limit, alpha):
+    """gpt-oss' clamped SwiGLU (kernels/swiglu.py) on float32 glu and linear values."""
+    glu = tl.minimum(glu, limit)
+    lin = tl.clamp(lin, -limit, limit)
+    return glu * tl.sigmoid(alpha * glu) * (lin + 1.0)

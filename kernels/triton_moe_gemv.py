@@ -59,6 +59,7 @@ from triton.runtime.jit import JITFunction
 from . import triton_moe as tm
 from .fp8 import BLOCK, cdiv
 from .moe import ExpertWeights
+from .triton_math import swiglu_f32
 
 
 @dataclass(frozen=True)
@@ -194,11 +195,8 @@ def _quantize_row_to_scratch(src_ptr, dst_ptr, mult, K: tl.constexpr, QG: tl.con
 @triton.jit
 def _swiglu(acc_g, acc_l, b_rows, limit, alpha):
     """Row sums of the glu / linear accumulators + biases -> gpt-oss' clamped SwiGLU."""
-    glu = tl.sum(acc_g, axis=1) + tl.load(b_rows)
-    lin = tl.sum(acc_l, axis=1) + tl.load(b_rows + 1)
-    glu = tl.minimum(glu, limit)
-    lin = tl.clamp(lin, -limit, limit)
-    return glu * tl.sigmoid(alpha * glu) * (lin + 1.0)
+    return swiglu_f32(tl.sum(acc_g, axis=1) + tl.load(b_rows), tl.sum(acc_l, axis=1) + tl.load(b_rows + 1),
+                      limit, alpha)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .mxfp4 import MxExperts
+from .triton_math import swiglu_f32
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,16 @@ def byte_lut(device: torch.device) -> torch.Tensor:
         b = torch.arange(256)
         lut = _LUTS[device] = (bits[b & 15] | (bits[b >> 4] << 16)).to(torch.int32).to(device)
     return lut
+
+
+@triton.jit
+def _bias_swiglu_store(acc, bias_row_ptr, rows, rm, act_row_ptr, n0, N2, limit, alpha, BLOCK_N: tl.constexpr):
+    """gate/up rows [n0, n0 + BLOCK_N) of one pair (glu even, linear odd) + bias -> SwiGLU, stored
+    as the pair's activation columns [n0 / 2, (n0 + BLOCK_N) / 2)."""
+    acc += tl.load(bias_row_ptr + rows, mask=rm, other=0.0)
+    glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+    cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+    tl.store(act_row_ptr + cols, swiglu_f32(glu, lin, limit, alpha), mask=cols < N2 // 2)
 
 
 @triton.jit
@@ -166,13 +177,8 @@ def _mx_gate_up_dot_kernel(
     rm = rows < N2
     acc = _mx_dot_scaled_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
                               x_ptr + token * stride_x, H, BLOCK_N, BLOCK_K, NUM_STAGES)
-    acc += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
-    glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
-    glu = tl.minimum(glu, limit)
-    lin = tl.minimum(tl.maximum(lin, -limit), limit)
-    out = glu * tl.sigmoid(alpha * glu) * (lin + 1.0)
-    cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-    tl.store(act_ptr + pair.to(tl.int64) * (N2 // 2) + cols, out, mask=cols < N2 // 2)
+    _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair.to(tl.int64) * (N2 // 2),
+                       n0, N2, limit, alpha, BLOCK_N)
 
 
 @triton.jit
@@ -213,13 +219,8 @@ def _mx_gate_up_kernel(
     rm = rows < N2
     acc = _mx_dot_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_brow, stride_srow, rows, rm,
                        x_ptr + token * stride_x, lut_ptr, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, MODE)
-    acc += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
-    glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
-    glu = tl.minimum(glu, limit)
-    lin = tl.minimum(tl.maximum(lin, -limit), limit)
-    out = glu * tl.sigmoid(alpha * glu) * (lin + 1.0)
-    cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-    tl.store(act_ptr + pair.to(tl.int64) * (N2 // 2) + cols, out, mask=cols < N2 // 2)
+    _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair.to(tl.int64) * (N2 // 2),
+                       n0, N2, limit, alpha, BLOCK_N)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival import arrival_counters
 from .triton_math import INTERPRET, exp_f32
 
 MAX_TOKENS = 256  # above this a cuBLAS GEMM reads the router weights once for many tokens
@@ -78,18 +79,6 @@ def _router_kernel(
         tl.store(ids_ptr + t * 4 + slot, ids.to(tl.int64))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Per-token arrival counters, zero between launches (each launch's last programs reset
-    theirs). One buffer per device: launches on one stream never overlap."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
-    return c
-
-
 def route_fused(
     x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int = TOP_K,
     return_logits: bool = False,
@@ -116,7 +105,7 @@ def route_fused(
         splits = triton.cdiv(h, block_k)
         part = torch.empty(t, splits, block_e, dtype=torch.float32, device=x.device)
         _router_kernel[(t, splits)](
-            x, router_weight, router_bias, weights, ids, logits, part, _counters(x.device),
+            x, router_weight, router_bias, weights, ids, logits, part, arrival_counters(x.device, "router", MAX_TOKENS),
             x.stride(0), router_weight.stride(0), H=h, E=e, BLOCK_E=block_e, BLOCK_K=block_k,
             SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), WRITE_LOGITS=return_logits,
             ACCURATE_EXP=not INTERPRET, num_warps=4,

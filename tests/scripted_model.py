@@ -51,3 +51,14 @@ def make_scripted_checkpoint(out_dir: Path, script: list[int]) -> Path:
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
     del H
     return path
+
+
+def scripted_graph_runner(out_dir: Path, script: list[int]):
+    """A bf16 ModelRunner on a scripted checkpoint with uncaptured decode graphs (batches of up to
+    4), for the pipelined-decode tests of the engine and of the decode worker."""
+    from pdserve.engine.cuda_graphs import DecodeGraphs
+    from pdserve.engine.model_runner import ModelRunner
+
+    r = ModelRunner(str(make_scripted_checkpoint(out_dir, script)), precision="bf16", num_kv_blocks=128)
+    r.decode_graphs = DecodeGraphs(r.model, r.cache, 4, max_context=r.max_context, capture=False)
+    return r

@@ -13,21 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
-from scripted_model import make_scripted_checkpoint
+from scripted_model import scripted_graph_runner
 
 SCRIPT = list(range(1000, 1024))
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    ckpt = make_scripted_checkpoint(tmp_path_factory.mktemp("ckpt") / "pipeline", SCRIPT)
-    r = ModelRunner(str(ckpt), precision="bf16", num_kv_blocks=128)
-    r.decode_graphs = DecodeGraphs(r.model, r.cache, 4, max_context=r.max_context, capture=False)
-    return r
+    return scripted_graph_runner(tmp_path_factory.mktemp("ckpt") / "pipeline", SCRIPT)
 
 
 def _run(runner: ModelRunner, pipeline: bool, seed: int):

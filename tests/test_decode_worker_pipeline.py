@@ -12,21 +12,17 @@ import pytest
 import torch
 
 from pdserve.decode_worker.scheduler import DecodeScheduler
-from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kvtransfer.notify import OK, PUSH, kv_notification, push_notification
-from scripted_model import make_scripted_checkpoint
+from scripted_model import scripted_graph_runner
 
 SCRIPT = list(range(1000, 1024))
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    ckpt = make_scripted_checkpoint(tmp_path_factory.mktemp("ckpt") / "pipeline", SCRIPT)
-    r = ModelRunner(str(ckpt), precision="bf16", num_kv_blocks=128)
-    r.decode_graphs = DecodeGraphs(r.model, r.cache, 4, max_context=r.max_context, capture=False)
-    return r
+    return scripted_graph_runner(tmp_path_factory.mktemp("ckpt") / "pipeline", SCRIPT)
 
 
 def _serve(runner: ModelRunner, pipeline: bool, seed: int):

@@ -22,13 +22,12 @@ Bounds (relative L2 over the layer output):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interp import run_in_interpreter
 from numerics import rel_l2
 
 triton = pytest.importorskip("triton")
@@ -36,7 +35,6 @@ tl = triton.language
 
 from pdserve.kernels.triton_moe_gemv import _round_e4m3  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TOP_K = 4
 # name: hidden (ragged 320 = 2.5 blocks, as gpt-oss' 2880), inter, global / local experts, first
 # local expert, tokens, down bias
@@ -146,17 +144,10 @@ def _child(in_path: str, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("deepgemm_interp")
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     cases = [_make_case(name, spec, seed + n) for n, (name, spec) in enumerate(CASES.items())]
-    torch.save(cases, tmp / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"interpreter child failed (seed {seed}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    print(f"seed {seed}")
-    return {c["name"]: c for c in cases}, torch.load(tmp / "out.pt")
+    results = run_in_interpreter(__file__, cases, tmp_path_factory.mktemp("deepgemm_interp"), seed)
+    return {c["name"]: c for c in cases}, results
 
 
 def exact_layer(x, weights, ids, w, add_bias):

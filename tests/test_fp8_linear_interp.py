@@ -15,18 +15,16 @@ or decoded byte is off by > 1e-2).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interp import run_in_interpreter
 from numerics import rel_l2
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-6
 # name: (M, N, K, config kwargs, bias)
 CASES = {
@@ -97,16 +95,10 @@ def _child(in_path: str, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fp8_linear_interp")
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     cases = [_case(name, seed + i) for i, name in enumerate(CASES)]
-    torch.save(cases, tmp / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"interpreter child failed (seed {seed}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    print(f"seed {seed}")
-    return {c["name"]: c for c in cases}, torch.load(tmp / "out.pt")
+    results = run_in_interpreter(__file__, cases, tmp_path_factory.mktemp("fp8_linear_interp"), seed)
+    return {c["name"]: c for c in cases}, results
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -26,18 +26,16 @@ Tolerances (relative L2):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interp import run_in_interpreter
 from numerics import rel_l2
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # name: hidden, inter, global experts, local experts, first local, tokens, x dtype, down bias,
 # config (gate_up tile, down tile as (block_n, block_k, num_warps, num_stages)), explicit ids
@@ -125,18 +123,10 @@ def _child(in_path: str, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(cases, results): inputs drawn fresh, kernels run once in an interpreter child."""
-    tmp = tmp_path_factory.mktemp("gemv_interp")
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     cases = [_make_case(name, spec, seed + n) for n, (name, spec) in enumerate(CASES.items())]
-    torch.save(cases, tmp / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, (
-        f"interpreter child failed (seed {seed}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
-    print(f"seed {seed}")
-    return {c["name"]: c for c in cases}, torch.load(tmp / "out.pt")
+    results = run_in_interpreter(__file__, cases, tmp_path_factory.mktemp("gemv_interp"), seed)
+    return {c["name"]: c for c in cases}, results
 
 
 def _local(c: dict) -> torch.Tensor:
