@@ -11,8 +11,9 @@ cd "$work"                      # not the checkout: nothing may come from the wo
 unset PYTHONPATH
 
 py="$(dirname "$pdserve")/python"
-port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-http_port="$(port)"; grpc_port="$(port)"
+# two ports held open together, so they differ (two separate binds can hand out the same one)
+read -r http_port grpc_port < <("$py" -c 'import socket; s = [socket.socket() for _ in "ab"]
+[x.bind(("127.0.0.1", 0)) for x in s]; print(*(x.getsockname()[1] for x in s))')
 
 descendants() {  # every live process below $1, grandchildren included (from /proc: no procps needed)
     "$py" - "$1" <<'PY'
