@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         moe_paths = {"attention bf16": dg_default, "attention fp8": dg_default}
     if a.compare_moe_prefill:
         if not deepgemm_moe.available():
-            ap.error("--compare-moe-prefill needs DeepGEMM installed on a Hopper GPU (README, "Real weights")")
+            ap.error("--compare-moe-prefill needs DeepGEMM installed on a Hopper GPU (README, 'Real weights')")
         moe_paths = {"triton": None, "deepgemm": dg_default}
     prefill, prefill_profile = {}, None
     for path, min_rows in moe_paths.items():

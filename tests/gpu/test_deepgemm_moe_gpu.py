@@ -28,7 +28,7 @@ from test_deepgemm_moe_interp import exact_layer  # noqa: E402
 from test_moe_gpu import cpu_experts, experts, layer_ref, rel_l2, routed  # noqa: E402
 
 if not dm.available():
-    pytest.skip("DeepGEMM is not installed for this GPU (README, "Real weights": bench/build_deepgemm.sh)", allow_module_level=True)
+    pytest.skip("DeepGEMM is not installed for this GPU (README, 'Real weights': bench/build_deepgemm.sh)", allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)
