@@ -132,29 +132,33 @@ def make_sink_attention(
     head_dim: int,
     page_size: int,
     backend: str = "auto",
-    **cuda_graph,
+    **options,
 ):
     """The attention backend for one layer type (windowed or full) on `device`.
 
     backend: "auto" (FlashInfer on CUDA when installed, else torch), "torch" or "flashinfer".
-    cuda_graph: FlashInfer's graph-mode arguments (cuda_graph_batch_size, max_pages_per_request,
-    pad_page); only FlashInfer has a capturable decode path.
+    options: `FlashInferSinkAttention`'s keyword arguments: graph mode (cuda_graph_batch_size,
+    max_pages_per_request, pad_page; only the CUDA backend has a capturable decode path), the
+    prefill / decode kernels (prefill_backend, decode_backend). A graph-mode object whose decode
+    kernel is "triton" needs no FlashInfer.
     """
     device = torch.device(device)
+    graph = options.get("cuda_graph_batch_size") is not None
     need = "a CUDA-graph attention backend needs FlashInfer on a CUDA device"
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        if cuda_graph:
+        if graph:
             raise RuntimeError(need)
         return TorchSinkAttention(window_left, sm_scale)
-    try:
-        import flashinfer  # noqa: F401  (the wrapper module itself imports it lazily)
+    from .flashinfer_attention import FlashInferSinkAttention
 
-        from .flashinfer_attention import FlashInferSinkAttention
-    except ImportError as e:
-        if backend == "flashinfer" or cuda_graph:
-            raise RuntimeError(f"{need}; FlashInfer is unavailable: {e}") from e
-        return TorchSinkAttention(window_left, sm_scale)
+    if not (graph and options.get("decode_backend") == "triton"):
+        try:
+            import flashinfer  # noqa: F401  (the wrapper module itself imports it lazily)
+        except ImportError as e:
+            if backend == "flashinfer" or graph:
+                raise RuntimeError(f"{need}; FlashInfer is unavailable: {e}") from e
+            return TorchSinkAttention(window_left, sm_scale)
     return FlashInferSinkAttention(
         device, window_left=window_left, sm_scale=sm_scale, num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, **cuda_graph,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, **options,
     )

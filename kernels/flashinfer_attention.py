@@ -1,4 +1,5 @@
-"""Paged sink attention on CUDA through FlashInfer: FA2/FA3 sink wrappers and XQA decode.
+"""Paged sink attention on CUDA through FlashInfer: FA2/FA3 sink wrappers and XQA decode, plus
+our Triton split-KV decode kernel (`kernels.triton_decode_attention`).
 
 One `FlashInferSinkAttention` serves one layer type (windowed or full; FlashInfer fixes the
 sliding-window flag when it builds the module). `plan(batch)` runs once per step on the host and
@@ -9,7 +10,9 @@ Paths (chosen per batch kind, measured on an H200: docs/kernels.md):
   FA3 for full attention, FA2 for the 128-token window (FA3 is slower on a window that short).
 - decode (every request has one query): XQA (`xqa_batch_decode_with_kv_cache`) for small
   batches (full layers: < 64k KV tokens; windowed layers: <= 16 requests), the FA2 sink wrapper
-  for bigger ones and for page sizes XQA has no kernel for.
+  for bigger ones and for page sizes XQA has no kernel for. `decode_backend="triton"`: the
+  Triton split-KV kernel instead (same page-table buffers as XQA; "auto" never picks it yet).
+  A CUDA-graph object with the Triton decode kernel needs no FlashInfer at all.
 
 CUDA graphs (decode): construct with `cuda_graph_batch_size=B, max_pages_per_request=P`. The
 object then owns fixed device buffers (page table / indptr arrays sized for B requests of up to
@@ -83,8 +86,6 @@ class FlashInferSinkAttention:
         max_pages_per_request: int | None = None,
         pad_page: int = 0,
     ):
-        import flashinfer  # noqa: F401  (ImportError -> make_sink_attention falls back to torch)
-
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"FlashInfer attention needs a CUDA device, got {self.device}")
@@ -106,12 +107,14 @@ class FlashInferSinkAttention:
             decode_backend = "xqa" if cuda_graph_batch_size <= _XQA_MAX_BATCH else "fa2"
         if prefill_backend not in ("fa2", "fa3"):
             raise ValueError(f"prefill_backend must be fa2, fa3 or auto, got {prefill_backend!r}")
-        if decode_backend not in ("auto", "xqa", "fa2", "fa3"):
-            raise ValueError(f"decode_backend must be xqa, fa2, fa3 or auto, got {decode_backend!r}")
+        if decode_backend not in ("auto", "xqa", "fa2", "fa3", "triton"):
+            raise ValueError(f"decode_backend must be xqa, fa2, fa3, triton or auto, got {decode_backend!r}")
         if decode_backend == "xqa" and page_size not in _XQA_PAGE_SIZES:
             raise ValueError(f"XQA supports page sizes {_XQA_PAGE_SIZES}, got {page_size}")
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
+        if not (decode_backend == "triton" and cuda_graph_batch_size is not None):
+            import flashinfer  # noqa: F401  (ImportError -> make_sink_attention falls back to torch)
 
         self._graph_batch = cuda_graph_batch_size
         self._pad_page = pad_page
@@ -127,7 +130,7 @@ class FlashInferSinkAttention:
     def _init_graph_buffers(self, b: int, max_pages: int) -> None:
         i32 = dict(dtype=torch.int32, device=self.device)
         self._max_pages = max_pages
-        if self.decode_backend == "xqa":
+        if self.decode_backend in ("xqa", "triton"):
             self._block_tables = torch.zeros(b, max_pages, **i32)
             self._seq_lens = torch.ones(b, **i32)
             self._host_tables = torch.zeros(b, max_pages, dtype=torch.int32, pin_memory=True)
@@ -136,6 +139,8 @@ class FlashInferSinkAttention:
             # after the previous step's copies out of them have executed
             self._staged = torch.cuda.Event()
             self._staged.record()
+            if self.decode_backend == "triton":
+                self._triton_scratch(b, max_pages * self.page_size)
         else:
             self._graph_bufs = dict(
                 qo_indptr_buf=torch.arange(b + 1, **i32),
@@ -143,6 +148,19 @@ class FlashInferSinkAttention:
                 paged_kv_indices_buf=torch.zeros(b * max_pages, **i32),
                 paged_kv_last_page_len_buf=torch.ones(b, **i32),
             )
+
+    def _triton_scratch(self, rows: int, max_keys: int):
+        """Partials for `rows` requests of up to `max_keys` keys; graph objects size it once."""
+        from .triton_decode_attention import DecodeScratch, num_splits
+
+        if self.window_left >= 0:
+            max_keys = min(max_keys, self.window_left + 1)
+        splits = num_splits(rows, self.num_kv_heads, max_keys, self.device)
+        s = getattr(self, "_scratch", None)
+        if s is None or not s.fits(rows, self.num_kv_heads, splits):
+            s = self._scratch = DecodeScratch(rows, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
+                                              self.head_dim, splits, self.device)
+        return s
 
     def _wrapper(self, backend: str, graph: bool = False):
         key = f"{backend}{'-graph' if graph else ''}"
@@ -172,8 +190,11 @@ class FlashInferSinkAttention:
             return
         self._rows = int(batch.qo_indptr[-1])
         decode_backend = self._pick_decode(batch) if decode else None
-        if decode_backend == "xqa":
+        if decode_backend in ("xqa", "triton"):
             self._plan_xqa(batch)
+            if decode_backend == "triton":
+                self._triton_scratch(batch.batch_size, int(batch.kv_lens.max()))
+                self._mode = "triton"
         else:
             backend = decode_backend or self.prefill_backend
             self._plan_fa(self._wrapper(backend), batch)
@@ -223,7 +244,7 @@ class FlashInferSinkAttention:
         if b and int(pages.max()) > p_max:
             raise ValueError(f"a request uses {int(pages.max())} pages, over max_pages_per_request={p_max}")
         self._rows = b_max
-        if self.decode_backend == "xqa":
+        if self.decode_backend in ("xqa", "triton"):
             self._staged.synchronize()
             self._page_table(batch, p_max, self._host_tables)
             self._host_tables[b:].fill_(self._pad_page)
@@ -233,7 +254,7 @@ class FlashInferSinkAttention:
             self._block_tables.copy_(self._host_tables, non_blocking=True)
             self._seq_lens.copy_(self._host_lens, non_blocking=True)
             self._staged.record()
-            self._mode = "xqa"
+            self._mode = self.decode_backend
             return
         pad = b_max - b
         i32 = dict(dtype=torch.int32)
@@ -261,6 +282,11 @@ class FlashInferSinkAttention:
             raise ValueError(f"planned for {self._rows} query rows, got {q.shape[0]}")
         if sinks.dtype != torch.float32:
             raise TypeError(f"sinks must be float32 (cast the bf16 checkpoint values), got {sinks.dtype}")
+        if self._mode == "triton":
+            from .triton_decode_attention import paged_decode_attention
+
+            return paged_decode_attention(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
+                                          self.window_left, self._scratch, out=out)
         if self._mode == "xqa":
             from flashinfer.decode import xqa_batch_decode_with_kv_cache
 

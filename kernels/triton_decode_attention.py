@@ -64,7 +64,10 @@ def num_splits(
     (for a windowed layer: the window): a power of two, so few kernel variants compile."""
     target = cfg.programs
     if target <= 0:
-        target = 2 * (_sm_count(device.index or 0) if device.type == "cuda" else 132)
+        if device.type == "cuda":
+            target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        else:
+            target = 2 * 132  # an H200's SMs: CPU runs (the interpreter) mimic its grid
     want = min(triton.cdiv(target, max(batch_rows, 1) * num_kv_heads), triton.cdiv(max(max_keys, 1), cfg.min_keys),
                cfg.max_splits)
     return 1 << (max(want, 1).bit_length() - 1)  # largest power of two <= want
