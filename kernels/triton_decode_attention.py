@@ -168,7 +168,7 @@ def _decode_kernel(
             o = acc * scale[:, None]
             tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
+        elif SPLITS > 1:  # (a grid of one split per request compiles no combine)
             bg = b * hkv + g
             slot = (bg.to(tl.int64) * SPLITS + s) * GROUP_P2
             tl.store(po_ptr + (slot + rows[:, None]) * D + d[None, :], acc, mask=(rows < GROUP_P2)[:, None])

@@ -1,0 +1,121 @@
+"""Decode sink attention per layer call on one GPU: our Triton split-KV kernel against FlashInfer's
+XQA and FA2 sink wrapper (gpt-oss: 64 q / 8 kv heads, d 64, 16-token pages, bf16).
+
+    python -m pdserve.bench.decode_attention [--batches 1,4,16,64] [--contexts 1024,8192]
+                                            [--tilings 64/64/4,32/32/4] [--out results.json]
+
+Each backend runs as the engine runs it: a `FlashInferSinkAttention` graph-mode object (fixed
+page-table buffers sized for the batch, plan() outside, run() replayed from a CUDA graph), the
+L2 flushed (256 MB read) before each repetition, median of 25. Full layers read every key;
+windowed layers (window_left = 127) read a pool holding only the pages a 128-key window reaches,
+as the engine's sliding pool does. `--tilings` adds the Triton kernel with other tilings
+(block_n/min_keys/num_warps: keys per inner step, fewest keys per split, warps), through the same
+buffers. The "vs XQA" column is our Triton kernel's output against XQA's (relative L2), a check
+on real shapes. Floor: the KV bytes read / the measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+
+from pdserve.bench.kernels import (
+    PAGE, _kv_bytes, _ours, _paged, copy_bandwidth, fmt_us, guarded, table, time_graph,
+)
+
+BACKENDS = ("triton", "xqa", "fa2")
+WINDOW_LEFT = 127
+
+
+def _tiling(spec: str):
+    from pdserve.kernels.triton_decode_attention import DecodeConfig
+
+    block_n, min_keys, warps = (int(x) for x in spec.split("/"))
+    return DecodeConfig(block_n=block_n, min_keys=min_keys, num_warps=warps)
+
+
+def _case(b: int, ctx: int, window_left: int, tilings: list[str], gen: torch.Generator) -> dict:
+    """Times (seconds) per backend for one batch shape, plus the Triton / XQA difference."""
+    from pdserve.kernels.triton_decode_attention import DecodeScratch, num_splits, paged_decode_attention
+
+    lens = [ctx] * b if window_left < 0 else [min(ctx, WINDOW_LEFT + 1 + ctx % PAGE + PAGE)] * b
+    batch, kv, q = _paged(lens, [1] * b, gen)
+    sinks = torch.randn(q.shape[1], device=q.device)
+    max_pages = -(-max(lens) // PAGE)
+    res, outs = {}, {}
+    for backend in BACKENDS:
+        def run(backend=backend):
+            a = _ours(window_left, decode_backend=backend, cuda_graph_batch_size=b, max_pages_per_request=max_pages)
+            a.plan(batch)
+            out = outs[backend] = torch.empty_like(q)
+            t = time_graph(lambda: a.run(q, kv, sinks, out=out))
+            if backend == "triton":
+                res["splits"] = a._scratch.shape[2]
+                for spec in tilings:
+                    cfg = _tiling(spec)
+                    keys = max_pages * PAGE if window_left < 0 else WINDOW_LEFT + 1
+                    s = DecodeScratch(b, a.num_kv_heads, a.num_qo_heads // a.num_kv_heads, a.head_dim,
+                                      num_splits(b, a.num_kv_heads, keys, q.device, cfg), q.device)
+                    o = torch.empty_like(q)
+                    res[f"triton {spec}"] = guarded(spec, time_graph, lambda s=s, o=o, cfg=cfg: paged_decode_attention(
+                        q, kv, a._block_tables, a._seq_lens, sinks, a.sm_scale, window_left, s, out=o, cfg=cfg))
+            return t
+        res[backend] = guarded(f"{backend} b{b} ctx{ctx} wl{window_left}", run)
+    if res.get("triton") and res.get("xqa"):
+        ref = outs["xqa"].float()
+        res["diff"] = ((outs["triton"].float() - ref).norm() / ref.norm()).item()
+    res["kv_bytes"] = _kv_bytes(lens, window_left)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--tilings", default="", help="extra Triton tilings, block_n/min_keys/num_warps, comma-separated")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    t0 = time.time()
+    tilings = [t for t in args.tilings.split(",") if t]
+    bw = copy_bandwidth(1 << 30)
+    gen = torch.Generator().manual_seed(1)
+    rows, records = [], []
+    for b in (int(x) for x in args.batches.split(",")):
+        for ctx in (int(x) for x in args.contexts.split(",")):
+            for window_left in (-1, WINDOW_LEFT):
+                r = _case(b, ctx, window_left, tilings, gen)
+                records.append(dict(batch=b, context=ctx, window_left=window_left, **r))
+                best_fi = min((r[k] for k in ("xqa", "fa2") if r.get(k)), default=None)
+                rows.append([
+                    b, ctx, "full" if window_left < 0 else "window", r.get("splits", "-"),
+                    *(fmt_us(r.get(k)) for k in BACKENDS), *(fmt_us(r.get(f"triton {s}")) for s in tilings),
+                    fmt_us(r["kv_bytes"] / bw),
+                    f"{r['triton'] / best_fi:.2f}" if r.get("triton") and best_fi else "-",
+                    f"{r['diff']:.1e}" if "diff" in r else "-",
+                ])
+                torch.cuda.empty_cache()
+    props = torch.cuda.get_device_properties(0)
+    title = (f"Decode sink attention per layer call (us, CUDA graphs, L2 flushed; {props.name}, "
+             f"{props.multi_processor_count} SMs)")
+    text = table(title, ["batch", "context", "layer", "triton splits", "triton", "XQA", "FA2 sink",
+                         *(f"triton {s}" for s in tilings), "KV floor", "triton / best FlashInfer",
+                         "triton vs XQA (rel L2)"], rows)
+    print(f"bench: {time.time() - t0:.0f}s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(date=datetime.date.today().isoformat(), device=props.name, copy_bw=bw,
+                           command="python -m pdserve.bench.decode_attention " + " ".join(
+                               argv if argv is not None else sys.argv[1:]),
+                           table=text, results=records), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
