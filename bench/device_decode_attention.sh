@@ -1,0 +1,30 @@
+#!/bin/bash
+# The Triton split-KV decode attention on one H200 (issue 10): its GPU tests, then
+# bench/decode_attention.py (Triton vs XQA vs the FA2 sink wrapper). From the checkout root after
+# `source .gpu/setup.sh`:
+#     OUT=/tmp/out bash bench/device_decode_attention.sh
+# FlashInfer's XQA modules build in the background (~45 s each when not cached) while the tests
+# that need no XQA run. TILINGS: extra Triton tilings for the benchmark (block_n/min_keys/num_warps,
+# comma-separated, e.g. 32/32/4,128/128/8). Logs, the benchmark's JSON and refreshed build caches
+# (bench/device_caches.sh) go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log() { echo "[decode-attention $(date +%T) +${SECONDS}s] $*"; }
+source bench/device_caches.sh
+
+( for t in xqa-full xqa-window; do python3 -m pdserve.bench.kernels --warm-jit $t > "$OUT/warm_$t.log" 2>&1 & done; wait ) &
+xqa_pid=$!
+T=tests/gpu/test_triton_decode_attention_gpu.py
+log "GPU tests without XQA"
+python3 -m pytest -q -m gpu "$T" -k "not xqa" 2>&1 | tail -20 | tee "$OUT/tests.log"
+wait "$xqa_pid"
+grep -h -E "warm-jit|Error" "$OUT"/warm_*.log
+log "GPU tests against XQA"
+python3 -m pytest -q -m gpu "$T" -k xqa 2>&1 | tail -20 | tee -a "$OUT/tests.log"
+log "benchmark"
+timeout 300 python3 -m pdserve.bench.decode_attention ${TILINGS:+--tilings "$TILINGS"} \
+  --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/bench.log"
+save_caches
+log "done"
