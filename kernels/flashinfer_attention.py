@@ -11,7 +11,8 @@ Paths (chosen per batch kind, measured on an H200: docs/kernels.md):
 - decode (every request has one query): XQA (`xqa_batch_decode_with_kv_cache`) for small
   batches (full layers: < 64k KV tokens; windowed layers: <= 16 requests), the FA2 sink wrapper
   for bigger ones and for page sizes XQA has no kernel for. `decode_backend="triton"`: the
-  Triton split-KV kernel instead (same page-table buffers as XQA; "auto" never picks it yet).
+  Triton split-KV kernel instead (same page-table buffers as XQA; "auto" takes it up to
+  `_TRITON_MAX_BATCH` requests, 0 for now).
   A CUDA-graph object with the Triton decode kernel needs no FlashInfer at all.
 
 CUDA graphs (decode): construct with `cuda_graph_batch_size=B, max_pages_per_request=P`. The
@@ -46,6 +47,9 @@ _XQA_PAGE_SIZES = (16, 32, 64, 128)
 # captured batch size decides for both layer types.
 _XQA_MAX_KV_TOKENS = 64 * 1024
 _XQA_MAX_BATCH = 16
+# Our Triton split-KV decode kernel takes decode batches of up to this many requests, per layer
+# type, ahead of the rules above (0: never, until bench/decode_attention.py has measured it).
+_TRITON_MAX_BATCH = {"full": 0, "window": 0}
 
 _FA_WORKSPACE_BYTES = 256 << 20
 _XQA_WORKSPACE_BYTES = 256 << 20
@@ -104,7 +108,10 @@ class FlashInferSinkAttention:
         if decode_backend == "auto" and page_size not in _XQA_PAGE_SIZES:
             decode_backend = "fa2"
         if decode_backend == "auto" and cuda_graph_batch_size is not None:
-            decode_backend = "xqa" if cuda_graph_batch_size <= _XQA_MAX_BATCH else "fa2"
+            if cuda_graph_batch_size <= self._triton_max_batch:
+                decode_backend = "triton"
+            else:
+                decode_backend = "xqa" if cuda_graph_batch_size <= _XQA_MAX_BATCH else "fa2"
         if prefill_backend not in ("fa2", "fa3"):
             raise ValueError(f"prefill_backend must be fa2, fa3 or auto, got {prefill_backend!r}")
         if decode_backend not in ("auto", "xqa", "fa2", "fa3", "triton"):
@@ -125,6 +132,10 @@ class FlashInferSinkAttention:
             if cuda_graph_batch_size < 1 or not max_pages_per_request or max_pages_per_request < 1:
                 raise ValueError("CUDA-graph mode needs cuda_graph_batch_size >= 1 and max_pages_per_request >= 1")
             self._init_graph_buffers(cuda_graph_batch_size, max_pages_per_request)
+
+    @property
+    def _triton_max_batch(self) -> int:
+        return _TRITON_MAX_BATCH["window" if self.window_left >= 0 else "full"]
 
     # ---------------------------------------------------------------- construction helpers
     def _init_graph_buffers(self, b: int, max_pages: int) -> None:
@@ -204,6 +215,8 @@ class FlashInferSinkAttention:
     def _pick_decode(self, batch: PagedBatch) -> str:
         if self.decode_backend != "auto":
             return self.decode_backend
+        if batch.batch_size <= self._triton_max_batch:
+            return "triton"
         if self.window_left >= 0:
             return "xqa" if batch.batch_size <= _XQA_MAX_BATCH else "fa2"
         return "xqa" if int(batch.kv_lens.sum()) < _XQA_MAX_KV_TOKENS else "fa2"

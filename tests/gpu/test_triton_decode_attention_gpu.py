@@ -146,3 +146,22 @@ def test_graph_object_rejects_oversized_batches():
         attn.plan(decode_batch([5, 5, 5], gen)[0])
     with pytest.raises(ValueError, match="max_pages_per_request"):
         attn.plan(decode_batch([5 * PAGE], gen)[0])
+
+
+def test_auto_rule_takes_triton_up_to_its_batch(monkeypatch):
+    """"auto" picks the Triton kernel for batches up to `_TRITON_MAX_BATCH` of the layer type."""
+    pytest.importorskip("flashinfer")
+    from pdserve.kernels import flashinfer_attention
+
+    monkeypatch.setitem(flashinfer_attention._TRITON_MAX_BATCH, "full", 4)
+    kw = dict(sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
+
+    def graph(b, window_left):
+        return FlashInferSinkAttention(DEV, window_left=window_left, cuda_graph_batch_size=b,
+                                       max_pages_per_request=4, **kw).decode_backend
+
+    assert (graph(4, -1), graph(8, -1), graph(4, 127)) == ("triton", "xqa", "xqa")
+    eager = FlashInferSinkAttention(DEV, window_left=-1, **kw)
+    gen = torch.Generator().manual_seed(3)
+    assert eager._pick_decode(decode_batch([9, 40, 3], gen)[0]) == "triton"
+    assert eager._pick_decode(decode_batch([9] * 5, gen)[0]) == "xqa"
