@@ -117,7 +117,8 @@ def _attend_block(q, m_i, l_i, acc, n0, hi, table, kv_ptr, g, stride_page, strid
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# the window and the page-table width vary by layer type and captured size: one compiled variant for all
+@triton.jit(do_not_specialize=["stride_table", "window_left"])
 def _decode_kernel(
     q_ptr, kv_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr, count_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_page, stride_kv, stride_tok, stride_table,
