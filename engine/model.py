@@ -33,8 +33,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_kernels_wanted(device: torch.device) -> bool:
-    """The Triton per-layer kernels (kernels.triton_norm / _rope / _router) run on CUDA unless
-    PDSERVE_FUSED_KERNELS=0 (the plain-torch path: the reference the GPU tests compare with)."""
+    """The Triton per-layer kernels (kernels.triton_norm / _rope / _router / _bf16_gemv) run on
+    CUDA unless PDSERVE_FUSED_KERNELS=0 (the plain-torch path: the reference the GPU tests compare
+    with)."""
     if device.type != "cuda" or os.environ.get("PDSERVE_FUSED_KERNELS", "1") == "0":
         return False
     try:
@@ -44,10 +45,23 @@ def fused_kernels_wanted(device: torch.device) -> bool:
     return True
 
 
-def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None):
-    """An attention projection: bf16 weights through cuBLAS, or e4m3 weights with 128x128 block
-    scales (attention precision fp8) through kernels.fp8.linear_fp8."""
+# Decode batches of at most this many tokens run the bf16 projections through the GEMV
+# (kernels.triton_bf16_gemv: bandwidth-bound, where cuBLAS streams the weights at 2.1-2.9 TB/s);
+# its FMAs grow with the tokens, so larger batches go to cuBLAS' tensor cores.
+GEMV_MAX_M = 4
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+             gemv: bool = False):
+    """An attention projection: bf16 weights through cuBLAS (or, with `gemv` and at most
+    GEMV_MAX_M tokens, kernels.triton_bf16_gemv), or e4m3 weights with 128x128 block scales
+    (attention precision fp8) through kernels.fp8.linear_fp8."""
     if scale is None:
+        if (gemv and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype == w.dtype == torch.bfloat16
+                and w.stride(1) == 1 and x.is_cuda):
+            from pdserve.kernels.triton_bf16_gemv import bf16_gemv
+
+            return bf16_gemv(x, w, bias)
         return F.linear(x, w, bias)
     return linear_fp8(x, w, scale, bias)
 
@@ -73,8 +87,8 @@ class GptOssModel:
         attention_backend: str = "auto",
         fused: bool | None = None,
     ):
-        """fused: the Triton per-layer kernels (residual + RMSNorm, RoPE + KV write, router);
-        None = `fused_kernels_wanted(device)`."""
+        """fused: the Triton per-layer kernels (residual + RMSNorm, RoPE + KV write, router, the
+        bf16 projection GEMV for small batches); None = `fused_kernels_wanted(device)`."""
         self.cfg = cfg
         self.w = weights
         self.shard = shard
@@ -129,7 +143,7 @@ class GptOssModel:
     def _attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         a, _ = self.w.layers[layer]
         D = self.cfg.head_dim
-        qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale)
+        qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
         nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
         group, _ = step.cache.layer_group[layer]
         if self.fused:
@@ -145,7 +159,7 @@ class GptOssModel:
             step.cache.write(layer, step.slots, k, v)
             q = q.contiguous()
         o = step.attention[group].run(q, step.cache.layer_cache(layer), a.sinks)
-        o = _project(o.reshape(-1, nq), a.o_weight, a.o_bias, a.o_scale)
+        o = _project(o.reshape(-1, nq), a.o_weight, a.o_bias, a.o_scale, self.fused)
         return all_reduce(o, self.shard)
 
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
