@@ -1,14 +1,17 @@
-"""The decode GEMV for bf16 projections (kernels/triton_bf16_gemv.py) against cuBLAS (`F.linear`) on
-gpt-oss' QKV [5120, 2880] and O [2880, 4096] (20b and 120b share them), with bias.
+"""The bf16 decode GEMV (kernels/triton_bf16_gemv.py) against cuBLAS (`F.linear`), with bias.
 
-    python bench/bf16_gemv.py [--m 1,2,4,8] [--sweep] [--budget-s 80] [--jobs 8] [--out FILE.json]
+gpt-oss' QKV [5120, 2880] and O [2880, 4096] (20b and 120b share them); `--shapes` adds the
+unembedding [201088, 2880].
+
+    python bench/bf16_gemv.py [--m 1,2,4,8] [--sweep] [--shapes qkv,o,unembed] [--budget-s 80]
+                              [--jobs 8] [--out FILE.json]
 
 Each row: us per call, the weight stream in TB/s (bf16 weights + bias) and the floor (those bytes /
 the device-to-device copy bandwidth measured here) as a share of the time. Each timed call reads a
 different copy of the weights (LAYERS copies, more than the 50 MB L2 holds, as consecutive layers
 do), all LAYERS calls replayed from one CUDA graph, L2 flushed (by reading) before each replay
-(bench/fp8_linear.py's `time_layers` on pdserve.bench.kernels' timing). Every GEMV config is checked against a float32 reference (within
-one bf16 rounding of the output, elementwise) before it is timed.
+(bench/fp8_linear.py's `time_layers`). Every GEMV config is checked against a float32 reference
+(within one bf16 rounding of the output, elementwise) before it is timed.
 
 Without --sweep: cuBLAS and the config `select_config` picks for each (shape, M). With --sweep,
 also every SWEEP candidate of the M bucket; the run ends with the best GEMV config per (shape, M)
@@ -37,7 +40,8 @@ from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.fp8 import cdiv  # noqa: E402
 from pdserve.kernels.triton_bf16_gemv import GemvConfig, bf16_gemv, launch_shape, m_bucket, select_config  # noqa: E402
 
-SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}  # (N, K): 64 q + 2 x 8 kv heads of 64; hidden 2880
+# (N, K): QKV = 64 q + 2 x 8 kv heads of 64 over hidden 2880; unembed (--shapes): the vocabulary
+SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "unembed": (201088, 2880)}
 LAYERS = 8  # weight copies per timed graph: 8 x 23.6-29.5 MB > L2
 # Candidates by M bucket (ptxas for sm_90a, offline: no spills; "in flight" = weight bytes requested
 # ahead per SM with every program resident). n rows x k K a program, w warps, s K steps in flight.
@@ -116,11 +120,13 @@ def one_rounding_excess(out: torch.Tensor, x, w, b) -> float:
     return float(((out.float() - ref).abs() - (2.0**-8 * ref.abs() + 1e-5 * mag)).max())
 
 
-def bench(ms: list[int], sweep: bool, bw: float, g: torch.Generator, deadline: float) -> list[dict]:
+def bench(ms: list[int], shapes: list[str], sweep: bool, bw: float, g: torch.Generator,
+          deadline: float) -> list[dict]:
     rows = []
-    weights = {shape: make_weights(n, k, g) for shape, (n, k) in SHAPES.items()}
+    weights = {shape: make_weights(*SHAPES[shape], g) for shape in shapes}
     for m in ms:
-        for shape, (n, k) in SHAPES.items():
+        for shape in shapes:
+            n, k = SHAPES[shape]
             layers = weights[shape]
             nb = nbytes(*layers[0])
             floor = nb / bw
@@ -190,18 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,2,4,8", help="token counts (1..8)")
     ap.add_argument("--sweep", action="store_true", help="also the SWEEP candidates of each M bucket")
+    ap.add_argument("--shapes", default="qkv,o", help=f"weights among {', '.join(SHAPES)}")
     ap.add_argument("--budget-s", type=float, default=80.0, help="start no config after this many seconds")
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the Triton variants first (0: none)")
     ap.add_argument("--out", default=None, help="JSON file for every row")
     a = ap.parse_args(argv)
     start = time.time()
     ms = [int(v) for v in a.m.split(",")]
+    shapes = a.shapes.split(",")
+    if not set(shapes) <= set(SHAPES):
+        ap.error(f"--shapes: choose among {', '.join(SHAPES)}")
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference
-    precompile([(m, n, k, c) for m in ms for n, k in SHAPES.values() for c in configs_for(m, n, k, a.sweep)],
+    precompile([(m, *SHAPES[s], c) for m in ms for s in shapes for c in configs_for(m, *SHAPES[s], a.sweep)],
                a.jobs)
     bw = copy_bandwidth()
     print(f"device-to-device copy (read + write): {bw / 1e12:.2f} TB/s", flush=True)
-    rows = bench(ms, a.sweep, bw, torch.Generator(device="cuda").manual_seed(0), start + a.budget_s)
+    rows = bench(ms, shapes, a.sweep, bw, torch.Generator(device="cuda").manual_seed(0), start + a.budget_s)
     print("\n" + markdown(rows), flush=True)
     best = best_table(rows)
     print(f"total {time.time() - start:.0f} s", flush=True)
