@@ -84,9 +84,9 @@ def configs_for(m: int, n: int, k: int, sweep: bool) -> list[GemvConfig]:
 def _compile_one(job: tuple[int, int, int, dict]) -> str:
     """Run one (M, N, K, config) once on zeros: compiles it into Triton's on-disk cache."""
     m, n, k, cfg = job
-    x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
     try:
+        x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
         bf16_gemv(x, w, torch.zeros(n, device="cuda", dtype=torch.bfloat16), config=GemvConfig(**cfg))
         torch.cuda.synchronize()
         return ""
@@ -99,11 +99,14 @@ def precompile(jobs: list[tuple[int, int, int, GemvConfig]], workers: int) -> No
         return
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
+    failed = 0
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as ex:
         for err in ex.map(_compile_one, [(m, n, k, vars(c)) for m, n, k, c in jobs]):
             if err:
+                failed += 1
                 print(f"precompile: {err}", flush=True)
-    print(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s ({workers} processes)", flush=True)
+    print(f"compiled {len(jobs) - failed} of {len(jobs)} variants in {time.time() - t0:.0f} s "
+          f"({workers} processes)", flush=True)
 
 
 def make_weights(n: int, k: int, g: torch.Generator):
