@@ -5,7 +5,10 @@
 #     OUT=/tmp/out STEPS=tests,bench bash bench/device_decode.sh
 # STEPS: tests (tests/gpu/$TESTS), bench (engine_gpu --compare-fused --profile), mxfp4
 # (bench/moe_mxfp4.py), peer (engine_gpu --peer-triton: OpenAI's gpt_oss.triton on the same weights,
-# decode at batch 1 and 64; triton_kernels from $TRITON_KERNELS_DIR, default .gpu/triton_kernels). BUDGET: seconds.
+# decode at batch 1 and 64; triton_kernels from $TRITON_KERNELS_DIR, default .gpu/triton_kernels), engmx
+# (engine_gpu at batch 1 and 64 with FP8 experts, then MXFP4 experts through the packed decode with
+# the launch shape that was fastest at one token in the mxfp4 step, or $MX_CONFIG). MX_ARGS: extra
+# arguments of bench/moe_mxfp4.py. BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -26,7 +29,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,p
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$W/env.log"
 
 # the checkpoint and the XQA decode modules build in the background while the tests run
-if { has bench || has peer; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
+if { has bench || has peer || has engmx; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
   ( python3 -c "
 from pathlib import Path
 from bench.model import ensure_checkpoint
@@ -53,7 +56,13 @@ if has tests; then
   pack
 fi
 
-if has bench || has peer; then
+if has mxfp4; then
+  timeout "$(left 15)" python3 bench/moe_mxfp4.py --out "$W/moe_mxfp4.json" ${MX_ARGS:-} > "$W/moe_mxfp4.log" 2>&1
+  log "moe_mxfp4 rc=$?"
+  grep -E "^T=|copy|Error" "$W/moe_mxfp4.log" | tail -60
+  pack
+fi
+if has bench || has peer || has engmx; then
   [ -n "${ckpt_pid:-}" ] && wait "$ckpt_pid"
   wait $xqa_pid 2>/dev/null
   tail -1 "$W/ckpt20.log" 2>/dev/null
@@ -77,11 +86,25 @@ if has peer; then
   grep -vE "^\s*$|Warning|warn" "$W/peer.log" | tail -25
   pack
 fi
-if has mxfp4; then
-  timeout "$(left 15)" python3 bench/moe_mxfp4.py --out "$W/moe_mxfp4.json" > "$W/moe_mxfp4.log" 2>&1
-  log "moe_mxfp4 rc=$?"
-  grep -E "^T=|copy|Error" "$W/moe_mxfp4.log" | tail -40
-  pack
+if has engmx; then
+  cfg=${MX_CONFIG:-$(python3 -c "
+import json, re
+rows = [r for r in json.load(open('$W/moe_mxfp4.json'))['rows'] if r['tokens'] == 1 and r['config'].startswith('packed')]
+best = min(rows, key=lambda r: r['us'])['config']
+gu, dn = re.match(r'packed gu(\d+)x(\d+)w(\d+)(?:s(\d+))? d(\d+)x(\d+)w(\d+)(?:s(\d+))?', best).groups()[:4], \
+    re.match(r'packed gu\S+ d(\d+)x(\d+)w(\d+)(?:s(\d+))?', best).groups()
+print(','.join(v or '3' for v in gu) + '/' + ','.join(v or '3' for v in dn))
+" 2>/dev/null)}
+  log "engmx: packed config ${cfg:-default}"
+  for prec in fp8 mxfp4; do
+    extra=""; [ $prec = mxfp4 ] && extra="--mxfp4-decode packed ${cfg:+--mxfp4-config $cfg}"
+    timeout "$(left 10)" python3 bench/engine_gpu.py --preset 20b --ckpt /tmp/ckpt-eg --out "$W/eg_$prec" \
+      --record "$W/eg_$prec/performance.md" --precision $prec $extra --check-tokens 64 --prefill-tokens 1024 \
+      --decode-steps 32 --batches ${MX_BATCHES:-1,64} ${MX_ENGINE_ARGS:-} > "$W/eg_$prec.log" 2>&1
+    log "engine_gpu $prec rc=$?"
+    grep -vE "^\s*$|Warning|warn" "$W/eg_$prec.log" | grep -E "decode|prefill|step|rel|Error|error" | tail -20
+    pack
+  done
 fi
 save_caches
 pack

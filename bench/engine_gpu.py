@@ -228,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="QKV and O projection weights: bf16 (cuBLAS) or FP8 128x128 blocks (Triton)")
     ap.add_argument("--compare-attention-precision", action="store_true",
                     help="prefill and decode with bf16, then FP8 attention projections (same run)")
-    ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot"],
+    ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot", "packed"],
                     help="with --precision mxfp4: the MXFP4 kernel's nibble decode (default: the kernel's)")
+    ap.add_argument("--mxfp4-config", default=None,
+                    help="with --mxfp4-decode: the kernel's launch shape, 'gate_up/down' as BLOCK_N,G_STEP,WARPS,STAGES "
+                         "each, e.g. 64,8,4,3/16,8,2,3")
     ap.add_argument("--peer-triton", action="store_true",
                     help="after pdserve's decode, time OpenAI's gpt_oss.triton on the same weights")
     a = ap.parse_args(argv)
@@ -244,8 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         import pdserve.kernels.moe as moe_mod
         from pdserve.kernels.triton_moe_mxfp4 import MxConfig
 
-        moe_mod.MXFP4_KERNEL_CONFIG = (MxConfig(decode="bits") if a.mxfp4_decode == "bits"
-                                       else MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"))
+        moe_mod.MXFP4_KERNEL_CONFIG = {"bits": MxConfig(decode="bits"), "packed": None,
+                                       "dot": MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot")}[a.mxfp4_decode]
+        moe_mod.MXFP4_CUDA_LAYOUT = "packed" if a.mxfp4_decode == "packed" else "published"
+        if a.mxfp4_config:
+            gu, dn = (tuple(int(v) for v in part.split(",")) for part in a.mxfp4_config.split("/"))
+            moe_mod.MXFP4_KERNEL_CONFIG = MxConfig(gu, dn, decode=a.mxfp4_decode)
     if a.compare_fused and a.device != "cuda":
         ap.error("--compare-fused needs --device cuda")
     if a.compare_attention_precision and a.attention_precision != "bf16":

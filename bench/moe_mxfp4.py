@@ -36,6 +36,12 @@ CONFIGS = {
     "dot gu128k128w4 d32k128w4": MxConfig((128, 128, 4, 3), (32, 128, 4, 3), decode="dot"),
     "dot gu16k512w4s2 d16k512w4s2": MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"),
     "dot gu64k512w8s2 d16k256w2": MxConfig((64, 512, 8, 2), (16, 256, 2, 3), decode="dot"),
+    "packed gu64x8w4 d16x8w2": MxConfig((64, 8, 4, 3), (16, 8, 2, 3), decode="packed"),
+    "packed gu64x32w4 d16x32w2": MxConfig((64, 32, 4, 3), (16, 32, 2, 3), decode="packed"),
+    "packed gu32x32w2 d8x32w1": MxConfig((32, 32, 2, 3), (8, 32, 1, 3), decode="packed"),
+    "packed gu64x16w4 d32x16w4": MxConfig((64, 16, 4, 3), (32, 16, 4, 3), decode="packed"),
+    "packed gu128x8w8 d16x16w2s4": MxConfig((128, 8, 8, 3), (16, 16, 2, 4), decode="packed"),
+    "packed gu32x16w2s4 d16x8w2s4": MxConfig((32, 16, 2, 4), (16, 8, 2, 4), decode="packed"),
 }
 
 
@@ -45,6 +51,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16,64")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 grouped path (the engine's default)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default="", help="comma-separated prefixes of CONFIGS names to run (default all)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     h = i = 2880
@@ -58,6 +65,9 @@ def main() -> int:
     gb, gs = mx(2 * i, h)
     db, ds = mx(h, i)
     w = MxExperts(gb, gs, torch.randn(e, 2 * i, device=dev) * 0.1, db, ds, torch.randn(e, h, device=dev) * 0.1)
+    w_packed = w.to_packed()
+    configs = {n: c for n, c in CONFIGS.items()
+               if not a.configs or any(n.startswith(pre) for pre in a.configs.split(","))}
     per_expert = sum(t[0].numel() * t.element_size() for t in (gb, gs, db, ds, w.gate_up_bias, w.down_bias))
     fp8 = None
     if not a.no_fp8:  # the same layer shape as the engine loads it by default: FP8 128x128 blocks, I padded
@@ -86,8 +96,9 @@ def main() -> int:
                 id_sets.append(torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(t)]))
         touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / rounds
         floor = touched * per_expert / bw
-        runs = {name: (lambda s, cfg=cfg: experts_forward_mxfp4(x, wts, s, w, config=cfg))
-                for name, cfg in CONFIGS.items()}
+        runs = {name: (lambda s, cfg=cfg: experts_forward_mxfp4(x, wts, s, w_packed if cfg.decode == "packed" else w,
+                                                                 config=cfg))
+                for name, cfg in configs.items()}
         if fp8 is not None:
             runs["fp8 grouped (engine default)"] = lambda s: experts_forward(x, wts, s, fp8)
         for name, fn in runs.items():

@@ -233,11 +233,15 @@ def _load_experts(
         def get(name, shape):
             return r.get(p + name, shape=shape).to(dev).contiguous()
 
-        return MxExperts(
+        from pdserve.kernels import moe
+
+        experts = MxExperts(
             get("gate_up_proj_blocks", (E, 2 * I, H // 32, 16)), get("gate_up_proj_scales", (E, 2 * I, H // 32)),
             get("gate_up_proj_bias", (E, 2 * I)).float(), get("down_proj_blocks", (E, H, I // 32, 16)),
             get("down_proj_scales", (E, H, I // 32)), down_bias.to(dev).contiguous(),
         )
+        # the CUDA decode kernel's block layout (the same bytes, bits moved within each word)
+        return experts.to_packed() if dev.type == "cuda" and moe.MXFP4_CUDA_LAYOUT == "packed" else experts
 
     if cfg.experts_format == "fp8":
         Ip = pad_intermediate(I)

@@ -20,8 +20,12 @@ from .swiglu import swiglu
 # Batches up to this many tokens run MXFP4 experts through kernels.triton_moe_mxfp4 on CUDA (decode);
 # larger ones (prefill) through `experts_forward_mxfp4_ref` (the routed experts decoded to bf16).
 MXFP4_KERNEL_MAX_TOKENS = 256  # covers the CUDA-graph decode sizes (the reference syncs)
-# Launch shape / nibble decode of that kernel (a triton_moe_mxfp4.MxConfig); None: its default.
+# Launch shape / nibble decode of that kernel (a triton_moe_mxfp4.MxConfig); None: the default for
+# the experts' block layout (triton_moe_mxfp4.default_config).
 MXFP4_KERNEL_CONFIG = None
+# Block layout the loader gives MXFP4 experts on CUDA ("packed": kernels.mxfp4.pack_words, read by
+# the "packed" decode; "published": as the checkpoint stores them).
+MXFP4_CUDA_LAYOUT = "packed"
 # FP8 batches with at least this many routed rows per local expert on average run through
 # DeepGEMM's grouped GEMMs when it is installed (kernels.deepgemm_moe); smaller ones (decode, CUDA
 # graphs, short prompts) through the Triton kernels. On an H200 the DeepGEMM path was 1.41-1.96x
@@ -150,8 +154,8 @@ def experts_forward_mxfp4_ref(
     local = torch.full((w.num_experts,), -1, dtype=torch.long, device=topk_ids.device)
     local[used] = torch.arange(len(used), device=topk_ids.device)
     sub = ExpertWeights(
-        dequantize_mxfp4(w.gate_up_blocks[used], w.gate_up_scales[used]), w.gate_up_bias[used],
-        dequantize_mxfp4(w.down_blocks[used], w.down_scales[used]), w.down_bias[used],
+        dequantize_mxfp4(w.published_blocks("gate_up", used), w.gate_up_scales[used]), w.gate_up_bias[used],
+        dequantize_mxfp4(w.published_blocks("down", used), w.down_scales[used]), w.down_bias[used],
     )
     return experts_forward_ref(x, topk_weights, local[topk_ids], sub, limit, alpha, add_down_bias)
 
@@ -173,8 +177,10 @@ def experts_forward(
             except ImportError:
                 experts_forward_mxfp4 = None
             if experts_forward_mxfp4 is not None:
+                from .triton_moe_mxfp4 import default_config
+
                 return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
-                                             **({"config": MXFP4_KERNEL_CONFIG} if MXFP4_KERNEL_CONFIG else {}))
+                                             config=MXFP4_KERNEL_CONFIG or default_config(w.layout))
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
         rows = topk_ids.numel() / max(w.num_local_experts, 1)

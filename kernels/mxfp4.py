@@ -2,17 +2,25 @@
 
 `*_blocks` is uint8 [..., rows, cols/32, 16]: 32 e2m1 values per group, two per byte, low nibble
 first. `*_scales` is uint8 [..., rows, cols/32]: the group's power-of-two exponent, biased by 127.
+
+The decode kernels may keep the blocks in a *packed* word layout (`pack_words`): the same 16 bytes
+per group (4.25 bits per weight as published), each 32-bit word's eight values with their bits
+moved so that two values become a bf16x2 register in two instructions (a rotate and a masked
+merge) instead of one byte at a time (kernels/triton_moe_mxfp4.py, decode "packed").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 # e2m1 code -> value; bit 3 is the sign.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32
+# The packed decode brings each group's sum back with the float32 2^(s - 65) (kernels/triton_moe_mxfp4.py):
+# scale exponents up to 192 (2^65) fit; real checkpoints stay far below.
+PACKED_MAX_SCALE = 192
 
 
 def unpack_fp4_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -62,11 +70,84 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, scales
 
 
+# Packed word layout. A word holds values 8w..8w+7 of its group (as the published word does); value
+# 2q + l (pair q, bf16 lane l) keeps its magnitude bits (m, e0, e1) at bits 6..8 + 16 l and its sign
+# at bit 15 + 16 l of rotl(word, PACKED_MAG_ROT[q]) and rotl(word, PACKED_SIGN_ROT[q]) respectively.
+# Then (rotl(w, a) & 0x01C001C0) | (rotl(w, b) & 0x80008000) is a bf16x2 of the pair's e2m1 values
+# times 2^-126 (codes +-0.5 land on the bf16 subnormal 2^-127, exactly). Four rotations of one
+# 8-bit pattern cannot tile 32 bits, so signs and magnitudes rotate apart; five distinct rotations
+# (3, 4, 5, 6, 9) serve the four pairs.
+PACKED_MAG_ROT = (0, 3, 6, 9)
+PACKED_SIGN_ROT = (3, 4, 5, 6)
+PACKED_MAG_MASK = 0x01C001C0
+PACKED_SIGN_MASK = 0x80008000
+
+
+def _packed_bit_map() -> list[tuple[int, int]]:
+    """[(source bit in the published word, bit in the packed word)] for all 32 bits."""
+    pairs = []
+    for k in range(8):
+        q, lane = divmod(k, 2)
+        for j in range(4):  # e2m1 code bit j: m, e0, e1, sign
+            target = (15 if j == 3 else 6 + j) + 16 * lane
+            rot = PACKED_SIGN_ROT[q] if j == 3 else PACKED_MAG_ROT[q]
+            pairs.append((4 * k + j, (target - rot) % 32))
+    assert sorted(d for _, d in pairs) == list(range(32)), "packed layout must be a bit permutation"
+    return pairs
+
+
+_PACKED_BITS = _packed_bit_map()
+
+
+def _permute_word_bits(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != GROUP // 2:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., {GROUP // 2}], got {blocks.dtype} {tuple(blocks.shape)}")
+    words = blocks.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for src, dst in _PACKED_BITS:
+        a, b = (dst, src) if inverse else (src, dst)
+        out |= ((words >> a) & 1) << b
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.uint8).view(blocks.shape)
+
+
+def pack_words(blocks: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Published blocks uint8 [..., 16] -> the packed word layout (same shape and bytes per group);
+    in chunks of `chunk` groups so a layer's experts convert without a large int64 temporary."""
+    flat = blocks.reshape(-1, GROUP // 2)
+    return torch.cat([_permute_word_bits(flat[i : i + chunk], False) for i in range(0, flat.shape[0], chunk)]
+                     ).view(blocks.shape)
+
+
+def unpack_words(packed: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Inverse of `pack_words`."""
+    flat = packed.reshape(-1, GROUP // 2)
+    return torch.cat([_permute_word_bits(flat[i : i + chunk], True) for i in range(0, flat.shape[0], chunk)]
+                     ).view(packed.shape)
+
+
+def decode_packed_words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed layout decoded the way the kernel does it (rotate, mask, merge, read as bf16
+    times 2^126) -> float32 [..., G, 32]: the e2m1 values, unscaled. For tests of the layout."""
+    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [..., G, 4]
+
+    def rotl(w, r):
+        return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF if r else w
+
+    lanes = []
+    for q in range(4):
+        pair = (rotl(words, PACKED_MAG_ROT[q]) & PACKED_MAG_MASK) | (rotl(words, PACKED_SIGN_ROT[q]) & PACKED_SIGN_MASK)
+        lanes += [pair & 0xFFFF, pair >> 16]
+    bits = torch.stack(lanes, dim=-1)  # [..., G, 4 words, 8 values]: value 8w + 2q + l
+    bf16 = torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.bfloat16)
+    return (bf16.float() * 2.0**126).flatten(-2)
+
+
 @dataclass
 class MxExperts:
     """One layer's experts kept in MXFP4 (the layout above) with float32 biases.
     gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
-    down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H]."""
+    down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H].
+    layout: "published" (as the checkpoint stores the blocks) or "packed" (`pack_words`)."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -74,6 +155,27 @@ class MxExperts:
     down_blocks: torch.Tensor
     down_scales: torch.Tensor
     down_bias: torch.Tensor
+    layout: str = "published"
+
+    def __post_init__(self):
+        if self.layout not in ("published", "packed"):
+            raise ValueError(f"MXFP4 block layout must be published or packed, not {self.layout!r}")
+
+    def to_packed(self) -> "MxExperts":
+        """The same experts with blocks in the packed word layout (the decode kernels' "packed")."""
+        if self.layout == "packed":
+            return self
+        for s in (self.gate_up_scales, self.down_scales):
+            if int(s.max()) > PACKED_MAX_SCALE:
+                raise ValueError(f"an MXFP4 scale exponent above 2^{PACKED_MAX_SCALE - 127} does not fit the packed "
+                                 "decode's float32 rescale")
+        return replace(self, gate_up_blocks=pack_words(self.gate_up_blocks), down_blocks=pack_words(self.down_blocks),
+                       layout="packed")
+
+    def published_blocks(self, which: str, index=slice(None)) -> torch.Tensor:
+        """`which` ("gate_up" or "down") blocks [index] in the published layout."""
+        blocks = getattr(self, which + "_blocks")[index]
+        return unpack_words(blocks) if self.layout == "packed" else blocks
 
     @property
     def num_experts(self) -> int:

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrival import arrival_counters
 from .mxfp4 import MxExperts
 from .triton_math import swiglu_f32
 
@@ -41,7 +42,9 @@ class MxConfig:
     select-based decode and strided activation loads), "dot" (Triton's `tl.dot_scaled`: e2m1 x
     bf16 on the tensor cores, the token in one of 16 columns; its second entry is BLOCK_K in
     values, not G_STEP). With G_STEP 16 or 32 the K step spans many threads, so each thread keeps
-    several rows on the same activations (loaded once per row set)."""
+    several rows on the same activations (loaded once per row set). "packed" (experts in
+    `MxExperts.to_packed()` layout): two values per 32-bit register through inline PTX (rotate,
+    mask-merge, bf16x2 FMA), G_STEP groups of [rows, 4 words] per K step."""
 
     gate_up: tuple[int, int, int, int] = (64, 16, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
     down: tuple[int, int, int, int] = (16, 16, 2, 3)
@@ -49,12 +52,21 @@ class MxConfig:
     decode: str = "bits"
 
     def __post_init__(self):
-        if self.decode not in ("bits", "lut", "v1", "dot"):
-            raise ValueError(f"decode must be bits, lut, v1 or dot, not {self.decode!r}")
+        if self.decode not in ("bits", "lut", "v1", "dot", "packed"):
+            raise ValueError(f"decode must be bits, lut, v1, dot or packed, not {self.decode!r}")
 
     @property
     def mode(self) -> int:
-        return 1 if self.lut or self.decode == "lut" else {"v1": 0, "bits": 2, "dot": 3}[self.decode]
+        return 1 if self.lut or self.decode == "lut" else {"v1": 0, "bits": 2, "dot": 3, "packed": 4}[self.decode]
+
+
+# The packed decode's launch shape (experts in MxExperts.to_packed() layout).
+PACKED_CONFIG = MxConfig((64, 8, 4, 3), (16, 8, 2, 3), decode="packed")
+
+
+def default_config(layout: str) -> MxConfig:
+    """The kernel config for experts with blocks in `layout` (MxExperts.layout)."""
+    return PACKED_CONFIG if layout == "packed" else MxConfig()
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
@@ -73,13 +85,14 @@ def byte_lut(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _bias_swiglu_store(acc, bias_row_ptr, rows, rm, act_row_ptr, n0, N2, limit, alpha, BLOCK_N: tl.constexpr):
-    """gate/up rows [n0, n0 + BLOCK_N) of one pair (glu even, linear odd) + bias -> SwiGLU, stored
-    as the pair's activation columns [n0 / 2, (n0 + BLOCK_N) / 2)."""
+def _bias_swiglu_store(acc, bias_row_ptr, rows, rm, act_row_ptr, n0, N2, limit, alpha, BLOCK_N: tl.constexpr,
+                       OUT_SCALE: tl.constexpr = 1.0):
+    """gate/up rows [n0, n0 + BLOCK_N) of one pair (glu even, linear odd) + bias -> SwiGLU (times
+    OUT_SCALE, a power of two), stored as the pair's activation columns [n0 / 2, (n0 + BLOCK_N) / 2)."""
     acc += tl.load(bias_row_ptr + rows, mask=rm, other=0.0)
     glu, lin = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
     cols = n0 // 2 + tl.arange(0, BLOCK_N // 2)
-    tl.store(act_row_ptr + cols, swiglu_f32(glu, lin, limit, alpha), mask=cols < N2 // 2)
+    tl.store(act_row_ptr + cols, swiglu_f32(glu, lin, limit, alpha) * OUT_SCALE, mask=cols < N2 // 2)
 
 
 @triton.jit
@@ -246,12 +259,163 @@ def _mx_down_kernel(
     tl.store(out_ptr + t * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rm)
 
 
+
+# ---------------------------------------------------------------- decode "packed"
+# One 32-bit word of packed blocks (kernels/mxfp4.py: PACKED_*) = 8 values = 4 bf16x2 pairs, times
+# the activation pairs $2..$5 (bf16x2, pre-scaled by 2^64): pair q's lanes are
+# (rotl(w, MAG_ROT[q]) & MAG_MASK) | (rotl(w, SIGN_ROT[q]) & SIGN_MASK) = e2m1 * 2^-126, so each
+# product is e2m1 * x * 2^-62, a normal bf16 for any |x| above 2^-65. Four bf16x2 FMAs (the first a
+# multiply) sum the word's values per lane; the two lanes are added in float32. 13 integer + 4
+# bf16x2 + 3 instructions per 8 weights (~2.5 per byte).
+def _packed_word_asm() -> str:
+    from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT
+
+    rots = sorted(set(PACKED_MAG_ROT + PACKED_SIGN_ROT) - {0})
+    reg = {0: "$1", **{r: f"r{r}" for r in rots}}
+    lines = ["{", ".reg .b32 " + ", ".join(reg[r] for r in rots) + ", m, l, acc;"]
+    lines += [f"shf.l.wrap.b32 r{r}, $1, $1, {r};" for r in rots]
+    for q in range(4):
+        lines.append(f"and.b32 m, {reg[PACKED_MAG_ROT[q]]}, {PACKED_MAG_MASK:#010x};")
+        lines.append(f"lop3.b32 l, {reg[PACKED_SIGN_ROT[q]]}, {PACKED_SIGN_MASK:#010x}, m, 0xEA;")  # (a & b) | c
+        lines.append(f"mul.rn.bf16x2 acc, l, ${q + 2};" if q == 0 else f"fma.rn.bf16x2 acc, l, ${q + 2}, acc;")
+    lines += ["shl.b32 m, acc, 16;", "and.b32 l, acc, 0xFFFF0000;", "add.f32 $0, m, l;", "}"]
+    return "\n".join(lines)
+
+
+_PACKED_WORD_ASM = _packed_word_asm()
+MAX_DOWN_TILES = 1 << 17  # (token, row tile) arrival counters, allocated once (before any graph capture)
+_PRESCALE_ASM = "{\n.reg .b32 c;\nmov.b32 c, 0x5F805F80;\nmul.rn.bf16x2 $0, $1, c;\n}"  # x 2^64 in both lanes
+
+
+@triton.jit
+def _mx_packed_rows(words_ptr, scales_ptr, stride_srow, rows, row_mask, xw_ptr,
+                    K_GROUPS: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr, PRESCALE: tl.constexpr):
+    """sum_k W[rows, k] * x[k] over K = 32 * K_GROUPS: W in packed MXFP4 words (int32, 4 per
+    group; rows contiguous, so the row stride is the constexpr 4 * K_GROUPS and the compiler can
+    prove 16-byte loads), x as bf16 pairs in int32 at xw_ptr, already times 2^64 unless PRESCALE
+    (then scaled here, once per thread for all its rows). Each group's float32 sum (values *
+    2^-62) times 2^(s - 65) = its scale 2^(s - 127)."""
+    gg = tl.arange(0, G_STEP)
+    ww = tl.arange(0, 4)
+    qq = tl.arange(0, 4)
+    acc2 = tl.zeros((BLOCK_N, G_STEP), dtype=tl.float32)
+    for g0 in tl.range(0, K_GROUPS, G_STEP, num_stages=NUM_STAGES):
+        g = g0 + gg
+        gm = g < K_GROUPS
+        w = tl.load(words_ptr + rows[:, None, None] * (4 * K_GROUPS) + g[None, :, None] * 4 + ww[None, None, :],
+                    mask=row_mask[:, None, None] & gm[None, :, None], other=0)
+        s = tl.load(scales_ptr + rows[:, None] * stride_srow + g[None, :],
+                    mask=row_mask[:, None] & gm[None, :], other=0).to(tl.int32)
+        xp = tl.load(xw_ptr + g[:, None, None] * 16 + ww[None, :, None] * 4 + qq[None, None, :],
+                     mask=gm[:, None, None], other=0)  # [G, word, pair]: pair 4 word + q of the group
+        if PRESCALE:
+            xp = tl.inline_asm_elementwise(PRESCALE_ASM, "=r,r", [xp], dtype=tl.int32, is_pure=True, pack=1)
+        x02, x13 = tl.split(tl.reshape(xp, (G_STEP, 4, 2, 2)))  # q = 2 i + j: split j first
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        part = tl.inline_asm_elementwise(
+            WORD_ASM, "=f,r,r,r,r,r",
+            [w, x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]],
+            dtype=tl.float32, is_pure=True, pack=1)
+        scale = ((s + 62) << 23).to(tl.float32, bitcast=True)  # 2^(s - 65)
+        acc2 += tl.sum(part, axis=2) * scale
+    return tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _mx_gate_up_packed_kernel(
+    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr,
+    stride_x, stride_be, stride_se, stride_srow, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
+):
+    """x_ptr: the tokens as int32 bf16 pairs; act_ptr: bf16 [pairs, N2 / 2]."""
+    pair = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    rows = n0 + tl.arange(0, BLOCK_N)
+    rm = rows < N2
+    acc = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_srow, rows, rm,
+                          x_ptr + token * stride_x, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, WORD_ASM, PRESCALE_ASM,
+                          True)
+    _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair.to(tl.int64) * (N2 // 2),
+                       n0, N2, limit, alpha, BLOCK_N, 1.8446744073709552e19)  # 2^64: the down kernel's input scale
+
+
+@triton.jit
+def _mx_down_packed_kernel(
+    act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    stride_be, stride_se, stride_srow, stride_bias, stride_out, H, I_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
+):
+    """One program per (token-slot pair, BLOCK_N rows of H): (expert(act) + bias) * routing weight
+    as a float32 partial; the last of a token's TOP_K programs on these rows to arrive sums the
+    partials in slot order (deterministic, no float atomics) and stores the row tile.
+    act_ptr: the SwiGLU activations times 2^64 as int32 bf16 pairs, I_GROUPS * 16 per pair."""
+    pair = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = pair // TOP_K
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < H
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    y = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_srow, rows, rm,
+                        act_ptr + pair * (I_GROUPS * 16), I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N,
+                        WORD_ASM, PRESCALE_ASM, False)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
+    y *= tl.load(wts_ptr + pair).to(tl.float32)
+    tl.store(part_ptr + pair * H + rows, y, mask=rm)
+    tl.debug_barrier()  # every thread's partial is stored before the counter moves
+    counter = count_ptr + t * tl.num_programs(1) + tile
+    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            out += tl.load(part_ptr + (t * TOP_K + k) * H + rows, mask=rm, other=0.0, cache_modifier=".cg")
+        tl.store(counter, 0)
+        tl.store(out_ptr + t * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rm)
+
+
+def _experts_forward_packed(x, topk_weights, ids, w: MxExperts, limit, alpha, add_down_bias, config, out):
+    t, h = x.shape
+    k = ids.numel() // t
+    e, n2, hg, _ = w.gate_up_blocks.shape
+    i = n2 // 2
+    act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
+    gu_words, dn_words = w.gate_up_blocks.view(torch.int32), w.down_blocks.view(torch.int32)
+    xw = x.to(torch.bfloat16).view(torch.int32)
+    bn, gs, nw, ns = config.gate_up
+    _mx_gate_up_packed_kernel[(t * k, triton.cdiv(n2, bn))](
+        xw, ids, gu_words, w.gate_up_scales, w.gate_up_bias, act,
+        xw.stride(0), gu_words.stride(0), w.gate_up_scales.stride(0),
+        w.gate_up_scales.stride(1), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
+        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, WORD_ASM=_PACKED_WORD_ASM, PRESCALE_ASM=_PRESCALE_ASM,
+        num_warps=nw,
+    )
+    bn, gs, nw, ns = config.down
+    tiles = triton.cdiv(h, bn)
+    part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    counters = arrival_counters(x.device, "mxfp4_down", max(MAX_DOWN_TILES, t * tiles))
+    _mx_down_packed_kernel[(t * k, tiles)](
+        act.view(torch.int32), ids, topk_weights.contiguous().view(-1), dn_words, w.down_scales, w.down_bias, out,
+        part, counters, dn_words.stride(0), w.down_scales.stride(0), w.down_scales.stride(1),
+        w.down_bias.stride(0), out.stride(0), h, I_GROUPS=i // 32,
+        TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, WORD_ASM=_PACKED_WORD_ASM,
+        PRESCALE_ASM=_PRESCALE_ASM, num_warps=nw,
+    )
+    return out
+
+
 def experts_forward_mxfp4(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
-    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, config: MxConfig = MxConfig(),
+    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, config: MxConfig | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x)
-    (all experts local). Meant for decode batches (each pair streams its expert's rows)."""
+    (all experts local). Meant for decode batches (each pair streams its expert's rows). config:
+    default_config(w.layout) when None."""
+    config = config or default_config(w.layout)
     t, h = x.shape
     k = topk_ids.shape[1]
     e, n2, hg, _ = w.gate_up_blocks.shape
@@ -262,12 +426,17 @@ def experts_forward_mxfp4(
     for name in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales", "gate_up_bias", "down_bias"):
         if not getattr(w, name).is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    if (config.decode == "packed") != (w.layout == "packed"):
+        raise ValueError(f"decode {config.decode!r} needs {'packed' if config.decode == 'packed' else 'published'} "
+                         f"blocks, these are {w.layout} (MxExperts.to_packed)")
     x = x.contiguous()
     ids = topk_ids.contiguous().view(-1)
-    act = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
+    if config.mode == 4:
+        return _experts_forward_packed(x, topk_weights, ids, w, limit, alpha, add_down_bias, config, out)
+    act = torch.empty(t * k, i, dtype=torch.float32, device=x.device)
     if config.mode == 3:
         bn, bk, nw, ns = config.gate_up
         _mx_gate_up_dot_kernel[(t * k, triton.cdiv(n2, bn))](

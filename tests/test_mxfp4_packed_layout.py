@@ -1,0 +1,66 @@
+"""The packed MXFP4 word layout (kernels/mxfp4.py: pack_words) on the CPU: a bit permutation of
+each word (unpack_words inverts it), and the kernel's decode formula (rotate, mask, merge, read
+as bf16 times 2^126; emulated by decode_packed_words) gives back every published e2m1 value at
+every position. The GPU kernel that reads it: tests/gpu/test_moe_mxfp4_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.moe import experts_forward_mxfp4_ref
+from pdserve.kernels.mxfp4 import (FP4_VALUES, PACKED_MAX_SCALE, MxExperts, decode_packed_words, pack_words,
+                                   unpack_fp4_codes, unpack_words)
+
+
+def test_pack_is_a_bit_permutation_and_decodes_every_code():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    blocks = torch.randint(0, 256, (3, 5, 7, 16), generator=g, dtype=torch.uint8)
+    blocks[0, 0, 0] = torch.arange(0, 256, 16, dtype=torch.uint8) | torch.arange(16, dtype=torch.uint8)  # all codes
+    packed = pack_words(blocks, chunk=16)  # several chunks
+    assert packed.shape == blocks.shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed, blocks)
+    assert torch.equal(unpack_words(packed), blocks)
+    # the number of set bits per word is kept (a permutation)
+    pop = lambda t: sum(((t.view(torch.int32).to(torch.int64) >> b) & 1).sum() for b in range(32))  # noqa: E731
+    assert pop(packed) == pop(blocks)
+    want = torch.tensor(FP4_VALUES)[unpack_fp4_codes(blocks)]
+    got = decode_packed_words(packed)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
+
+
+def _experts(g, e=4, h=64, i=64):
+    def mx(rows, cols):
+        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8),
+                torch.randint(120, 130, (e, rows, cols // 32), generator=g, dtype=torch.uint8))
+
+    gb, gs = mx(2 * i, h)
+    db, ds = mx(h, i)
+    return MxExperts(gb, gs, torch.randn(e, 2 * i, generator=g), db, ds, torch.randn(e, h, generator=g))
+
+
+def test_packed_experts_keep_the_reference_path():
+    """The prefill/reference path reads packed experts through published_blocks: same output."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    w = _experts(g)
+    p = w.to_packed()
+    assert p.layout == "packed" and p.to_packed() is p
+    assert torch.equal(p.published_blocks("down", [1, 3]), w.down_blocks[[1, 3]])
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
+    wts = torch.softmax(torch.randn(5, 2, generator=g), -1).to(torch.bfloat16)
+    assert torch.equal(experts_forward_mxfp4_ref(x, wts, ids, p), experts_forward_mxfp4_ref(x, wts, ids, w))
+
+
+def test_packed_layout_refuses_what_it_cannot_decode():
+    g = torch.Generator().manual_seed(0)
+    w = _experts(g)
+    w.down_scales[0, 0, 0] = PACKED_MAX_SCALE + 1
+    with pytest.raises(ValueError, match="scale exponent"):
+        w.to_packed()
+    with pytest.raises(ValueError, match="layout"):
+        MxExperts(w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, w.down_blocks, w.down_scales, w.down_bias,
+                  layout="shuffled")
+    with pytest.raises(ValueError, match="uint8"):
+        pack_words(torch.zeros(2, 16, dtype=torch.int32))
