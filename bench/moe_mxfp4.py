@@ -37,11 +37,12 @@ CONFIGS = {
     "dot gu16k512w4s2 d16k512w4s2": MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"),
     "dot gu64k512w8s2 d16k256w2": MxConfig((64, 512, 8, 2), (16, 256, 2, 3), decode="dot"),
     "packed gu64x8w4 d16x8w2": MxConfig((64, 8, 4, 3), (16, 8, 2, 3), decode="packed"),
-    "packed gu64x32w4 d16x32w2": MxConfig((64, 32, 4, 3), (16, 32, 2, 3), decode="packed"),
-    "packed gu32x32w2 d8x32w1": MxConfig((32, 32, 2, 3), (8, 32, 1, 3), decode="packed"),
-    "packed gu64x16w4 d32x16w4": MxConfig((64, 16, 4, 3), (32, 16, 4, 3), decode="packed"),
-    "packed gu128x8w8 d16x16w2s4": MxConfig((128, 8, 8, 3), (16, 16, 2, 4), decode="packed"),
-    "packed gu32x16w2s4 d16x8w2s4": MxConfig((32, 16, 2, 4), (16, 8, 2, 4), decode="packed"),
+    "packed gu64x16w4 d16x16w2": MxConfig((64, 16, 4, 3), (16, 16, 2, 3), decode="packed"),
+    "packed gu32x8w2 d16x8w2": MxConfig((32, 8, 2, 3), (16, 8, 2, 3), decode="packed"),
+    "packed gu128x8w4 d32x8w4": MxConfig((128, 8, 4, 3), (32, 8, 4, 3), decode="packed"),
+    "packed gu64x4w2s4 d16x4w1s4": MxConfig((64, 4, 2, 4), (16, 4, 1, 4), decode="packed"),
+    "packed gu64x8w4s4 d8x16w1s4": MxConfig((64, 8, 4, 4), (8, 16, 1, 4), decode="packed"),
+    "packed gu32x16w4s2 d16x16w4s2": MxConfig((32, 16, 4, 2), (16, 16, 4, 2), decode="packed"),
 }
 
 

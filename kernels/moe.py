@@ -154,8 +154,8 @@ def experts_forward_mxfp4_ref(
     local = torch.full((w.num_experts,), -1, dtype=torch.long, device=topk_ids.device)
     local[used] = torch.arange(len(used), device=topk_ids.device)
     sub = ExpertWeights(
-        dequantize_mxfp4(w.published_blocks("gate_up", used), w.gate_up_scales[used]), w.gate_up_bias[used],
-        dequantize_mxfp4(w.published_blocks("down", used), w.down_scales[used]), w.down_bias[used],
+        dequantize_mxfp4(*w.published("gate_up", used)), w.gate_up_bias[used],
+        dequantize_mxfp4(*w.published("down", used)), w.down_bias[used],
     )
     return experts_forward_ref(x, topk_weights, local[topk_ids], sub, limit, alpha, add_down_bias)
 

@@ -21,6 +21,10 @@ GROUP = 32
 # The packed decode brings each group's sum back with the float32 2^(s - 65) (kernels/triton_moe_mxfp4.py):
 # scale exponents up to 192 (2^65) fit; real checkpoints stay far below.
 PACKED_MAX_SCALE = 192
+# In the packed layout each row's scale bytes are zero-padded to a multiple of 16 groups (2880 / 32
+# = 90 -> 96), so the kernel reads them as aligned 32-bit words it can prefetch with the blocks
+# (single bytes at a 90-byte row stride cannot be).
+PACKED_SCALE_PAD = 16
 
 
 def unpack_fp4_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -147,7 +151,8 @@ class MxExperts:
     """One layer's experts kept in MXFP4 (the layout above) with float32 biases.
     gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
     down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H].
-    layout: "published" (as the checkpoint stores the blocks) or "packed" (`pack_words`)."""
+    layout: "published" (as the checkpoint stores them) or "packed" (blocks through `pack_words`,
+    scale rows zero-padded to a multiple of PACKED_SCALE_PAD groups)."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -169,13 +174,20 @@ class MxExperts:
             if int(s.max()) > PACKED_MAX_SCALE:
                 raise ValueError(f"an MXFP4 scale exponent above 2^{PACKED_MAX_SCALE - 127} does not fit the packed "
                                  "decode's float32 rescale")
-        return replace(self, gate_up_blocks=pack_words(self.gate_up_blocks), down_blocks=pack_words(self.down_blocks),
-                       layout="packed")
+        def pad(scales):
+            g = scales.shape[-1]
+            return torch.nn.functional.pad(scales, (0, -g % PACKED_SCALE_PAD)).contiguous()
 
-    def published_blocks(self, which: str, index=slice(None)) -> torch.Tensor:
-        """`which` ("gate_up" or "down") blocks [index] in the published layout."""
+        return replace(self, gate_up_blocks=pack_words(self.gate_up_blocks), down_blocks=pack_words(self.down_blocks),
+                       gate_up_scales=pad(self.gate_up_scales), down_scales=pad(self.down_scales), layout="packed")
+
+    def published(self, which: str, index=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """`which` ("gate_up" or "down") (blocks, scales) [index] in the published layout."""
         blocks = getattr(self, which + "_blocks")[index]
-        return unpack_words(blocks) if self.layout == "packed" else blocks
+        scales = getattr(self, which + "_scales")[index]
+        if self.layout == "packed":
+            return unpack_words(blocks), scales[..., : blocks.shape[-2]]
+        return blocks, scales
 
     @property
     def num_experts(self) -> int:

@@ -288,45 +288,51 @@ _PRESCALE_ASM = "{\n.reg .b32 c;\nmov.b32 c, 0x5F805F80;\nmul.rn.bf16x2 $0, $1, 
 
 
 @triton.jit
-def _mx_packed_rows(words_ptr, scales_ptr, stride_srow, rows, row_mask, xw_ptr,
+def _mx_packed_rows(words_ptr, scales_ptr, rows, row_mask, xw_ptr,
                     K_GROUPS: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr, PRESCALE: tl.constexpr):
     """sum_k W[rows, k] * x[k] over K = 32 * K_GROUPS: W in packed MXFP4 words (int32, 4 per
     group; rows contiguous, so the row stride is the constexpr 4 * K_GROUPS and the compiler can
-    prove 16-byte loads), x as bf16 pairs in int32 at xw_ptr, already times 2^64 unless PRESCALE
-    (then scaled here, once per thread for all its rows). Each group's float32 sum (values *
-    2^-62) times 2^(s - 65) = its scale 2^(s - 127)."""
-    gg = tl.arange(0, G_STEP)
+    prove 16-byte loads), scales as int32 words of 4 groups (rows padded to a multiple of 16
+    groups: aligned, so they stream through the same prefetch pipeline as the blocks), x as bf16
+    pairs in int32 at xw_ptr, already times 2^64 unless PRESCALE (then scaled here, once per
+    thread for all its rows). Each group's float32 sum (values * 2^-62) times 2^(s - 65) = its
+    scale 2^(s - 127). The K step is G_STEP groups = G_STEP / 4 quads of 4 groups."""
+    GQ: tl.constexpr = G_STEP // 4
+    S_ROW: tl.constexpr = (K_GROUPS + 15) // 16 * 4  # int32 scale words per row
+    gq = tl.arange(0, GQ)
+    gi = tl.arange(0, 4)
     ww = tl.arange(0, 4)
-    qq = tl.arange(0, 4)
-    acc2 = tl.zeros((BLOCK_N, G_STEP), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, GQ, 4), dtype=tl.float32)
     for g0 in tl.range(0, K_GROUPS, G_STEP, num_stages=NUM_STAGES):
-        g = g0 + gg
+        g = g0 + gq[:, None] * 4 + gi[None, :]  # [GQ, 4]
         gm = g < K_GROUPS
-        w = tl.load(words_ptr + rows[:, None, None] * (4 * K_GROUPS) + g[None, :, None] * 4 + ww[None, None, :],
-                    mask=row_mask[:, None, None] & gm[None, :, None], other=0)
-        s = tl.load(scales_ptr + rows[:, None] * stride_srow + g[None, :],
-                    mask=row_mask[:, None] & gm[None, :], other=0).to(tl.int32)
-        xp = tl.load(xw_ptr + g[:, None, None] * 16 + ww[None, :, None] * 4 + qq[None, None, :],
-                     mask=gm[:, None, None], other=0)  # [G, word, pair]: pair 4 word + q of the group
+        w = tl.load(words_ptr + rows[:, None, None, None] * (4 * K_GROUPS) + g[None, :, :, None] * 4
+                    + ww[None, None, None, :], mask=row_mask[:, None, None, None] & gm[None, :, :, None], other=0)
+        sq = g0 // 4 + gq
+        sw = tl.load(scales_ptr + rows[:, None] * S_ROW + sq[None, :], mask=row_mask[:, None] & (sq < S_ROW)[None, :],
+                     other=0)
+        s = (sw[:, :, None] >> (gi * 8)[None, None, :]) & 0xFF  # [N, GQ, 4]
+        xp = tl.load(xw_ptr + g[:, :, None, None] * 16 + ww[None, None, :, None] * 4 + ww[None, None, None, :],
+                     mask=gm[:, :, None, None], other=0)  # [GQ, 4, word, q]: pair 4 word + q of the group
         if PRESCALE:
             xp = tl.inline_asm_elementwise(PRESCALE_ASM, "=r,r", [xp], dtype=tl.int32, is_pure=True, pack=1)
-        x02, x13 = tl.split(tl.reshape(xp, (G_STEP, 4, 2, 2)))  # q = 2 i + j: split j first
+        x02, x13 = tl.split(tl.reshape(xp, (GQ, 4, 4, 2, 2)))  # q = 2 i + j: split j first
         x0, x2 = tl.split(x02)
         x1, x3 = tl.split(x13)
         part = tl.inline_asm_elementwise(
             WORD_ASM, "=f,r,r,r,r,r",
-            [w, x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]],
+            [w, x0[None, :, :, :], x1[None, :, :, :], x2[None, :, :, :], x3[None, :, :, :]],
             dtype=tl.float32, is_pure=True, pack=1)
         scale = ((s + 62) << 23).to(tl.float32, bitcast=True)  # 2^(s - 65)
-        acc2 += tl.sum(part, axis=2) * scale
-    return tl.sum(acc2, axis=1)
+        acc += tl.sum(part, axis=3) * scale
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
 def _mx_gate_up_packed_kernel(
     x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr,
-    stride_x, stride_be, stride_se, stride_srow, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
+    stride_x, stride_be, stride_se, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
     WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
 ):
@@ -337,7 +343,7 @@ def _mx_gate_up_packed_kernel(
     token = (pair // TOP_K).to(tl.int64)
     rows = n0 + tl.arange(0, BLOCK_N)
     rm = rows < N2
-    acc = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_srow, rows, rm,
+    acc = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, rows, rm,
                           x_ptr + token * stride_x, H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, WORD_ASM, PRESCALE_ASM,
                           True)
     _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair.to(tl.int64) * (N2 // 2),
@@ -347,7 +353,7 @@ def _mx_gate_up_packed_kernel(
 @triton.jit
 def _mx_down_packed_kernel(
     act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    stride_be, stride_se, stride_srow, stride_bias, stride_out, H, I_GROUPS: tl.constexpr,
+    stride_be, stride_se, stride_bias, stride_out, H, I_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr,
     NUM_STAGES: tl.constexpr, WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
 ):
@@ -361,7 +367,7 @@ def _mx_down_packed_kernel(
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < H
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    y = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, stride_srow, rows, rm,
+    y = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, rows, rm,
                         act_ptr + pair * (I_GROUPS * 16), I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N,
                         WORD_ASM, PRESCALE_ASM, False)
     if HAS_BIAS:
@@ -385,12 +391,15 @@ def _experts_forward_packed(x, topk_weights, ids, w: MxExperts, limit, alpha, ad
     i = n2 // 2
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     gu_words, dn_words = w.gate_up_blocks.view(torch.int32), w.down_blocks.view(torch.int32)
+    gu_scales, dn_scales = w.gate_up_scales.view(torch.int32), w.down_scales.view(torch.int32)
+    for name, cfg in (("gate_up", config.gate_up), ("down", config.down)):
+        if cfg[1] % 4 or 16 % cfg[1]:
+            raise ValueError(f"packed decode: the {name} K step must be 4, 8 or 16 groups, not {cfg[1]}")
     xw = x.to(torch.bfloat16).view(torch.int32)
     bn, gs, nw, ns = config.gate_up
     _mx_gate_up_packed_kernel[(t * k, triton.cdiv(n2, bn))](
-        xw, ids, gu_words, w.gate_up_scales, w.gate_up_bias, act,
-        xw.stride(0), gu_words.stride(0), w.gate_up_scales.stride(0),
-        w.gate_up_scales.stride(1), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
+        xw, ids, gu_words, gu_scales, w.gate_up_bias, act,
+        xw.stride(0), gu_words.stride(0), gu_scales.stride(0), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
         TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, WORD_ASM=_PACKED_WORD_ASM, PRESCALE_ASM=_PRESCALE_ASM,
         num_warps=nw,
     )
@@ -399,9 +408,9 @@ def _experts_forward_packed(x, topk_weights, ids, w: MxExperts, limit, alpha, ad
     part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
     counters = arrival_counters(x.device, "mxfp4_down", max(MAX_DOWN_TILES, t * tiles))
     _mx_down_packed_kernel[(t * k, tiles)](
-        act.view(torch.int32), ids, topk_weights.contiguous().view(-1), dn_words, w.down_scales, w.down_bias, out,
-        part, counters, dn_words.stride(0), w.down_scales.stride(0), w.down_scales.stride(1),
-        w.down_bias.stride(0), out.stride(0), h, I_GROUPS=i // 32,
+        act.view(torch.int32), ids, topk_weights.contiguous().view(-1), dn_words, dn_scales, w.down_bias, out,
+        part, counters, dn_words.stride(0), dn_scales.stride(0), w.down_bias.stride(0), out.stride(0), h,
+        I_GROUPS=i // 32,
         TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, WORD_ASM=_PACKED_WORD_ASM,
         PRESCALE_ASM=_PRESCALE_ASM, num_warps=nw,
     )

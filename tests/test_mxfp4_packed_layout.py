@@ -46,7 +46,9 @@ def test_packed_experts_keep_the_reference_path():
     w = _experts(g)
     p = w.to_packed()
     assert p.layout == "packed" and p.to_packed() is p
-    assert torch.equal(p.published_blocks("down", [1, 3]), w.down_blocks[[1, 3]])
+    blocks, scales = p.published("down", [1, 3])
+    assert torch.equal(blocks, w.down_blocks[[1, 3]]) and torch.equal(scales, w.down_scales[[1, 3]])
+    assert p.gate_up_scales.shape[-1] % 16 == 0 and torch.equal(p.gate_up_scales[..., :2], w.gate_up_scales)
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
     wts = torch.softmax(torch.randn(5, 2, generator=g), -1).to(torch.bfloat16)
