@@ -45,23 +45,18 @@ def fused_kernels_wanted(device: torch.device) -> bool:
     return True
 
 
-# Decode batches of at most this many tokens run the bf16 projections through the GEMV
-# (kernels.triton_bf16_gemv: bandwidth-bound, where cuBLAS streams the weights at 2.1-2.9 TB/s);
-# its FMAs grow with the tokens, so larger batches go to cuBLAS' tensor cores.
-GEMV_MAX_M = 4
-
-
 def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
              gemv: bool = False):
-    """An attention projection: bf16 weights through cuBLAS (or, with `gemv` and at most
-    GEMV_MAX_M tokens, kernels.triton_bf16_gemv), or e4m3 weights with 128x128 block scales
-    (attention precision fp8) through kernels.fp8.linear_fp8."""
+    """An attention projection: bf16 weights through cuBLAS (or, with `gemv`, decode batches where
+    kernels.triton_bf16_gemv measured faster: bandwidth-bound, where cuBLAS streams these weights
+    at 1.9-2.8 TB/s), or e4m3 weights with 128x128 block scales (attention precision fp8) through
+    kernels.fp8.linear_fp8."""
     if scale is None:
-        if (gemv and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype == w.dtype == torch.bfloat16
-                and w.stride(1) == 1 and x.is_cuda):
-            from pdserve.kernels.triton_bf16_gemv import bf16_gemv
+        if gemv and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1:
+            from pdserve.kernels.triton_bf16_gemv import bf16_gemv, gemv_wins
 
-            return bf16_gemv(x, w, bias)
+            if gemv_wins(x.shape[0], *w.shape):
+                return bf16_gemv(x, w, bias)
         return F.linear(x, w, bias)
     return linear_fp8(x, w, scale, bias)
 

@@ -12,7 +12,7 @@ Paths (chosen per batch kind, measured on an H200: docs/kernels.md):
   batches (full layers: < 64k KV tokens; windowed layers: <= 16 requests), the FA2 sink wrapper
   for bigger ones and for page sizes XQA has no kernel for. `decode_backend="triton"`: the
   Triton split-KV kernel instead (same page-table buffers as XQA; "auto" takes it up to
-  `_TRITON_MAX_BATCH` requests, 0 for now).
+  `_TRITON_MAX_BATCH` requests: windowed layers up to 64, full layers never, as measured).
   A CUDA-graph object with the Triton decode kernel needs no FlashInfer at all.
 
 CUDA graphs (decode): construct with `cuda_graph_batch_size=B, max_pages_per_request=P`. The
@@ -48,8 +48,11 @@ _XQA_PAGE_SIZES = (16, 32, 64, 128)
 _XQA_MAX_KV_TOKENS = 64 * 1024
 _XQA_MAX_BATCH = 16
 # Our Triton split-KV decode kernel takes decode batches of up to this many requests, per layer
-# type, ahead of the rules above (0: never, until bench/decode_attention.py has measured it).
-_TRITON_MAX_BATCH = {"full": 0, "window": 0}
+# type, ahead of the rules above (0: never). Measured (H200, 2026-12-01, bench/decode_attention.py,
+# docs/performance.md): windowed layers 0.43-0.67x the best FlashInfer kernel's time at batch
+# 1-64, context 1k and 8k; full layers faster at context 1k (0.76-0.96x) but slower at 8k
+# (1.2-1.5x), and a captured graph keeps its kernel for every context: XQA/FA2 stay there.
+_TRITON_MAX_BATCH = {"full": 0, "window": 64}
 
 _FA_WORKSPACE_BYTES = 256 << 20
 _XQA_WORKSPACE_BYTES = 256 << 20

@@ -91,7 +91,21 @@ DEFAULTS: dict[int, GemvConfig] = {
 }
 # (N, K, M bucket) -> config where a sweep (bench/bf16_gemv.py --sweep) found a better one than
 # DEFAULTS; gpt-oss' QKV is (5120, 2880), O (2880, 4096) at TP 1.
-CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# Measured on an H200 (docs/performance.md, 2026-12-01, bench/bf16_gemv.py --sweep).
+CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (2880, 4096, 1): GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=4),  # 8.44 us, cuBLAS 12.18
+    (2880, 4096, 2): GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=4),  # 8.92 us, cuBLAS 12.20
+    (2880, 4096, 4): GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=4),  # 10.10 us, cuBLAS 12.29
+    (5120, 2880, 1): GemvConfig(block_n=8, block_k=512, num_warps=2, num_stages=3),  # 9.79 us, cuBLAS 10.42
+}
+# Up to how many tokens the GEMV beat cuBLAS per (N, K) in that sweep (QKV ties it at 2 and loses
+# from 4: cuBLAS streams QKV's 5120 rows at 2.7-2.8 TB/s already); other shapes: one token only.
+FASTER_THAN_CUBLAS_UP_TO: dict[tuple[int, int], int] = {(2880, 4096): 4, (5120, 2880): 1}
+
+
+def gemv_wins(m: int, n: int, k: int) -> bool:
+    """Whether an [m, k] x [n, k]^T projection should take the GEMV rather than cuBLAS."""
+    return 1 <= m <= FASTER_THAN_CUBLAS_UP_TO.get((n, k), 1)
 
 
 def select_config(m: int, n: int, k: int) -> GemvConfig:

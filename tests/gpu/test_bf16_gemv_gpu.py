@@ -5,7 +5,7 @@ Reference: x @ w^T + bias in float32 (IEEE: tests/gpu/conftest.py keeps TF32 off
 bf16 rounding of the output, elementwise (2^-8 of the reference), plus 1e-5 of the element's
 magnitude sum |x w| + |b| for the float32 sums taken in another order. Split-K results are
 bit-identical from call to call and in CUDA-graph replay; the engine's projections take the GEMV up
-to GEMV_MAX_M tokens and cuBLAS above.
+to the token count where it measured faster (FASTER_THAN_CUBLAS_UP_TO) and cuBLAS above.
 """
 
 from __future__ import annotations
@@ -104,14 +104,16 @@ def test_deterministic_and_graph_replay(m, cfg, seed):
 
 
 def test_engine_projection_routing(seed):
-    """engine.model._project: the GEMV up to GEMV_MAX_M tokens (bit-identical to calling it), cuBLAS
-    above and without `gemv` (bit-identical to F.linear)."""
-    from pdserve.engine.model import GEMV_MAX_M, _project
+    """engine.model._project: the GEMV where it measured faster (bit-identical to calling it),
+    cuBLAS elsewhere and without `gemv` (bit-identical to F.linear)."""
+    from pdserve.engine.model import _project
+    from pdserve.kernels.triton_bf16_gemv import FASTER_THAN_CUBLAS_UP_TO
 
-    n, k = SHAPES["qkv"]
-    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
-        x, w, b = _problem(n, k, m, seed + m)
-        out = _project(x, w, b, None, gemv=True)
-        expect = bf16_gemv(x, w, b) if m <= GEMV_MAX_M else F.linear(x, w, b)
-        assert torch.equal(out, expect), m
-        assert torch.equal(_project(x, w, b, None, gemv=False), F.linear(x, w, b))
+    for n, k in (SHAPES["qkv"], SHAPES["o"]):
+        top = FASTER_THAN_CUBLAS_UP_TO[(n, k)]
+        for m in (1, top, top + 1):
+            x, w, b = _problem(n, k, m, seed + m)
+            out = _project(x, w, b, None, gemv=True)
+            expect = bf16_gemv(x, w, b) if m <= top else F.linear(x, w, b)
+            assert torch.equal(out, expect), (n, m)
+            assert torch.equal(_project(x, w, b, None, gemv=False), F.linear(x, w, b))

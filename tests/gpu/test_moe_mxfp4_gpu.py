@@ -67,7 +67,7 @@ def test_mxfp4_moe(t):
                 MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"),
                 MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"), PACKED,
                 MxConfig((64, 16, 4, 3), (16, 16, 2, 3), decode="packed"),
-                MxConfig((32, 4, 2, 4), (8, 8, 1, 2), decode="packed")):
+                MxConfig((32, 4, 2, 4, 4), (8, 8, 1, 2, 3), decode="packed")):
         wc = w.to_packed() if cfg.decode == "packed" else w
         out = experts_forward_mxfp4(x, weights, ids, wc, config=cfg)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
@@ -109,8 +109,9 @@ def test_packed_decode_every_code_and_scale():
     from pdserve.kernels.triton_moe_mxfp4 import experts_forward_mxfp4
 
     h = i = 64
-    codes = torch.arange(16, device=DEV).repeat(h * 2 * i // 16).view(2 * i, h)
-    codes = codes[:, torch.randperm(h, device=DEV)]
+    # every code 4 times in each row, in a different order per row (identical rows would cancel to 0)
+    codes = torch.arange(16, device=DEV).repeat(2 * i, h // 16)
+    codes = torch.gather(codes, 1, torch.argsort(torch.rand(2 * i, h, device=DEV), dim=1))
     blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(1, 2 * i, h // 32, 16)
     for s, xs in ((97, 2.0**-20), (127, 1.0), (187, 2.0**20), (140, 2.0**-20)):
         scales = torch.full((1, 2 * i, h // 32), s, dtype=torch.uint8, device=DEV)
