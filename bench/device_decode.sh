@@ -91,9 +91,10 @@ if has engmx; then
 import json, re
 rows = [r for r in json.load(open('$W/moe_mxfp4.json'))['rows'] if r['tokens'] == 1 and r['config'].startswith('packed')]
 best = min(rows, key=lambda r: r['us'])['config']
-gu, dn = re.match(r'packed gu(\d+)x(\d+)w(\d+)(?:s(\d+))? d(\d+)x(\d+)w(\d+)(?:s(\d+))?', best).groups()[:4], \
-    re.match(r'packed gu\S+ d(\d+)x(\d+)w(\d+)(?:s(\d+))?', best).groups()
-print(','.join(v or '3' for v in gu) + '/' + ','.join(v or '3' for v in dn))
+def entry(name):  # gu64x8w4s3k4 -> 64,8,4,3,4
+    n, g, w, st, k = re.fullmatch(r'(?:gu|d)(\d+)x(\d+)w(\d+)(?:s(\d+))?(?:k(\d+))?', name).groups()
+    return ','.join([n, g, w, st or '3'] + ([k] if k else []))
+print('/'.join(entry(part) for part in best.split()[1:3]))
 " 2>/dev/null)}
   log "engmx: packed config ${cfg:-default}"
   for prec in fp8 mxfp4; do

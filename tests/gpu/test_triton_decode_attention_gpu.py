@@ -153,14 +153,16 @@ def test_auto_rule_takes_triton_up_to_its_batch(monkeypatch):
     pytest.importorskip("flashinfer")
     from pdserve.kernels import flashinfer_attention
 
+    assert flashinfer_attention._TRITON_MAX_BATCH == {"full": 0, "window": 64}  # as measured (docs/performance.md)
     monkeypatch.setitem(flashinfer_attention._TRITON_MAX_BATCH, "full", 4)
+    monkeypatch.setitem(flashinfer_attention._TRITON_MAX_BATCH, "window", 2)
     kw = dict(sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
 
     def graph(b, window_left):
         return FlashInferSinkAttention(DEV, window_left=window_left, cuda_graph_batch_size=b,
                                        max_pages_per_request=4, **kw).decode_backend
 
-    assert (graph(4, -1), graph(8, -1), graph(4, 127)) == ("triton", "xqa", "xqa")
+    assert (graph(4, -1), graph(8, -1), graph(2, 127), graph(4, 127)) == ("triton", "xqa", "triton", "xqa")
     eager = FlashInferSinkAttention(DEV, window_left=-1, **kw)
     gen = torch.Generator().manual_seed(3)
     assert eager._pick_decode(decode_batch([9, 40, 3], gen)[0]) == "triton"
