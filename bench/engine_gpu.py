@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mxfp4-config", default=None,
                     help="with --mxfp4-decode: the kernel's launch shape, 'gate_up/down' as BLOCK_N,G_STEP,WARPS,STAGES "
                          "each, e.g. 64,8,4,3/16,8,2,3")
+    ap.add_argument("--mxfp4-grouped-from", type=int, default=None,
+                    help="with --precision mxfp4: batches of at least this many tokens take the expert-grouped "
+                         "tensor-core kernels (kernels.moe.MXFP4_GROUPED_MIN_TOKENS)")
     ap.add_argument("--peer-triton", action="store_true",
                     help="after pdserve's decode, time OpenAI's gpt_oss.triton on the same weights")
     a = ap.parse_args(argv)
@@ -253,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.mxfp4_config:
             gu, dn = (tuple(int(v) for v in part.split(",")) for part in a.mxfp4_config.split("/"))
             moe_mod.MXFP4_KERNEL_CONFIG = MxConfig(gu, dn, decode=a.mxfp4_decode)
+    if a.mxfp4_grouped_from is not None:
+        import pdserve.kernels.moe as moe_mod
+
+        moe_mod.MXFP4_GROUPED_MIN_TOKENS = a.mxfp4_grouped_from
     if a.compare_fused and a.device != "cuda":
         ap.error("--compare-fused needs --device cuda")
     if a.compare_attention_precision and a.attention_precision != "bf16":

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.moe import ExpertWeights, experts_forward  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4 import MxConfig, MxExperts, experts_forward_mxfp4  # noqa: E402
+from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped  # noqa: E402
 
 CONFIGS = {
     "v1 gu32x4 d16x4": MxConfig((32, 4, 4, 3), (16, 4, 4, 3), decode="v1"),
@@ -44,6 +45,17 @@ CONFIGS = {
     "packed gu128x8w4k6 d32x8w4k6": MxConfig((128, 8, 4, 3, 6), (32, 8, 4, 3, 6), decode="packed"),
     "packed gu64x16w4k2 d32x16w4k3": MxConfig((64, 16, 4, 3, 2), (32, 16, 4, 3, 3), decode="packed"),
     "packed gu32x8w2k4 d16x8w2k4": MxConfig((32, 8, 2, 3, 4), (16, 8, 2, 3, 4), decode="packed"),
+}
+
+
+# The expert-grouped tensor-core kernels (kernels/triton_moe_mxfp4_grouped.py): BLOCK_M, then
+# (BLOCK_N, BLOCK_K, warps, stages) for gate/up and down.
+GROUPED = {
+    "grouped m16 gu64k128w4 d64k128w4": GroupedConfig(16, (64, 128, 4, 3), (64, 128, 4, 3)),
+    "grouped m16 gu128k128w4 d64k256w4": GroupedConfig(16, (128, 128, 4, 3), (64, 256, 4, 3)),
+    "grouped m16 gu32k256w4 d32k256w4": GroupedConfig(16, (32, 256, 4, 3), (32, 256, 4, 3)),
+    "grouped m32 gu64k128w4 d64k128w4": GroupedConfig(32, (64, 128, 4, 3), (64, 128, 4, 3)),
+    "grouped m64 gu128k128w4 d128k128w4": GroupedConfig(64, (128, 128, 4, 3), (128, 128, 4, 3)),
 }
 
 
@@ -101,6 +113,9 @@ def main() -> int:
         runs = {name: (lambda s, cfg=cfg: experts_forward_mxfp4(x, wts, s, w_packed if cfg.decode == "packed" else w,
                                                                  config=cfg))
                 for name, cfg in configs.items()}
+        runs.update({name: (lambda s, cfg=cfg: experts_forward_mxfp4_grouped(x, wts, s, w_packed, config=cfg))
+                     for name, cfg in GROUPED.items()
+                     if not a.configs or any(name.startswith(pre) for pre in a.configs.split(","))})
         if fp8 is not None:
             runs["fp8 grouped (engine default)"] = lambda s: experts_forward(x, wts, s, fp8)
         for name, fn in runs.items():

@@ -26,6 +26,10 @@ MXFP4_KERNEL_CONFIG = None
 # Block layout the loader gives MXFP4 experts on CUDA ("packed": kernels.mxfp4.pack_words, read by
 # the "packed" decode; "published": as the checkpoint stores them).
 MXFP4_CUDA_LAYOUT = "packed"
+# Batches of at least this many tokens take the expert-grouped tensor-core kernels
+# (kernels.triton_moe_mxfp4_grouped) instead of the per-pair packed GEMV; None: never (not yet
+# measured on a GPU).
+MXFP4_GROUPED_MIN_TOKENS: int | None = None
 # FP8 batches with at least this many routed rows per local expert on average run through
 # DeepGEMM's grouped GEMMs when it is installed (kernels.deepgemm_moe); smaller ones (decode, CUDA
 # graphs, short prompts) through the Triton kernels. On an H200 the DeepGEMM path was 1.41-1.96x
@@ -178,6 +182,12 @@ def experts_forward(
                 experts_forward_mxfp4 = None
             if experts_forward_mxfp4 is not None:
                 from .triton_moe_mxfp4 import default_config
+
+                if (MXFP4_GROUPED_MIN_TOKENS is not None and x.shape[0] >= MXFP4_GROUPED_MIN_TOKENS
+                        and w.layout == "packed"):
+                    from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
+
+                    return experts_forward_mxfp4_grouped(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
 
                 return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
                                              config=MXFP4_KERNEL_CONFIG or default_config(w.layout))

@@ -1,0 +1,91 @@
+"""The expert-grouped MXFP4 kernels (kernels/triton_moe_mxfp4_grouped.py) in Triton's CPU
+interpreter against `experts_forward_ref` on the dequantised (exact) weights.
+
+Child process with TRITON_INTERPRET=1 (tests/interp.py), the routing layout built in torch
+(tests/moe_routing.py). float32 activations and float32 dots
+(bf16 `tl.dot` is wrong in the interpreter): the kernels and the reference differ only in the
+order of float32 sums, so rel L2 < 1e-5; a wrong nibble, scale, row, expert, slot or weight is
+off by > 1e-2. Every e2m1 code occurs; several experts get more routed rows than one BLOCK_M
+block and some none; K (the hidden size) is not a multiple of BLOCK_K.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from interp import run_in_interpreter
+from moe_routing import routing_torch
+from numerics import rel_l2
+
+pytest.importorskip("triton")
+
+# hidden, intermediate, experts, tokens, top-k, down bias, GroupedConfig args
+CASES = [
+    (96, 64, 5, 7, 3, True, (16, (32, 64, 4, 2), (32, 64, 4, 2))),  # K 96: one and a half steps of 64
+    (64, 96, 4, 9, 2, False, (16, (16, 32, 2, 1), (64, 64, 4, 2))),
+    (160, 64, 6, 20, 4, True, (32, (64, 128, 4, 2), (16, 32, 2, 3))),  # experts with > 32 rows
+]
+
+
+def _child(in_path: str, out_path: str) -> None:
+    from pdserve.kernels import triton_moe_mxfp4_grouped as grouped
+    from pdserve.kernels.mxfp4 import MxExperts
+    from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped
+
+    grouped.align_routing = routing_torch  # the routing kernel's atomics do not run in the interpreter
+    outs = []
+    for c in torch.load(in_path):
+        bm, gu, dn = c["config"]
+        outs.append(experts_forward_mxfp4_grouped(c["x"], c["weights"], c["ids"], MxExperts(**c["w"]).to_packed(),
+                                                  add_down_bias=c["bias"], config=GroupedConfig(bm, gu, dn)))
+    torch.save(outs, out_path)
+
+
+def test_grouped_mxfp4_matches_reference(tmp_path):
+    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
+    from pdserve.kernels.mxfp4 import MxExperts, dequantize_mxfp4
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for h, i, e, t, k, bias, config in CASES:
+        def mx(rows, cols):
+            return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8),
+                    torch.randint(122, 131, (e, rows, cols // 32), generator=g, dtype=torch.uint8))
+
+        gb, gs = mx(2 * i, h)
+        db, ds = mx(h, i)
+        w = MxExperts(gb, gs, torch.randn(e, 2 * i, generator=g), db, ds, torch.randn(e, h, generator=g))
+        # skewed routing: expert 0 in most tokens, the last expert in none
+        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(e - 2, generator=g)[: k - 1] + 1])
+                           for _ in range(t)])
+        cases.append(dict(x=torch.randn(t, h, generator=g), ids=ids, weights=torch.softmax(torch.randn(t, k, generator=g), -1),
+                          w=vars(w), bias=bias, config=config))
+    outs = run_in_interpreter(__file__, cases, tmp_path, seed)
+    for c, got in zip(cases, outs):
+        w = MxExperts(**c["w"])
+        ref_w = ExpertWeights(dequantize_mxfp4(w.gate_up_blocks, w.gate_up_scales, torch.float32), w.gate_up_bias,
+                              dequantize_mxfp4(w.down_blocks, w.down_scales, torch.float32), w.down_bias)
+        ref = experts_forward_ref(c["x"], c["weights"], c["ids"], ref_w, add_down_bias=c["bias"])
+        assert got.shape == ref.shape and not got.isnan().any()
+        assert rel_l2(got, ref) < 1e-5, (seed, rel_l2(got, ref))
+
+
+def test_grouped_mxfp4_refuses_published_blocks():
+    from pdserve.kernels.mxfp4 import MxExperts
+    from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped
+
+    z = torch.zeros
+    w = MxExperts(z(2, 64, 1, 16, dtype=torch.uint8), z(2, 64, 1, dtype=torch.uint8), z(2, 64),
+                  z(2, 32, 1, 16, dtype=torch.uint8), z(2, 32, 1, dtype=torch.uint8), z(2, 32))
+    with pytest.raises(ValueError, match="packed"):
+        experts_forward_mxfp4_grouped(z(1, 32), z(1, 1), z(1, 1, dtype=torch.long), w)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        GroupedConfig(16, (64, 48, 4, 3))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
