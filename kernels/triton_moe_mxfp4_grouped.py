@@ -114,6 +114,19 @@ def _routed_gemm(a_ptr, a_rows, a_ok, stride_a, words_ptr, scales_ptr, n, n_ok, 
 
 
 @triton.jit
+def _routed_block(slot_ptr, block_expert_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program id -> (local expert or -1, its routed rows, their pair slots (-1: padding), which
+    rows are real, output columns, which columns exist): blocks of BLOCK_M rows x BLOCK_N columns."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    blk = pid // tiles
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(slot_ptr + rows)
+    n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(block_expert_ptr + blk), rows, slot, slot >= 0, n, n < N
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, slot_ptr, block_expert_ptr,
     stride_x, stride_we, stride_se, stride_bias, N2, limit, alpha,
@@ -121,24 +134,16 @@ def _gate_up_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     """Program (routed block, BLOCK_N of 2I): act[routed row, n / 2] = SwiGLU(x[token] W^T + b)."""
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(N2, BLOCK_N)
-    blk = pid // tiles
-    e = tl.load(block_expert_ptr + blk)
+    e, rows, slot, m_ok, n, n_ok = _routed_block(slot_ptr, block_expert_ptr, N2, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slot_ptr + rows)
-    m_ok = slot >= 0
     tok = tl.where(m_ok, slot // TOP_K, 0).to(tl.int64)
-    n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N2
     e64 = e.to(tl.int64)
     acc = _routed_gemm(x_ptr, tok, m_ok, stride_x, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n, n_ok, H,
                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
     acc += tl.load(bias_ptr + e64 * stride_bias + n, mask=n_ok, other=0.0)[None, :]
     glu, lin = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-    cols = (pid % tiles) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    cols = (tl.program_id(0) % tl.cdiv(N2, BLOCK_N)) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * (N2 // 2) + cols[None, :], swiglu_f32(glu, lin, limit, alpha),
              mask=m_ok[:, None] & (cols < N2 // 2)[None, :])
 
@@ -151,17 +156,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (routed block, BLOCK_N of H): out[pair, n] = (act[routed row] W^T + b) * weight."""
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(H, BLOCK_N)
-    blk = pid // tiles
-    e = tl.load(block_expert_ptr + blk)
+    e, rows, slot, m_ok, n, n_ok = _routed_block(slot_ptr, block_expert_ptr, H, BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slot_ptr + rows)
-    m_ok = slot >= 0
-    n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
     e64 = e.to(tl.int64)
     acc = _routed_gemm(act_ptr, rows.to(tl.int64), m_ok, I, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n,
                        n_ok, I, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxfp4_layers import random_layer, reference
 from numerics import rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -21,26 +22,11 @@ pytest.importorskip("triton")
 DEV = torch.device("cuda")
 
 
-def _layer(e, g, h=2880, i=2880):
-    from pdserve.kernels.mxfp4 import MxExperts
-
-    def mx(rows, cols):
-        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8, device=DEV),
-                torch.randint(118, 124, (e, rows, cols // 32), generator=g, dtype=torch.uint8, device=DEV))
-
-    gb, gs = mx(2 * i, h)
-    db, ds = mx(h, i)
-    return MxExperts(gb, gs, torch.randn(e, 2 * i, device=DEV, generator=g) * 0.1, db, ds,
-                     torch.randn(e, h, device=DEV, generator=g) * 0.1)
+def _layer(e, g):
+    return random_layer(e, g, DEV)
 
 
-def _ref(x, weights, ids, w, bias=True):
-    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
-    from pdserve.kernels.mxfp4 import dequantize_mxfp4
-
-    rw = ExpertWeights(dequantize_mxfp4(w.gate_up_blocks, w.gate_up_scales, torch.float32), w.gate_up_bias,
-                       dequantize_mxfp4(w.down_blocks, w.down_scales, torch.float32), w.down_bias)
-    return experts_forward_ref(x.float(), weights.float(), ids, rw, add_down_bias=bias)
+_ref = reference
 
 
 def _problem(t, e, g):
