@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.fp8_linear import nbytes, time_layers  # noqa: E402
-from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
+from pdserve.bench.kernels import copy_bandwidth, fastest_per_shape  # noqa: E402
 from pdserve.kernels.fp8 import cdiv  # noqa: E402
 from pdserve.kernels.triton_bf16_gemv import GemvConfig, bf16_gemv, launch_shape, m_bucket, select_config  # noqa: E402
 
@@ -178,13 +178,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def best_table(rows: list[dict]) -> dict:
-    best: dict = {}
-    for r in rows:
-        if r["config"] is None:
-            continue
-        key = (r["shape"], r["m"])
-        if key not in best or r["us"] < best[key]["us"]:
-            best[key] = r
+    best = fastest_per_shape(rows)
     print("\nbest GEMV config per shape and M (triton_bf16_gemv.CONFIGS entries):")
     for (shape, m), r in sorted(best.items()):
         n, k = SHAPES[shape]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.bench.kernels import measure_ceilings, time_it  # noqa: E402
 from pdserve.kernels.fp8 import (fp8_linear_ref, fp8_weight_linear_ref, quantize_act_fp8,  # noqa: E402
                                  quantize_weight_fp8)
-from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
+from pdserve.bench.kernels import copy_bandwidth, fastest_per_shape  # noqa: E402
 from pdserve.kernels.triton_fp8_linear import (GEMV_MAX_M, LinearConfig, fp8_linear, launch_shape,  # noqa: E402
                                                select_config)
 
@@ -242,13 +242,7 @@ def bench_prefill(ms: list[int], bw: float, g: torch.Generator) -> list[dict]:
 
 
 def best_table(rows: list[dict]) -> dict:
-    best: dict = {}
-    for r in rows:
-        if r["config"] is None:
-            continue
-        key = (r["shape"], r["m"])
-        if key not in best or r["us"] < best[key]["us"]:
-            best[key] = r
+    best = fastest_per_shape(rows)
     print("\nbest FP8 config per shape and M (us, % of FP8 floor, vs cuBLAS bf16):", flush=True)
     base = {(r["shape"], r["m"]): r["us"] for r in rows if r["name"] == "cuBLAS bf16"}
     for (shape, m), r in sorted(best.items()):

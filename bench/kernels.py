@@ -105,6 +105,15 @@ def guarded(name: str, fn, *a, **kw):
 
 
 # ------------------------------------------------------------------------------------ ceilings
+def fastest_per_shape(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    """(shape, M) -> the fastest timed row that has a config (candidate sweeps' best-config tables)."""
+    best: dict = {}
+    for r in rows:
+        if r["config"] is not None and ((r["shape"], r["m"]) not in best or r["us"] < best[(r["shape"], r["m"])]["us"]):
+            best[(r["shape"], r["m"])] = r
+    return best
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy of nbytes / 2: bytes read + written per second (median of 10): the
     bandwidth floor every benchmark here divides by."""
