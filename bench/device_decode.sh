@@ -8,7 +8,10 @@
 # decode at batch 1 and 64; triton_kernels from $TRITON_KERNELS_DIR, default .gpu/triton_kernels), engmx
 # (engine_gpu at batch 1 and 64 with FP8 experts, then MXFP4 experts through the packed decode with
 # the launch shape that was fastest at one token in the mxfp4 step, or $MX_CONFIG). MX_ARGS: extra
-# arguments of bench/moe_mxfp4.py. BUDGET: seconds.
+# arguments of bench/moe_mxfp4.py (e.g. "--configs grouped,packed --tokens 1,4,16,64"), MX_ENGINE_ARGS:
+# of the engine runs (e.g. "--mxfp4-grouped-from 4"), dec120 (120b with $LAYERS120 layers, default 8,
+# batch 1 at context 8192, FP8 then packed MXFP4 experts; scale per layer for the 36-layer figure).
+# BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -104,6 +107,18 @@ print('/'.join(entry(part) for part in best.split()[1:3]))
       --decode-steps 32 --batches ${MX_BATCHES:-1,64} ${MX_ENGINE_ARGS:-} > "$W/eg_$prec.log" 2>&1
     log "engine_gpu $prec rc=$?"
     grep -vE "^\s*$|Warning|warn" "$W/eg_$prec.log" | grep -E "decode|prefill|step|rel|Error|error" | tail -20
+    pack
+  done
+fi
+if has dec120; then
+  for prec in fp8 mxfp4; do
+    extra=""; [ $prec = mxfp4 ] && extra="--mxfp4-decode packed ${MX_ENGINE_ARGS:-}"
+    mkdir -p "$W/dec120_$prec"
+    timeout "$(left 10)" python3 bench/engine_gpu.py --preset 120b --layers "${LAYERS120:-8}" --ckpt /tmp/ckpt-eg \
+      --out "$W/dec120_$prec" --precision $prec $extra --check-tokens 64 --prefill-tokens 1024 \
+      --decode-context 8192 --decode-steps 16 --batches 1 > "$W/dec120_$prec.log" 2>&1
+    log "engine_gpu 120b ${LAYERS120:-8} layers $prec rc=$?"
+    grep -E "^decode|^prefill|Error|error" "$W/dec120_$prec.log" | tail -8
     pack
   done
 fi
