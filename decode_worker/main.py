@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 
-from pdserve.launch.cli import add_attention_precision_arg
+from pdserve.launch.cli import CLIError, add_attention_precision_arg
 from pdserve.proto.lifecycle import add_worker_process_args
 
 log = logging.getLogger("decode_worker")
@@ -26,8 +26,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50062, help="gRPC port (0 = any free port)")
     p.add_argument("--kv-host", default=None, help="address NIXL/UCX listens on (none: --host)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
-    p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
-                   help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA)")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8", "mxfp4"],
+                   help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA); mxfp4: as published, "
+                        "--tp 1 only, the fastest single-stream decode on an H200 but slower than fp8 from a "
+                        "few concurrent requests (docs/performance.md)")
     add_attention_precision_arg(p)
     p.add_argument("--tp", type=int, default=1, help="ranks of this worker (attention TP)")
     p.add_argument("--ep", type=int, default=None,
@@ -71,6 +73,8 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError("--kv-transfer-timeout must be positive")
     if a.ep is None:
         a.ep = a.tp
+    if a.precision == "mxfp4" and a.tp > 1:
+        raise CLIError("--precision mxfp4 keeps the experts as published on one rank: use --tp 1")
     if a.cuda_graph_max_batch is None:
         a.cuda_graph_max_batch = a.max_batch_size if a.device == "cuda" and a.tp == 1 else 0
     if not 0 <= a.cuda_graph_max_batch <= a.max_batch_size:

@@ -72,6 +72,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
     if getattr(a, "tp", 1) > 1 or getattr(a, "ep", 1) > 1:
         from pdserve.launch.parallel_logits import parallel_prompt_logits
 
+        if a.precision == "mxfp4":
+            raise CLIError("--precision mxfp4 runs on one rank: drop --tp/--ep")
         logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision,
                                         prefill_chunk_tokens=a.prefill_chunk_tokens,
                                         attention_precision=a.attention_precision)
@@ -143,9 +145,10 @@ def _paragraphs(text: str) -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (HF gpt-oss layout)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
-    p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
-                   help="expert weights in compute: bf16 (the default on CPU) or FP8 128x128 "
-                        "(the default on CUDA)")
+    p.add_argument("--precision", default=None, choices=["bf16", "fp8", "mxfp4"],
+                   help="expert weights in compute: bf16 (the default on CPU), FP8 128x128 (the default on "
+                        "CUDA) or mxfp4 (as published, one rank: the fastest single-stream decode on an H200, "
+                        "slower than FP8 from a few concurrent requests)")
     add_attention_precision_arg(p)
     add_prefill_chunk_arg(p)
 

@@ -64,6 +64,27 @@ def test_logits_with_fp8_attention_projections(tiny_mxfp4, tiny_runner, tmp_path
     assert 0 < err < 8e-2
 
 
+def test_logits_with_mxfp4_experts_as_published(tiny_mxfp4, tiny_runner, tmp_path, capsys):
+    """--precision mxfp4 keeps the published experts: on the CPU the same logits as bf16 (the
+    routed experts decode exactly); on several ranks it is one line of error."""
+    out = tmp_path / "l.npy"
+    code, _, err = run_cli(capsys, "logits", "--model", tiny_mxfp4, "--prompt-ids", "5,6,7,8", "--out", out,
+                           "--precision", "mxfp4")
+    assert code == 0, err
+    np.testing.assert_array_equal(np.load(out), tiny_runner.prompt_logits([5, 6, 7, 8]).numpy())
+    code, _, err = run_cli(capsys, "logits", "--model", tiny_mxfp4, "--prompt-ids", "5,6", "--out", tmp_path / "m.npy",
+                           "--precision", "mxfp4", "--tp", "2")
+    assert code == 1 and "one rank" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv", [["serve", "--decode-precision", "mxfp4", "--decode-tp", "2"],
+                                  ["decode-worker", "--model", "MODEL", "--port", "0", "--precision", "mxfp4",
+                                   "--tp", "2"]])
+def test_mxfp4_experts_on_several_decode_ranks_is_one_line(argv, tiny_mxfp4, capsys):
+    code, _, err = run_cli(capsys, *[tiny_mxfp4 if a == "MODEL" else a for a in argv])
+    assert code == 1 and "one rank" in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("case", ["missing", "corrupt-config", "unsupported", "bad-ids", "out-of-range",
                                   "too-long", "empty-shard", "bad-temperature", "exists"])
 def test_user_errors_are_one_line(case, tiny_mxfp4, tmp_path, capsys):

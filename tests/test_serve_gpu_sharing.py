@@ -67,3 +67,28 @@ def test_serve_refuses_a_kv_memory_fraction_outside_0_1(bad, capsys):
         build_parser().parse_args(["serve", "--kv-memory-fraction", bad])
     assert "--kv-memory-fraction" in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--kv-memory-fraction", "0.4"]).kv_memory_fraction == 0.4
+
+
+def test_decode_precision_reaches_decode_workers_only(monkeypatch, tmp_path):
+    """`pdserve serve --decode-precision mxfp4` is a decode-worker flag; prefill keeps its default."""
+    import argparse
+
+    from pdserve.launch import serve
+
+    class Stop(Exception):
+        pass
+
+    def capture(spec, *args, **kwargs):
+        raise Stop(spec)
+
+    monkeypatch.setattr(serve, "LocalCluster", capture)
+    p = argparse.ArgumentParser()
+    serve.add_args(p)
+    for precision in ("mxfp4", None):
+        argv = ["--model", str(tmp_path), "--port", "0", "--grpc-port", "0"]
+        with pytest.raises(Stop) as stopped:
+            serve.run(p.parse_args(argv + (["--decode-precision", precision] if precision else [])))
+        spec = stopped.value.args[0]
+        assert "--precision" not in spec.extra_prefill_args
+        d = spec.extra_decode_args
+        assert (d[d.index("--precision") + 1] == precision) if precision else "--precision" not in d
