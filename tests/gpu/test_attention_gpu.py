@@ -7,8 +7,6 @@ measured 2e-3..4e-3, README of the device folder). Outputs are poisoned with NaN
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -18,43 +16,9 @@ pytestmark = [
 ]
 pytest.importorskip("flashinfer")
 
-from pdserve.kernels.attention import PagedBatch, TorchSinkAttention  # noqa: E402
+from paged_attention_cases import (D, DEV, HKV, HQ, PAGE, SM_SCALE, random_batch, reference,  # noqa: E402
+                                   rel_l2, sinks_for)
 from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
-
-HQ, HKV, D = 64, 8, 64
-PAGE = 16
-SM_SCALE = 1 / math.sqrt(D)
-DEV = "cuda"
-
-
-def rel_l2(out, ref):
-    assert not out.isnan().any(), "NaN in output (unwritten element)"
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def random_batch(qo_lens, kv_lens, gen, spare_pages=7):
-    """Requests on randomly scattered pages of one pool (page 0 kept free for graph padding)."""
-    pages = [-(-k // PAGE) for k in kv_lens]
-    total = sum(pages) + spare_pages + 1
-    perm = (torch.randperm(total - 1, generator=gen) + 1).tolist()
-    tables, at = [], 0
-    for p in pages:
-        tables.append(perm[at : at + p])
-        at += p
-    batch = PagedBatch.from_tables(qo_lens, kv_lens, tables, PAGE)
-    kv = torch.randn(total, 2, PAGE, HKV, D, generator=gen).to(DEV, torch.bfloat16)
-    q = torch.randn(sum(qo_lens), HQ, D, generator=gen).to(DEV, torch.bfloat16)
-    return batch, kv, q
-
-
-def sinks_for(gen):
-    return (torch.randn(HQ, generator=gen) * 2).to(DEV, torch.float32)
-
-
-def reference(batch, q, kv, sinks, window_left):
-    ref = TorchSinkAttention(window_left, SM_SCALE)
-    ref.plan(batch)
-    return ref.run(q, kv, sinks)
 
 
 def attention(window_left, **kw):

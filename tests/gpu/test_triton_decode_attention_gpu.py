@@ -10,8 +10,6 @@ whichever program arrives last). Graph mode: a replay equals the same object's e
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -21,45 +19,21 @@ pytestmark = [
 ]
 pytest.importorskip("triton")
 
-from pdserve.kernels.attention import PagedBatch, TorchSinkAttention  # noqa: E402
+from paged_attention_cases import (D, DEV, HKV, HQ, PAGE, SM_SCALE, random_batch, reference,  # noqa: E402
+                                   rel_l2, sinks_for)
 from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
 from pdserve.kernels.triton_decode_attention import DecodeScratch, num_splits, paged_decode_attention  # noqa: E402
-
-HQ, HKV, D, PAGE = 64, 8, 64, 16
-SM_SCALE = 1 / math.sqrt(D)
-DEV = torch.device("cuda")
-
-
-def rel_l2(out, ref):
-    assert not out.isnan().any(), "NaN in output (unwritten element)"
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def decode_batch(kv_lens, gen, spare_pages=3):
     """One-token requests on shuffled pages of one pool (page 0 left free for graph padding)."""
-    pages = [-(-k // PAGE) for k in kv_lens]
-    total = sum(pages) + spare_pages + 1
-    perm = (torch.randperm(total - 1, generator=gen) + 1).tolist()
-    tables, at = [], 0
-    for p in pages:
-        tables.append(perm[at : at + p])
-        at += p
-    batch = PagedBatch.from_tables([1] * len(kv_lens), kv_lens, tables, PAGE)
-    kv = torch.randn(total, 2, PAGE, HKV, D, generator=gen).to(DEV, torch.bfloat16)
-    q = torch.randn(len(kv_lens), HQ, D, generator=gen).to(DEV, torch.bfloat16)
-    sinks = (torch.randn(HQ, generator=gen) * 2).to(DEV)
-    return batch, kv, q, sinks
+    batch, kv, q = random_batch([1] * len(kv_lens), kv_lens, gen, spare_pages)
+    return batch, kv, q, sinks_for(gen)
 
 
 def lens_for(b, ctx, gen):
     """The first request at `ctx` keys, the others anywhere in 1..ctx."""
     return [ctx] + torch.randint(1, ctx + 1, (b - 1,), generator=gen).tolist()
-
-
-def reference(batch, q, kv, sinks, window_left):
-    ref = TorchSinkAttention(window_left, SM_SCALE)
-    ref.plan(batch)
-    return ref.run(q, kv, sinks)
 
 
 def triton_decode(batch, q, kv, sinks, window_left, scratch=None):
