@@ -14,10 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
 from pdserve.bench.bf16_gemv import SWEEP  # noqa: E402

@@ -13,10 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 pytest.importorskip("triton")
 
 from paged_attention_cases import (D, DEV, HKV, HQ, PAGE, SM_SCALE, random_batch, reference,  # noqa: E402
