@@ -1,5 +1,5 @@
-"""Random MXFP4 expert layers of gpt-oss-20b's shape and their float32 reference, for the GPU tests
-of the MXFP4 MoE kernels (tests/gpu/test_moe_mxfp4*_gpu.py)."""
+"""Random MXFP4 expert layers of gpt-oss-20b's shape (GPU tests of the MXFP4 MoE kernels) and the
+float32 reference every MXFP4 MoE kernel test compares against."""
 
 from __future__ import annotations
 

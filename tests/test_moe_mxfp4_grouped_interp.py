@@ -18,6 +18,7 @@ import torch
 
 from interp import run_in_interpreter
 from moe_routing import routing_torch
+from mxfp4_layers import reference
 from numerics import rel_l2
 
 pytest.importorskip("triton")
@@ -45,8 +46,7 @@ def _child(in_path: str, out_path: str) -> None:
 
 
 def test_grouped_mxfp4_matches_reference(tmp_path):
-    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
-    from pdserve.kernels.mxfp4 import MxExperts, dequantize_mxfp4
+    from pdserve.kernels.mxfp4 import MxExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     g = torch.Generator().manual_seed(seed)
@@ -66,10 +66,7 @@ def test_grouped_mxfp4_matches_reference(tmp_path):
                           w=vars(w), bias=bias, config=config))
     outs = run_in_interpreter(__file__, cases, tmp_path, seed)
     for c, got in zip(cases, outs):
-        w = MxExperts(**c["w"])
-        ref_w = ExpertWeights(dequantize_mxfp4(w.gate_up_blocks, w.gate_up_scales, torch.float32), w.gate_up_bias,
-                              dequantize_mxfp4(w.down_blocks, w.down_scales, torch.float32), w.down_bias)
-        ref = experts_forward_ref(c["x"], c["weights"], c["ids"], ref_w, add_down_bias=c["bias"])
+        ref = reference(c["x"], c["weights"], c["ids"], MxExperts(**c["w"]), bias=c["bias"])
         assert got.shape == ref.shape and not got.isnan().any()
         assert rel_l2(got, ref) < 1e-5, (seed, rel_l2(got, ref))
 

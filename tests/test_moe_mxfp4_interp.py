@@ -9,18 +9,17 @@ scale, row, slot, bias or weight is off by > 1e-2. Every e2m1 code and scales 2^
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from interp import run_in_interpreter
+from mxfp4_layers import reference
 from numerics import rel_l2
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
 # hidden, intermediate, experts, tokens, top-k, down bias, (gate_up config, down config[, lut, decode]); the
 # default decode is "bits"
 CASES = [
@@ -57,8 +56,7 @@ def _child(in_path: str, out_path: str) -> None:
 
 
 def test_mxfp4_moe_matches_reference(tmp_path):
-    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
-    from pdserve.kernels.mxfp4 import dequantize_mxfp4
+    from pdserve.kernels.triton_moe_mxfp4 import MxExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     g = torch.Generator().manual_seed(seed)
@@ -69,18 +67,8 @@ def test_mxfp4_moe_matches_reference(tmp_path):
         weights = torch.softmax(torch.randn(t, k, generator=g), -1)
         cases.append(dict(x=torch.randn(t, h, generator=g), ids=ids, weights=weights, w=vars(w), bias=bias,
                           config=config))
-    torch.save(cases, tmp_path / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, __file__, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"interpreter child failed (seed {seed}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    from pdserve.kernels.triton_moe_mxfp4 import MxExperts
-
-    for c, got in zip(cases, torch.load(tmp_path / "out.pt")):
-        w = MxExperts(**c["w"])
-        ref_w = ExpertWeights(dequantize_mxfp4(w.gate_up_blocks, w.gate_up_scales, torch.float32), w.gate_up_bias,
-                              dequantize_mxfp4(w.down_blocks, w.down_scales, torch.float32), w.down_bias)
-        ref = experts_forward_ref(c["x"], c["weights"], c["ids"], ref_w, add_down_bias=c["bias"])
+    for c, got in zip(cases, run_in_interpreter(__file__, cases, tmp_path, seed)):
+        ref = reference(c["x"], c["weights"], c["ids"], MxExperts(**c["w"]), bias=c["bias"])
         assert not got.isnan().any()
         assert rel_l2(got, ref) < 1e-5, (seed, rel_l2(got, ref))
 
