@@ -39,12 +39,6 @@ CONFIGS = {
     "dot gu64k512w8s2 d16k256w2": MxConfig((64, 512, 8, 2), (16, 256, 2, 3), decode="dot"),
     "packed gu64x8w4 d16x8w2": MxConfig((64, 8, 4, 3), (16, 8, 2, 3), decode="packed"),
     "packed gu64x4w2s4 d16x4w1s4": MxConfig((64, 4, 2, 4), (16, 4, 1, 4), decode="packed"),
-    "packed gu64x8w4k3 d16x8w2k3": MxConfig((64, 8, 4, 3, 3), (16, 8, 2, 3, 3), decode="packed"),
-    "packed gu64x8w4k4 d32x8w4k4": MxConfig((64, 8, 4, 3, 4), (32, 8, 4, 3, 4), decode="packed"),
-    "packed gu64x4w2s4k4 d16x4w1s4k4": MxConfig((64, 4, 2, 4, 4), (16, 4, 1, 4, 4), decode="packed"),
-    "packed gu128x8w4k6 d32x8w4k6": MxConfig((128, 8, 4, 3, 6), (32, 8, 4, 3, 6), decode="packed"),
-    "packed gu64x16w4k2 d32x16w4k3": MxConfig((64, 16, 4, 3, 2), (32, 16, 4, 3, 3), decode="packed"),
-    "packed gu32x8w2k4 d16x8w2k4": MxConfig((32, 8, 2, 3, 4), (16, 8, 2, 3, 4), decode="packed"),
 }
 
 

@@ -181,8 +181,6 @@ def experts_forward(
             except ImportError:
                 experts_forward_mxfp4 = None
             if experts_forward_mxfp4 is not None:
-                from .triton_moe_mxfp4 import default_config
-
                 if (MXFP4_GROUPED_MIN_TOKENS is not None and x.shape[0] >= MXFP4_GROUPED_MIN_TOKENS
                         and w.layout == "packed"):
                     from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
@@ -190,7 +188,7 @@ def experts_forward(
                     return experts_forward_mxfp4_grouped(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
 
                 return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
-                                             config=MXFP4_KERNEL_CONFIG or default_config(w.layout))
+                                             config=MXFP4_KERNEL_CONFIG)
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     if x.is_cuda and w.is_fp8:
         rows = topk_ids.numel() / max(w.num_local_experts, 1)

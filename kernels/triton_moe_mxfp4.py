@@ -44,12 +44,10 @@ class MxConfig:
     values, not G_STEP). With G_STEP 16 or 32 the K step spans many threads, so each thread keeps
     several rows on the same activations (loaded once per row set). "packed" (experts in
     `MxExperts.to_packed()` layout): two values per 32-bit register through inline PTX (rotate,
-    mask-merge, bf16x2 FMA), G_STEP groups of [rows, 4 words] per K step; an optional fifth entry
-    splits K over that many programs (more warps in flight: one pair's rows alone leave the SMs
-    mostly idle at batch 1), the last program of a tile to arrive reducing in split order."""
+    mask-merge, bf16x2 FMA), G_STEP groups of [rows, 4 words] per K step."""
 
-    gate_up: tuple[int, ...] = (64, 16, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages[, K splits]
-    down: tuple[int, ...] = (16, 16, 2, 3)
+    gate_up: tuple[int, int, int, int] = (64, 16, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
+    down: tuple[int, int, int, int] = (16, 16, 2, 3)
     lut: bool = False  # shorthand for decode="lut" (kept for callers of the first version)
     decode: str = "bits"
 
@@ -285,29 +283,28 @@ def _packed_word_asm() -> str:
 
 
 _PACKED_WORD_ASM = _packed_word_asm()
-MAX_TILES = 1 << 17  # arrival counters per kernel ((pair | token, row tile)), allocated once, before any capture
+MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated once, before any capture
 _PRESCALE_ASM = "{\n.reg .b32 c;\nmov.b32 c, 0x5F805F80;\nmul.rn.bf16x2 $0, $1, c;\n}"  # x 2^64 in both lanes
 
 
 @triton.jit
-def _mx_packed_rows(words_ptr, scales_ptr, rows, row_mask, xw_ptr, g_lo,
-                    K_GROUPS: tl.constexpr, G_PER: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    BLOCK_N: tl.constexpr, WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr, PRESCALE: tl.constexpr):
+def _mx_packed_rows(words_ptr, scales_ptr, rows, row_mask, xw_ptr,
+                    K_GROUPS: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr, PRESCALE: tl.constexpr):
     """sum_k W[rows, k] * x[k] over K = 32 * K_GROUPS: W in packed MXFP4 words (int32, 4 per
     group; rows contiguous, so the row stride is the constexpr 4 * K_GROUPS and the compiler can
     prove 16-byte loads), scales as int32 words of 4 groups (rows padded to a multiple of 16
     groups: aligned, so they stream through the same prefetch pipeline as the blocks), x as bf16
     pairs in int32 at xw_ptr, already times 2^64 unless PRESCALE (then scaled here, once per
     thread for all its rows). Each group's float32 sum (values * 2^-62) times 2^(s - 65) = its
-    scale 2^(s - 127). Groups [g_lo, g_lo + G_PER) (a K split; G_PER a multiple of G_STEP), in K
-    steps of G_STEP groups = G_STEP / 4 quads of 4 groups."""
+    scale 2^(s - 127). K steps of G_STEP groups = G_STEP / 4 quads of 4 groups."""
     GQ: tl.constexpr = G_STEP // 4
     S_ROW: tl.constexpr = (K_GROUPS + 15) // 16 * 4  # int32 scale words per row
     gq = tl.arange(0, GQ)
     gi = tl.arange(0, 4)
     ww = tl.arange(0, 4)
     acc = tl.zeros((BLOCK_N, GQ, 4), dtype=tl.float32)
-    for g0 in tl.range(g_lo, g_lo + G_PER, G_STEP, num_stages=NUM_STAGES):
+    for g0 in tl.range(0, K_GROUPS, G_STEP, num_stages=NUM_STAGES):
         g = g0 + gq[:, None] * 4 + gi[None, :]  # [GQ, 4]
         gm = g < K_GROUPS
         w = tl.load(words_ptr + rows[:, None, None, None] * (4 * K_GROUPS) + g[None, :, :, None] * 4
@@ -334,39 +331,22 @@ def _mx_packed_rows(words_ptr, scales_ptr, rows, row_mask, xw_ptr, g_lo,
 
 @triton.jit
 def _mx_gate_up_packed_kernel(
-    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr, part_ptr, count_ptr,
+    x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, act_ptr,
     stride_x, stride_be, stride_se, stride_bias, N2, limit, alpha, H_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT: tl.constexpr, G_PER: tl.constexpr, WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
+    WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
 ):
-    """Program (pair, BLOCK_N rows of 2I, K split). x_ptr: the tokens as int32 bf16 pairs; act_ptr:
-    bf16 [pairs, N2 / 2], times 2^64 (the down kernel's input scale). SPLIT > 1: float32 partials
-    [pairs, SPLIT, N2]; the tile's last program to arrive sums them in split order, then bias +
-    SwiGLU."""
+    """Program (pair, BLOCK_N rows of 2I). x_ptr: the tokens as int32 bf16 pairs; act_ptr: bf16
+    [pairs, N2 / 2], times 2^64 (the down kernel's input scale)."""
     pair = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    split = tl.program_id(2)
-    n0 = tile * BLOCK_N
+    n0 = tl.program_id(1) * BLOCK_N
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    token = pair // TOP_K
     rows = n0 + tl.arange(0, BLOCK_N)
     rm = rows < N2
-    acc = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, rows, rm, x_ptr + token * stride_x,
-                          split * G_PER, H_GROUPS, G_PER, G_STEP, NUM_STAGES, BLOCK_N, WORD_ASM, PRESCALE_ASM, True)
-    if SPLIT > 1:
-        tl.store(part_ptr + (pair * SPLIT + split) * N2 + rows, acc, mask=rm)
-        tl.debug_barrier()  # every thread's partial is stored before the counter moves
-        counter = count_ptr + pair * tl.num_programs(1) + tile
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k in tl.static_range(SPLIT):
-                acc += tl.load(part_ptr + (pair * SPLIT + k) * N2 + rows, mask=rm, other=0.0, cache_modifier=".cg")
-            tl.store(counter, 0)
-            _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair * (N2 // 2),
-                               n0, N2, limit, alpha, BLOCK_N, 1.8446744073709552e19)
-    else:
-        _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair * (N2 // 2),
-                           n0, N2, limit, alpha, BLOCK_N, 1.8446744073709552e19)  # 2^64: the down input scale
+    acc = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, rows, rm, x_ptr + (pair // TOP_K) * stride_x,
+                          H_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, WORD_ASM, PRESCALE_ASM, True)
+    _bias_swiglu_store(acc, bias_ptr + e * stride_bias, rows, rm, act_ptr + pair * (N2 // 2),
+                       n0, N2, limit, alpha, BLOCK_N, 1.8446744073709552e19)  # 2^64: the down input scale
 
 
 @triton.jit
@@ -374,43 +354,32 @@ def _mx_down_packed_kernel(
     act_ptr, ids_ptr, wts_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     stride_be, stride_se, stride_bias, stride_out, H, I_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, G_STEP: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, G_PER: tl.constexpr, WORD_ASM: tl.constexpr,
-    PRESCALE_ASM: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WORD_ASM: tl.constexpr, PRESCALE_ASM: tl.constexpr,
 ):
-    """Program (token-slot pair, BLOCK_N rows of H, K split): (expert(act) [+ bias in split 0]) *
-    routing weight as a float32 partial; the last of a token's TOP_K * SPLIT programs on these rows
-    to arrive sums the partials in (slot, split) order (deterministic, no float atomics) and stores
-    the row tile. act_ptr: the SwiGLU activations times 2^64 as int32 bf16 pairs, I_GROUPS * 16 per
-    pair."""
+    """Program (token-slot pair, BLOCK_N rows of H): (expert(act) + bias) * routing weight as a
+    float32 partial; the last of a token's TOP_K programs on these rows to arrive sums the partials
+    in slot order (deterministic, no float atomics) and stores the row tile. act_ptr: the SwiGLU
+    activations times 2^64 as int32 bf16 pairs, I_GROUPS * 16 per pair."""
     pair = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    split = tl.program_id(2)
     t = pair // TOP_K
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < H
     e = tl.load(ids_ptr + pair).to(tl.int64)
     y = _mx_packed_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, rows, rm, act_ptr + pair * (I_GROUPS * 16),
-                        split * G_PER, I_GROUPS, G_PER, G_STEP, NUM_STAGES, BLOCK_N, WORD_ASM, PRESCALE_ASM, False)
+                        I_GROUPS, G_STEP, NUM_STAGES, BLOCK_N, WORD_ASM, PRESCALE_ASM, False)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm & (split == 0), other=0.0)
+        y += tl.load(bias_ptr + e * stride_bias + rows, mask=rm, other=0.0)
     y *= tl.load(wts_ptr + pair).to(tl.float32)
-    tl.store(part_ptr + (pair * SPLIT + split) * H + rows, y, mask=rm)
+    tl.store(part_ptr + pair * H + rows, y, mask=rm)
     tl.debug_barrier()  # every thread's partial is stored before the counter moves
     counter = count_ptr + t * tl.num_programs(1) + tile
-    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K * SPLIT - 1:
+    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
         out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in tl.static_range(TOP_K * SPLIT):
-            out += tl.load(part_ptr + (t * TOP_K * SPLIT + k) * H + rows, mask=rm, other=0.0, cache_modifier=".cg")
+        for k in tl.static_range(TOP_K):
+            out += tl.load(part_ptr + (t * TOP_K + k) * H + rows, mask=rm, other=0.0, cache_modifier=".cg")
         tl.store(counter, 0)
         tl.store(out_ptr + t * stride_out + rows, out.to(out_ptr.dtype.element_ty), mask=rm)
-
-
-def _split_shape(cfg: tuple[int, ...], k_groups: int) -> tuple[int, int]:
-    """(K splits, groups per split: a multiple of the K step) of a packed config entry."""
-    step = cfg[1]
-    split = cfg[4] if len(cfg) > 4 else 1
-    per = triton.cdiv(triton.cdiv(k_groups, split), step) * step
-    return triton.cdiv(k_groups, per), per
 
 
 def _experts_forward_packed(x, topk_weights, ids, w: MxExperts, limit, alpha, add_down_bias, config, out):
@@ -425,27 +394,22 @@ def _experts_forward_packed(x, topk_weights, ids, w: MxExperts, limit, alpha, ad
             raise ValueError(f"packed decode: the {name} K step must be 4, 8 or 16 groups, not {cfg[1]}")
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     xw = x.to(torch.bfloat16).view(torch.int32)
-    bn, gs, nw, ns = config.gate_up[:4]
-    tiles = triton.cdiv(n2, bn)
-    split, per = _split_shape(config.gate_up, hg)
-    part = torch.empty(t * k * split if split > 1 else 1, n2, dtype=torch.float32, device=x.device)
-    counters = arrival_counters(x.device, "mxfp4_gate_up", max(MAX_TILES, t * k * tiles))
-    _mx_gate_up_packed_kernel[(t * k, tiles, split)](
-        xw, ids, gu_words, gu_scales, w.gate_up_bias, act, part, counters,
+    bn, gs, nw, ns = config.gate_up
+    _mx_gate_up_packed_kernel[(t * k, triton.cdiv(n2, bn))](
+        xw, ids, gu_words, gu_scales, w.gate_up_bias, act,
         xw.stride(0), gu_words.stride(0), gu_scales.stride(0), w.gate_up_bias.stride(0), n2, limit, alpha, H_GROUPS=hg,
-        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, SPLIT=split, G_PER=per, WORD_ASM=_PACKED_WORD_ASM,
-        PRESCALE_ASM=_PRESCALE_ASM, num_warps=nw,
+        TOP_K=k, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, WORD_ASM=_PACKED_WORD_ASM, PRESCALE_ASM=_PRESCALE_ASM,
+        num_warps=nw,
     )
-    bn, gs, nw, ns = config.down[:4]
+    bn, gs, nw, ns = config.down
     tiles = triton.cdiv(h, bn)
-    split, per = _split_shape(config.down, i // 32)
-    part = torch.empty(t * k * split, h, dtype=torch.float32, device=x.device)
+    part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
     counters = arrival_counters(x.device, "mxfp4_down", max(MAX_TILES, t * tiles))
-    _mx_down_packed_kernel[(t * k, tiles, split)](
+    _mx_down_packed_kernel[(t * k, tiles)](
         act.view(torch.int32), ids, topk_weights.contiguous().view(-1), dn_words, dn_scales, w.down_bias, out,
         part, counters, dn_words.stride(0), dn_scales.stride(0), w.down_bias.stride(0), out.stride(0), h,
-        I_GROUPS=i // 32, TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns, SPLIT=split,
-        G_PER=per, WORD_ASM=_PACKED_WORD_ASM, PRESCALE_ASM=_PRESCALE_ASM, num_warps=nw,
+        I_GROUPS=i // 32, TOP_K=k, HAS_BIAS=add_down_bias, BLOCK_N=bn, G_STEP=gs, NUM_STAGES=ns,
+        WORD_ASM=_PACKED_WORD_ASM, PRESCALE_ASM=_PRESCALE_ASM, num_warps=nw,
     )
     return out
 

@@ -51,7 +51,7 @@ def test_mxfp4_moe(t):
                 MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"),
                 MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"), PACKED,
                 MxConfig((64, 16, 4, 3), (16, 16, 2, 3), decode="packed"),
-                MxConfig((32, 4, 2, 4, 4), (8, 8, 1, 2, 3), decode="packed")):
+                MxConfig((32, 4, 2, 4), (8, 8, 1, 2), decode="packed")):
         wc = w.to_packed() if cfg.decode == "packed" else w
         out = experts_forward_mxfp4(x, weights, ids, wc, config=cfg)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
