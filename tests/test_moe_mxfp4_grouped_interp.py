@@ -18,7 +18,7 @@ import torch
 
 from interp import run_in_interpreter
 from moe_routing import routing_torch
-from mxfp4_layers import reference
+from mxfp4_layers import random_layer, reference
 from numerics import rel_l2
 
 pytest.importorskip("triton")
@@ -52,13 +52,7 @@ def test_grouped_mxfp4_matches_reference(tmp_path):
     g = torch.Generator().manual_seed(seed)
     cases = []
     for h, i, e, t, k, bias, config in CASES:
-        def mx(rows, cols):
-            return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8),
-                    torch.randint(122, 131, (e, rows, cols // 32), generator=g, dtype=torch.uint8))
-
-        gb, gs = mx(2 * i, h)
-        db, ds = mx(h, i)
-        w = MxExperts(gb, gs, torch.randn(e, 2 * i, generator=g), db, ds, torch.randn(e, h, generator=g))
+        w = random_layer(e, g, h=h, i=i, scales=(122, 131), bias_std=1.0)
         # skewed routing: expert 0 in most tokens, the last expert in none
         ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(e - 2, generator=g)[: k - 1] + 1])
                            for _ in range(t)])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from interp import run_in_interpreter
-from mxfp4_layers import reference
+from mxfp4_layers import random_layer, reference
 from numerics import rel_l2
 
 pytest.importorskip("triton")
@@ -29,18 +29,6 @@ CASES = [
     (96, 64, 6, 2, 4, True, ((32, 2, 4, 2), (16, 2, 4, 2), False, "v1")),  # the first version's decode
     (160, 96, 5, 2, 3, True, ((16, 16, 4, 2), (8, 32, 1, 3))),  # default shape: K step wider than K
 ]
-
-
-def _experts(h, i, e, g):
-    from pdserve.kernels.triton_moe_mxfp4 import MxExperts
-
-    def mx(rows, cols):
-        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8),
-                torch.randint(124, 131, (e, rows, cols // 32), generator=g, dtype=torch.uint8))
-
-    gb, gs = mx(2 * i, h)
-    db, ds = mx(h, i)
-    return MxExperts(gb, gs, torch.randn(e, 2 * i, generator=g), db, ds, torch.randn(e, h, generator=g))
 
 
 def _child(in_path: str, out_path: str) -> None:
@@ -62,7 +50,7 @@ def test_mxfp4_moe_matches_reference(tmp_path):
     g = torch.Generator().manual_seed(seed)
     cases = []
     for h, i, e, t, k, bias, config in CASES:
-        w = _experts(h, i, e, g)
+        w = random_layer(e, g, h=h, i=i, scales=(124, 131), bias_std=1.0)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         weights = torch.softmax(torch.randn(t, k, generator=g), -1)
         cases.append(dict(x=torch.randn(t, h, generator=g), ids=ids, weights=weights, w=vars(w), bias=bias,

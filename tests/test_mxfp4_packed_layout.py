@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxfp4_layers import random_layer
 from pdserve.kernels.moe import experts_forward_mxfp4_ref
 from pdserve.kernels.mxfp4 import (FP4_VALUES, PACKED_MAX_SCALE, MxExperts, decode_packed_words, pack_words,
                                    unpack_fp4_codes, unpack_words)
@@ -30,14 +31,8 @@ def test_pack_is_a_bit_permutation_and_decodes_every_code():
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
 
 
-def _experts(g, e=4, h=64, i=64):
-    def mx(rows, cols):
-        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8),
-                torch.randint(120, 130, (e, rows, cols // 32), generator=g, dtype=torch.uint8))
-
-    gb, gs = mx(2 * i, h)
-    db, ds = mx(h, i)
-    return MxExperts(gb, gs, torch.randn(e, 2 * i, generator=g), db, ds, torch.randn(e, h, generator=g))
+def _experts(g):
+    return random_layer(4, g, h=64, i=64, scales=(120, 130), bias_std=1.0)
 
 
 def test_packed_experts_keep_the_reference_path():
