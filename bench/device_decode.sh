@@ -94,9 +94,9 @@ if has engmx; then
 import json, re
 rows = [r for r in json.load(open('$W/moe_mxfp4.json'))['rows'] if r['tokens'] == 1 and r['config'].startswith('packed')]
 best = min(rows, key=lambda r: r['us'])['config']
-def entry(name):  # gu64x8w4s3k4 -> 64,8,4,3,4
-    n, g, w, st, k = re.fullmatch(r'(?:gu|d)(\d+)x(\d+)w(\d+)(?:s(\d+))?(?:k(\d+))?', name).groups()
-    return ','.join([n, g, w, st or '3'] + ([k] if k else []))
+def entry(name):  # gu64x4w2s4 -> 64,4,2,4 (stages 3 when not named)
+    n, g, w, st = re.fullmatch(r'(?:gu|d)(\d+)x(\d+)w(\d+)(?:s(\d+))?', name).groups()
+    return ','.join([n, g, w, st or '3'])
 print('/'.join(entry(part) for part in best.split()[1:3]))
 " 2>/dev/null)}
   log "engmx: packed config ${cfg:-default}"
