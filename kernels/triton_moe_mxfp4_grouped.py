@@ -11,12 +11,25 @@ Launches (no host synchronisation: CUDA-graph capturable): the routing layout, g
 clamped SwiGLU -> activations per routed row (x.dtype), down + bias times the routing weight ->
 float32 per pair, `triton_moe.combine` (each token's pairs in slot order: deterministic).
 
-Weights: `MxExperts` in the packed layout (kernels/mxfp4.py). A word's 8 values decode by the
-packed GEMV's rotate / mask-merge, here in Triton integer ops (no inline PTX, so the CPU
-interpreter runs it): each pair's bf16x2 bits read as float32 are e2m1 x 2^-126, times 2^126, times
-the group's 2^(s - 127): the exact weight, exact in bf16 too, before the dot.
+Weights: `MxExperts` in the packed layout (kernels/mxfp4.py), loaded as [rows, groups, 4 words]
+with one scale byte per group. On the GPU (bf16 activations) inline PTX decodes a word into four
+bf16x2 registers, as the packed GEMV does (rotate, mask-merge: e2m1 x 2^-126), then times 2^64
+and times the group's 2^(s - 65) (bf16x2 multiplies; one 2^(s - 1) is no bf16 past s = 128): the
+exact weight in bf16 for every scale byte the packed layout allows (0..192; s = 0, 1 give bf16
+subnormals, exact where the multiply keeps them: tests/gpu checks), with no float32 step. Float32
+activations (Triton's CPU interpreter, which runs no PTX) take the same products in float32. The
+dot is W A^T: the decoded tile is the wgmma's register operand and BLOCK_M may be 16 (the wgmma's
+N); one layout conversion remains in the K loop, decode order -> wgmma operand order, through
+shared memory (STS.128 + LDSM per 16 of K).
 
-Not yet measured on a GPU; `kernels.moe.MXFP4_GROUPED_MIN_TOKENS` (None: off) routes batches to it.
+Measured 2026-12-02 on one H200 before this decode (float32 decode per value, A W^T): 0.4-0.5 TB/s,
+bound by the decode's instructions (us per 20b layer, 32 experts, top-4):
+| tokens | m64 gu128k128w4 dn128k128w4 | m16 gu64k128w4 dn64k128w4 | FP8 grouped | MXFP4 weight floor |
+| 16     | 692                         | 931                       | 229         | 87                 |
+| 64     | 789                         | 1047                      | 257         | 100                |
+The bf16 PTX decode, the scales per group and W A^T take the K loop from 9.4-13.1 to 4.7-6.3 SASS
+instructions per weight (sm_90 offline compile); not yet measured on the GPU.
+`kernels.moe.MXFP4_GROUPED_MIN_TOKENS` (None: off) routes batches to it.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
-from .triton_math import swiglu_f32
+from .triton_math import INTERPRET, swiglu_f32
 from .triton_moe import align_routing, combine
 
 # _decode_tile spells the packed layout's rotations out; it must follow kernels/mxfp4.py.
@@ -51,6 +64,26 @@ class GroupedConfig:
                 raise ValueError(f"grouped MXFP4 tiles need BLOCK_K % 32 == 0, even BLOCK_N, BLOCK_M >= 16: {self}")
 
 
+def _word_asm() -> str:
+    """PTX: packed word $4 and bf16x2 scale $5 -> four bf16x2 (values 2q, 2q + 1 of the word in $q):
+    rotate, mask-merge (e2m1 x 2^-126, kernels/mxfp4.py), x 2^64, x the scale. Two multiplies:
+    2^(s - 1) in one is no bf16 past s = 128."""
+    rots = sorted(set(PACKED_MAG_ROT + PACKED_SIGN_ROT) - {0})
+    reg = {0: "$4", **{r: f"r{r}" for r in rots}}
+    lines = ["{", ".reg .b32 " + ", ".join(reg[r] for r in rots) + ", m, l, c;", "mov.b32 c, 0x5F805F80;"]  # 2^64
+    lines += [f"shf.l.wrap.b32 r{r}, $4, $4, {r};" for r in rots]
+    for q in range(4):
+        lines.append(f"and.b32 m, {reg[PACKED_MAG_ROT[q]]}, {PACKED_MAG_MASK:#010x};")
+        lines.append(f"lop3.b32 l, {reg[PACKED_SIGN_ROT[q]]}, {PACKED_SIGN_MASK:#010x}, m, 0xEA;")  # (a & b) | c
+        lines.append("mul.rn.bf16x2 l, l, c;")
+        lines.append(f"mul.rn.bf16x2 ${q}, l, $5;")
+    return "\n".join(lines + ["}"])
+
+
+_WORD_ASM = tl.constexpr(_word_asm())
+_ASM = tl.constexpr(not INTERPRET)  # the interpreter runs no inline PTX
+
+
 @triton.jit
 def _rotl(u, R: tl.constexpr):
     """uint32 u rotated left by 0 < R < 32."""
@@ -59,7 +92,8 @@ def _rotl(u, R: tl.constexpr):
 
 @triton.jit
 def _pair(u, A: tl.constexpr, B: tl.constexpr, scale):
-    """Pair (A, B) of packed words u (uint32) -> its two values (float32), scaled."""
+    """Pair (A, B) of packed words u (uint32) -> its two values (float32), x 2^64 x scale: the
+    asm's numbers (every product exact)."""
     if A == 0:
         ra = u.to(tl.int32, bitcast=True)
     else:
@@ -68,49 +102,74 @@ def _pair(u, A: tl.constexpr, B: tl.constexpr, scale):
     lane = (ra & 0x01C001C0) | (rb & -2147450880)  # magnitudes | signs (0x80008000)
     lo = (lane << 16).to(tl.float32, bitcast=True)
     hi = (lane & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
-    return lo * 8.507059173023462e37 * scale, hi * 8.507059173023462e37 * scale  # 2^126
+    return lo * 1.8446744073709552e19 * scale, hi * 1.8446744073709552e19 * scale  # 2^64
 
 
 @triton.jit
 def _decode_tile(words_ptr, scales_ptr, rows, row_ok, k0, K_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Weights [rows, k0 : k0 + BLOCK_K] (float32, exact) from one expert's packed words (int32,
-    4 * K_GROUPS a row) and padded scale words (int32, 4 groups each)."""
-    KW: tl.constexpr = BLOCK_K // 8
+                 BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Weights [rows, k0 : k0 + BLOCK_K] (exact: bf16 by inline PTX if ASM, else float32) from one
+    expert's packed words (int32, 4 * K_GROUPS a row) and padded scale words (int32, 4 groups each).
+    Loaded as [rows, groups, 4 words] (a group's 16 bytes in one thread) and the scales per group,
+    not per word."""
+    G: tl.constexpr = BLOCK_K // 32
+    SW: tl.constexpr = (G + 3) // 4  # scale words the step touches (BLOCK_K 32 and 64: part of one)
     S_ROW: tl.constexpr = (K_GROUPS + 15) // 16 * 4
-    kw = k0 // 8 + tl.arange(0, KW)
-    ok = row_ok[:, None] & (kw < 4 * K_GROUPS)[None, :]
-    u = tl.load(words_ptr + rows[:, None] * (4 * K_GROUPS) + kw[None, :], mask=ok, other=0).to(tl.uint32,
-                                                                                                 bitcast=True)
-    g = kw // 4
-    sw = tl.load(scales_ptr + rows[:, None] * S_ROW + (g // 4)[None, :], mask=ok, other=0)
-    s = (sw >> ((g % 4) * 8)[None, :]) & 0xFF
-    scale = tl.where(s > 0, s << 23, 0x00400000).to(tl.float32, bitcast=True)  # 2^(s - 127)
-    l0, h0 = _pair(u, 0, 3, scale)
-    l1, h1 = _pair(u, 3, 4, scale)
-    l2, h2 = _pair(u, 6, 5, scale)
-    l3, h3 = _pair(u, 9, 6, scale)
-    # value 2q + l of a word, q = 2 q1 + q0: join over q1 first (the slowest axis), then q0, then l
-    b0 = tl.join(tl.join(l0, l2), tl.join(l1, l3))
-    b1 = tl.join(tl.join(h0, h2), tl.join(h1, h3))
-    return tl.reshape(tl.join(b0, b1), (BLOCK_N, BLOCK_K))
+    g = k0 // 32 + tl.arange(0, G)
+    ww = tl.arange(0, 4)
+    ok = row_ok[:, None] & (g < K_GROUPS)[None, :]
+    u = tl.load(words_ptr + rows[:, None, None] * (4 * K_GROUPS) + g[None, :, None] * 4 + ww[None, None, :],
+                mask=ok[:, :, None], other=0)
+    sq = k0 // 128 + tl.arange(0, SW)
+    sw = tl.load(scales_ptr + rows[:, None] * S_ROW + sq[None, :], mask=row_ok[:, None] & (sq < S_ROW)[None, :],
+                 other=0)
+    if G >= 4:
+        s = tl.reshape(sw[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :], (BLOCK_N, G)) & 0xFF
+    else:
+        s = (sw >> (g % 4 * 8)[None, :]) & 0xFF
+    if ASM:
+        c = (s + 62) * 0x00800080  # bf16 2^(s - 65) in both halves
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(_WORD_ASM, "=r,=r,=r,=r,r,r",
+                                                   [u, tl.broadcast_to(c[:, :, None], u.shape)],
+                                                   dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+        pairs = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K // 2))
+        lo = pairs.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+    else:
+        u = u.to(tl.uint32, bitcast=True)
+        scale = ((s + 62) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(s - 65)
+        l0, h0 = _pair(u, 0, 3, scale)
+        l1, h1 = _pair(u, 3, 4, scale)
+        l2, h2 = _pair(u, 6, 5, scale)
+        l3, h3 = _pair(u, 9, 6, scale)
+        # value 2q + l of a word, q = 2 q1 + q0: join over q1 first (the slowest axis), then q0, then l
+        b0 = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+        b1 = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+        return tl.reshape(tl.join(b0, b1), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
 def _routed_gemm(a_ptr, a_rows, a_ok, stride_a, words_ptr, scales_ptr, n, n_ok, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N]: rows a_rows of A [., K] times the expert's rows n, transposed."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    """float32 [BLOCK_M, BLOCK_N]: rows a_rows of A [., K] times the expert's rows n, transposed.
+    Computed as W A^T ([BLOCK_N, BLOCK_M]): the decoded weights are the MMA's first operand, K-major
+    as decoded (and BLOCK_M may be below the wgmma's 64 rows)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :],
                     other=0.0)
-        w = _decode_tile(words_ptr, scales_ptr, n, n_ok, k0, K // 32, BLOCK_N, BLOCK_K).to(a.dtype)
-        if a.dtype == tl.float32:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+        if a.dtype == tl.bfloat16 and _ASM:
+            w = _decode_tile(words_ptr, scales_ptr, n, n_ok, k0, K // 32, BLOCK_N, BLOCK_K, True)
+            acc += tl.dot(w, tl.trans(a))
         else:
-            acc += tl.dot(a, tl.trans(w))
-    return acc
+            w = _decode_tile(words_ptr, scales_ptr, n, n_ok, k0, K // 32, BLOCK_N, BLOCK_K, False).to(a.dtype)
+            if a.dtype == tl.float32:
+                acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(a))
+    return tl.trans(acc)
 
 
 @triton.jit
@@ -167,6 +226,29 @@ def _down_kernel(
     acc *= tl.load(wts_ptr + tl.where(m_ok, slot, 0), mask=m_ok, other=0.0).to(tl.float32)[:, None]
     pair = tl.where(m_ok, slot, 0).to(tl.int64)
     tl.store(out_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _decode_kernel(words_ptr, scales_ptr, out_ptr, N, K_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _decode_tile(words_ptr, scales_ptr, rows, rows < N, k0, K_GROUPS, BLOCK_N, BLOCK_K, ASM)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * (32 * K_GROUPS) + kk[None, :], w.to(tl.float32),
+             mask=(rows < N)[:, None] & (kk < 32 * K_GROUPS)[None, :])
+
+
+def decode_packed_expert(blocks: torch.Tensor, scales: torch.Tensor, block_n: int = 16, block_k: int = 64
+                         ) -> torch.Tensor:
+    """One expert's packed blocks [N, K/32, 16] and padded scales [N, G] -> float32 [N, K] through
+    the GEMMs' decode alone (inline PTX on the GPU): for tests of it at any scale byte."""
+    n, kg, _ = blocks.shape
+    out = torch.empty(n, 32 * kg, dtype=torch.float32, device=blocks.device)
+    _decode_kernel[(triton.cdiv(n, block_n), triton.cdiv(32 * kg, block_k))](
+        blocks.contiguous().view(torch.int32), scales.contiguous().view(torch.int32), out, n, K_GROUPS=kg,
+        BLOCK_N=block_n, BLOCK_K=block_k, ASM=not INTERPRET)
+    return out
 
 
 def experts_forward_mxfp4_grouped(

@@ -22,6 +22,24 @@ def random_layer(e: int, g: torch.Generator, device: torch.device | str = "cpu",
                      torch.randn(e, h, device=device, generator=g) * bias_std)
 
 
+def scale_extremes_expert(g: torch.Generator, scales: list[int], groups: int = 6):
+    """One expert (published layout) whose row r has every group at scales[r]; random codes, with
+    every code in each row's first 16 bytes (the grouped kernels' decode tests)."""
+    from pdserve.kernels.mxfp4 import MxExperts
+
+    n = len(scales)
+    blocks = torch.randint(0, 256, (1, n, groups, 16), generator=g, dtype=torch.uint8)
+    blocks[0, :, 0] = torch.arange(0, 256, 16, dtype=torch.uint8) | torch.arange(16, dtype=torch.uint8)
+    s = torch.tensor(scales, dtype=torch.uint8)[None, :, None].expand(1, n, groups).contiguous()
+    z = torch.zeros(1, 32 * groups)
+    return MxExperts(blocks, s, z, blocks, s, z)
+
+
+# scale bytes for the decode tests: the ends of the range the packed layout allows (0..PACKED_MAX_SCALE = 192)
+# and around 2^(s - 1) leaving bf16 (s = 129)
+DECODE_SCALES = [0, 1, 2, 3, 66, 110, 127, 128, 129, 130, 190, 191, 192, 192]
+
+
 def reference(x, weights, ids, w, bias=True):
     """`experts_forward_ref` in float32 on the exactly dequantised weights of published `w`."""
     from pdserve.kernels.moe import ExpertWeights, experts_forward_ref

@@ -6,7 +6,9 @@ Child process with TRITON_INTERPRET=1 (tests/interp.py), the routing layout buil
 (bf16 `tl.dot` is wrong in the interpreter): the kernels and the reference differ only in the
 order of float32 sums, so rel L2 < 1e-5; a wrong nibble, scale, row, expert, slot or weight is
 off by > 1e-2. Every e2m1 code occurs; several experts get more routed rows than one BLOCK_M
-block and some none; K (the hidden size) is not a multiple of BLOCK_K.
+block and some none; K (the hidden size) is not a multiple of BLOCK_K. The decode alone
+(`decode_packed_expert`) is exact, every code at the scale bytes the packed layout allows
+(0..PACKED_MAX_SCALE): the interpreter's float32 path computes the PTX path's products.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from interp import run_in_interpreter
 from moe_routing import routing_torch
-from mxfp4_layers import random_layer, reference
+from mxfp4_layers import DECODE_SCALES, random_layer, reference, scale_extremes_expert
 from numerics import rel_l2
 
 pytest.importorskip("triton")
@@ -39,6 +41,9 @@ def _child(in_path: str, out_path: str) -> None:
     grouped.align_routing = routing_torch  # the routing kernel's atomics do not run in the interpreter
     outs = []
     for c in torch.load(in_path):
+        if "blocks" in c:
+            outs.append(grouped.decode_packed_expert(c["blocks"], c["scales"], *c["tile"]))
+            continue
         bm, gu, dn = c["config"]
         outs.append(experts_forward_mxfp4_grouped(c["x"], c["weights"], c["ids"], MxExperts(**c["w"]).to_packed(),
                                                   add_down_bias=c["bias"], config=GroupedConfig(bm, gu, dn)))
@@ -63,6 +68,20 @@ def test_grouped_mxfp4_matches_reference(tmp_path):
         ref = reference(c["x"], c["weights"], c["ids"], MxExperts(**c["w"]), bias=c["bias"])
         assert got.shape == ref.shape and not got.isnan().any()
         assert rel_l2(got, ref) < 1e-5, (seed, rel_l2(got, ref))
+
+
+def test_grouped_mxfp4_decode_is_exact_at_every_scale(tmp_path):
+    from pdserve.kernels.mxfp4 import PACKED_MAX_SCALE, dequantize_mxfp4
+
+    assert max(DECODE_SCALES) == PACKED_MAX_SCALE
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    w = scale_extremes_expert(torch.Generator().manual_seed(seed), DECODE_SCALES)
+    p = w.to_packed()
+    cases = [dict(blocks=p.gate_up_blocks[0], scales=p.gate_up_scales[0], tile=tile) for tile in ((16, 64), (16, 128))]
+    outs = run_in_interpreter(__file__, cases, tmp_path, seed)
+    want = dequantize_mxfp4(w.gate_up_blocks[0], w.gate_up_scales[0], torch.float32)
+    for got in outs:
+        assert torch.equal(got, want), seed
 
 
 def test_grouped_mxfp4_refuses_published_blocks():

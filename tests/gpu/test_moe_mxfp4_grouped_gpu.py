@@ -2,15 +2,18 @@
 expert shape, bf16 activations, fresh random weights and routing, against `experts_forward_ref` in
 float32 on the dequantised weights (exact). The weights decode exactly into bf16 and the dots sum
 in float32, so the error is the bf16 rounding of the activations between the GEMMs and of the
-output: rel L2 6e-3. Also: bitwise deterministic, CUDA-graph replay equal to the eager call, and
-the dispatch of kernels.moe.experts_forward."""
+output: rel L2 6e-3. Also: the inline-PTX decode alone exact for every code at the scale bytes
+0..PACKED_MAX_SCALE, a layer at both ends of that range, bitwise deterministic, CUDA-graph replay
+equal to the eager call, and the dispatch of kernels.moe.experts_forward."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from mxfp4_layers import random_layer, reference
+from mxfp4_layers import DECODE_SCALES, random_layer, reference, scale_extremes_expert
 from numerics import rel_l2
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
@@ -51,6 +54,34 @@ def test_grouped_mxfp4_moe(t):
         assert torch.equal(out, experts_forward_mxfp4_grouped(x, weights, ids, p, config=cfg))
     nobias = experts_forward_mxfp4_grouped(x, weights, ids, p, add_down_bias=False)
     assert rel_l2(nobias, _ref(x, weights, ids, w, bias=False)) < 6e-3
+
+
+def test_grouped_mxfp4_decode_exact_at_every_scale():
+    from pdserve.kernels.mxfp4 import dequantize_mxfp4
+    from pdserve.kernels.triton_moe_mxfp4_grouped import decode_packed_expert
+
+    w = scale_extremes_expert(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item())),
+                              DECODE_SCALES)
+    p = w.to_packed()
+    want = dequantize_mxfp4(w.gate_up_blocks[0], w.gate_up_scales[0], torch.float32)  # on the CPU: subnormals kept
+    for tile in ((16, 64), (16, 128), (64, 128)):
+        got = decode_packed_expert(p.gate_up_blocks[0].to(DEV), p.gate_up_scales[0].to(DEV), *tile).cpu()
+        assert torch.equal(got, want), tile
+
+
+def test_grouped_mxfp4_moe_scale_extremes():
+    """gate/up at the top scale bytes (2^61..2^65: glu and linear clamp), down at the bottom ones
+    (products about 2^-120, normal in float32) without its bias, so both decide the output."""
+    from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped
+
+    g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    hi, lo = random_layer(8, g, DEV, scales=(188, 193)), random_layer(8, g, DEV, scales=(2, 7))
+    w = replace(hi, down_blocks=lo.down_blocks, down_scales=lo.down_scales)
+    x, ids, weights = _problem(16, 8, g)
+    ref = _ref(x, weights, ids, w, bias=False)
+    for cfg in (GroupedConfig(), GroupedConfig(64, (128, 128, 4, 3), (128, 128, 4, 3))):
+        out = experts_forward_mxfp4_grouped(x, weights, ids, w.to_packed(), add_down_bias=False, config=cfg)
+        assert out.abs().max() > 0 and rel_l2(out, ref) < 6e-3, (cfg, rel_l2(out, ref))
 
 
 def test_grouped_mxfp4_cuda_graph_and_dispatch(monkeypatch):
