@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mxfp4-grouped-from", type=int, default=None,
                     help="with --precision mxfp4: batches of at least this many tokens take the expert-grouped "
                          "tensor-core kernels (kernels.moe.MXFP4_GROUPED_MIN_TOKENS)")
+    ap.add_argument("--mxfp4-grouped-config", default=None,
+                    help="their launch shape: BLOCK_M/BN,BK,warps,stages/BN,BK,warps,stages (gate_up/down)")
     ap.add_argument("--peer-triton", action="store_true",
                     help="after pdserve's decode, time OpenAI's gpt_oss.triton on the same weights")
     a = ap.parse_args(argv)
@@ -260,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         import pdserve.kernels.moe as moe_mod
 
         moe_mod.MXFP4_GROUPED_MIN_TOKENS = a.mxfp4_grouped_from
+    if a.mxfp4_grouped_config:
+        import pdserve.kernels.moe as moe_mod
+        from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig
+
+        bm, gu, dn = a.mxfp4_grouped_config.split("/")
+        moe_mod.MXFP4_GROUPED_CONFIG = GroupedConfig(int(bm), *(tuple(int(v) for v in p.split(",")) for p in (gu, dn)))
     if a.compare_fused and a.device != "cuda":
         ap.error("--compare-fused needs --device cuda")
     if a.compare_attention_precision and a.attention_precision != "bf16":

@@ -45,11 +45,12 @@ CONFIGS = {
 # The expert-grouped tensor-core kernels (kernels/triton_moe_mxfp4_grouped.py): BLOCK_M, then
 # (BLOCK_N, BLOCK_K, warps, stages) for gate/up and down.
 GROUPED = {
-    "grouped m16 gu64k128w4 d64k128w4": GroupedConfig(16, (64, 128, 4, 3), (64, 128, 4, 3)),
-    "grouped m16 gu128k128w4 d64k256w4": GroupedConfig(16, (128, 128, 4, 3), (64, 256, 4, 3)),
-    "grouped m16 gu32k256w4 d32k256w4": GroupedConfig(16, (32, 256, 4, 3), (32, 256, 4, 3)),
-    "grouped m32 gu64k128w4 d64k128w4": GroupedConfig(32, (64, 128, 4, 3), (64, 128, 4, 3)),
+    "grouped m16 gu128k128w4 d128k128w4": GroupedConfig(16, (128, 128, 4, 3), (128, 128, 4, 3)),
+    "grouped m16 gu128k64w4s4 d128k64w4s4": GroupedConfig(16, (128, 64, 4, 4), (128, 64, 4, 4)),
+    "grouped m32 gu128k64w4 d128k64w4": GroupedConfig(32, (128, 64, 4, 3), (128, 64, 4, 3)),
+    "grouped m64 gu128k64w4 d128k64w4": GroupedConfig(64, (128, 64, 4, 3), (128, 64, 4, 3)),
     "grouped m64 gu128k128w4 d128k128w4": GroupedConfig(64, (128, 128, 4, 3), (128, 128, 4, 3)),
+    "grouped m16 gu64k128w4 d64k128w4": GroupedConfig(16, (64, 128, 4, 3), (64, 128, 4, 3)),
 }
 
 

@@ -17,8 +17,9 @@ from .fp8 import dequantize_act_fp8, dequantize_weight_fp8, quantize_act_fp8
 from .mxfp4 import MxExperts, dequantize_mxfp4
 from .swiglu import swiglu
 
-# Batches up to this many tokens run MXFP4 experts through kernels.triton_moe_mxfp4 on CUDA (decode);
-# larger ones (prefill) through `experts_forward_mxfp4_ref` (the routed experts decoded to bf16).
+# Batches up to this many tokens run MXFP4 experts through kernels.triton_moe_mxfp4 on CUDA (decode)
+# unless the grouped kernels take them (below); larger ones, when those are off, through
+# `experts_forward_mxfp4_ref` (the routed experts decoded to bf16).
 MXFP4_KERNEL_MAX_TOKENS = 256  # covers the CUDA-graph decode sizes (the reference syncs)
 # Launch shape / nibble decode of that kernel (a triton_moe_mxfp4.MxConfig); None: the default for
 # the experts' block layout (triton_moe_mxfp4.default_config).
@@ -26,10 +27,13 @@ MXFP4_KERNEL_CONFIG = None
 # Block layout the loader gives MXFP4 experts on CUDA ("packed": kernels.mxfp4.pack_words, read by
 # the "packed" decode; "published": as the checkpoint stores them).
 MXFP4_CUDA_LAYOUT = "packed"
-# Batches of at least this many tokens take the expert-grouped tensor-core kernels
-# (kernels.triton_moe_mxfp4_grouped) instead of the per-pair packed GEMV; None: never (not yet
-# measured on a GPU).
-MXFP4_GROUPED_MIN_TOKENS: int | None = None
+# Batches of at least this many tokens (any size: prefill too) take the expert-grouped tensor-core
+# kernels (kernels.triton_moe_mxfp4_grouped) instead of the per-pair packed GEMV, which decodes an
+# expert once per (token, expert) pair; None: never. On an H200 (20b layer, 2026-12-02) the grouped
+# kernels were faster from 16 tokens (294 vs 339 us; 64 tokens: 374 vs 1243 us) and slower at 8.
+MXFP4_GROUPED_MIN_TOKENS: int | None = 16
+# Their launch shape (a triton_moe_mxfp4_grouped.GroupedConfig); None: chosen by the batch size.
+MXFP4_GROUPED_CONFIG = None
 # FP8 batches with at least this many routed rows per local expert on average run through
 # DeepGEMM's grouped GEMMs when it is installed (kernels.deepgemm_moe); smaller ones (decode, CUDA
 # graphs, short prompts) through the Triton kernels. On an H200 the DeepGEMM path was 1.41-1.96x
@@ -175,18 +179,18 @@ def experts_forward(
 ) -> torch.Tensor:
     """Dispatch to the fastest implementation for the device and weight format."""
     if isinstance(w, MxExperts):
+        if (x.is_cuda and MXFP4_GROUPED_MIN_TOKENS is not None and x.shape[0] >= MXFP4_GROUPED_MIN_TOKENS
+                and w.layout == "packed"):
+            from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
+
+            return experts_forward_mxfp4_grouped(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
+                                                 config=MXFP4_GROUPED_CONFIG)
         if x.is_cuda and x.shape[0] <= MXFP4_KERNEL_MAX_TOKENS:
             try:
                 from .triton_moe_mxfp4 import experts_forward_mxfp4
             except ImportError:
                 experts_forward_mxfp4 = None
             if experts_forward_mxfp4 is not None:
-                if (MXFP4_GROUPED_MIN_TOKENS is not None and x.shape[0] >= MXFP4_GROUPED_MIN_TOKENS
-                        and w.layout == "packed"):
-                    from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
-
-                    return experts_forward_mxfp4_grouped(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
-
                 return experts_forward_mxfp4(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
                                              config=MXFP4_KERNEL_CONFIG)
         return experts_forward_mxfp4_ref(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)

@@ -22,14 +22,14 @@ dot is W A^T: the decoded tile is the wgmma's register operand and BLOCK_M may b
 N); one layout conversion remains in the K loop, decode order -> wgmma operand order, through
 shared memory (STS.128 + LDSM per 16 of K).
 
-Measured 2026-12-02 on one H200 before this decode (float32 decode per value, A W^T): 0.4-0.5 TB/s,
-bound by the decode's instructions (us per 20b layer, 32 experts, top-4):
-| tokens | m64 gu128k128w4 dn128k128w4 | m16 gu64k128w4 dn64k128w4 | FP8 grouped | MXFP4 weight floor |
-| 16     | 692                         | 931                       | 229         | 87                 |
-| 64     | 789                         | 1047                      | 257         | 100                |
-The bf16 PTX decode, the scales per group and W A^T take the K loop from 9.4-13.1 to 4.7-6.3 SASS
-instructions per weight (sm_90 offline compile); not yet measured on the GPU.
-`kernels.moe.MXFP4_GROUPED_MIN_TOKENS` (None: off) routes batches to it.
+Measured on one H200 (2026-12-02, us per 20b layer, 32 experts, top-4; docs/performance.md):
+| tokens | first version (float32 decode per value, A W^T), best | this decode, best | packed GEMV | FP8 grouped |
+| 16     | 692                                                  | 294               | 339         | 227         |
+| 64     | 789                                                  | 366               | 1243        | 256         |
+| 256    |                                                      | 412               | 4908        | 295         |
+2.1x the first version, faster than the packed GEMV from 16 tokens (`kernels.moe.MXFP4_GROUPED_MIN_TOKENS`
+routes those batches here, prefill included), still slower than the FP8 experts: ~1.1 TB/s, bound
+by the decode and the layout conversion in the K loop.
 """
 
 from __future__ import annotations
@@ -251,12 +251,26 @@ def decode_packed_expert(blocks: torch.Tensor, scales: torch.Tensor, block_n: in
     return out
 
 
+# Launch shapes that measured fastest on an H200 (20b layer, 2026-12-02, docs/performance.md):
+# BLOCK_M 16 for decode batches (16-64 tokens: 294-374 us), BLOCK_M 64 from a few hundred tokens
+# (256 tokens: 412 us against 777 us with BLOCK_M 16, whose blocks are then many per expert).
+DECODE_CONFIG = GroupedConfig(16, (128, 64, 4, 4), (128, 64, 4, 4))
+PREFILL_CONFIG = GroupedConfig(64, (128, 64, 4, 3), (128, 64, 4, 3))
+PREFILL_FROM_TOKENS = 128
+
+
+def default_config(tokens: int) -> GroupedConfig:
+    """The launch shape for a batch of `tokens` tokens."""
+    return DECODE_CONFIG if tokens < PREFILL_FROM_TOKENS else PREFILL_CONFIG
+
+
 def experts_forward_mxfp4_grouped(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
-    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, config: GroupedConfig = GroupedConfig(),
+    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, config: GroupedConfig | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
-    experts local, experts in the packed layout (`MxExperts.to_packed()`)."""
+    experts local, experts in the packed layout (`MxExperts.to_packed()`). config: by the batch size
+    (`default_config`) when None."""
     if w.layout != "packed":
         raise ValueError("the grouped MXFP4 kernels read packed blocks (MxExperts.to_packed)")
     t, h = x.shape
@@ -267,6 +281,7 @@ def experts_forward_mxfp4_grouped(
                          f"do not match x {tuple(x.shape)}")
     if t == 0:
         return torch.empty_like(x)
+    config = config or default_config(t)
     x = x.contiguous()
     routing = align_routing(topk_ids, 0, e, config.block_m)
     gu_words, dn_words = w.gate_up_blocks.view(torch.int32), w.down_blocks.view(torch.int32)

@@ -105,3 +105,6 @@ def test_grouped_mxfp4_cuda_graph_and_dispatch(monkeypatch):
     from pdserve.kernels.triton_moe_mxfp4 import experts_forward_mxfp4
 
     assert torch.equal(small, experts_forward_mxfp4(x[:4], weights[:4], ids[:4], w))
+    xb, idsb, weightsb = _problem(300, 8, g)  # past the packed GEMV's bound (a prefill): grouped, not the reference
+    assert moe.MXFP4_KERNEL_MAX_TOKENS < 300
+    assert torch.equal(moe.experts_forward(xb, weightsb, idsb, w), experts_forward_mxfp4_grouped(xb, weightsb, idsb, w))
