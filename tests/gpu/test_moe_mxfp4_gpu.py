@@ -38,7 +38,7 @@ _ref = reference
 
 @pytest.mark.parametrize("t", [1, 5, 64])
 def test_mxfp4_moe(t):
-    from pdserve.kernels.triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4
+    from pdserve.kernels.triton_moe_mxfp4 import PACKED_CONFIG, MxConfig, experts_forward_mxfp4
 
     g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     w = _layer(8, g)
@@ -51,7 +51,7 @@ def test_mxfp4_moe(t):
                 MxConfig((64, 256, 4, 3), (32, 256, 4, 3), decode="dot"),
                 MxConfig((16, 512, 4, 2), (16, 512, 4, 2), decode="dot"), PACKED,
                 MxConfig((64, 16, 4, 3), (16, 16, 2, 3), decode="packed"),
-                MxConfig((32, 4, 2, 4), (8, 8, 1, 2), decode="packed")):
+                MxConfig((32, 4, 2, 4), (8, 8, 1, 2), decode="packed"), PACKED_CONFIG):
         wc = w.to_packed() if cfg.decode == "packed" else w
         out = experts_forward_mxfp4(x, weights, ids, wc, config=cfg)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
