@@ -6,7 +6,9 @@ queue is full, or the wait exceeds its bound, it is refused with 429 + Retry-Aft
 RESOURCE_EXHAUSTED), before its response starts.
 Whoever waits longest retries first: when room may have come back (a request finished or was
 cancelled, a load report arrived) the head of the queue is woken; once it is placed it wakes the
-next, so room for several lets several in, one after the other.
+next, so room for several lets several in, one after the other. A woken request keeps its place
+while it tries (and if it still finds no room, waits again at the front): the bound counts it, so
+arrivals meanwhile cannot take its slot in the queue.
 """
 
 from __future__ import annotations
@@ -18,50 +20,61 @@ from pdserve.router.errors import OverloadedError
 from pdserve.router.metrics import RouterMetrics
 
 
+class Place:
+    """One request's place in the queue, from its first wait until it is placed or gives up."""
+
+    __slots__ = ("turn", "woken")
+
+    def __init__(self) -> None:
+        self.turn: asyncio.Future = asyncio.get_running_loop().create_future()  # resolved: try again
+        self.woken = False  # its turn came and it has not waited again since
+
+
 class AdmissionQueue:
-    """Waiters for decode room, in arrival order. Runs on the router's event loop."""
+    """Places of the requests waiting for decode room, in arrival order. Runs on the router's
+    event loop."""
 
     def __init__(self, max_waiting: int, retry_after: int, metrics: RouterMetrics) -> None:
         self.max_waiting = max_waiting
         self.retry_after = retry_after
         self._metrics = metrics
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._places: collections.deque[Place] = collections.deque()
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._places)
 
-    def enter(self, *, front: bool) -> asyncio.Future:
-        """A place in the queue: resolved when it is this waiter's turn to try again.
-
-        `front` is for a waiter that was woken and still found no room: it keeps its turn.
-        Anyone else is refused when `max_waiting` already wait.
-        """
-        if not front and len(self._waiters) >= self.max_waiting:
-            waiting = f" and {len(self._waiters)} requests already wait for it" if self._waiters else ""
+    def enter(self) -> Place:
+        """A place at the back of the queue; refused when `max_waiting` requests already wait."""
+        if len(self._places) >= self.max_waiting:
+            waiting = f" and {len(self._places)} requests already wait for it" if self._places else ""
             raise OverloadedError(f"No decode worker has room for this request{waiting}; "
                                   "retry later.", code="kv_cache_full", retry_after=self.retry_after)
-        place = asyncio.get_running_loop().create_future()
-        if front:
-            self._waiters.appendleft(place)
-        else:
-            self._waiters.append(place)
-        self._metrics.admission_waiting.set(len(self._waiters))
+        place = Place()
+        self._places.append(place)
+        self._metrics.admission_waiting.set(len(self._places))
         return place
 
-    def leave(self, place: asyncio.Future) -> None:
-        """Give up a place (placed, timed out or cancelled); a no-op once woken."""
+    def wait_again(self, place: Place) -> None:
+        """Woken, and still no room: wait for the next turn, keeping the place (the front)."""
+        place.turn = asyncio.get_running_loop().create_future()
+        place.woken = False
+
+    def leave(self, place: Place) -> None:
+        """Placed, timed out, failed or cancelled: give the place up; a turn it had and did not
+        use up by waiting again goes to the next waiter (there may be room for it)."""
         try:
-            self._waiters.remove(place)
+            self._places.remove(place)
         except ValueError:
             return
-        self._metrics.admission_waiting.set(len(self._waiters))
+        self._metrics.admission_waiting.set(len(self._places))
+        if place.woken:
+            self.wake()
 
     def wake(self) -> None:
-        """Room may have come back: the longest waiter tries again."""
-        while self._waiters:
-            place = self._waiters.popleft()
-            if not place.done():
-                place.set_result(None)
-                break
-        self._metrics.admission_waiting.set(len(self._waiters))
+        """Room may have come back: the longest waiter not already trying tries again."""
+        for place in self._places:
+            if not place.woken and not place.turn.done():  # done: cancelled, about to leave
+                place.woken = True
+                place.turn.set_result(None)
+                return

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 import grpc
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.admission import AdmissionQueue
+from pdserve.router.admission import AdmissionQueue, Place
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (InvalidRequestError, NoHealthyWorkersError, OverloadedError,
                            RequestTimeoutError, RouterError, UpstreamError)
@@ -238,7 +238,7 @@ class Generation:
         self._kv_blocks = 0  # the router's estimate of what the reservation holds
         self._holds_slot = False  # counted in decode_worker.active_requests
         self._held: Worker | None = None  # the decode worker kept connected for this request
-        self._queue_place: asyncio.Future | None = None  # while waiting for room
+        self._queue_place: Place | None = None  # while waiting for room
         self.generated: list[int] = []  # tokens streamed to the caller so far
         self._prefilled_generated = 0  # of those, how many the current prefill's prompt holds
         self.cached_tokens = 0  # prompt tokens the (first) prefill found in its prefix cache
@@ -262,7 +262,7 @@ class Generation:
         log.info("request %s cancelled: %s", self.request_id, reason)
         self._aborted.set()
         if self._queue_place is not None:
-            self._queue_place.cancel()
+            self._queue_place.turn.cancel()
         self._release()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -382,45 +382,47 @@ class Generation:
         room (behind those already waiting); False if cancelled meanwhile."""
         admission = self._orch.admission
         loop = asyncio.get_running_loop()
-        queued_at = loop.time() if admission.waiting else None
-        if queued_at is not None and not await self._wait_for_room(queued_at, front=False):
-            return False
-        while True:
-            try:
-                reserved = await self._try_reserve(exclude)
-            except _NoRoom as no_room:
-                woken = queued_at is not None  # it was this one's turn: it keeps its place
-                if queued_at is None:
-                    queued_at = loop.time()
-                if not await self._wait_for_room(queued_at, front=woken, reason=str(no_room)):
+        place, queued_at = None, None
+        try:
+            if admission.waiting:
+                queued_at = loop.time()
+                place = admission.enter()
+                if not await self._wait_for_room(place, queued_at):
                     return False
-                continue
-            except BaseException:
+            while True:
+                try:
+                    reserved = await self._try_reserve(exclude)
+                except _NoRoom as no_room:
+                    if place is None:
+                        queued_at = loop.time()
+                        place = admission.enter()
+                    else:
+                        admission.wait_again(place)  # it was this one's turn: it keeps its place
+                    if not await self._wait_for_room(place, queued_at, reason=str(no_room)):
+                        return False
+                    continue
                 if queued_at is not None:
-                    admission.wake()  # this one leaves the queue for good: the next one's turn
-                raise
-            if queued_at is not None:
-                self._metrics.admission_wait.observe(loop.time() - queued_at)
-                admission.wake()  # there may be room for the next one too
-            return reserved
+                    self._metrics.admission_wait.observe(loop.time() - queued_at)
+                return reserved
+        finally:
+            if place is not None:
+                admission.leave(place)  # placed, failed or cancelled in its turn: the next one's turn
 
-    async def _wait_for_room(self, queued_at: float, *, front: bool, reason: str = "") -> bool:
-        """Wait for this request's turn to try again; False if cancelled meanwhile.
+    async def _wait_for_room(self, place: Place, queued_at: float, *, reason: str = "") -> bool:
+        """Wait in `place` for this request's turn to try again; False if cancelled meanwhile.
 
-        Refused (429) when the queue is full or the wait would exceed `max_queue_wait`; a request
-        deadline that comes first is a timeout (504).
+        Refused (429) when the wait would exceed `max_queue_wait`; a request deadline that comes
+        first is a timeout (504).
         """
         loop = asyncio.get_running_loop()
         give_up = queued_at + self._config.max_queue_wait
         timeout = min(give_up, self.deadline) - loop.time()
         if timeout <= 0:
             self._raise_wait_exceeded(give_up, reason)
-        place = self._orch.admission.enter(front=front)
         self._queue_place = place
-        tries = False
         try:
-            await asyncio.wait_for(place, timeout)
-            tries = not self.aborted
+            await asyncio.wait_for(place.turn, timeout)
+            return not self.aborted
         except asyncio.TimeoutError:
             self._raise_wait_exceeded(give_up, reason)
         except asyncio.CancelledError:
@@ -428,11 +430,7 @@ class Generation:
                 return False
             raise
         finally:
-            self._orch.admission.leave(place)
             self._queue_place = None
-            if place.done() and not place.cancelled() and not tries:
-                self._orch.admission.wake()  # woken, then cancelled: the turn goes to the next one
-        return tries
 
     def _raise_wait_exceeded(self, give_up: float, reason: str) -> None:
         if give_up <= self.deadline:

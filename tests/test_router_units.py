@@ -254,6 +254,32 @@ async def _until(predicate, timeout: float) -> bool:
     return predicate()
 
 
+def test_a_woken_waiter_keeps_its_place_while_it_tries():
+    """Woken for its turn, a waiter still counts against the queue's bound while it tries
+    Reserve: an arrival meanwhile is refused (it took the slot before, so a full queue let one
+    more wait and refused one fewer); finding no room, the waiter waits again at the front."""
+    from pdserve.router.admission import AdmissionQueue
+    from pdserve.router.errors import OverloadedError
+
+    async def run():
+        queue = AdmissionQueue(2, 1, RouterMetrics())
+        first, second = queue.enter(), queue.enter()
+        queue.wake()
+        assert first.turn.done() and not second.turn.done() and queue.waiting == 2
+        with pytest.raises(OverloadedError):
+            queue.enter()
+        queue.wait_again(first)  # still no room
+        queue.wake()
+        assert first.turn.done() and not second.turn.done()  # the front is still the first's
+        queue.leave(first)  # placed: the second's turn
+        assert second.turn.done() and queue.waiting == 1
+        queue.wait_again(second)
+        queue.leave(second)  # gave up after waiting again: no turn to hand on
+        assert queue.waiting == 0
+
+    asyncio.run(run())
+
+
 def test_a_waiter_woken_and_then_cancelled_hands_its_turn_to_the_next():
     """Cancelling a request cannot take back a wake it already got: it must pass the turn on,
     or the next waiter sleeps although room came back (until some later load report)."""
@@ -266,7 +292,15 @@ def test_a_waiter_woken_and_then_cancelled_hands_its_turn_to_the_next():
         first, second = (orch.generate(f"r{i}", [1, 2, 3], pb.SamplingParams(max_new_tokens=4))
                          for i in range(2))
         loop = asyncio.get_running_loop()
-        waits = [asyncio.create_task(g._wait_for_room(loop.time(), front=False)) for g in (first, second)]
+
+        async def wait(g):  # the queue part of Generation._reserve
+            place = orch.admission.enter()
+            try:
+                return await g._wait_for_room(place, loop.time())
+            finally:
+                orch.admission.leave(place)
+
+        waits = [asyncio.create_task(wait(g)) for g in (first, second)]
         await asyncio.sleep(0)
         assert orch.admission.waiting == 2
         orch.admission.wake()   # room for one: the first's turn...
