@@ -146,17 +146,24 @@ def measure_ceilings() -> dict:
 
 
 # ------------------------------------------------------------------------------------ attention
-def _paged(batch_lens: list[int], qo_lens: list[int], gen: torch.Generator):
+def scattered_batch(qo_lens: list[int], kv_lens: list[int], page_size: int, gen: torch.Generator,
+                    spare_pages: int = 0):
+    """(PagedBatch, pages in the pool): each request's pages drawn at random from a pool of all
+    the batch needs plus `spare_pages`, page 0 left free (the CUDA graphs' padding page)."""
     from pdserve.kernels.attention import PagedBatch
 
-    pages = [-(-k // PAGE) for k in batch_lens]
-    total = sum(pages) + 1
+    pages = [-(-k // page_size) for k in kv_lens]
+    total = sum(pages) + spare_pages + 1
     perm = (torch.randperm(total - 1, generator=gen) + 1).tolist()
     tables, at = [], 0
     for p in pages:
         tables.append(perm[at : at + p])
         at += p
-    batch = PagedBatch.from_tables(qo_lens, batch_lens, tables, PAGE)
+    return PagedBatch.from_tables(qo_lens, kv_lens, tables, page_size), total
+
+
+def _paged(batch_lens: list[int], qo_lens: list[int], gen: torch.Generator):
+    batch, total = scattered_batch(qo_lens, batch_lens, PAGE, gen)
     kv = torch.randn(total, 2, PAGE, HKV, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
     q = torch.randn(sum(qo_lens), HQ, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
     return batch, kv, q

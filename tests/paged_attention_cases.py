@@ -8,7 +8,8 @@ import math
 import torch
 
 import numerics
-from pdserve.kernels.attention import PagedBatch, TorchSinkAttention
+from pdserve.bench.kernels import scattered_batch
+from pdserve.kernels.attention import TorchSinkAttention
 
 HQ, HKV, D, PAGE = 64, 8, 64, 16
 SM_SCALE = 1 / math.sqrt(D)
@@ -22,14 +23,7 @@ def rel_l2(out, ref):
 
 def random_batch(qo_lens, kv_lens, gen, spare_pages=7):
     """Requests on randomly scattered pages of one pool (page 0 kept free for graph padding)."""
-    pages = [-(-k // PAGE) for k in kv_lens]
-    total = sum(pages) + spare_pages + 1
-    perm = (torch.randperm(total - 1, generator=gen) + 1).tolist()
-    tables, at = [], 0
-    for p in pages:
-        tables.append(perm[at : at + p])
-        at += p
-    batch = PagedBatch.from_tables(qo_lens, kv_lens, tables, PAGE)
+    batch, total = scattered_batch(qo_lens, kv_lens, PAGE, gen, spare_pages)
     kv = torch.randn(total, 2, PAGE, HKV, D, generator=gen).to(DEV, torch.bfloat16)
     q = torch.randn(sum(qo_lens), HQ, D, generator=gen).to(DEV, torch.bfloat16)
     return batch, kv, q
