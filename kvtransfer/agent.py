@@ -51,7 +51,6 @@ from pdserve.kvtransfer.errors import KVLayoutError, KVTransferError
 from pdserve.kvtransfer.handshake import PeerInfo, decode_peer_info, encode_peer_info
 from pdserve.kvtransfer.layout import PoolLayout
 from pdserve.kvtransfer.netdev import ucx_net_devices
-from pdserve.kvtransfer.notify import WRITE, parse_notification
 from pdserve.kvtransfer.plan import (
     PoolCopy,
     as_block_pairs,
@@ -60,7 +59,7 @@ from pdserve.kvtransfer.plan import (
     plan_copy,
     plan_staging_nbytes,
 )
-from pdserve.kvtransfer.reshard import SEP, SlottedArrivals, encode_slots
+from pdserve.kvtransfer.reshard import SEP, SlottedArrivals, encode_slots, names_heads
 from pdserve.kvtransfer.staging import StagingBuffer
 from pdserve.kvtransfer.ucx_info import ucx_summary
 
@@ -110,14 +109,6 @@ def _core_agent(name: str, progress_poll_us: int):
     cfg.lthrDelay = 100000
     cfg.captureTelemetry = False
     return nixl_bindings.nixlAgent(name, cfg)
-
-
-def _names_heads(notif: bytes) -> bool:
-    try:
-        n = parse_notification(notif)
-    except UnicodeDecodeError:
-        return False
-    return n.kind == WRITE and n.heads is not None
 
 
 @dataclass
@@ -388,7 +379,7 @@ class KVTransferAgent:
                         log.debug("KV agent %s: staging full (%d of %d bytes used), sending %d "
                                   "bytes per token", self.name, self._staging.used,
                                   self._staging.nbytes, need)
-                slotted = op == "WRITE" and SEP not in notif and _names_heads(notif)
+                slotted = op == "WRITE" and names_heads(notif)
                 copies = [merge_contiguous(c) for c in plan_copy(src, dst, pages, staging, slotted)]
                 slots = {c.pool: c.dst_blocks for c in copies if c.slotted}
                 if slots:

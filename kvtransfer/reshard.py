@@ -84,6 +84,19 @@ def encode_blocks(blocks: dict[str, np.ndarray]) -> bytes:
     return ";".join(parts).encode()
 
 
+def names_heads(notif: bytes) -> bool:
+    """Is `notif` a KV-written notification naming its heads (b"<id>#<lo>:<hi>")? Only those get
+    slots appended (b"<notif>|<push id>|<blocks>"), and only messages of that shape are read as
+    slotted: any other notification, SEP or stray bytes in it or not, is delivered as it came."""
+    if SEP in notif:
+        return False
+    try:
+        n = parse_notification(notif)
+    except UnicodeDecodeError:
+        return False
+    return n.kind == WRITE and n.heads is not None
+
+
 def encode_slots(push_id: str, blocks: dict[str, np.ndarray]) -> bytes:
     """A slotted write's notification tail: b"<push id>|<encode_blocks>"."""
     if SEP.decode() in push_id:
@@ -169,16 +182,13 @@ class SlottedArrivals:
     def feed(self, raw: bytes) -> list[bytes]:
         """One received notification -> the notifications to deliver now (plain ones at once)."""
         self._expire()
-        if SEP not in raw:
+        parts = raw.split(SEP)
+        if len(parts) != 3 or not names_heads(parts[0]):  # not what a slotted write sends: plain
             if self._ready:
                 self._rewritten(raw)
             return [raw]
-        notif, _, tail = raw.partition(SEP)
-        push_id, _, tail = tail.partition(SEP)
+        notif, push_id, tail = parts
         n = parse_notification(notif)
-        if n.kind != WRITE or n.heads is None:
-            log.error("slotted write with a notification %r that names no heads: dropped", notif)
-            return []
         width = n.heads[1] - n.heads[0]
         try:
             blocks = self._check(decode_blocks(tail), n.heads)

@@ -180,6 +180,9 @@ def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered():
     now = [0.0]
     arrivals = SlottedArrivals({"full": pool}, (0, 4), ttl_s=10, clock=lambda: now[0])
     assert arrivals.feed(b"other#0:4") == [b"other#0:4"]  # not slotted: delivered at once
+    # nor are notifications with SEP in them that a slotted write does not send: as they came
+    for plain in (b"\x9b|\x00req-1", b"a|b#0:2", b"x|y|z", b"\xff#0:2|p1|full=1+1", b"r#0:2|p|full=1+1|z"):
+        assert arrivals.feed(plain) == [plain] and len(arrivals) == 0
     assert arrivals.feed(b"req-1#0:2|p0|full=99+1") == [] and len(arrivals) == 0  # outside the pool
     assert arrivals.feed(notifs[0].replace(b"|p1|", b"|p0|")) == []  # an earlier push's slot...
     assert arrivals.feed(notifs[1]) == [] and len(arrivals) == 1  # ...never completes this one
