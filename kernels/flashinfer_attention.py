@@ -40,12 +40,12 @@ from .attention import PagedBatch
 
 _XQA_PAGE_SIZES = (16, 32, 64, 128)
 # Decode "auto" (measured on an H200, docs/performance.md): XQA for small batches, the FA2 sink
-# wrapper for big ones. Full-attention layers switch on the KV tokens a batch reads (XQA 10 %
-# faster at 8 x 4k keys; FA2 1.5-14 % faster from 128 x 1k = 131k tokens up); windowed layers
-# read <= 128 keys per request and switch on the batch size (XQA 13 vs 15-17 us up to batch 8,
-# FA2 5-12 % faster from batch 32). A CUDA-graph object fixes its kernel at capture, so there the
-# captured batch size decides for both layer types.
-_XQA_MAX_KV_TOKENS = 64 * 1024
+# wrapper for big ones, by batch size for both layer types (windowed layers: XQA 13 vs 15-17 us up
+# to batch 8, FA2 5-12 % faster from batch 32; full layers: XQA 10 % faster at 8 x 4k keys, FA2
+# 1.5-14 % faster from 128 x 1k keys). A CUDA graph fixes its kernel for the captured batch size
+# whatever the context, so eager steps decide by batch size too: a replayed step equals the eager
+# one bit for bit (deciding eager full layers by the KV tokens read made batch 32 at context 1k run
+# XQA eagerly and FA2 in its graph).
 _XQA_MAX_BATCH = 16
 # Our Triton split-KV decode kernel takes decode batches of up to this many requests, per layer
 # type, ahead of the rules above (0: never). Measured (H200, 2026-12-01, bench/decode_attention.py,
@@ -111,10 +111,7 @@ class FlashInferSinkAttention:
         if decode_backend == "auto" and page_size not in _XQA_PAGE_SIZES:
             decode_backend = "fa2"
         if decode_backend == "auto" and cuda_graph_batch_size is not None:
-            if cuda_graph_batch_size <= self._triton_max_batch:
-                decode_backend = "triton"
-            else:
-                decode_backend = "xqa" if cuda_graph_batch_size <= _XQA_MAX_BATCH else "fa2"
+            decode_backend = self._auto_decode(cuda_graph_batch_size)
         if prefill_backend not in ("fa2", "fa3"):
             raise ValueError(f"prefill_backend must be fa2, fa3 or auto, got {prefill_backend!r}")
         if decode_backend not in ("auto", "xqa", "fa2", "fa3", "triton"):
@@ -215,14 +212,18 @@ class FlashInferSinkAttention:
             self._active = self._wrappers[backend]
             self._mode = "fa"
 
+    def _auto_decode(self, batch_size: int) -> str:
+        """The "auto" decode kernel for a batch of `batch_size` requests. One rule for eager steps
+        and captured graphs (which fix the kernel for the captured size), so a replayed step equals
+        the eager step bit for bit: by batch size, not by the KV tokens a step reads."""
+        if batch_size <= self._triton_max_batch:
+            return "triton"
+        return "xqa" if batch_size <= _XQA_MAX_BATCH else "fa2"
+
     def _pick_decode(self, batch: PagedBatch) -> str:
         if self.decode_backend != "auto":
             return self.decode_backend
-        if batch.batch_size <= self._triton_max_batch:
-            return "triton"
-        if self.window_left >= 0:
-            return "xqa" if batch.batch_size <= _XQA_MAX_BATCH else "fa2"
-        return "xqa" if int(batch.kv_lens.sum()) < _XQA_MAX_KV_TOKENS else "fa2"
+        return self._auto_decode(batch.batch_size)
 
     def _plan_fa(self, wrapper, batch: PagedBatch) -> None:
         wrapper.plan(

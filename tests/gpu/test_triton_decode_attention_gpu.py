@@ -138,3 +138,6 @@ def test_auto_rule_takes_triton_up_to_its_batch(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     assert eager._pick_decode(decode_batch([9, 40, 3], gen)[0]) == "triton"
     assert eager._pick_decode(decode_batch([9] * 5, gen)[0]) == "xqa"
+    # eager steps follow the graphs' rule (by batch size), whatever the KV tokens they read
+    assert [eager._pick_decode(decode_batch([9] * b, gen)[0]) for b in (16, 17)] == ["xqa", "fa2"]
+    assert eager._pick_decode(decode_batch([14000] * 5, gen)[0]) == graph(5, -1) == "xqa"  # 70k keys
