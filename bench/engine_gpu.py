@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tensor-core kernels (kernels.moe.MXFP4_GROUPED_MIN_TOKENS)")
     ap.add_argument("--mxfp4-grouped-config", default=None,
                     help="their launch shape: BLOCK_M/BN,BK,warps,stages/BN,BK,warps,stages (gate_up/down)")
+    ap.add_argument("--mxfp4-mma-max-tokens", type=int, default=None,
+                    help="with --precision mxfp4: batches up to this many tokens take the CUDA mma kernels "
+                         "(kernels.moe.MXFP4_MMA_MAX_TOKENS; 0: never)")
     ap.add_argument("--peer-triton", action="store_true",
                     help="after pdserve's decode, time OpenAI's gpt_oss.triton on the same weights")
     a = ap.parse_args(argv)
@@ -258,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.mxfp4_config:
             gu, dn = (tuple(int(v) for v in part.split(",")) for part in a.mxfp4_config.split("/"))
             moe_mod.MXFP4_KERNEL_CONFIG = MxConfig(gu, dn, decode=a.mxfp4_decode)
+    if a.mxfp4_mma_max_tokens is not None:
+        import pdserve.kernels.moe as moe_mod
+
+        moe_mod.MXFP4_MMA_MAX_TOKENS = a.mxfp4_mma_max_tokens or None
     if a.mxfp4_grouped_from is not None:
         import pdserve.kernels.moe as moe_mod
 

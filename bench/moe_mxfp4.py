@@ -1,4 +1,5 @@
-"""The MXFP4 decode MoE (kernels/triton_moe_mxfp4.py) on a 20b-shaped layer: time per layer for
+"""The MXFP4 decode MoE (kernels/triton_moe_mxfp4.py, the CUDA mma kernels of
+kernels/cuda_moe_mxfp4.py: "mma pair" / "mma grouped") on a 20b-shaped layer: time per layer for
 1-64 tokens against its weight floor (the routed experts' MXFP4 bytes / copy bandwidth measured
 here), over launch configs and nibble decodes (v1 = the first version), and the engine's default
 FP8 grouped path on the same layer shape (floor / time against the MXFP4 floor; TB/s of its own
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
+from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.moe import ExpertWeights, experts_forward  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4 import MxConfig, MxExperts, experts_forward_mxfp4  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped  # noqa: E402
@@ -62,6 +64,16 @@ GROUPED = {
     "grouped m64 gu128k64w4 d128k64w4": GroupedConfig(64, (128, 64, 4, 3), (128, 64, 4, 3)),
     "grouped m64 gu128k128w4 d128k128w4": GroupedConfig(64, (128, 128, 4, 3), (128, 128, 4, 3)),
     "grouped m16 gu64k128w4 d64k128w4": GroupedConfig(16, (64, 128, 4, 3), (64, 128, 4, 3)),
+}
+
+# The CUDA mma kernels (kernels/cuda_moe_mxfp4.py): per pair or grouped by expert; gate/up and down
+# shapes as (warps, K split, K steps per register batch); "raw" = MmaConfig.raw_a.
+MMA = {
+    f"mma {'grouped' if grouped else 'pair'} gu{gu[0]}k{gu[1]}d{gu[2]} dn{dn[0]}k{dn[1]}d{dn[2]}{' raw' if raw else ''}":
+        (MmaConfig(gu, dn, raw), grouped)
+    for grouped in (False, True)
+    for gu, dn, raw in (((4, 1, 2), (4, 2, 2), True), ((4, 1, 3), (4, 2, 3), True), ((4, 1, 2), (4, 2, 2), False),
+                        ((4, 2, 2), (4, 4, 2), True), ((2, 1, 3), (2, 2, 3), True))
 }
 
 
@@ -122,6 +134,10 @@ def main() -> int:
         runs.update({name: (lambda s, cfg=cfg: experts_forward_mxfp4_grouped(x, wts, s, w_packed, config=cfg))
                      for name, cfg in GROUPED.items()
                      if not a.configs or any(name.startswith(pre) for pre in a.configs.split(","))})
+        for name, (cfg, grouped) in MMA.items():
+            if not a.configs or any(name.startswith(pre) for pre in a.configs.split(",")):
+                runs[name] = lambda s, cfg=cfg, grouped=grouped: experts_forward_mxfp4_mma(
+                    x, wts, s, w_packed, grouped=grouped, config=cfg)
         if fp8 is not None:
             runs["fp8 grouped (engine default)"] = lambda s: experts_forward(x, wts, s, fp8)
         check = experts_forward_mxfp4(x, wts, id_sets[0], w, config=MxConfig())  # v2: float32 sums

@@ -27,6 +27,15 @@ MXFP4_KERNEL_CONFIG = None
 # Block layout the loader gives MXFP4 experts on CUDA ("packed": kernels.mxfp4.pack_words, read by
 # the "packed" decode; "published": as the checkpoint stores them).
 MXFP4_CUDA_LAYOUT = "packed"
+# Batches up to this many tokens run packed MXFP4 experts through the CUDA mma kernels
+# (kernels.cuda_moe_mxfp4) on Hopper when NVRTC can build them; None: never. On an H200 (20b layer,
+# 2026-12-02, docs/performance.md) they were faster than the Triton kernels at 1, 8, 16, 32 and 48
+# tokens (33 vs 37, 134 vs 154, 186 vs 284 / 303, 241 vs 372, 300 vs 374 us), within 3 % at 2-4,
+# and level at 64 (377 vs 371 us).
+MXFP4_MMA_MAX_TOKENS: int | None = 63
+# ... from this many tokens with the pairs grouped by expert (an expert read once for all its
+# tokens; per pair below: 33 vs 39 us at one token, level at 2-4).
+MXFP4_MMA_GROUPED_FROM = 4
 # Batches of at least this many tokens (any size: prefill too) take the expert-grouped tensor-core
 # kernels (kernels.triton_moe_mxfp4_grouped) instead of the per-pair packed GEMV, which decodes an
 # expert once per (token, expert) pair; None: never. On an H200 (20b layer, 2026-12-02) the grouped
@@ -179,6 +188,13 @@ def experts_forward(
 ) -> torch.Tensor:
     """Dispatch to the fastest implementation for the device and weight format."""
     if isinstance(w, MxExperts):
+        t = x.shape[0]
+        if x.is_cuda and w.layout == "packed" and MXFP4_MMA_MAX_TOKENS is not None and t <= MXFP4_MMA_MAX_TOKENS:
+            from . import cuda_moe_mxfp4
+
+            if cuda_moe_mxfp4.available(x.device):
+                return cuda_moe_mxfp4.experts_forward_mxfp4_mma(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
+                                                                grouped=t >= MXFP4_MMA_GROUPED_FROM)
         if (x.is_cuda and MXFP4_GROUPED_MIN_TOKENS is not None and x.shape[0] >= MXFP4_GROUPED_MIN_TOKENS
                 and w.layout == "packed"):
             from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped

@@ -85,8 +85,12 @@ def test_grouped_mxfp4_moe_scale_extremes():
 
 
 def test_grouped_mxfp4_cuda_graph_and_dispatch(monkeypatch):
+    """The Triton dispatch (the CUDA mma kernels off: tests/gpu/test_moe_mxfp4_mma_gpu.py has theirs)."""
     from pdserve.kernels import moe
+
     from pdserve.kernels.triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
+
+    monkeypatch.setattr(moe, "MXFP4_MMA_MAX_TOKENS", None)
 
     g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     w = _layer(8, g).to_packed()

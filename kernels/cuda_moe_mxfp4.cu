@@ -1,0 +1,348 @@
+// MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, bf16 in, float32
+// accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py); no headers.
+//
+// Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
+// that split one 16-row tile's K), MX_D (K steps per register batch), MX_SLOTS (most (token, expert) pairs
+// one CTA serves: they share the expert), MX_RAW_A (1: the decoded weights go to the mma as e2m1 *
+// 2^-126, bf16 subnormals for +-0.5, and the staged activations carry 2^64; 0: weights times 2^125).
+//
+// A CTA computes ROWS weight rows [ROWS * blockIdx.x, +ROWS) of one expert for the up-to-MX_SLOTS pairs of
+// its item (blockIdx.y): a pair (per-pair launches) or a block of the routing layout (pairs grouped
+// by expert). The rows are the mma's M; its N = 8 columns are (token t of 2, group slot q of 4):
+// a K step of 4 groups puts group G + q in the 16 k of each mma that come from the quad's thread
+// q (each thread of a quad loads one whole 16-byte group of two rows), so column (t, q) sees only
+// group G + q of token t (the B operand is zero elsewhere) and the mma keeps every group's sum apart
+// in float32: each is multiplied by its own scale afterwards, and the quad's columns are added at
+// the end. Weights decode from the packed word layout (kernels/mxfp4.py: a rotate and a masked merge
+// give a bf16x2 of e2m1 * 2^-126), times 2^125 (exact, and no bf16 subnormals reach the tensor cores),
+// so a group's sum times 2^(s - 126) is its value.
+//
+// Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
+// K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
+// rows are staged in shared memory once per CTA; the K shares are added in a fixed order
+// (deterministic).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define KG MX_KG
+#define NW MX_NW
+#define SLOTS MX_SLOTS
+#define TP ((SLOTS + 1) / 2)          // token pairs per item
+#define CHUNKS ((KG + 3) / 4)         // K steps of 4 groups
+#define KSPLIT MX_KSPLIT                // warps that share a 16-row tile, splitting its K steps
+#define D MX_D                          // K steps a warp loads at a time (two such batches in flight)
+#define ROWS (16 * NW / KSPLIT)         // weight rows per CTA
+#define SCALE_WORDS (((KG + 15) / 16) * 4)  // a row's scale bytes, padded to 16 groups, as words
+#define XROW (KG * 16 + 4)            // a staged token row in words (+4: fewer bank conflicts)
+#define MAG_MASK 0x01C001C0u
+#define SIGN_MASK 0x80008000u
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ U4 load_stream(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ U4 load_cached(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
+
+__device__ __forceinline__ u32 times_2_125(u32 p) {  // bf16x2 times 2^125, exact
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(0x7E007E00u));
+  return r;
+}
+
+// The four bf16x2 pairs of a packed word (kernels/mxfp4.py PACKED_MAG_ROT (0, 3, 6, 9),
+// PACKED_SIGN_ROT (3, 4, 5, 6)): values 2q, 2q + 1 of the word in pair q, as e2m1 / 2.
+#if MX_RAW_A  // the tensor cores take the bf16 subnormals (+-0.5 codes) as they are
+#define WEIGHT(p) (p)
+#else
+#define WEIGHT(p) times_2_125(p)
+#endif
+__device__ __forceinline__ void decode_word(u32 w, u32 p[4]) {
+  const u32 r3 = rotl(w, 3), r4 = rotl(w, 4), r5 = rotl(w, 5), r6 = rotl(w, 6), r9 = rotl(w, 9);
+  p[0] = WEIGHT((w & MAG_MASK) | (r3 & SIGN_MASK));
+  p[1] = WEIGHT((r3 & MAG_MASK) | (r4 & SIGN_MASK));
+  p[2] = WEIGHT((r6 & MAG_MASK) | (r5 & SIGN_MASK));
+  p[3] = WEIGHT((r9 & MAG_MASK) | (r6 & SIGN_MASK));
+}
+
+__device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Scale byte s -> its group's factor, s <= 192: 2^(s - 126) (the decode's 2^-1 undone), or with
+// MX_RAW_A 2^(s - 65) (weights 2^-126 and activations 2^64 off): float bits (s + 1 or 62) << 23.
+#if MX_RAW_A
+#define SCALE_BIAS 62u
+#else
+#define SCALE_BIAS 1u
+#endif
+__device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + SCALE_BIAS) << 23); }
+
+__device__ __forceinline__ U4 stage_scale(U4 v) {  // staged activations times 2^64 under MX_RAW_A
+#if MX_RAW_A
+  asm("mul.rn.bf16x2 %0, %0, %4;\n\tmul.rn.bf16x2 %1, %1, %4;\n\tmul.rn.bf16x2 %2, %2, %4;\n\t"
+      "mul.rn.bf16x2 %3, %3, %4;" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(0x5F805F80u));
+#endif
+  return v;
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+__device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)b) << 16); }
+
+struct Item {
+  int expert;
+  int n;             // pairs in the item
+  int slot[SLOTS];   // their pair ids (token * top_k + k)
+  const U4* row[SLOTS];  // their activation rows
+};
+
+// The item's expert and pairs: per-pair launches (item_expert null) have one pair, blockIdx.y;
+// grouped launches read the routing layout (kernels/triton_moe.py align_routing: an expert's pairs
+// first in its blocks, -1 after them; block_expert -1 for unused blocks). A pair's activation row
+// is row slot / row_div of `in` (row stride stride_in elements).
+__device__ void read_item(Item& it, const i64* pair_expert, const int* item_expert, const int* item_slots,
+                          const u16* in, int stride_in, int row_div) {
+  const int b = blockIdx.y;
+  if (threadIdx.x < SLOTS) {
+    int slot;
+    if (item_expert == nullptr) {
+      slot = threadIdx.x == 0 ? b : -1;
+      if (threadIdx.x == 0) it.expert = (int)pair_expert[b];
+    } else {
+      slot = item_slots[b * SLOTS + threadIdx.x];
+      if (threadIdx.x == 0) it.expert = item_expert[b];
+    }
+    it.slot[threadIdx.x] = slot;
+    it.row[threadIdx.x] = reinterpret_cast<const U4*>(in + (i64)(slot < 0 ? 0 : slot / row_div) * stride_in);
+    // pairs come first in a block: the count is the number of non-negative slots
+    const unsigned live = __ballot_sync((1u << SLOTS) - 1u, slot >= 0);
+    if (threadIdx.x == 0) it.n = __popc(live);
+  }
+  __syncthreads();
+}
+
+// The item's activation rows (KG * 32 bf16 each) into shared memory, XROW words apart.
+__device__ __forceinline__ void stage_rows(u32* xs, const Item& it) {
+  const int per_row = KG * 4;  // 16-byte vectors
+  for (int i = 0; i < it.n; i++) {
+    const U4* src = it.row[i];
+    for (int c = threadIdx.x; c < per_row; c += NW * 32)
+      *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) = stage_scale(load_cached(src + c));
+  }
+  __syncthreads();
+}
+
+// A warp's K steps, loaded D at a time into one of two register buffers while the other is used.
+struct Batch {
+  U4 wa[D], wb[D];  // rows row0 / row0 + 8: the thread's group (4c + tig) of each K step c
+  u32 sa[D], sb[D];  // their rows' scale words (groups 4c .. 4c + 3)
+};
+
+__device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1, const u32* s0, const u32* s1,
+                                           int first, int tig) {
+#pragma unroll
+  for (int j = 0; j < D; j++) {
+    const int c = first + j * KSPLIT, grp = 4 * c + tig;
+    b.wa[j] = b.wb[j] = U4{0u, 0u, 0u, 0u};
+    b.sa[j] = b.sb[j] = 0u;
+    if (c < CHUNKS) {
+      if (grp < KG) {
+        b.wa[j] = load_stream(w0 + grp);
+        b.wb[j] = load_stream(w1 + grp);
+      }
+      b.sa[j] = __ldg(s0 + c);
+      b.sb[j] = __ldg(s1 + c);
+    }
+  }
+}
+
+// The mmas of one batch: acc[p][0 / 1] += this thread's share of rows row0 / row0 + 8 for token
+// pair p (columns (t = tig / 2, q = 2 (tig % 2) + {0, 1}), each group times its scale).
+__device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* xs, const Item& it, int ntp,
+                                          int g, int tig, float acc[TP][2]) {
+  const bool diag = (g & 3) == tig;  // the B operand is nonzero where q == tig: k runs over the own group
+#pragma unroll
+  for (int j = 0; j < D; j++) {
+    const int c = first + j * KSPLIT;
+    if (c >= CHUNKS) break;
+    const int grp = 4 * c + tig;
+    const u32 ha = b.sa[j] >> (16 * (tig & 1)), hb = b.sb[j] >> (16 * (tig & 1));
+    const float fa0 = group_scale(ha), fa1 = group_scale(ha >> 8);
+    const float fb0 = group_scale(hb), fb1 = group_scale(hb >> 8);
+    u32 pa[4][4], pb[4][4];  // word w's pairs, decoded once for every token pair
+    decode_word(b.wa[j].x, pa[0]); decode_word(b.wa[j].y, pa[1]); decode_word(b.wa[j].z, pa[2]); decode_word(b.wa[j].w, pa[3]);
+    decode_word(b.wb[j].x, pb[0]); decode_word(b.wb[j].y, pb[1]); decode_word(b.wb[j].z, pb[2]); decode_word(b.wb[j].w, pb[3]);
+#pragma unroll
+    for (int p = 0; p < TP; p++) {
+      if (p >= ntp) break;
+      const int xi = 2 * p + (g >> 2);
+      const bool live = diag && xi < it.n && grp < KG;
+      U4 xv[4];
+#pragma unroll
+      for (int v = 0; v < 4; v++)
+        xv[v] = live ? *reinterpret_cast<const U4*>(xs + xi * XROW + grp * 16 + 4 * v) : U4{0u, 0u, 0u, 0u};
+      // word w = values 8w .. 8w + 7 of the group: pairs 0, 1 (k 2tig + {0, 1}, 2tig + 8 + {0, 1}),
+      // then pairs 2, 3; the activation words in the same order. Two accumulator chains (words 0-1,
+      // words 2-3): each mma waits on the one before it in its chain, not on all eight.
+      float da[4] = {0.f, 0.f, 0.f, 0.f}, db[4] = {0.f, 0.f, 0.f, 0.f};
+      mma(da, pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+      mma(db, pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+      mma(da, pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+      mma(db, pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+      mma(da, pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+      mma(db, pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+      mma(da, pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+      mma(db, pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+      acc[p][0] = fmaf(da[1] + db[1], fa1, fmaf(da[0] + db[0], fa0, acc[p][0]));
+      acc[p][1] = fmaf(da[3] + db[3], fb1, fmaf(da[2] + db[2], fb0, acc[p][1]));
+    }
+  }
+}
+
+// sum over K of W[row] * x[slot] for the CTA's ROWS rows and the item's pairs: warp w takes rows
+// 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
+// tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
+// rows are staged (in flight together).
+__device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
+                         const Item& it, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  const int ks = warp % KSPLIT;
+  const int row0 = blockIdx.x * ROWS + (warp / KSPLIT) * 16 + g;  // and row0 + 8
+  const U4* w0 = reinterpret_cast<const U4*>(words + (i64)row0 * (KG * 4));
+  const U4* w1 = reinterpret_cast<const U4*>(words + (i64)(row0 + 8) * (KG * 4));
+  const u32* s0 = scales + (i64)row0 * SCALE_WORDS;
+  const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
+
+  Batch b0, b1;
+  load_batch(b0, w0, w1, s0, s1, ks, tig);
+  stage_rows(xs, it);
+  const int ntp = (it.n + 1) / 2;
+  float acc[TP][2];
+#pragma unroll
+  for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
+  constexpr int STEP = D * KSPLIT;  // K steps a batch advances
+#pragma unroll 1
+  for (int first = ks; first < CHUNKS; first += 2 * STEP) {
+    if (first + STEP < CHUNKS) load_batch(b1, w0, w1, s0, s1, first + STEP, tig);
+    use_batch(b0, first, xs, it, ntp, g, tig, acc);
+    if (first + STEP >= CHUNKS) break;
+    if (first + 2 * STEP < CHUNKS) load_batch(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
+    use_batch(b1, first + STEP, xs, it, ntp, g, tig, acc);
+  }
+#pragma unroll
+  for (int p = 0; p < TP; p++) {
+    if (p >= ntp) break;
+    const float v0 = acc[p][0] + __shfl_xor_sync(0xFFFFFFFFu, acc[p][0], 1);
+    const float v1 = acc[p][1] + __shfl_xor_sync(0xFFFFFFFFu, acc[p][1], 1);
+    const int xi = 2 * p + (tig >> 1);
+    if ((tig & 1) == 0 && xi < it.n) {
+      red[(warp * SLOTS + xi) * 16 + g] = v0;
+      red[(warp * SLOTS + xi) * 16 + g + 8] = v1;
+    }
+  }
+  __syncthreads();
+}
+
+// Row r (0 .. ROWS) of the CTA for pair i: its K shares added in order.
+__device__ __forceinline__ float row_sum(const float* red, int i, int r) {
+  const int w0 = (r >> 4) * KSPLIT;
+  float v = 0.f;
+#pragma unroll
+  for (int k = 0; k < KSPLIT; k++) v += red[((w0 + k) * SLOTS + i) * 16 + (r & 15)];
+  return v;
+}
+
+// gate/up + bias + gpt-oss' clamped SwiGLU: act[pair, (ROWS bx + 2j) / 2] for the item's pairs.
+// x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
+extern "C" __global__ void __launch_bounds__(NW * 32)
+mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
+           const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert,
+           const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
+           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d) {
+  extern __shared__ __align__(16) u32 xs[];
+  __shared__ float red[NW * SLOTS * 16];
+  __shared__ Item it;
+  read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);
+  if (it.expert < 0) return;
+  const i64 e = it.expert;
+  tile_dot(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  const float limit = (float)limit_d, alpha = (float)alpha_d;
+  for (int t = threadIdx.x; t < it.n * (ROWS / 2); t += NW * 32) {
+    const int i = t / (ROWS / 2), j = t % (ROWS / 2);
+    const int row = blockIdx.x * ROWS + 2 * j;
+    float glu = row_sum(red, i, 2 * j) + bias[e * n_rows + row];
+    float lin = row_sum(red, i, 2 * j + 1) + bias[e * n_rows + row + 1];
+    glu = fminf(glu, limit);
+    lin = fminf(fmaxf(lin, -limit), limit);
+    const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
+    act[(i64)it.slot[i] * (n_rows / 2) + row / 2] = to_bf16(out);
+  }
+}
+
+// down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
+// CTA writes its pairs' float32 partials; the last CTA of a (token, row tile) to arrive (a counter,
+// reset by it) sums the token's partials and stores the bf16 rows (deterministic, no float atomics).
+extern "C" __global__ void __launch_bounds__(NW * 32)
+mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
+        const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
+        const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,
+        const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
+        u16* __restrict__ out, int stride_out) {
+  extern __shared__ __align__(16) u32 xs[];
+  __shared__ float red[NW * SLOTS * 16];
+  __shared__ Item it;
+  __shared__ int last[SLOTS];
+  read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1);
+  if (it.expert < 0) return;
+  const i64 e = it.expert;
+  tile_dot(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  const int tile = blockIdx.x, tiles = gridDim.x;
+  for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
+    const int i = t / ROWS, r = t % ROWS;
+    const int row = tile * ROWS + r;
+    float y = row_sum(red, i, r);
+    if (has_bias) y += bias[e * n_rows + row];
+    const int pair = it.slot[i];
+    part[(i64)pair * n_rows + row] = y * from_bf16(route_weight[pair]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x < it.n) {
+    const int token = it.slot[threadIdx.x] / top_k;
+    last[threadIdx.x] = atomicAdd(counters + (i64)token * tiles + tile, 1) == top_k - 1;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
+    const int i = t / ROWS, r = t % ROWS;
+    if (!last[i]) continue;
+    __threadfence();
+    const int token = it.slot[i] / top_k;
+    const int row = tile * ROWS + r;
+    float y = 0.f;
+    for (int k = 0; k < top_k; k++) y += __ldcg(part + ((i64)token * top_k + k) * n_rows + row);
+    out[(i64)token * stride_out + row] = to_bf16(y);
+    if (r == 0) counters[(i64)token * tiles + tile] = 0;
+  }
+}

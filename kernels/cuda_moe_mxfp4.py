@@ -1,0 +1,158 @@
+"""Decode MoE from packed MXFP4 experts on the tensor cores: a CUDA kernel (cuda_moe_mxfp4.cu)
+compiled at first use by NVRTC through torch, no build step.
+
+Why CUDA: the Triton packed GEMV (kernels/triton_moe_mxfp4.py) is bound by latency on ~5 warps per
+SM and by ~30 instructions per packed word. Here each warp takes a share of K for 16 rows and
+requests all of its weights before the first multiply, and a word costs ~18 instructions: the
+packed decode (rotate, mask-merge, one bf16x2 multiply per pair) and one mma.sync that keeps the
+four groups of a K step apart in float32 (the .cu file says how), so the scales apply afterwards.
+The same decode serves up to 8 tokens of one expert (grouped launches), so batches whose tokens
+share experts read each expert once.
+
+Two launches, no host synchronisation (CUDA-graph capturable): gate/up + bias + SwiGLU -> bf16
+activations per pair; down + bias, times the routing weight, with the token's pairs summed in slot
+order by the last CTA to finish a row tile (deterministic). Grouped launches add the routing layout
+of kernels/triton_moe.py (pairs sorted by expert, blocks of 8).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .arrival import arrival_counters
+from .mxfp4 import MxExperts
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cuda_moe_mxfp4.cu")
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
+    per register batch, two batches in flight); raw_a: the decoded weights go to the tensor cores as e2m1 * 2^-126 (bf16
+    subnormals for +-0.5) with the activations staged times 2^64, instead of one more bf16x2
+    multiply per weight pair (times 2^125)."""
+
+    gate_up: tuple[int, int, int] = (4, 1, 2)
+    down: tuple[int, int, int] = (4, 2, 2)
+    raw_a: bool = True
+
+    def rows(self, which: str) -> int:
+        nw, ksplit, _ = getattr(self, which)
+        return 16 * nw // ksplit
+
+
+CONFIG = MmaConfig()
+TILE = 16  # weight rows of one mma tile; the kernels take rows in multiples of a CTA's rows
+GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
+MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Hopper or newer (bf16x2 multiplies) with NVRTC loadable and the kernels compiled."""
+    if not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return _available(index)
+
+
+@functools.cache
+def _available(index: int) -> bool:
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    try:
+        _kernels(index, 90, 1, CONFIG.gate_up, CONFIG.raw_a)
+    except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
+        log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
+        return False
+    return True
+
+
+@functools.cache
+def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], raw_a: bool) -> dict:
+    """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
+    shape (warps, K split, batch) of an MmaConfig."""
+    from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
+
+    nw, ksplit, batch = shape
+    with torch.cuda.device(device_index):
+        cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
+            f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
+            f"-DMX_SLOTS={slots}", f"-DMX_RAW_A={int(raw_a)}", "-std=c++17"])
+        kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
+        # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
+        # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
+        libcuda = _get_gpu_runtime_library()
+        smem = _shared_bytes(k_groups, slots)
+        for k in kernels.values():
+            k.set_shared_memory_config(smem)  # the launcher's own check, from 48 KB
+            _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, smem))
+    return kernels
+
+
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def _shared_bytes(k_groups: int, slots: int) -> int:
+    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each)."""
+    return slots * (k_groups * 16 + 4) * 4
+
+
+def experts_forward_mxfp4_mma(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
+    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, grouped: bool = False,
+    config: MmaConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
+    experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
+    are served together (routing layout first); else one CTA column per pair. config: CONFIG when
+    None."""
+    config = config or CONFIG
+    if w.layout != "packed":
+        raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e, n2, hg, _ = w.gate_up_blocks.shape
+    i = n2 // 2
+    ig = w.down_blocks.shape[2]
+    if hg * 32 != h or w.down_blocks.shape[1] != h or ig * 32 != i:
+        raise ValueError(f"MXFP4 experts {tuple(w.gate_up_blocks.shape)} / {tuple(w.down_blocks.shape)} "
+                         f"do not match x {tuple(x.shape)}")
+    rows_gu, rows_dn = config.rows("gate_up"), config.rows("down")
+    if n2 % rows_gu or h % rows_dn:
+        raise ValueError(f"the mma kernels take rows in CTA tiles of {rows_gu} / {rows_dn}: 2I = {n2}, H = {h}")
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    xb = x.to(torch.bfloat16).contiguous()
+    wts = topk_weights.to(torch.bfloat16).contiguous().view(-1)
+    ids = topk_ids.to(torch.int64).contiguous().view(-1)
+    if grouped:
+        from .triton_moe import align_routing
+
+        routing = align_routing(topk_ids, 0, e, GROUP_SLOTS)
+        items, item_expert, item_slots, slots = routing.max_blocks, routing.block_expert, routing.sorted_slot, GROUP_SLOTS
+    else:
+        items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    gate_up = _kernels(dev, hg, slots, config.gate_up, config.raw_a)["mx_gate_up"]
+    down = _kernels(dev, ig, slots, config.down, config.raw_a)["mx_down"]
+    act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
+    gate_up(grid=(n2 // rows_gu, items, 1), block=(32 * config.gate_up[0], 1, 1),
+            shared_mem=_shared_bytes(hg, slots), args=[
+                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha)])
+    tiles = h // rows_dn
+    part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * tiles))
+    res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+    down(grid=(tiles, items, 1), block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots), args=[
+        w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
+        int(add_down_bias), wts, part, counters, res, res.stride(0)])
+    if res is not out:
+        out.copy_(res)
+    return out

@@ -1,0 +1,160 @@
+"""The MXFP4 mma kernels (kernels/cuda_moe_mxfp4.cu) on the GPU: gpt-oss-20b expert shape, fresh
+random weights and routing, against `experts_forward_ref` in float32 on the exactly dequantised
+weights. Tolerance: rel L2 4e-3 (float32 sums; the SwiGLU activations and the output are rounded to
+bf16, ~1.6e-3 together). Grouped launches (pairs of an expert served together) must equal per-pair
+launches bit for bit: a column of the mma sees only its own token, so every sum is the same. Also:
+deterministic, replayed from a CUDA graph on new inputs, and every scale byte the packed layout
+allows, against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mxfp4_layers import random_layer, reference
+from numerics import rel_l2
+
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
+
+DEV = torch.device("cuda")
+
+
+def _mma():
+    from pdserve.kernels import cuda_moe_mxfp4
+
+    if not cuda_moe_mxfp4.available(DEV):
+        pytest.skip("the mma kernels need Hopper and NVRTC")
+    return cuda_moe_mxfp4.experts_forward_mxfp4_mma
+
+
+def _seeded():
+    return torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+
+
+def _configs():
+    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, MmaConfig
+
+    return [CONFIG, MmaConfig((4, 2, 3), (4, 4, 2), raw_a=not CONFIG.raw_a), MmaConfig((8, 1, 2), (2, 1, 3))]
+
+
+@pytest.mark.parametrize("t,e", [(1, 32), (3, 8), (8, 8), (16, 32), (64, 8), (64, 32)])
+@pytest.mark.parametrize("config", range(3))
+def test_mma_moe_against_reference(t, e, config):
+    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Three launch
+    shapes (the default; K split over 2 / 4 warps with the other weight scaling; 8 warps)."""
+    import functools
+
+    fwd = functools.partial(_mma(), config=_configs()[config])
+    g = _seeded()
+    w = random_layer(e, g, DEV)
+    wp = w.to_packed()
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    ref = reference(x, weights, ids, w)
+    pair = fwd(x, weights, ids, wp)
+    grouped = fwd(x, weights, ids, wp, grouped=True)
+    assert pair.dtype == torch.bfloat16 and torch.isfinite(pair).all()
+    assert rel_l2(pair, ref) < 4e-3, rel_l2(pair, ref)
+    assert torch.equal(grouped, pair)
+    assert torch.equal(pair, fwd(x, weights, ids, wp))
+    nobias = fwd(x, weights, ids, wp, add_down_bias=False, grouped=True)
+    assert rel_l2(nobias, reference(x, weights, ids, w, bias=False)) < 4e-3
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_mma_moe_cuda_graph(grouped):
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(8, g, DEV)
+    wp = w.to_packed()
+    x = torch.randn(4, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [0, 2, 4, 6], [1, 3, 5, 7]], device=DEV)
+    weights = torch.full((4, 4), 0.25, device=DEV, dtype=torch.bfloat16)
+    fwd(x, weights, ids, wp, grouped=grouped)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fwd(x, weights, ids, wp, grouped=grouped)
+    x.copy_(torch.randn(4, 2880, device=DEV, generator=g))
+    ids.copy_(torch.tensor([[7, 3, 1, 0], [7, 3, 5, 4], [7, 6, 5, 4], [2, 3, 0, 1]], device=DEV))
+    weights.copy_(torch.softmax(torch.randn(4, 4, device=DEV, generator=g), -1))
+    graph.replay()
+    eager = fwd(x, weights, ids, wp, grouped=grouped)
+    assert torch.equal(out, eager)
+    assert rel_l2(out, reference(x, weights, ids, w)) < 4e-3
+
+
+def _reference_f64(x, weights, ids, w):
+    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
+    from pdserve.kernels.mxfp4 import dequantize_mxfp4
+
+    def dq(b, s):  # exact: float32 holds every value, subnormals included
+        return dequantize_mxfp4(b, s, torch.float32).double()
+
+    rw = ExpertWeights(dq(w.gate_up_blocks, w.gate_up_scales), w.gate_up_bias.double(),
+                       dq(w.down_blocks, w.down_scales), w.down_bias.double())
+    return experts_forward_ref(x.double(), weights.double(), ids, rw, add_down_bias=False)
+
+
+@pytest.mark.parametrize("raw_a", [False, True])
+@pytest.mark.parametrize("s_gate_up,x_scale", [(0, 2.0**118), (1, 2.0**118), (2, 2.0**116), (66, 2.0**58),
+                                               (127, 1.0), (129, 2.0**-4), (190, 2.0**-66), (192, 2.0**-68)])
+@pytest.mark.parametrize("s_down", [3, 4, 127, 128, 129, 190, 192])
+def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down, raw_a):
+    """Every e2m1 code in every row (+-0.5: the decode's bf16 subnormals, times 2^125), gate/up and
+    down at the ends of the scale range (down from 3: below it the output is a bf16 subnormal),
+    activations scaled so the gate/up sums stay O(1); one
+    expert, one token, K = 64 (two groups: a K step with two empty group slots), against float64.
+    Tolerance 1e-2: no long sums average the bf16 roundings of the activations and the output
+    down, and +- codes cancel; a wrong code or scale is off by far more."""
+    import functools
+
+    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
+    from pdserve.kernels.mxfp4 import MxExperts
+
+    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3), raw_a=raw_a))
+    if raw_a:  # activations are staged times 2^64: they must stay below 2^63 (a gate/up output, then
+        # the down output, too small for float32 / bf16 normals is no test of the scales either)
+        x_scale = min(x_scale, 2.0**60)
+        glu = s_gate_up - 127 + math.log2(x_scale)
+        out = min(glu, 5.0) + s_down - 127
+        if not (-100 < glu < 100 and -100 < out < 100):
+            pytest.skip("out of the activation range of raw_a")
+    h = i = 64
+    g = _seeded()
+
+    def blocks(rows):  # every code 4 times in each row, in a different order per row
+        codes = torch.arange(16, device=DEV).repeat(rows, h // 16)
+        codes = torch.gather(codes, 1, torch.argsort(torch.rand(rows, h, device=DEV, generator=g), dim=1))
+        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(1, rows, h // 32, 16)
+
+    def scales(rows, s):
+        return torch.full((1, rows, h // 32), s, dtype=torch.uint8, device=DEV)
+
+    w = MxExperts(blocks(2 * i), scales(2 * i, s_gate_up), torch.zeros(1, 2 * i, device=DEV),
+                  blocks(h), scales(h, s_down), torch.zeros(1, h, device=DEV))
+    x = (torch.randn(1, h, device=DEV, generator=g) * x_scale).to(torch.bfloat16)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=DEV)
+    ones = torch.ones(1, 1, dtype=torch.bfloat16, device=DEV)
+    got = fwd(x, ones, ids, w.to_packed(), add_down_bias=False)
+    want = _reference_f64(x, ones, ids, w)
+    assert torch.isfinite(got).all()
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < 1e-2, (s_gate_up, s_down, err)
+
+
+def test_dispatch_takes_the_mma_kernels_for_decode_batches():
+    """kernels.moe.experts_forward: packed MXFP4 experts at decode sizes run the mma kernels (the
+    same bits as calling them), per pair below MXFP4_MMA_GROUPED_FROM tokens, grouped from there."""
+    from pdserve.kernels import moe
+
+    fwd = _mma()
+    g = _seeded()
+    wp = random_layer(8, g, DEV).to_packed()
+    for t in (1, moe.MXFP4_MMA_GROUPED_FROM, moe.MXFP4_MMA_MAX_TOKENS):
+        x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
+        weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+        assert torch.equal(moe.experts_forward(x, weights, ids, wp), fwd(x, weights, ids, wp))

@@ -1,0 +1,48 @@
+"""The CUDA mma MXFP4 kernels' host side on CPU (the kernels themselves: tests/gpu/
+test_moe_mxfp4_mma_gpu.py): the source ships with the installed package, bad inputs are refused
+before any launch, and the dispatch never picks them without a Hopper GPU."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+import torch
+
+from mxfp4_layers import random_layer
+
+
+def test_the_kernel_source_ships_with_the_package():
+    src = resources.files("pdserve.kernels").joinpath("cuda_moe_mxfp4.cu").read_text()
+    assert 'extern "C" __global__' in src and "mx_gate_up" in src and "mx_down" in src
+
+
+def _problem(t=2, e=4, h=64, i=64):
+    g = torch.Generator().manual_seed(0)
+    w = random_layer(e, g, h=h, i=i)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(t)])
+    return w, x, ids, torch.full((t, 4), 0.25, dtype=torch.bfloat16)
+
+
+def test_bad_inputs_are_refused_before_any_launch():
+    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma
+
+    w, x, ids, wts = _problem()
+    with pytest.raises(ValueError, match="packed"):
+        experts_forward_mxfp4_mma(x, wts, ids, w)  # published layout
+    wp = w.to_packed()
+    with pytest.raises(ValueError, match="do not match"):
+        experts_forward_mxfp4_mma(x[:, :32], wts, ids, wp)
+    with pytest.raises(ValueError, match="CTA tiles"):  # 2I = 128 rows, not a multiple of 256
+        experts_forward_mxfp4_mma(x, wts, ids, wp, config=MmaConfig((16, 1, 2), (4, 1, 2)))
+
+
+def test_not_available_without_a_gpu(monkeypatch):
+    from pdserve.kernels import cuda_moe_mxfp4, moe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not cuda_moe_mxfp4.available()
+    w, x, ids, wts = _problem()
+    out = moe.experts_forward(x, wts, ids, w.to_packed())  # CPU: the reference, not the kernels
+    assert torch.equal(out, moe.experts_forward_mxfp4_ref(x, wts, ids, w))
