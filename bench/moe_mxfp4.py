@@ -67,13 +67,11 @@ GROUPED = {
 }
 
 # The CUDA mma kernels (kernels/cuda_moe_mxfp4.py): per pair or grouped by expert; gate/up and down
-# shapes as (warps, K split, K steps per register batch); "raw" = MmaConfig.raw_a.
+# shapes as (warps, K split, K steps per register batch).
 MMA = {
-    f"mma {'grouped' if grouped else 'pair'} gu{gu[0]}k{gu[1]}d{gu[2]} dn{dn[0]}k{dn[1]}d{dn[2]}{' raw' if raw else ''}":
-        (MmaConfig(gu, dn, raw), grouped)
+    f"mma {'grouped' if grouped else 'pair'} gu{gu[0]}k{gu[1]}d{gu[2]} dn{dn[0]}k{dn[1]}d{dn[2]}": (MmaConfig(gu, dn), grouped)
     for grouped in (False, True)
-    for gu, dn, raw in (((4, 1, 2), (4, 2, 2), True), ((4, 1, 3), (4, 2, 3), True), ((4, 1, 2), (4, 2, 2), False),
-                        ((4, 2, 2), (4, 4, 2), True), ((2, 1, 3), (2, 2, 3), True))
+    for gu, dn in (((4, 1, 2), (4, 2, 2)), ((4, 1, 3), (4, 2, 3)), ((4, 2, 2), (4, 4, 2)), ((2, 1, 3), (2, 2, 3)))
 }
 
 

@@ -3,8 +3,7 @@
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_SLOTS (most (token, expert) pairs
-// one CTA serves: they share the expert), MX_RAW_A (1: the decoded weights go to the mma as e2m1 *
-// 2^-126, bf16 subnormals for +-0.5, and the staged activations carry 2^64; 0: weights times 2^125).
+// one CTA serves: they share the expert).
 //
 // A CTA computes ROWS weight rows [ROWS * blockIdx.x, +ROWS) of one expert for the up-to-MX_SLOTS pairs of
 // its item (blockIdx.y): a pair (per-pair launches) or a block of the routing layout (pairs grouped
@@ -14,8 +13,10 @@
 // group G + q of token t (the B operand is zero elsewhere) and the mma keeps every group's sum apart
 // in float32: each is multiplied by its own scale afterwards, and the quad's columns are added at
 // the end. Weights decode from the packed word layout (kernels/mxfp4.py: a rotate and a masked merge
-// give a bf16x2 of e2m1 * 2^-126), times 2^125 (exact, and no bf16 subnormals reach the tensor cores),
-// so a group's sum times 2^(s - 126) is its value.
+// give a bf16x2 of e2m1 * 2^-126) straight into the mma's A registers: the tensor cores take the
+// bf16 subnormals of the +-0.5 codes exactly (tests/gpu/test_moe_mxfp4_mma_gpu.py checks every code
+// at the scale extremes); the activations are staged times 2^64, so a group's sum times 2^(s - 65)
+// is its value.
 //
 // Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
@@ -56,25 +57,14 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
 
 __device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
 
-__device__ __forceinline__ u32 times_2_125(u32 p) {  // bf16x2 times 2^125, exact
-  u32 r;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(0x7E007E00u));
-  return r;
-}
-
 // The four bf16x2 pairs of a packed word (kernels/mxfp4.py PACKED_MAG_ROT (0, 3, 6, 9),
 // PACKED_SIGN_ROT (3, 4, 5, 6)): values 2q, 2q + 1 of the word in pair q, as e2m1 / 2.
-#if MX_RAW_A  // the tensor cores take the bf16 subnormals (+-0.5 codes) as they are
-#define WEIGHT(p) (p)
-#else
-#define WEIGHT(p) times_2_125(p)
-#endif
 __device__ __forceinline__ void decode_word(u32 w, u32 p[4]) {
   const u32 r3 = rotl(w, 3), r4 = rotl(w, 4), r5 = rotl(w, 5), r6 = rotl(w, 6), r9 = rotl(w, 9);
-  p[0] = WEIGHT((w & MAG_MASK) | (r3 & SIGN_MASK));
-  p[1] = WEIGHT((r3 & MAG_MASK) | (r4 & SIGN_MASK));
-  p[2] = WEIGHT((r6 & MAG_MASK) | (r5 & SIGN_MASK));
-  p[3] = WEIGHT((r9 & MAG_MASK) | (r6 & SIGN_MASK));
+  p[0] = (w & MAG_MASK) | (r3 & SIGN_MASK);
+  p[1] = (r3 & MAG_MASK) | (r4 & SIGN_MASK);
+  p[2] = (r6 & MAG_MASK) | (r5 & SIGN_MASK);
+  p[3] = (r9 & MAG_MASK) | (r6 & SIGN_MASK);
 }
 
 __device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -85,20 +75,15 @@ __device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Scale byte s -> its group's factor, s <= 192: 2^(s - 126) (the decode's 2^-1 undone), or with
-// MX_RAW_A 2^(s - 65) (weights 2^-126 and activations 2^64 off): float bits (s + 1 or 62) << 23.
-#if MX_RAW_A
-#define SCALE_BIAS 62u
-#else
-#define SCALE_BIAS 1u
-#endif
-__device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + SCALE_BIAS) << 23); }
+// Scale byte s -> its group's factor 2^(s - 65) (the decode's 2^-126 and the activations' 2^64
+// undone): float bits (s + 62) << 23, a normal float for every s <= 192 the packed layout allows.
+__device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + 62u) << 23); }
 
-__device__ __forceinline__ U4 stage_scale(U4 v) {  // staged activations times 2^64 under MX_RAW_A
-#if MX_RAW_A
+// Staged activations times 2^64 (exact below 2^63), so every product e2m1 * 2^-126 * x * 2^64 is a
+// normal float32 inside the mma.
+__device__ __forceinline__ U4 stage_scale(U4 v) {
   asm("mul.rn.bf16x2 %0, %0, %4;\n\tmul.rn.bf16x2 %1, %1, %4;\n\tmul.rn.bf16x2 %2, %2, %4;\n\t"
       "mul.rn.bf16x2 %3, %3, %4;" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(0x5F805F80u));
-#endif
   return v;
 }
 

@@ -2,10 +2,10 @@
 compiled at first use by NVRTC through torch, no build step.
 
 Why CUDA: the Triton packed GEMV (kernels/triton_moe_mxfp4.py) is bound by latency on ~5 warps per
-SM and by ~30 instructions per packed word. Here each warp takes a share of K for 16 rows and
-requests all of its weights before the first multiply, and a word costs ~18 instructions: the
-packed decode (rotate, mask-merge, one bf16x2 multiply per pair) and one mma.sync that keeps the
-four groups of a K step apart in float32 (the .cu file says how), so the scales apply afterwards.
+SM and by ~30 instructions per packed word. Here each warp streams the K of 16 rows through
+double-buffered register batches, and a word costs ~14 instructions: the packed decode (rotate,
+mask-merge) and one mma.sync that keeps the four groups of a K step apart in float32 (the .cu file
+says how), so the scales apply afterwards.
 The same decode serves up to 8 tokens of one expert (grouped launches), so batches whose tokens
 share experts read each expert once.
 
@@ -33,13 +33,10 @@ SOURCE = Path(__file__).with_name("cuda_moe_mxfp4.cu")
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
-    per register batch, two batches in flight); raw_a: the decoded weights go to the tensor cores as e2m1 * 2^-126 (bf16
-    subnormals for +-0.5) with the activations staged times 2^64, instead of one more bf16x2
-    multiply per weight pair (times 2^125)."""
+    per register batch, two batches in flight)."""
 
     gate_up: tuple[int, int, int] = (4, 1, 2)
     down: tuple[int, int, int] = (4, 2, 2)
-    raw_a: bool = True
 
     def rows(self, which: str) -> int:
         nw, ksplit, _ = getattr(self, which)
@@ -65,7 +62,7 @@ def _available(index: int) -> bool:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
-        _kernels(index, 90, 1, CONFIG.gate_up, CONFIG.raw_a)
+        _kernels(index, 90, 1, CONFIG.gate_up)
     except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
         log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
         return False
@@ -73,7 +70,7 @@ def _available(index: int) -> bool:
 
 
 @functools.cache
-def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], raw_a: bool) -> dict:
+def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int]) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch) of an MmaConfig."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
@@ -82,7 +79,7 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
             f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_SLOTS={slots}", f"-DMX_RAW_A={int(raw_a)}", "-std=c++17"])
+            f"-DMX_SLOTS={slots}", "-std=c++17"])
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
         # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
@@ -139,8 +136,8 @@ def experts_forward_mxfp4_mma(
     else:
         items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    gate_up = _kernels(dev, hg, slots, config.gate_up, config.raw_a)["mx_gate_up"]
-    down = _kernels(dev, ig, slots, config.down, config.raw_a)["mx_down"]
+    gate_up = _kernels(dev, hg, slots, config.gate_up)["mx_gate_up"]
+    down = _kernels(dev, ig, slots, config.down)["mx_down"]
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     gate_up(grid=(n2 // rows_gu, items, 1), block=(32 * config.gate_up[0], 1, 1),
             shared_mem=_shared_bytes(hg, slots), args=[

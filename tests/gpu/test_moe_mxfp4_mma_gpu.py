@@ -36,14 +36,14 @@ def _seeded():
 def _configs():
     from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, MmaConfig
 
-    return [CONFIG, MmaConfig((4, 2, 3), (4, 4, 2), raw_a=not CONFIG.raw_a), MmaConfig((8, 1, 2), (2, 1, 3))]
+    return [CONFIG, MmaConfig((4, 2, 3), (4, 4, 2)), MmaConfig((8, 1, 2), (2, 1, 3))]
 
 
 @pytest.mark.parametrize("t,e", [(1, 32), (3, 8), (8, 8), (16, 32), (64, 8), (64, 32)])
 @pytest.mark.parametrize("config", range(3))
 def test_mma_moe_against_reference(t, e, config):
     """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Three launch
-    shapes (the default; K split over 2 / 4 warps with the other weight scaling; 8 warps)."""
+    shapes (the default; K split over 2 / 4 warps; 8 warps)."""
     import functools
 
     fwd = functools.partial(_mma(), config=_configs()[config])
@@ -98,30 +98,36 @@ def _reference_f64(x, weights, ids, w):
     return experts_forward_ref(x.double(), weights.double(), ids, rw, add_down_bias=False)
 
 
-@pytest.mark.parametrize("raw_a", [False, True])
-@pytest.mark.parametrize("s_gate_up,x_scale", [(0, 2.0**118), (1, 2.0**118), (2, 2.0**116), (66, 2.0**58),
-                                               (127, 1.0), (129, 2.0**-4), (190, 2.0**-66), (192, 2.0**-68)])
-@pytest.mark.parametrize("s_down", [3, 4, 127, 128, 129, 190, 192])
-def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down, raw_a):
-    """Every e2m1 code in every row (+-0.5: the decode's bf16 subnormals, times 2^125), gate/up and
-    down at the ends of the scale range (down from 3: below it the output is a bf16 subnormal),
-    activations scaled so the gate/up sums stay O(1); one
-    expert, one token, K = 64 (two groups: a K step with two empty group slots), against float64.
-    Tolerance 1e-2: no long sums average the bf16 roundings of the activations and the output
-    down, and +- codes cancel; a wrong code or scale is off by far more."""
+def _scale_cases():
+    """(gate/up scale byte, activation scale, down scale byte): the ends of the range the packed
+    layout allows (0..192) and around 2^(s - 127) = 1, the activations (below 2^63: the kernels stage
+    them times 2^64) chosen so the gate/up sums stay O(1) where they can; pairings whose gate/up or
+    down outputs would fall out of float32 / bf16 normals test no scale and are left out."""
+    gate_up = [(0, 2.0**60), (1, 2.0**60), (2, 2.0**60), (66, 2.0**58), (127, 1.0), (129, 2.0**-4),
+               (190, 2.0**-66), (192, 2.0**-68)]
+    cases = []
+    for s_gate_up, x_scale in gate_up:
+        for s_down in (3, 4, 127, 128, 129, 190, 192):
+            glu = s_gate_up - 127 + math.log2(x_scale)  # log2 of the gate/up outputs, roughly
+            out = min(glu, 5.0) + s_down - 127  # SwiGLU clamps at 7
+            if -100 < glu < 100 and -100 < out < 100:
+                cases.append((s_gate_up, x_scale, s_down))
+    return cases
+
+
+@pytest.mark.parametrize("s_gate_up,x_scale,s_down", _scale_cases())
+def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down):
+    """Every e2m1 code in every row (+-0.5: bf16 subnormals in the mma's A operand), gate/up and
+    down scales from `_scale_cases`; one expert, one token, K = 64 (two groups: a K step with two
+    empty group slots), against float64. Tolerance 1e-2: no long sums average the bf16 roundings of
+    the activations and the output down, and +- codes cancel; a wrong code or scale is off by far
+    more."""
     import functools
 
     from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
     from pdserve.kernels.mxfp4 import MxExperts
 
-    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3), raw_a=raw_a))
-    if raw_a:  # activations are staged times 2^64: they must stay below 2^63 (a gate/up output, then
-        # the down output, too small for float32 / bf16 normals is no test of the scales either)
-        x_scale = min(x_scale, 2.0**60)
-        glu = s_gate_up - 127 + math.log2(x_scale)
-        out = min(glu, 5.0) + s_down - 127
-        if not (-100 < glu < 100 and -100 < out < 100):
-            pytest.skip("out of the activation range of raw_a")
+    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3)))
     h = i = 64
     g = _seeded()
 
