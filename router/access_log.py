@@ -12,17 +12,16 @@ are logged at DEBUG.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 
 from pdserve.router.accounting import outcome_of
+from pdserve.router.request_limits import REQUEST_ID
 
 log = logging.getLogger("pdserve.access")
 
 HEADER = b"x-request-id"
 _PROBES = frozenset({"/health", "/metrics"})  # logged at DEBUG unless they fail
-_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 
 
 class AccessLog:
@@ -36,7 +35,8 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         sent = dict(scope.get("headers") or []).get(HEADER, b"")
-        request_id = sent.decode() if _CLIENT_ID.fullmatch(sent) else uuid.uuid4().hex
+        sent_id = sent.decode("latin-1")
+        request_id = sent_id if REQUEST_ID.fullmatch(sent_id) else uuid.uuid4().hex
         started: int | None = None
 
         async def send_with_id(message) -> None:

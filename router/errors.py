@@ -60,6 +60,14 @@ class ModelNotFoundError(NotFoundError):
                          param="model", code="model_not_found")
 
 
+class ConflictError(RouterError):
+    """The request names something another request holds (a request id in flight)."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class OverloadedError(RouterError):
     """No decode KV blocks or every prefill queue is full: the client should retry later."""
 

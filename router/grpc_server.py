@@ -18,11 +18,12 @@ from grpc_health.v1.health import aio as health_aio
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router import structured_output
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import InvalidRequestError, ModelNotFoundError, RouterError
+from pdserve.router.errors import ConflictError, InvalidRequestError, ModelNotFoundError, RouterError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_schema import MAX_CHOICES
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.request_limits import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
         self.orchestrator = orchestrator
         self.metrics = metrics
         self.vocab_size = vocab_size
+        self._request_ids: set[str] = set()  # caller ids of the Generate calls in flight
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -49,7 +51,14 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
         status = grpc.StatusCode.CANCELLED  # unless we get to the end
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         sent_any = False
+        holds_id = False
         try:
+            if request_id in self._request_ids:
+                # the workers key a request's reservation, KV and Cancel by its id: a second one
+                # would be refused by the decode worker, and its Cancel would end the first
+                raise ConflictError(f"request_id {request_id!r} is in flight already", param="request_id")
+            self._request_ids.add(request_id)
+            holds_id = True
             sampling = self._validate(request)
             sampling.max_new_tokens = self.orchestrator.admit(
                 len(request.prompt_token_ids), sampling.max_new_tokens or None,
@@ -78,11 +87,16 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
                 request_id=request_id, finish_reason=pdserve_pb2.FINISH_REASON_ERROR,
                 error=error.message))
         finally:
+            if holds_id:
+                self._request_ids.discard(request_id)
             self.metrics.in_flight.labels(ENDPOINT).dec()
             self.metrics.requests.labels(ENDPOINT, status.name).inc()
             self.metrics.e2e.labels(ENDPOINT).observe(loop.time() - arrival)
 
     def _validate(self, request: pdserve_pb2.GenerateRequest) -> pdserve_pb2.SamplingParams:
+        if request.request_id and not REQUEST_ID.fullmatch(request.request_id):
+            raise InvalidRequestError("request_id must be 1-128 characters of A-Z a-z 0-9 . _ : / + = -",
+                                      param="request_id")
         if request.model and request.model != self.config.served_model_name:
             raise ModelNotFoundError(request.model, self.config.served_model_name)
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import unicodedata
 from typing import Any
 
@@ -23,6 +24,9 @@ from starlette.requests import ClientDisconnect, Request
 from pdserve.router.errors import InvalidRequestError, PayloadTooLargeError
 
 MAX_JSON_DEPTH = 64  # tool schemas nest a few levels; jsonschema recurses per level
+# A request id a caller may choose (HTTP `X-Request-Id`, the gRPC request_id): short and printable,
+# without the '#' and '|' that separate fields of the KV-transfer notifications it ends up in.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 MAX_RUN_CHARS = 2048  # longest text piece the BPE may see (see the module docstring)
 
 # The tokenizer's pieces, over-approximated: runs of letters (with marks), of whitespace, or of

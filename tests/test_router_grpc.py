@@ -83,6 +83,9 @@ def test_generate_defaults_and_length(cluster, stub):
     ({"prompt_token_ids": list(range(3000))}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"prompt_token_ids": [1], "sampling": pb.SamplingParams(grammar="start: %json{\"type\": \"nope\"}")},
      grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt_token_ids": [1], "request_id": "a|b#0:8"}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt_token_ids": [1], "request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt_token_ids": [1], "request_id": "caf\u00e9"}, grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_generate_rejects_bad_requests(cluster, stub, request_kwargs, code):
     new_script(cluster)
@@ -90,6 +93,28 @@ def test_generate_rejects_bad_requests(cluster, stub, request_kwargs, code):
         list(stub.Generate(pb.GenerateRequest(**request_kwargs), timeout=10))
     assert info.value.code() == code
     assert info.value.details()
+
+
+def test_generate_refuses_a_request_id_in_flight_and_the_first_finishes(cluster, stub):
+    """A caller's id names the request on every worker (reservation, KV, Cancel): a second Generate
+    with an id in flight gets ALREADY_EXISTS and the first streams to its end, untouched; once it
+    has ended, the id can be used again."""
+    script = new_script(cluster, length=60)
+    for d in cluster.decode:
+        d.chunk_size, d.token_delay = 1, 0.01
+    first = stub.Generate(pb.GenerateRequest(request_id="shared-id", prompt_token_ids=[1, 2],
+                                             sampling=sampling(max_new_tokens=500)), timeout=10)
+    received = [next(first)]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(request_id="shared-id", prompt_token_ids=[3]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and "shared-id" in info.value.details()
+    received += list(first)
+    assert [t for r in received for t in r.token_ids] == script
+    assert received[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert not any("shared-id" in d.cancelled for d in cluster.decode)
+    again = list(stub.Generate(pb.GenerateRequest(request_id="shared-id", prompt_token_ids=[1, 2],
+                                                  sampling=sampling(max_new_tokens=5)), timeout=10))
+    assert again[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def test_generate_backpressure_has_retry_after(cluster, stub):
