@@ -6,11 +6,11 @@
 # STEPS: tests (tests/gpu/$TESTS), bench (engine_gpu --compare-fused --profile), mxfp4
 # (bench/moe_mxfp4.py), peer (engine_gpu --peer-triton: OpenAI's gpt_oss.triton on the same weights,
 # decode at batch 1 and 64; triton_kernels from $TRITON_KERNELS_DIR, default .gpu/triton_kernels), engmx
-# (engine_gpu at batch 1 and 64 with FP8 experts, then MXFP4 experts through the packed decode with
-# the launch shape that was fastest at one token in the mxfp4 step, or $MX_CONFIG). MX_ARGS: extra
-# arguments of bench/moe_mxfp4.py (e.g. "--configs grouped,packed --tokens 1,4,16,64"), MX_ENGINE_ARGS:
-# of the engine runs (e.g. "--mxfp4-grouped-from 4"), dec120 (120b with $LAYERS120 layers, default 8,
-# batch 1 at context 8192, FP8 then packed MXFP4 experts; scale per layer for the 36-layer figure).
+# (engine_gpu at batch 1, 16, 32, 64 ($MX_BATCHES) with FP8, then MXFP4 experts, the default
+# dispatch of kernels.moe). MX_ARGS: extra arguments of bench/moe_mxfp4.py (e.g. "--configs mma,grouped
+# --tokens 1,4,16,64"), MX_ENGINE_ARGS: of the engine runs (e.g. "--mxfp4-mma-max-tokens 0"), dec120
+# (120b with $LAYERS120 layers, default 8, batch 1 at context 8192, FP8 then MXFP4 experts; scale per
+# layer for the 36-layer figure).
 # BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
@@ -90,21 +90,10 @@ if has peer; then
   pack
 fi
 if has engmx; then
-  cfg=${MX_CONFIG:-$(python3 -c "
-import json, re
-rows = [r for r in json.load(open('$W/moe_mxfp4.json'))['rows'] if r['tokens'] == 1 and r['config'].startswith('packed')]
-best = min(rows, key=lambda r: r['us'])['config']
-def entry(name):  # gu64x4w2s4 -> 64,4,2,4 (stages 3 when not named)
-    n, g, w, st = re.fullmatch(r'(?:gu|d)(\d+)x(\d+)w(\d+)(?:s(\d+))?', name).groups()
-    return ','.join([n, g, w, st or '3'])
-print('/'.join(entry(part) for part in best.split()[1:3]))
-" 2>/dev/null)}
-  log "engmx: packed config ${cfg:-default}"
   for prec in fp8 mxfp4; do
-    extra=""; [ $prec = mxfp4 ] && extra="--mxfp4-decode packed ${cfg:+--mxfp4-config $cfg}"
     timeout "$(left 10)" python3 bench/engine_gpu.py --preset 20b --ckpt /tmp/ckpt-eg --out "$W/eg_$prec" \
-      --record "$W/eg_$prec/performance.md" --precision $prec $extra --check-tokens 64 --prefill-tokens 1024 \
-      --decode-steps 32 --batches ${MX_BATCHES:-1,64} ${MX_ENGINE_ARGS:-} > "$W/eg_$prec.log" 2>&1
+      --record "$W/eg_$prec/performance.md" --precision $prec --check-tokens 64 --prefill-tokens 1024 \
+      --decode-steps 32 --batches ${MX_BATCHES:-1,16,32,64} ${MX_ENGINE_ARGS:-} > "$W/eg_$prec.log" 2>&1
     log "engine_gpu $prec rc=$?"
     grep -vE "^\s*$|Warning|warn" "$W/eg_$prec.log" | grep -E "decode|prefill|step|rel|Error|error" | tail -20
     pack
@@ -112,7 +101,7 @@ print('/'.join(entry(part) for part in best.split()[1:3]))
 fi
 if has dec120; then
   for prec in fp8 mxfp4; do
-    extra=""; [ $prec = mxfp4 ] && extra="--mxfp4-decode packed ${MX_ENGINE_ARGS:-}"
+    extra=""; [ $prec = mxfp4 ] && extra="${MX_ENGINE_ARGS:-}"
     mkdir -p "$W/dec120_$prec"
     timeout "$(left 10)" python3 bench/engine_gpu.py --preset 120b --layers "${LAYERS120:-8}" --ckpt /tmp/ckpt-eg \
       --out "$W/dec120_$prec" --precision $prec $extra --check-tokens 64 --prefill-tokens 1024 \
