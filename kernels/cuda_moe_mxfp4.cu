@@ -3,7 +3,8 @@
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_SLOTS (most (token, expert) pairs
-// one CTA serves: they share the expert).
+// one CTA serves: they share the expert), and the packed word layout of kernels/mxfp4.py (one source
+// for every decode): MX_MAG_ROT0..3, MX_SIGN_ROT0..3, MX_MAG_MASK, MX_SIGN_MASK.
 //
 // A CTA computes ROWS weight rows [ROWS * blockIdx.x, +ROWS) of one expert for the up-to-MX_SLOTS pairs of
 // its item (blockIdx.y): a pair (per-pair launches) or a block of the routing layout (pairs grouped
@@ -37,8 +38,6 @@ typedef long long i64;
 #define ROWS (16 * NW / KSPLIT)         // weight rows per CTA
 #define SCALE_WORDS (((KG + 15) / 16) * 4)  // a row's scale bytes, padded to 16 groups, as words
 #define XROW (KG * 16 + 4)            // a staged token row in words (+4: fewer bank conflicts)
-#define MAG_MASK 0x01C001C0u
-#define SIGN_MASK 0x80008000u
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 
@@ -57,14 +56,17 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
 
 __device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
 
-// The four bf16x2 pairs of a packed word (kernels/mxfp4.py PACKED_MAG_ROT (0, 3, 6, 9),
-// PACKED_SIGN_ROT (3, 4, 5, 6)): values 2q, 2q + 1 of the word in pair q, as e2m1 / 2.
+// The four bf16x2 pairs of a packed word: values 2q, 2q + 1 of the word in pair q, as e2m1 * 2^-126
+// (rotations and masks of kernels/mxfp4.py; a rotation by 0 compiles to nothing, shared ones once).
+__device__ __forceinline__ u32 pair_of(u32 w, int mag_rot, int sign_rot) {
+  return (rotl(w, mag_rot) & MX_MAG_MASK) | (rotl(w, sign_rot) & MX_SIGN_MASK);
+}
+
 __device__ __forceinline__ void decode_word(u32 w, u32 p[4]) {
-  const u32 r3 = rotl(w, 3), r4 = rotl(w, 4), r5 = rotl(w, 5), r6 = rotl(w, 6), r9 = rotl(w, 9);
-  p[0] = (w & MAG_MASK) | (r3 & SIGN_MASK);
-  p[1] = (r3 & MAG_MASK) | (r4 & SIGN_MASK);
-  p[2] = (r6 & MAG_MASK) | (r5 & SIGN_MASK);
-  p[3] = (r9 & MAG_MASK) | (r6 & SIGN_MASK);
+  p[0] = pair_of(w, MX_MAG_ROT0, MX_SIGN_ROT0);
+  p[1] = pair_of(w, MX_MAG_ROT1, MX_SIGN_ROT1);
+  p[2] = pair_of(w, MX_MAG_ROT2, MX_SIGN_ROT2);
+  p[3] = pair_of(w, MX_MAG_ROT3, MX_SIGN_ROT3);
 }
 
 __device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

@@ -25,11 +25,17 @@ from pathlib import Path
 import torch
 
 from .arrival import arrival_counters
-from .mxfp4 import MxExperts
+from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cuda_moe_mxfp4.cu")
+# the packed word layout (kernels/mxfp4.py), handed to the compiler so the decode has one source
+_LAYOUT_MACROS = ([f"-DMX_MAG_ROT{q}={r}" for q, r in enumerate(PACKED_MAG_ROT)]
+                  + [f"-DMX_SIGN_ROT{q}={r}" for q, r in enumerate(PACKED_SIGN_ROT)]
+                  + [f"-DMX_MAG_MASK={PACKED_MAG_MASK:#010x}u", f"-DMX_SIGN_MASK={PACKED_SIGN_MASK:#010x}u"])
+
+
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
@@ -44,7 +50,6 @@ class MmaConfig:
 
 
 CONFIG = MmaConfig()
-TILE = 16  # weight rows of one mma tile; the kernels take rows in multiples of a CTA's rows
 GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
 
@@ -79,7 +84,7 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
             f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_SLOTS={slots}", "-std=c++17"])
+            f"-DMX_SLOTS={slots}", "-std=c++17", *_LAYOUT_MACROS])
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
         # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly

@@ -195,13 +195,12 @@ def experts_forward(
             if cuda_moe_mxfp4.available(x.device):
                 return cuda_moe_mxfp4.experts_forward_mxfp4_mma(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
                                                                 grouped=t >= MXFP4_MMA_GROUPED_FROM)
-        if (x.is_cuda and MXFP4_GROUPED_MIN_TOKENS is not None and x.shape[0] >= MXFP4_GROUPED_MIN_TOKENS
-                and w.layout == "packed"):
+        if x.is_cuda and MXFP4_GROUPED_MIN_TOKENS is not None and t >= MXFP4_GROUPED_MIN_TOKENS and w.layout == "packed":
             from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
 
             return experts_forward_mxfp4_grouped(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
                                                  config=MXFP4_GROUPED_CONFIG)
-        if x.is_cuda and x.shape[0] <= MXFP4_KERNEL_MAX_TOKENS:
+        if x.is_cuda and t <= MXFP4_KERNEL_MAX_TOKENS:
             try:
                 from .triton_moe_mxfp4 import experts_forward_mxfp4
             except ImportError:
