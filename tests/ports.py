@@ -6,7 +6,9 @@ import random
 import socket
 from pathlib import Path
 
-_LOWEST = 10_000  # above the well-known and most registered service ports
+# above the well-known ports and Ray's default worker port range (10002-19999), which `ray start`
+# checks every port it is given against
+_LOWEST = 20_000
 
 
 def _ephemeral_range() -> tuple[int, int]:
