@@ -223,12 +223,15 @@ class FakeDecode(pbg.DecodeWorkerServicer):
                     self.server.die()
                     time.sleep(1.0)
                     return
+                if finish:  # as a decode worker frees a finished request before its last chunk
+                    # goes out: the router may place the next one the moment it reads this chunk,
+                    # before this generator resumes
+                    with self.lock:
+                        self.reservations.pop(rid, None)
                 yield pb.TokenChunk(token_ids=chunk, finish_reason=finish)
                 chunks += 1
                 chunk = []
             if finish:
-                with self.lock:
-                    self.reservations.pop(rid, None)
                 return
         yield pb.TokenChunk(token_ids=chunk, finish_reason=pb.FINISH_REASON_LENGTH)
 
