@@ -79,6 +79,20 @@ def _router_kernel(
         tl.store(ids_ptr + t * 4 + slot, ids.to(tl.int64))
 
 
+# E -> (K columns a program, warps) where `bench/router.py` measured better than the default (4096
+# weights a program, 4 warps). 120b's 128 experts: 45 programs of 64 columns instead of 90 of 32, so
+# the token's last program sums 45 partial rows, not 90 (H200, 2026-12-02: 5.5 / 5.7 / 6.9 / 11.8 us
+# at 1 / 4 / 16 / 64 tokens, against 8.1 / 8.6 / 10.3 / 19.5). 20b's 32 experts keep the default
+# (128 columns: 3.2 / 3.4 / 3.8 / 5.3 us; 64 columns is faster by 0.1-0.3 us up to 4 tokens, slower
+# from 16).
+LAUNCH_SHAPES: dict[int, tuple[int, int]] = {128: (64, 4)}
+
+
+def launch_shape(num_experts: int) -> tuple[int, int]:
+    """(BLOCK_K, num_warps) of the router launch for E experts."""
+    return LAUNCH_SHAPES.get(num_experts) or (max(16, 4096 // triton.next_power_of_2(num_experts)), 4)
+
+
 def route_fused(
     x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor, top_k: int = TOP_K,
     return_logits: bool = False,
@@ -101,13 +115,13 @@ def route_fused(
         raise ValueError(f"the fused router takes up to {MAX_TOKENS} tokens, got {t}")
     if t:
         block_e = triton.next_power_of_2(e)
-        block_k = max(16, 4096 // block_e)
+        block_k, num_warps = launch_shape(e)
         splits = triton.cdiv(h, block_k)
         part = torch.empty(t, splits, block_e, dtype=torch.float32, device=x.device)
         _router_kernel[(t, splits)](
             x, router_weight, router_bias, weights, ids, logits, part, arrival_counters(x.device, "router", MAX_TOKENS),
             x.stride(0), router_weight.stride(0), H=h, E=e, BLOCK_E=block_e, BLOCK_K=block_k,
             SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), WRITE_LOGITS=return_logits,
-            ACCURATE_EXP=not INTERPRET, num_warps=4,
+            ACCURATE_EXP=not INTERPRET, num_warps=num_warps,
         )
     return (weights, ids, logits) if return_logits else (weights, ids)

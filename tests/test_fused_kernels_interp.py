@@ -50,9 +50,10 @@ def _cases(seed: int) -> list[dict]:
         cache = torch.randn(blocks, 2, page, hkv, d, generator=g).to(dt)
         out.append(dict(kind="rope", dtype=dt, qkv=torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dt),
                         pos=pos, slots=slots, cache=cache, hq=hq, hkv=hkv))
-        # router: 32 experts (8 column splits of 125) and 8 (2 splits); the bias lifts a few experts
-        # (one vector for all rows, so a row's 4th and 5th logits may still be close, or equal in float16)
-        for e in (32, 8):
+        # router: 128 experts (the launch shape of triton_router.LAUNCH_SHAPES: 16 splits of 64
+        # columns), 32 (8 splits of 128) and 8 (2 splits); the bias lifts a few experts (one vector
+        # for all rows, so a row's 4th and 5th logits may still be close, or equal in float16)
+        for e in (128, 32, 8):
             t, h = 4, 1000
             x = torch.randn(t, h, generator=g).to(dt)
             w = (torch.randn(e, h, generator=g) * 0.05).to(dt)
