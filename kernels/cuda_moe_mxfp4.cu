@@ -3,7 +3,9 @@
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_SLOTS (most (token, expert) pairs
-// one CTA serves: they share the expert), and the packed word layout of kernels/mxfp4.py (one source
+// one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
+// buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
+// bench/moe_trace.py, never in the engine), and the packed word layout of kernels/mxfp4.py (one source
 // for every decode): MX_MAG_ROT0..3, MX_SIGN_ROT0..3, MX_MAG_MASK, MX_SIGN_MASK.
 //
 // A CTA computes ROWS weight rows [ROWS * blockIdx.x, +ROWS) of one expert for the up-to-MX_SLOTS pairs of
@@ -96,6 +98,32 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 }
 
 __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)b) << 16); }
+
+#ifndef MX_TRACE
+#define MX_TRACE 0
+#endif
+#if MX_TRACE
+#define TRACE_PARAM , unsigned long long* __restrict__ trace
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// word w (0 start, 1 sums done, 2 end, 3 SM) of this CTA's trace record
+__device__ __forceinline__ void trace_mark(unsigned long long* trace, int w) {
+  if (threadIdx.x == 0) {
+    unsigned long long v;
+    if (w == 3) { unsigned sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); v = sm; } else { v = now_ns(); }
+    trace[(blockIdx.y * (unsigned long long)gridDim.x + blockIdx.x) * 4 + w] = v;
+  }
+}
+#define TRACE(w) trace_mark(trace, w)
+#define TRACE_END() do { __syncthreads(); trace_mark(trace, 2); } while (0)  // the CTA's last store issued
+#else
+#define TRACE_PARAM
+#define TRACE(w)
+#define TRACE_END()
+#endif
 
 struct Item {
   int expert;
@@ -267,14 +295,17 @@ extern "C" __global__ void __launch_bounds__(NW * 32)
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
-           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d) {
+           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
+  TRACE(0);
+  TRACE(3);
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);
   if (it.expert < 0) return;
   const i64 e = it.expert;
   tile_dot(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  TRACE(1);
   const float limit = (float)limit_d, alpha = (float)alpha_d;
   for (int t = threadIdx.x; t < it.n * (ROWS / 2); t += NW * 32) {
     const int i = t / (ROWS / 2), j = t % (ROWS / 2);
@@ -286,6 +317,7 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
     const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
     act[(i64)it.slot[i] * (n_rows / 2) + row / 2] = to_bf16(out);
   }
+  TRACE_END();
 }
 
 // down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
@@ -296,15 +328,18 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
         const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,
         const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
-        u16* __restrict__ out, int stride_out) {
+        u16* __restrict__ out, int stride_out TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
   __shared__ int last[SLOTS];
+  TRACE(0);
+  TRACE(3);
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1);
   if (it.expert < 0) return;
   const i64 e = it.expert;
   tile_dot(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  TRACE(1);
   const int tile = blockIdx.x, tiles = gridDim.x;
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
     const int i = t / ROWS, r = t % ROWS;
@@ -332,4 +367,5 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
     out[(i64)token * stride_out + row] = to_bf16(y);
     if (r == 0) counters[(i64)token * tiles + tile] = 0;
   }
+  TRACE_END();
 }

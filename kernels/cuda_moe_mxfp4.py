@@ -75,16 +75,16 @@ def _available(index: int) -> bool:
 
 
 @functools.cache
-def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int]) -> dict:
+def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], trace: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
-    shape (warps, K split, batch) of an MmaConfig."""
+    shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE)."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     nw, ksplit, batch = shape
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
             f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_SLOTS={slots}", "-std=c++17", *_LAYOUT_MACROS])
+            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", "-std=c++17", *_LAYOUT_MACROS])
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
         # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
@@ -107,12 +107,14 @@ def _shared_bytes(k_groups: int, slots: int) -> int:
 def experts_forward_mxfp4_mma(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
     limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, grouped: bool = False,
-    config: MmaConfig | None = None,
+    config: MmaConfig | None = None, trace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
     experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
     are served together (routing layout first); else one CTA column per pair. config: CONFIG when
-    None."""
+    None. trace: uint64 buffers of 4 words per CTA of each launch (gate/up, down): the kernels'
+    timing build records each CTA's start, sums done, end (%globaltimer ns) and SM
+    (bench/moe_trace.py)."""
     config = config or CONFIG
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
@@ -141,20 +143,21 @@ def experts_forward_mxfp4_mma(
     else:
         items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    gate_up = _kernels(dev, hg, slots, config.gate_up)["mx_gate_up"]
-    down = _kernels(dev, ig, slots, config.down)["mx_down"]
+    gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None)["mx_gate_up"]
+    down = _kernels(dev, ig, slots, config.down, trace is not None)["mx_down"]
+    trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     gate_up(grid=(n2 // rows_gu, items, 1), block=(32 * config.gate_up[0], 1, 1),
             shared_mem=_shared_bytes(hg, slots), args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
-                item_slots, int(grouped), k, n2, act, float(limit), float(alpha)])
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
     tiles = h // rows_dn
     part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
     counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * tiles))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
     down(grid=(tiles, items, 1), block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots), args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
-        int(add_down_bias), wts, part, counters, res, res.stride(0)])
+        int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])
     if res is not out:
         out.copy_(res)
     return out

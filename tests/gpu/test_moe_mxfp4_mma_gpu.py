@@ -164,3 +164,25 @@ def test_dispatch_takes_the_mma_kernels_for_decode_batches():
         ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
         weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
         assert torch.equal(moe.experts_forward(x, weights, ids, wp), fwd(x, weights, ids, wp))
+
+
+def test_trace_build_records_every_cta_and_computes_the_same():
+    """The timing build (MX_TRACE, bench/moe_trace.py) gives the same output bits and one sane
+    record per CTA of each launch: start <= sums done <= end, on an SM the GPU has."""
+    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG
+
+    fwd = _mma()
+    g = _seeded()
+    wp = random_layer(8, g, DEV).to_packed()
+    x = torch.randn(2, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], device=DEV)
+    weights = torch.softmax(torch.randn(2, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    ctas = (5760 // CONFIG.rows("gate_up") * 8, 2880 // CONFIG.rows("down") * 8)
+    bufs = tuple(torch.zeros(n * 4, dtype=torch.int64, device=DEV) for n in ctas)
+    traced = fwd(x, weights, ids, wp, trace=bufs)
+    assert torch.equal(traced, fwd(x, weights, ids, wp))
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for buf in bufs:
+        rec = buf.view(-1, 4).cpu()
+        assert (rec[:, 0] > 0).all() and (rec[:, 0] <= rec[:, 1]).all() and (rec[:, 1] <= rec[:, 2]).all()
+        assert ((rec[:, 3] >= 0) & (rec[:, 3] < sms)).all()
