@@ -71,7 +71,11 @@ GROUPED = {
 MMA = {
     f"mma {'grouped' if grouped else 'pair'} gu{gu[0]}k{gu[1]}d{gu[2]} dn{dn[0]}k{dn[1]}d{dn[2]}": (MmaConfig(gu, dn), grouped)
     for grouped in (False, True)
-    for gu, dn in (((4, 1, 2), (4, 2, 2)), ((4, 1, 3), (4, 2, 3)), ((4, 2, 2), (4, 4, 2)), ((2, 1, 3), (2, 2, 3)))
+    for gu, dn in (((4, 1, 2), (4, 2, 2)), ((4, 1, 3), (4, 2, 3)), ((4, 2, 2), (4, 4, 2)), ((2, 1, 3), (2, 2, 3)),
+                   ((4, 1, 4), (4, 2, 4)), ((4, 1, 4), (4, 2, 2)), ((4, 1, 2), (4, 2, 4)),
+                   # K split over 2 warps of 2-warp CTAs, one K step a batch: ~92 registers, so all
+                   # 1440 gate/up CTAs of one token are resident at once (11 a SM, 22 warps)
+                   ((2, 2, 1), (2, 2, 1)), ((2, 2, 1), (4, 2, 2)), ((4, 2, 1), (4, 4, 1)), ((2, 2, 1), (4, 4, 1)))
 }
 
 
