@@ -285,16 +285,30 @@ FORCED_EXIT_AFTER_S = 3.0
 _interrupt = threading.Event()
 
 
+class StartUpInterrupted(SystemExit):
+    """Ctrl-C during start-up, as an exit with status 130.
+
+    Not a KeyboardInterrupt: CPython marks a KeyboardInterrupt that passes through code compiled
+    from a string (exec / eval: dataclasses and namedtuple build their methods so while modules
+    import) as unhandled even when it is caught, and after a normal exit then kills the process
+    with SIGINT instead of returning its status. Uncaught, a SystemExit ends the process with
+    its code and no traceback; asyncio and `except Exception` let it through as they do
+    KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        super().__init__(130)
+
+
 def _interrupted(signum, frame) -> None:
     """Ctrl-C before a command has its own signal handling (servers install theirs once they
-    can drain): KeyboardInterrupt unwinds what started. Libraries busy in start-up (native code,
+    can drain): StartUpInterrupted unwinds what started. Libraries busy in start-up (native code,
     tasks being cancelled) may swallow it, so the process also ends a moment later regardless;
     an error that follows it (an import cut in half) is its consequence, not news."""
     _interrupt.set()
     forced = threading.Timer(FORCED_EXIT_AFTER_S, os._exit, args=(130,))
     forced.daemon = True  # a clean exit before then does not wait for it
     forced.start()
-    raise KeyboardInterrupt
+    raise StartUpInterrupted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.fn(args) or 0
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StartUpInterrupted):
         return 130
     except Exception as e:
         if _interrupt.is_set():

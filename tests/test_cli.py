@@ -223,6 +223,26 @@ def test_loading_a_checkpoint_shows_progress(tiny_mxfp4, tiny_cfg, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_ctrl_c_in_code_compiled_from_a_string_exits_130(tmp_path):
+    """Ctrl-C while start-up runs code compiled from a string (dataclasses and namedtuple build
+    their methods so while modules import): the exit status is 130. CPython would end the process
+    with SIGINT (-2, no message) after main() returned 130 if the interrupt had been a
+    KeyboardInterrupt passing through that exec (the router's start-up did so about once in 60
+    interrupts)."""
+    (tmp_path / "interrupted_cli.py").write_text(
+        "import sys\n"
+        "from pdserve.launch import cli\n"
+        "def start_up(args):\n"
+        "    exec('import os, signal\\nos.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(10**7): pass')\n"
+        "    return 0\n"
+        "cli.cmd_convert = start_up\n"
+        "sys.exit(cli.main(['convert', 'a', 'b']))\n")
+    p = subprocess.run([sys.executable, "-m", "interrupted_cli"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "router", "generate"])
 def test_ctrl_c_during_start_up_stops_cleanly(command, tiny_mxfp4):
     """SIGINT while the command is still loading (its native libraries are being mapped): it
