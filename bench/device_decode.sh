@@ -10,7 +10,8 @@
 # dispatch of kernels.moe). MX_ARGS: extra arguments of bench/moe_mxfp4.py (e.g. "--configs mma,grouped
 # --tokens 1,4,16,64"), MX_ENGINE_ARGS: of the engine runs (e.g. "--mxfp4-mma-max-tokens 0"), dec120
 # (120b with $LAYERS120 layers, default 8, batch 1 at context 8192, FP8 then MXFP4 experts; scale per
-# layer for the 36-layer figure).
+# layer for the 36-layer figure), mxncu (Nsight Compute on the one-token MXFP4 mma kernels, warp
+# states sampled per SASS instruction: $W/mx_t1.ncu-rep for the Nsight Compute UI's Source page).
 # BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
@@ -63,6 +64,17 @@ if has mxfp4; then
   timeout "$(left 15)" python3 bench/moe_mxfp4.py --out "$W/moe_mxfp4.json" ${MX_ARGS:-} > "$W/moe_mxfp4.log" 2>&1
   log "moe_mxfp4 rc=$?"
   grep -E "^T=|copy|Error" "$W/moe_mxfp4.log" | tail -60
+  pack
+fi
+if has mxncu; then
+  # skip the eager warm-up launches (8 rounds of gate/up + down), profile one round's two kernels
+  timeout "$(left 15)" ncu --clock-control none -k regex:mx_ --launch-skip 16 --launch-count 2 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SourceCounters \
+    --import-source yes -f -o "$W/mx_t1" \
+    python3 bench/moe_mxfp4.py --no-fp8 --configs "mma pair gu4k1d2 dn4k2d2" --tokens 1 > "$W/mxncu.log" 2>&1
+  log "ncu rc=$?"
+  ncu --import "$W/mx_t1.ncu-rep" --page details > "$W/mx_t1_details.txt" 2>&1
+  grep -E "mx_|Duration|DRAM Throughput|Warp Cycles Per Issued|Stall|Issued Warp" "$W/mx_t1_details.txt" | head -60
   pack
 fi
 if has bench || has peer || has engmx; then
