@@ -8,7 +8,8 @@ per-pair launches at `--tokens` tokens, each repetition on experts not read in t
 
 Prints per kernel: its span (first CTA start to last CTA end), when the CTAs start (offsets from
 the first), how long each takes (start to sums done, to end), CTAs per SM, and the gap between
-gate/up's last CTA and down's first; the bytes each kernel reads over its span.
+gate/up's last CTA and down's first (the calls are eager, so that gap holds host time; in a CUDA
+graph the two launches follow each other directly); the bytes each kernel reads over its span.
 """
 
 from __future__ import annotations
