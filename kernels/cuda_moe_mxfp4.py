@@ -142,6 +142,11 @@ def experts_forward_mxfp4_mma(
         items, item_expert, item_slots, slots = routing.max_blocks, routing.block_expert, routing.sorted_slot, GROUP_SLOTS
     else:
         items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
+    if trace is not None:  # 4 int64 words per CTA of each launch, written by the kernels
+        for buf, ctas in zip(trace, ((n2 // rows_gu) * items, (h // rows_dn) * items)):
+            if buf.dtype != torch.int64 or not buf.is_contiguous() or buf.numel() < 4 * ctas:
+                raise ValueError(f"a trace buffer needs {4 * ctas} contiguous int64 words, got "
+                                 f"{buf.numel()} {buf.dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, trace is not None)["mx_down"]

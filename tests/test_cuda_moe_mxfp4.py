@@ -46,3 +46,18 @@ def test_not_available_without_a_gpu(monkeypatch):
     w, x, ids, wts = _problem()
     out = moe.experts_forward(x, wts, ids, w.to_packed())  # CPU: the reference, not the kernels
     assert torch.equal(out, moe.experts_forward_mxfp4_ref(x, wts, ids, w))
+
+
+def test_trace_buffers_too_small_are_refused_before_any_launch():
+    """The timing build writes 4 int64 words per CTA of each launch: a buffer with fewer words (or
+    another dtype) is refused before anything is compiled or launched."""
+    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma
+
+    w, x, ids, wts = _problem(t=1, h=128, i=128)
+    cfg = MmaConfig((4, 1, 2), (4, 2, 2))  # gate/up 2I = 256 rows: 4 tiles x 4 pairs; down 128: 4 x 4
+    ok = torch.zeros(4 * 16, dtype=torch.int64)
+    for bad in (torch.zeros(4 * 16 - 1, dtype=torch.int64), torch.zeros(4 * 16, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="trace buffer"):
+            experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, trace=(bad, ok))
+        with pytest.raises(ValueError, match="trace buffer"):
+            experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, trace=(ok, bad))
