@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.moe import ExpertWeights, experts_forward  # noqa: E402
-from pdserve.kernels.triton_moe_mxfp4 import MxConfig, MxExperts, experts_forward_mxfp4  # noqa: E402
+from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
+from pdserve.kernels.triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped  # noqa: E402
 
 CONFIGS = {
@@ -79,20 +80,6 @@ MMA = {
 }
 
 
-def random_experts(e: int, h: int, i: int, g: torch.Generator) -> MxExperts:
-    """E random MXFP4 experts in the published layout on g's device: random codes, scale bytes
-    118-123 (group factors 2^-9 .. 2^-4, like trained weights), biases of std 0.1."""
-    dev = g.device
-
-    def mx(rows, cols):
-        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8, device=dev),
-                torch.randint(118, 124, (e, rows, cols // 32), generator=g, dtype=torch.uint8, device=dev))
-
-    gb, gs = mx(2 * i, h)
-    db, ds = mx(h, i)
-    return MxExperts(gb, gs, torch.randn(e, 2 * i, device=dev) * 0.1, db, ds, torch.randn(e, h, device=dev) * 0.1)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)
@@ -105,7 +92,7 @@ def main() -> int:
     h = i = 2880
     e, k = a.experts, 4
     g = torch.Generator(device=dev).manual_seed(0)
-    w = random_experts(e, h, i, g)
+    w = random_experts(e, g, dev, h=h, i=i)
     gb, gs, db, ds = w.gate_up_blocks, w.gate_up_scales, w.down_blocks, w.down_scales
     w_packed = w.to_packed()
     configs = {n: c for n, c in CONFIGS.items()

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench.moe_mxfp4 import random_experts  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, experts_forward_mxfp4_mma  # noqa: E402
+from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
 
 
 def _pct(v: torch.Tensor, q: float) -> float:
@@ -55,7 +55,7 @@ def main() -> int:
     a = ap.parse_args()
     dev = torch.device("cuda")
     e, k, h, i, t = 32, 4, 2880, 2880, a.tokens
-    w = random_experts(e, h, i, torch.Generator(device=dev).manual_seed(0)).to_packed()
+    w = random_experts(e, torch.Generator(device=dev).manual_seed(0), dev, h=h, i=i).to_packed()
     x = torch.randn(t, h, device=dev).to(torch.bfloat16)
     wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
     rows_gu, rows_dn = CONFIG.rows("gate_up"), CONFIG.rows("down")

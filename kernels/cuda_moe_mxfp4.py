@@ -142,8 +142,9 @@ def experts_forward_mxfp4_mma(
         items, item_expert, item_slots, slots = routing.max_blocks, routing.block_expert, routing.sorted_slot, GROUP_SLOTS
     else:
         items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
+    grid_gu, grid_dn = (n2 // rows_gu, items, 1), (h // rows_dn, items, 1)
     if trace is not None:  # 4 int64 words per CTA of each launch, written by the kernels
-        for buf, ctas in zip(trace, ((n2 // rows_gu) * items, (h // rows_dn) * items)):
+        for buf, ctas in zip(trace, (grid_gu[0] * items, grid_dn[0] * items)):
             if buf.dtype != torch.int64 or not buf.is_contiguous() or buf.numel() < 4 * ctas:
                 raise ValueError(f"a trace buffer needs {4 * ctas} contiguous int64 words, got "
                                  f"{buf.numel()} {buf.dtype}")
@@ -152,15 +153,14 @@ def experts_forward_mxfp4_mma(
     down = _kernels(dev, ig, slots, config.down, trace is not None)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
-    gate_up(grid=(n2 // rows_gu, items, 1), block=(32 * config.gate_up[0], 1, 1),
+    gate_up(grid=grid_gu, block=(32 * config.gate_up[0], 1, 1),
             shared_mem=_shared_bytes(hg, slots), args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
-    tiles = h // rows_dn
     part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * tiles))
+    counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    down(grid=(tiles, items, 1), block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots), args=[
+    down(grid=grid_dn, block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots), args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])
     if res is not out:

@@ -192,3 +192,19 @@ class MxExperts:
     @property
     def num_experts(self) -> int:
         return self.gate_up_blocks.shape[0]
+
+
+def random_experts(e: int, g: torch.Generator, device: torch.device | str = "cpu", h: int = 2880, i: int = 2880,
+                   scales: tuple[int, int] = (118, 124), bias_std: float = 0.1) -> MxExperts:
+    """`e` random experts [h, i] in the published layout, for kernel tests and benchmarks: random
+    codes, scale bytes in [scales[0], scales[1]) (the default gives group factors 2^-9 .. 2^-4, as in
+    trained weights), float32 biases ~ N(0, bias_std); everything drawn from `g`."""
+
+    def mx(rows, cols):
+        return (torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8, device=device),
+                torch.randint(*scales, (e, rows, cols // 32), generator=g, dtype=torch.uint8, device=device))
+
+    gb, gs = mx(2 * i, h)
+    db, ds = mx(h, i)
+    return MxExperts(gb, gs, torch.randn(e, 2 * i, device=device, generator=g) * bias_std, db, ds,
+                     torch.randn(e, h, device=device, generator=g) * bias_std)
