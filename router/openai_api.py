@@ -49,8 +49,18 @@ def error_response(error: RouterError) -> JSONResponse:
     return JSONResponse(error.to_openai(), status_code=error.http_status, headers=headers)
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+# Characters JSON leaves as they are (ensure_ascii=False) but generic line readers split on
+# (str.splitlines: httpx's and requests' iter_lines): escaped, so that a token's text holding one
+# cannot cut a data line in two for such a client. SSE itself breaks lines only at CR / LF, which
+# json.dumps always escapes.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(payload: dict, event: str | None = None) -> str:
+    """One server-sent event: `payload` as compact JSON on one data line (its `event:` line first
+    when given)."""
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
 
 
 _SSE_DONE = "data: [DONE]\n\n"
@@ -439,7 +449,7 @@ class OpenAIFrontend:
             elif include_usage:
                 usage = {"usage": None}
             formatted = self.logprob_format.chat(logprobs, logprobs_top) if logprobs else None
-            return _sse({**meta, "object": "chat.completion.chunk",
+            return sse({**meta, "object": "chat.completion.chunk",
                          "choices": [{"index": index, "delta": delta, "logprobs": formatted,
                                       "finish_reason": finish_reason}], **usage})
         try:
@@ -453,7 +463,7 @@ class OpenAIFrontend:
             if done < len(choices):
                 return  # the client is gone
             if include_usage:
-                yield _sse({**meta, "object": "chat.completion.chunk", "choices": [],
+                yield sse({**meta, "object": "chat.completion.chunk", "choices": [],
                             "usage": _usage(prompt_tokens, sum(o.completion_tokens for o in outputs),
                                             generation.cached_tokens)})
             yield _SSE_DONE
@@ -461,7 +471,7 @@ class OpenAIFrontend:
         except RouterError as error:
             log.warning("%s stream %s failed: %s", endpoint, meta["id"], error.message)
             outcome.status = error.http_status
-            yield _sse(error.to_openai())
+            yield sse(error.to_openai())
             yield _SSE_DONE
         finally:
             await self._end_stream(watcher, [generation], events)
@@ -651,20 +661,20 @@ class OpenAIFrontend:
                 if not text and not finish and not (piece and piece["tokens"]):
                     continue
                 usage_field = {"usage": usage()} if continuous_usage else {"usage": None} if include_usage else {}
-                yield _sse({**meta, "object": "text_completion", **usage_field,
+                yield sse({**meta, "object": "text_completion", **usage_field,
                             "choices": [{"index": index, "text": text, "logprobs": piece,
                                          "finish_reason": finish}]})
                 done += finish is not None
             if done < len(choices):
                 return  # the client is gone
             if include_usage:
-                yield _sse({**meta, "object": "text_completion", "choices": [], "usage": usage()})
+                yield sse({**meta, "object": "text_completion", "choices": [], "usage": usage()})
             yield _SSE_DONE
             outcome.status = 200
         except RouterError as error:
             log.warning("%s stream %s failed: %s", endpoint, meta["id"], error.message)
             outcome.status = error.http_status
-            yield _sse(error.to_openai())
+            yield sse(error.to_openai())
             yield _SSE_DONE
         finally:
             await self._end_stream(watcher, generations)

@@ -33,7 +33,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdap
 from pdserve.router.errors import InvalidRequestError, NotFoundError, RouterError
 from pdserve.router.harmony import Delta, HarmonyError
 from pdserve.router.accounting import CLIENT_CLOSED, Outcome, outcome_of
-from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream, error_response
+from pdserve.router.openai_api import _cancel_on_disconnect, _event_stream, error_response, sse
 from pdserve.router.openai_schema import NOT_HONOURED as CHAT_NOT_HONOURED
 from pdserve.router import structured_output
 from pdserve.router.openai_schema import CHAT_ONLY
@@ -433,11 +433,6 @@ class ResponseOutput:
 
 
 # ---- the endpoint -----------------------------------------------------------------------------
-def _sse(event: dict) -> str:
-    return (f"event: {event['type']}\n"
-            f"data: {json.dumps(event, separators=(',', ':'), ensure_ascii=False)}\n\n")
-
-
 class ResponsesAPI:
     """`/v1/responses` on top of the chat front end's orchestrator, codec and request frame."""
 
@@ -606,7 +601,7 @@ class _Run:
     def _event(self, event: dict) -> str:
         event["sequence_number"] = self._sequence
         self._sequence += 1
-        return _sse(event)
+        return sse(event, event["type"])
 
     def finished(self, status: str) -> dict:
         """The final response object, stored when the request asked for it."""

@@ -247,6 +247,25 @@ def test_completions_streamed_with_multibyte_text(fresh, client):
         assert finish == "stop" and usage.completion_tokens == len(ids) + 1
 
 
+def test_streamed_text_with_unicode_line_separators_keeps_one_data_line_per_event(fresh, cluster):
+    """U+2028, U+2029 and U+0085 are legal raw in JSON, but line readers that split like
+    str.splitlines (httpx's and requests' iter_lines) break a line there: the events escape them,
+    so such a reader gets whole JSON data lines and the text back intact."""
+    text = " one\u2028two\x85three\u2029four"
+    ids = codec().encode(text)
+    fresh.reset(ids + codec().stop_token_ids()[:1])
+    for d in fresh.decode:
+        d.chunk_size = 2
+    pieces = []
+    body = {"model": MODEL, "prompt": "Say hi", "stream": True}
+    with httpx.stream("POST", cluster.base_url + "/v1/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert "".join(pieces) == text
+
+
 def test_completions_streamed_batch(fresh, client):
     text = " alpha beta gamma delta"
     ids = codec().encode(text)
