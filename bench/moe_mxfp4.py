@@ -68,26 +68,15 @@ GROUPED = {
 }
 
 # The CUDA mma kernels (kernels/cuda_moe_mxfp4.py): per pair or grouped by expert; gate/up and down
-# shapes as (warps, K split, K steps per register batch[, K steps a bulk chunk, chunks in flight]).
-def _mma_label(shape) -> str:
-    nw, ks, d, chunk, ring = MmaConfig(shape, shape).gate_up
-    return f"{nw}k{ks}d{d}" + (f"c{chunk}r{ring}" if chunk else "")
-
-
+# shapes as (warps, K split, K steps per register batch).
 MMA = {
-    f"mma {'grouped' if grouped else 'pair'} gu{_mma_label(gu)} dn{_mma_label(dn)}": (MmaConfig(gu, dn), grouped)
+    f"mma {'grouped' if grouped else 'pair'} gu{gu[0]}k{gu[1]}d{gu[2]} dn{dn[0]}k{dn[1]}d{dn[2]}": (MmaConfig(gu, dn), grouped)
     for grouped in (False, True)
     for gu, dn in (((4, 1, 2), (4, 2, 2)), ((4, 1, 3), (4, 2, 3)), ((4, 2, 2), (4, 4, 2)), ((2, 1, 3), (2, 2, 3)),
                    ((4, 1, 4), (4, 2, 4)), ((4, 1, 4), (4, 2, 2)), ((4, 1, 2), (4, 2, 4)),
                    # K split over 2 warps of 2-warp CTAs, one K step a batch: ~92 registers, so all
                    # 1440 gate/up CTAs of one token are resident at once (11 a SM, 22 warps)
-                   ((2, 2, 1), (2, 2, 1)), ((2, 2, 1), (4, 2, 2)), ((4, 2, 1), (4, 4, 1)), ((2, 2, 1), (4, 4, 1)),
-                   # weights through a per-warp ring of shared memory filled by bulk copies
-                   ((4, 1, 2, 4, 3), (4, 1, 2, 4, 3)), ((4, 1, 2, 4, 3), (2, 1, 2, 4, 3)),
-                   ((4, 1, 2, 2, 4), (2, 1, 2, 2, 4)), ((4, 1, 2, 6, 4), (2, 1, 2, 6, 4)),
-                   ((2, 1, 2, 4, 3), (2, 1, 2, 4, 3)), ((1, 1, 2, 4, 4), (1, 1, 2, 4, 4)),
-                   ((4, 1, 1, 2, 6), (2, 1, 1, 2, 6)), ((8, 1, 2, 4, 2), (4, 1, 2, 4, 2)),
-                   ((4, 1, 2, 8, 2), (2, 1, 2, 8, 2)), ((2, 1, 1, 1, 8), (2, 1, 1, 1, 8)))
+                   ((2, 2, 1), (2, 2, 1)), ((2, 2, 1), (4, 2, 2)), ((4, 2, 1), (4, 4, 1)), ((2, 2, 1), (4, 4, 1)))
 }
 
 

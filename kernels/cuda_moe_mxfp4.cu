@@ -3,9 +3,7 @@
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_SLOTS (most (token, expert) pairs
-// one CTA serves: they share the expert), MX_CHUNK / MX_RING (0: each warp streams its weights into
-// registers; else it has them copied into shared memory by the bulk-copy (TMA) engine, MX_CHUNK K
-// steps a copy, MX_RING chunks in flight: below), MX_TRACE (1: each kernel takes a last argument, a u64
+// one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
 // buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
 // bench/moe_trace.py, never in the engine), and the packed word layout of kernels/mxfp4.py (one source
 // for every decode): MX_MAG_ROT0..3, MX_SIGN_ROT0..3, MX_MAG_MASK, MX_SIGN_MASK.
@@ -26,11 +24,7 @@
 // Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
 // rows are staged in shared memory once per CTA; the K shares are added in a fixed order
-// (deterministic). With MX_CHUNK the weights reach the registers through a ring of MX_RING chunks of
-// shared memory per warp instead: the warp asks the bulk-copy engine for its first MX_RING chunks (one
-// cp.async.bulk per row and chunk, completing on the chunk's mbarrier) before it stages the tokens, and
-// re-arms a slot with the chunk MX_RING ahead as soon as its registers hold the slot's K steps. So
-// the bytes in flight no longer cost registers or issue slots: they are bounded by the ring alone.
+// (deterministic).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -46,23 +40,6 @@ typedef long long i64;
 #define ROWS (16 * NW / KSPLIT)         // weight rows per CTA
 #define SCALE_WORDS (((KG + 15) / 16) * 4)  // a row's scale bytes, padded to 16 groups, as words
 #define XROW (KG * 16 + 4)            // a staged token row in words (+4: fewer bank conflicts)
-#ifndef MX_CHUNK
-#define MX_CHUNK 0
-#define MX_RING 0
-#endif
-#define CH MX_CHUNK                      // K steps a bulk copy brings (0: register streaming)
-#if CH
-#define NCHUNK ((CHUNKS + CH - 1) / CH)
-#define RING (MX_RING < NCHUNK ? MX_RING : NCHUNK)  // chunks in flight per warp
-#define WROW (CH * 16 + (16 - (CH * 16) % 32 + 32) % 32)  // a row of a slot in words: = 16 mod 32, so
-                                                        // the 8 lanes of an LDS.128 phase (rows g, g+1)
-                                                        // meet disjoint banks
-#define SLOT_WORDS (16 * WROW)
-#define WARP_WORDS (RING * SLOT_WORDS + 16 * SCALE_WORDS)  // a warp's ring, then its rows' scale words
-static_assert(KSPLIT == 1, "bulk copies bring a warp's whole K: no K split");
-static_assert(CH % D == 0, "a register batch reads one chunk");
-static_assert(RING >= 1, "a ring of at least one chunk");
-#endif
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 
@@ -78,32 +55,6 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-
-#if CH
-// mbarriers and bulk copies (PTX, sm_90): a chunk's barrier expects its bytes (one arrival, by lane 0),
-// the copies complete them, the warp waits on the phase's parity.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ void bar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "POLL:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t@!done bra POLL;\n}"
-      ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-#endif
 
 __device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
 
@@ -284,56 +235,6 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
   }
 }
 
-#if CH
-// The bulk-copy ring of one warp: its 16 rows' K steps [q CH, (q + 1) CH) (chunk q) live in slot
-// q % RING, complete on bar[q % RING] in phase q / RING; chunk 0 also brings the rows' scale words.
-struct Ring {
-  u32* slots;                // RING slots of 16 rows x WROW words
-  u32* scales;               // 16 rows x SCALE_WORDS
-  unsigned long long* bar;   // RING barriers
-  const char* rows;          // the warp's first weight row in global memory (16 rows, contiguous)
-  const u32* row_scales;     // and its scale words
-};
-
-// Lane 0 arms the slot's barrier with the chunk's bytes, lanes 0-15 copy their row's share, lane 16
-// the scales (chunk 0). Generic reads of the slot (its last chunk, into registers) come first.
-__device__ __forceinline__ void request_chunk(const Ring& r, int q, int lane) {
-  const u32 begin = q * CH * 64, end = min((q + 1) * CH * 64, KG * 16), row_bytes = end - begin;
-  unsigned long long* bar = r.bar + q % RING;
-  __syncwarp();
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  if (lane == 0) bar_expect(bar, 16 * row_bytes + (q == 0 ? 16 * SCALE_WORDS * 4 : 0));
-  __syncwarp();
-  if (lane < 16)
-    bulk_copy(r.slots + (q % RING) * SLOT_WORDS + lane * WROW, r.rows + (i64)lane * (KG * 16) + begin, row_bytes, bar);
-  else if (lane == 16 && q == 0)
-    bulk_copy(r.scales, r.row_scales, 16 * SCALE_WORDS * 4, bar);
-}
-
-// K steps first .. first + D (one chunk's) from the ring into a register batch; the slot is re-armed
-// with the chunk RING ahead once the batch holds the chunk's last K step.
-__device__ __forceinline__ void load_batch_ring(Batch& b, const Ring& r, int first, int g, int tig, int lane) {
-  const int q = first / CH;
-  if (first % CH == 0) bar_wait(r.bar + q % RING, (q / RING) & 1);
-  const u32* slot = r.slots + (q % RING) * SLOT_WORDS;
-#pragma unroll
-  for (int j = 0; j < D; j++) {
-    const int c = first + j, grp = 4 * c + tig, col = 4 * (c - q * CH) + tig;  // group within the slot row
-    b.wa[j] = b.wb[j] = U4{0u, 0u, 0u, 0u};
-    b.sa[j] = b.sb[j] = 0u;
-    if (c < CHUNKS) {
-      if (grp < KG) {
-        b.wa[j] = *reinterpret_cast<const U4*>(slot + g * WROW + 4 * col);
-        b.wb[j] = *reinterpret_cast<const U4*>(slot + (g + 8) * WROW + 4 * col);
-      }
-      b.sa[j] = r.scales[g * SCALE_WORDS + c];
-      b.sb[j] = r.scales[(g + 8) * SCALE_WORDS + c];
-    }
-  }
-  if (((first + D) % CH == 0 || first + D >= CHUNKS) && q + RING < NCHUNK) request_chunk(r, q + RING, lane);
-}
-#endif
-
 // sum over K of W[row] * x[slot] for the CTA's ROWS rows and the item's pairs: warp w takes rows
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
@@ -342,44 +243,20 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
                          const Item& it, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
-  const int ntp = (it.n + 1) / 2;
-  float acc[TP][2];
-#pragma unroll
-  for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
-  Batch b0, b1;
-#if CH
-  __shared__ unsigned long long bars[NW][RING];
-  const int row = blockIdx.x * ROWS + warp * 16;
-  Ring r;
-  r.slots = xs + SLOTS * XROW + warp * WARP_WORDS;
-  r.scales = r.slots + RING * SLOT_WORDS;
-  r.bar = bars[warp];
-  r.rows = reinterpret_cast<const char*>(words + (i64)row * (KG * 4));
-  r.row_scales = scales + (i64)row * SCALE_WORDS;
-  if (lane == 0) {
-    for (int q = 0; q < RING; q++) bar_init(r.bar + q);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  for (int q = 0; q < RING; q++) request_chunk(r, q, lane);
-  stage_rows(xs, it);
-  load_batch_ring(b0, r, 0, g, tig, lane);
-#pragma unroll 1
-  for (int first = 0; first < CHUNKS; first += 2 * D) {
-    if (first + D < CHUNKS) load_batch_ring(b1, r, first + D, g, tig, lane);
-    use_batch(b0, first, xs, it, ntp, g, tig, acc);
-    if (first + D >= CHUNKS) break;
-    if (first + 2 * D < CHUNKS) load_batch_ring(b0, r, first + 2 * D, g, tig, lane);
-    use_batch(b1, first + D, xs, it, ntp, g, tig, acc);
-  }
-#else
   const int ks = warp % KSPLIT;
   const int row0 = blockIdx.x * ROWS + (warp / KSPLIT) * 16 + g;  // and row0 + 8
   const U4* w0 = reinterpret_cast<const U4*>(words + (i64)row0 * (KG * 4));
   const U4* w1 = reinterpret_cast<const U4*>(words + (i64)(row0 + 8) * (KG * 4));
   const u32* s0 = scales + (i64)row0 * SCALE_WORDS;
   const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
+
+  Batch b0, b1;
   load_batch(b0, w0, w1, s0, s1, ks, tig);
   stage_rows(xs, it);
+  const int ntp = (it.n + 1) / 2;
+  float acc[TP][2];
+#pragma unroll
+  for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
@@ -389,7 +266,6 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
     if (first + 2 * STEP < CHUNKS) load_batch(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
     use_batch(b1, first + STEP, xs, it, ntp, g, tig, acc);
   }
-#endif
 #pragma unroll
   for (int p = 0; p < TP; p++) {
     if (p >= ntp) break;

@@ -39,27 +39,13 @@ _LAYOUT_MACROS = ([f"-DMX_MAG_ROT{q}={r}" for q, r in enumerate(PACKED_MAG_ROT)]
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
-    per register batch (two batches in flight), K steps a bulk copy brings, bulk chunks in flight
-    per warp). The last two 0 (or left out): each warp streams its weights straight into registers;
-    else through its ring of shared memory, filled by the bulk-copy engine (no K split then, and a
-    chunk holds whole register batches)."""
+    per register batch, two batches in flight)."""
 
-    gate_up: tuple[int, ...] = (4, 1, 2, 0, 0)
-    down: tuple[int, ...] = (4, 2, 2, 0, 0)
-
-    def __post_init__(self):
-        for which in ("gate_up", "down"):
-            given = tuple(getattr(self, which))
-            shape = given + (0, 0) if len(given) == 3 else given
-            if len(shape) != 5 or min(shape[:3]) < 1 or min(shape[3:]) < 0 or (shape[3] > 0) != (shape[4] > 0):
-                raise ValueError(f"{which}: (warps, K split, batch[, chunk, ring]), got {given}")
-            _, ksplit, batch, chunk, _ = shape
-            if chunk and (ksplit != 1 or chunk % batch):
-                raise ValueError(f"{which}: bulk chunks take a warp's whole K in whole batches, got {given}")
-            object.__setattr__(self, which, shape)
+    gate_up: tuple[int, int, int] = (4, 1, 2)
+    down: tuple[int, int, int] = (4, 2, 2)
 
     def rows(self, which: str) -> int:
-        nw, ksplit = getattr(self, which)[:2]
+        nw, ksplit, _ = getattr(self, which)
         return 16 * nw // ksplit
 
 
@@ -89,23 +75,21 @@ def _available(index: int) -> bool:
 
 
 @functools.cache
-def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False) -> dict:
+def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], trace: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
-    shape (warps, K split, batch, chunk, ring) of an MmaConfig; trace: the per-CTA timing build
-    (MX_TRACE)."""
+    shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE)."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
-    nw, ksplit, batch, chunk, ring = shape
+    nw, ksplit, batch = shape
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
             f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_CHUNK={chunk}", f"-DMX_RING={ring}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
-            "-std=c++17", *_LAYOUT_MACROS])
+            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", "-std=c++17", *_LAYOUT_MACROS])
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
         # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
         libcuda = _get_gpu_runtime_library()
-        smem = _shared_bytes(k_groups, slots, shape)
+        smem = _shared_bytes(k_groups, slots)
         for k in kernels.values():
             k.set_shared_memory_config(smem)  # the launcher's own check, from 48 KB
             _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, smem))
@@ -115,18 +99,9 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...]) -> int:
-    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each), then each
-    warp's bulk-copy ring and scale words (WARP_WORDS)."""
-    nw, _, _, chunk, ring = shape
-    staged = slots * (k_groups * 16 + 4)
-    if not chunk:
-        return 4 * staged
-    row = chunk * 16 + (16 - chunk * 16 % 32) % 32  # WROW
-    k_steps = -(-k_groups // 4)
-    ring = min(ring, -(-k_steps // chunk))  # at most the chunks of K (NCHUNK)
-    scale_words = (k_groups + 15) // 16 * 4
-    return 4 * (staged + nw * (ring * 16 * row + 16 * scale_words))
+def _shared_bytes(k_groups: int, slots: int) -> int:
+    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each)."""
+    return slots * (k_groups * 16 + 4) * 4
 
 
 def experts_forward_mxfp4_mma(
@@ -179,13 +154,13 @@ def experts_forward_mxfp4_mma(
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     gate_up(grid=grid_gu, block=(32 * config.gate_up[0], 1, 1),
-            shared_mem=_shared_bytes(hg, slots, config.gate_up), args=[
+            shared_mem=_shared_bytes(hg, slots), args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
     part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
     counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    down(grid=grid_dn, block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots, config.down), args=[
+    down(grid=grid_dn, block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots), args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])
     if res is not out:

@@ -61,23 +61,3 @@ def test_trace_buffers_too_small_are_refused_before_any_launch():
             experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, trace=(bad, ok))
         with pytest.raises(ValueError, match="trace buffer"):
             experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, trace=(ok, bad))
-
-
-def test_launch_shapes_are_checked_and_the_ring_is_sized():
-    """(warps, K split, batch) streams into registers (chunk and ring 0); a bulk-copy ring takes a
-    warp's whole K in whole batches. Its shared memory: the staged rows, then per warp RING slots of
-    16 rows (a row padded to 16 mod 32 words) and the rows' scale words."""
-    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, _shared_bytes
-
-    assert MmaConfig((4, 1, 2), (4, 2, 2)) == MmaConfig((4, 1, 2, 0, 0), (4, 2, 2, 0, 0))
-    for bad in ((4, 1, 2, 4), (4, 1, 2, 4, 0), (4, 1, 2, 0, 3), (4, 2, 2, 4, 3), (4, 1, 3, 4, 3), (0, 1, 2)):
-        with pytest.raises(ValueError):
-            MmaConfig(bad, (4, 2, 2))
-    staged = 4 * (90 * 16 + 4)  # one token row of K 2880, 4 bytes a word
-    assert _shared_bytes(90, 1, (4, 2, 2, 0, 0)) == staged
-    # chunk 4 K steps = 64 words a row, padded to 80; 3 slots; 16 rows x 24 scale words
-    assert _shared_bytes(90, 1, (4, 1, 2, 4, 3)) == staged + 4 * 4 * (3 * 16 * 80 + 16 * 24)
-    # chunk 3 = 48 words a row, already 16 mod 32
-    assert _shared_bytes(90, 8, (2, 1, 3, 3, 2)) == 8 * staged + 4 * 2 * (2 * 16 * 48 + 16 * 24)
-    # K 64: one K step, so one chunk, whatever the ring asked for
-    assert _shared_bytes(2, 1, (4, 1, 3, 3, 2)) == 4 * (2 * 16 + 4) + 4 * 4 * (16 * 48 + 16 * 4)

@@ -36,16 +36,14 @@ def _seeded():
 def _configs():
     from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, MmaConfig
 
-    return [CONFIG, MmaConfig((4, 2, 3), (4, 4, 2)), MmaConfig((8, 1, 2), (2, 1, 3)),
-            MmaConfig((4, 1, 2, 4, 3), (2, 1, 2, 6, 2)), MmaConfig((2, 1, 3, 6, 4), (4, 1, 1, 1, 1))]
+    return [CONFIG, MmaConfig((4, 2, 3), (4, 4, 2)), MmaConfig((8, 1, 2), (2, 1, 3))]
 
 
 @pytest.mark.parametrize("t,e", [(1, 32), (3, 8), (8, 8), (16, 32), (64, 8), (64, 32)])
-@pytest.mark.parametrize("config", range(5))
+@pytest.mark.parametrize("config", range(3))
 def test_mma_moe_against_reference(t, e, config):
-    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Five launch
-    shapes: the default; K split over 2 / 4 warps; 8 warps; weights through bulk-copy rings (a ring
-    that wraps, one that holds the whole K, one of a single one-step chunk)."""
+    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Three launch
+    shapes (the default; K split over 2 / 4 warps; 8 warps)."""
     import functools
 
     fwd = functools.partial(_mma(), config=_configs()[config])
@@ -67,11 +65,8 @@ def test_mma_moe_against_reference(t, e, config):
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("config", [0, 3])
-def test_mma_moe_cuda_graph(grouped, config):
-    import functools
-
-    fwd = functools.partial(_mma(), config=_configs()[config])
+def test_mma_moe_cuda_graph(grouped):
+    fwd = _mma()
     g = _seeded()
     w = random_layer(8, g, DEV)
     wp = w.to_packed()
@@ -121,19 +116,18 @@ def _scale_cases():
 
 
 @pytest.mark.parametrize("s_gate_up,x_scale,s_down", _scale_cases())
-@pytest.mark.parametrize("shape", [(4, 1, 3), (4, 1, 3, 3, 2)])
-def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down, shape):
+def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down):
     """Every e2m1 code in every row (+-0.5: bf16 subnormals in the mma's A operand), gate/up and
     down scales from `_scale_cases`; one expert, one token, K = 64 (two groups: a K step with two
     empty group slots), against float64. Tolerance 1e-2: no long sums average the bf16 roundings of
     the activations and the output down, and +- codes cancel; a wrong code or scale is off by far
-    more. Register streaming and a bulk-copy ring (K of one step: one chunk)."""
+    more."""
     import functools
 
     from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
     from pdserve.kernels.mxfp4 import MxExperts
 
-    fwd = functools.partial(_mma(), config=MmaConfig(shape, shape))
+    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3)))
     h = i = 64
     g = _seeded()
 
