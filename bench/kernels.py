@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: sink attention and the FP8 MoE layer against peers and floors.
 
-    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,moe_prefill,gemv,gemm,sweep]
+    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,moe_prefill,routing,gemv,gemm,sweep]
                             [--doc docs/performance.md] [--json results.json]
 
 Prints one table per section and replaces the "## Kernels" section of `--doc` (date, device,
@@ -547,7 +547,34 @@ def bench_gemv(ceil: dict, quick: bool) -> str:
     )
 
 
-def bench_moe_prefill(ceil: dict, quick: bool) -> str:
+def bench_routing(ceil: dict, quick: bool, tokens: list[int] | None = None) -> str:
+    """The routing layout (kernels.triton_moe.align_routing, DeepGEMM's 128-row alignment) at
+    prompt sizes: one program that counts and places every pair against the two launches of one
+    program per ROUTING_CHUNK pairs (each forced by moving ROUTING_PARALLEL_FROM); us, L2 flushed."""
+    from pdserve.kernels import triton_moe as tm
+
+    default_from = tm.ROUTING_PARALLEL_FROM
+    rows = []
+    try:
+        for model, num_e in MODELS.items():
+            for t in tokens or [1024, 4096, 8192] + ([] if quick else [32768]):
+                _, _, ids, _, _ = bench_inputs(t, num_e, seed=t)
+                times = []
+                for parallel_from in (1 << 62, 0):
+                    tm.ROUTING_PARALLEL_FROM = parallel_from
+                    times.append(time_it(lambda: tm.align_routing(ids, 0, num_e, 128), reps=20))
+                rows.append([model, t, t * TOP_K, fmt_us(times[0]), fmt_us(times[1]), f"{times[0] / times[1]:.1f}x",
+                             "two launches" if t * TOP_K > default_from else "one program"])
+                print(f"[routing] {rows[-1]}", flush=True)
+    finally:
+        tm.ROUTING_PARALLEL_FROM = default_from
+    return table(
+        "Routing layout at prefill sizes (align_routing, 128-row segments): one program vs two "
+        f"launches of one program per {tm.ROUTING_CHUNK} pairs; us, L2 flushed",
+        ["model", "tokens", "pairs", "one program us", "two launches us", "speed-up", "default"], rows)
+
+
+def bench_moe_prefill(ceil: dict, quick: bool, tokens: list[int] | None = None) -> str:
     """The MoE layer at prefill sizes: our Triton grouped path against the DeepGEMM path
     (kernels.deepgemm_moe: DeepGEMM's grouped GEMMs with our routing, SwiGLU and combine kernels
     around them), and DeepGEMM's two GEMMs alone and with a separate bias add (the peers); TFLOP/s
@@ -560,7 +587,7 @@ def bench_moe_prefill(ceil: dict, quick: bool) -> str:
     rows = []
     for model, num_e in MODELS.items():
         w = bench_weights(num_e)
-        for t in [256, 512, 1024, 8192] + ([] if quick else [32768]):
+        for t in tokens or [256, 512, 1024, 8192] + ([] if quick else [32768]):
             x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
             cfg = tm.select_config(t * TOP_K, num_e)
             reps = 10 if t <= 8192 else 5
@@ -935,6 +962,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sections", default="moe,gemv,gemm,attention", help="run in this order")
     ap.add_argument("--doc", default=None, help="markdown file whose '## Kernels' section is replaced")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tokens", default=None, help="comma-separated prompt sizes of the moe_prefill and routing sections")
     ap.add_argument("--warm-jit", choices=WARM_TARGETS, default=None)
     ap.add_argument("--deepgemm-child", action="store_true")
     args = ap.parse_args(argv)
@@ -943,6 +971,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.deepgemm_child:
         return deepgemm_child(args.quick)
     ceil = measure_ceilings()
+    tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else None
     out = []
     t0 = time.time()
     for section in args.sections.split(","):  # in the order given
@@ -951,7 +980,9 @@ def main(argv: list[str] | None = None) -> None:
         elif section == "moe":
             out.append(bench_moe(ceil, args.quick))
         elif section == "moe_prefill":
-            out.append(bench_moe_prefill(ceil, args.quick))
+            out.append(bench_moe_prefill(ceil, args.quick, tokens))
+        elif section == "routing":
+            out.append(bench_routing(ceil, args.quick, tokens))
         elif section == "gemv":
             out.append(bench_gemv(ceil, args.quick))
         elif section == "gemm":

@@ -8,7 +8,8 @@ from the input shapes, unused blocks exit early):
    lays the experts' segments out padded to `route_m` rows and scatters each pair's flat index
    into its segment (pairs routed to other ranks' experts get no row); programs 1.. quantise x to
    e4m3 with one float32 scale per 1x128 group, unless the gate/up GEMM quantises its few A rows
-   itself (decode tiles).
+   itself (decode tiles). Long prompts build the same layout in two launches of one program per
+   1024 pairs (`_count_kernel`, `_scatter_kernel`).
 2. gate/up GEMM with bias-initialised accumulators, clamped SwiGLU and FP8 re-quantisation fused
    (`kernels.triton_fp8_gemm`).
 3. down GEMM with bias, times the routing weight, one float32 row per pair.
@@ -126,6 +127,40 @@ class Routing:
 
 
 @triton.jit
+def _local_experts(ids_ptr, offs, num_pairs, first_expert, num_experts):
+    """The pairs' local expert ids, and which pairs are local (in range, on this rank)."""
+    in_range = offs < num_pairs
+    e = (tl.load(ids_ptr + offs, mask=in_range, other=-1) - first_expert).to(tl.int32)
+    return e, in_range & (e >= 0) & (e < num_experts)
+
+
+@triton.jit
+def _segments(counts, num_experts, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr):
+    """Per-expert pair counts -> (each expert's blocks, the block its segment ends before)."""
+    counts = tl.where(tl.arange(0, NUM_BINS) < num_experts, counts, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    return blocks, tl.cumsum(blocks, 0)
+
+
+@triton.jit
+def _write_block_experts(block_end, block_expert_ptr, num_experts, max_blocks, CHUNK_B: tl.constexpr):
+    """Block b belongs to the first expert whose segment ends after it (-1: unused)."""
+    for bstart in range(0, max_blocks, CHUNK_B):
+        b = bstart + tl.arange(0, CHUNK_B)
+        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+
+
+@triton.jit
+def _quantize_program(pid, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS: tl.constexpr):
+    """Quantising program pid (0-based among them): one QUANT_ROWS x 128 tile of x."""
+    groups = tl.cdiv(K, 128)
+    rows = (pid // groups) * QUANT_ROWS + tl.arange(0, QUANT_ROWS)
+    _quantize_group(x_ptr, q_ptr, s_ptr, rows, pid % groups, T, K, stride_x, stride_q, stride_s)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr, num_pairs, first_expert, num_experts,
     sorted_slot_ptr, block_expert_ptr, cursor_ptr, max_blocks,
@@ -138,30 +173,15 @@ def _align_kernel(
     pid = tl.program_id(0)
     if pid > 0:
         if QUANT_ROWS > 0:
-            groups = tl.cdiv(K, 128)
-            rows = ((pid - 1) // groups) * QUANT_ROWS + tl.arange(0, QUANT_ROWS)
-            _quantize_group(x_ptr, q_ptr, s_ptr, rows, (pid - 1) % groups, T, K,
-                            stride_x, stride_q, stride_s)
+            _quantize_program(pid - 1, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS)
         return
-    bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        in_range = offs < num_pairs
-        e = (tl.load(ids_ptr + offs, mask=in_range, other=-1) - first_expert).to(tl.int32)
-        local = in_range & (e >= 0) & (e < num_experts)
+        e, local = _local_experts(ids_ptr, start + tl.arange(0, CHUNK), num_pairs, first_expert, num_experts)
         counts += tl.histogram(tl.where(local, e, num_experts), NUM_BINS)
-    counts = tl.where(bins < num_experts, counts, 0)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(blocks, 0)
-    tl.store(cursor_ptr + bins, (block_end - blocks) * BLOCK_M)
-
-    # block b belongs to the first expert whose segment ends after it
-    for bstart in range(0, max_blocks, CHUNK_B):
-        b = bstart + tl.arange(0, CHUNK_B)
-        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+    blocks, block_end = _segments(counts, num_experts, BLOCK_M, NUM_BINS)
+    tl.store(cursor_ptr + tl.arange(0, NUM_BINS), (block_end - blocks) * BLOCK_M)
+    _write_block_experts(block_end, block_expert_ptr, num_experts, max_blocks, CHUNK_B)
     for rstart in range(0, max_blocks * BLOCK_M, CHUNK):
         r = rstart + tl.arange(0, CHUNK)
         tl.store(sorted_slot_ptr + r, tl.full((CHUNK,), -1, tl.int32), mask=r < max_blocks * BLOCK_M)
@@ -169,11 +189,74 @@ def _align_kernel(
 
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        in_range = offs < num_pairs
-        e = (tl.load(ids_ptr + offs, mask=in_range, other=-1) - first_expert).to(tl.int32)
-        local = in_range & (e >= 0) & (e < num_experts)
+        e, local = _local_experts(ids_ptr, offs, num_pairs, first_expert, num_experts)
         pos = tl.atomic_add(cursor_ptr + tl.where(local, e, 0), 1, mask=local)
         tl.store(sorted_slot_ptr + pos, offs.to(tl.int32), mask=local)
+
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, num_pairs, first_expert, num_experts, sorted_slot_ptr, slot_rows, share, counts_ptr,
+    x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s,
+    NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, QUANT_ROWS: tl.constexpr,
+):
+    """Long prompts, first launch: program p < cdiv(num_pairs, CHUNK) counts its chunk's pairs per
+    local expert (row p of counts) and sets its `share` of the routed rows to -1 (the second
+    launch overwrites the used ones); the programs after them quantise x, as `_align_kernel`'s do."""
+    pid = tl.program_id(0)
+    chunks = tl.cdiv(num_pairs, CHUNK)
+    if pid >= chunks:
+        if QUANT_ROWS > 0:
+            _quantize_program(pid - chunks, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS)
+        return
+    e, local = _local_experts(ids_ptr, pid * CHUNK + tl.arange(0, CHUNK), num_pairs, first_expert, num_experts)
+    tl.store(counts_ptr + pid * NUM_BINS + tl.arange(0, NUM_BINS),
+             tl.histogram(tl.where(local, e, num_experts), NUM_BINS))
+    for i in range(0, share, FILL):
+        r = i + tl.arange(0, FILL)
+        tl.store(sorted_slot_ptr + pid * share + r, tl.full((FILL,), -1, tl.int32),
+                 mask=(r < share) & (pid * share + r < slot_rows))
+
+
+@triton.jit
+def _scatter_kernel(
+    ids_ptr, num_pairs, first_expert, num_experts, sorted_slot_ptr, block_expert_ptr, max_blocks,
+    counts_ptr, cursor_ptr,
+    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Long prompts, second launch: program p lays the segments out from every chunk's counts and
+    places its chunk's pairs after those of the chunks before it (atomics on its own cursor row:
+    programs never contend); program 0 also writes each block's expert."""
+    pid = tl.program_id(0)
+    chunks = tl.cdiv(num_pairs, CHUNK)
+    bins = tl.arange(0, NUM_BINS)
+    total = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    before = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for rstart in range(0, chunks, ROWS):  # the counts, ROWS chunks at a time
+        rows = rstart + tl.arange(0, ROWS)
+        counts = tl.load(counts_ptr + rows[:, None] * NUM_BINS + bins[None, :], mask=(rows < chunks)[:, None], other=0)
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((rows < pid)[:, None], counts, 0), 0)
+    blocks, block_end = _segments(total, num_experts, BLOCK_M, NUM_BINS)
+    tl.store(cursor_ptr + pid * NUM_BINS + bins, (block_end - blocks) * BLOCK_M + before)
+    if pid == 0:
+        _write_block_experts(block_end, block_expert_ptr, num_experts, max_blocks, CHUNK_B)
+    tl.debug_barrier()
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    e, local = _local_experts(ids_ptr, offs, num_pairs, first_expert, num_experts)
+    pos = tl.atomic_add(cursor_ptr + pid * NUM_BINS + tl.where(local, e, 0), 1, mask=local)
+    tl.store(sorted_slot_ptr + pos, offs.to(tl.int32), mask=local)
+
+
+# Batches of more (token, slot) pairs than this build the routing layout in two launches of many
+# programs (`_count_kernel`, `_scatter_kernel`) instead of one program that counts and places
+# every pair itself: that program's serial loop of atomics grows with the prompt. On an H200
+# (2026-12-02, `python -m pdserve.bench.kernels --sections routing`, 128-row segments, 120b): one
+# program 25.5 / 79.6 / 149 / 642 us at 4k / 16k / 33k / 131k pairs, two launches 53 / 34 / 34 /
+# 50 us (20b alike); the crossing lies between 4k and 16k pairs. Decode batches stay below it.
+ROUTING_PARALLEL_FROM = 8192
+ROUTING_CHUNK = 1024  # pairs per program of the two-launch layout
 
 
 def align_routing(
@@ -193,23 +276,36 @@ def align_routing(
     sorted_slot = _empty((max_blocks * route_m,), torch.int32, dev)
     block_expert = _empty((max_blocks,), torch.int32, dev)
     num_bins = triton.next_power_of_2(num_experts + 1)
-    cursor = _empty((num_bins,), torch.int32, dev)
     quant_rows = 16
     if x is not None:
         x = x.contiguous()
         xq = _empty(tuple(x.shape), FP8, dev)
         xs = _empty((t, cdiv(x.shape[1], BLOCK)), torch.float32, dev)
         quant_args = (x, xq, xs, t, x.shape[1], x.stride(0), xq.stride(0), xs.stride(0))
-        grid = (1 + cdiv(t, quant_rows) * cdiv(x.shape[1], BLOCK),)
+        quant_programs = cdiv(t, quant_rows) * cdiv(x.shape[1], BLOCK)
     else:
-        quant_args = (cursor, cursor, cursor, 0, 0, 0, 0, 0)
-        grid = (1,)
-    _align_kernel[grid](
-        topk_ids.contiguous().view(-1), pairs, first_expert, num_experts,
-        sorted_slot, block_expert, cursor, max_blocks, *quant_args,
-        BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=1024, CHUNK_B=max(16, 8192 // num_bins),
-        QUANT_ROWS=quant_rows if x is not None else 0, num_warps=8,
-    )
+        quant_args = (sorted_slot, sorted_slot, sorted_slot, 0, 0, 0, 0, 0)
+        quant_programs = 0
+    ids = topk_ids.contiguous().view(-1)
+    chunk_b = max(16, 8192 // num_bins)
+    quant = quant_rows if x is not None else 0
+    if pairs > ROUTING_PARALLEL_FROM:
+        chunks = cdiv(pairs, ROUTING_CHUNK)
+        counts = _empty((chunks, num_bins), torch.int32, dev)
+        cursor = _empty((chunks, num_bins), torch.int32, dev)
+        _count_kernel[(chunks + quant_programs,)](
+            ids, pairs, first_expert, num_experts, sorted_slot, sorted_slot.numel(), cdiv(sorted_slot.numel(), chunks),
+            counts, *quant_args,
+            NUM_BINS=num_bins, CHUNK=ROUTING_CHUNK, FILL=1024, QUANT_ROWS=quant, num_warps=4)
+        _scatter_kernel[(chunks,)](
+            ids, pairs, first_expert, num_experts, sorted_slot, block_expert, max_blocks, counts, cursor,
+            BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=ROUTING_CHUNK, CHUNK_B=chunk_b,
+            ROWS=max(1, 2048 // num_bins), num_warps=4)
+    else:
+        cursor = _empty((num_bins,), torch.int32, dev)
+        _align_kernel[(1 + quant_programs,)](
+            ids, pairs, first_expert, num_experts, sorted_slot, block_expert, cursor, max_blocks, *quant_args,
+            BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=1024, CHUNK_B=chunk_b, QUANT_ROWS=quant, num_warps=8)
     routing = Routing(sorted_slot, block_expert, route_m, k)
     return routing if x is None else (routing, xq, xs)
 

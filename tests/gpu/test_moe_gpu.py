@@ -114,11 +114,19 @@ def test_quantize_act_bit_exact(t):
     assert torch.equal(s2.cpu(), rs)
 
 
-@pytest.mark.parametrize("t,num_experts,first", [(1, 32, 0), (7, 128, 0), (133, 32, 16), (4099, 128, 64)])
+@pytest.mark.parametrize("t,num_experts,first", [(1, 32, 0), (7, 128, 0), (133, 32, 16), (4099, 128, 64),
+                                                 (32768, 128, 0)])
 @pytest.mark.parametrize("route_m", [16, 128])
-def test_align_routing_layout(t, num_experts, first, route_m):
-    """Every local pair lands exactly once, inside a block of its own expert; nothing else."""
-    ids = torch.stack([torch.randperm(2 * num_experts, device=DEV)[:TOP_K] for _ in range(t)])
+@pytest.mark.parametrize("parallel_from", [None, 0])
+def test_align_routing_layout(t, num_experts, first, route_m, parallel_from, monkeypatch):
+    """Every local pair lands exactly once, inside a block of its own expert; nothing else. Both
+    builds: one program up to ROUTING_PARALLEL_FROM pairs (4099 and 32768 tokens are above it), and
+    the two-launch one forced for every size with chunks of 64 pairs (many programs even at 7
+    tokens; a chunk with no local pair at 133 / 4099 with first > 0)."""
+    if parallel_from is not None:
+        monkeypatch.setattr(tm, "ROUTING_PARALLEL_FROM", parallel_from)
+        monkeypatch.setattr(tm, "ROUTING_CHUNK", 64)
+    ids = torch.rand(t, 2 * num_experts, device=DEV).argsort(dim=1)[:, :TOP_K]  # distinct in a row
     r = tm.align_routing(ids, first, num_experts, route_m)
     flat = (ids - first).flatten()
     local = ((flat >= 0) & (flat < num_experts)).nonzero().flatten()
