@@ -1,8 +1,9 @@
 """What one short kernel can read: the weight bytes of one MoE layer at one token (the 4 routed
-experts' gate/up blocks, 35 MB for 20b; their down blocks, 18 MB) read by a Triton kernel that only
-sums them, timed like bench/moe_mxfp4.py (CUDA graph, experts rotated so that no call finds its
-bytes in the L2; median of 20 replays). The MXFP4 floors of docs/performance.md divide bytes by the large-copy bandwidth;
-this says how much of that a kernel of this size reaches when it does nothing but read.
+experts' gate/up blocks, 33 MB for 20b; their down blocks, 17 MB; scales left out) read by a
+Triton kernel that only sums them, timed like bench/moe_mxfp4.py (CUDA graph, experts rotated so
+that no call finds its bytes in the L2; median of 20 replays). The MXFP4 floors of
+docs/performance.md divide bytes by the large-copy bandwidth; this says how much of that a kernel
+of this size reaches when it does nothing but read.
 
     python bench/read_floor.py [--experts 32] [--out FILE.json]
 """
