@@ -21,6 +21,10 @@
 // at the scale extremes); the activations are staged times 2^64, so a group's sum times 2^(s - 65)
 // is its value.
 //
+// Both kernels begin with `enter_pdl()`: launched with programmatic dependent launch
+// (kernels/pdl.py), a CTA may be placed while the kernel before it still runs; it waits there
+// until that kernel is done, then lets the next kernel launch.
+//
 // Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
 // rows are staged in shared memory once per CTA; the K shares are added in a fixed order
@@ -54,6 +58,11 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
   U4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+__device__ __forceinline__ void enter_pdl() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 __device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
@@ -299,6 +308,7 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
+  enter_pdl();
   TRACE(0);
   TRACE(3);
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);
@@ -333,6 +343,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
   __shared__ int last[SLOTS];
+  enter_pdl();
   TRACE(0);
   TRACE(3);
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1);

@@ -26,6 +26,7 @@ import torch
 
 from .arrival import arrival_counters
 from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
+from .pdl import enabled as pdl_enabled, launch_cuda
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +154,14 @@ def experts_forward_mxfp4_mma(
     down = _kernels(dev, ig, slots, config.down, trace is not None)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
-    gate_up(grid=grid_gu, block=(32 * config.gate_up[0], 1, 1),
-            shared_mem=_shared_bytes(hg, slots), args=[
+    pdl = pdl_enabled(x.device)
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
     part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
     counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    down(grid=grid_dn, block=(32 * config.down[0], 1, 1), shared_mem=_shared_bytes(ig, slots), args=[
+    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots), pdl=pdl, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])
     if res is not out:

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_options
 from .arrival import arrival_counters
 from .fp8 import cdiv
 from .triton_fp8_linear import _split_k_store
@@ -147,7 +148,9 @@ def _bf16_gemv_kernel(
     stride_xm, stride_wn, stride_om,
     TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     pid_n = pid // SPLIT_K
     pid_k = pid % SPLIT_K
@@ -252,5 +255,6 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         xc.stride(0), w.stride(0), out.stride(0),
         TOKENS=m, BLOCK_M=m_bucket(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
         SPLIT_K=split, K_PER=k_per, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        **launch_options(x.device),
     )
     return out

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_options
 from .triton_math import INTERPRET
 
 LOG2E = 1.4426950408889634
@@ -126,7 +127,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr, SPLITS: tl.constexpr,
     COMBINE: tl.constexpr, DOT_F32: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     s = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.program_id(2)
@@ -267,5 +270,6 @@ def paged_decode_attention(
         D=d, PAGE=page_size, BLOCK_N=cfg.block_n, MIN_KEYS=cfg.min_keys, SPLITS=splits,
         COMBINE=min(cfg.combine_splits, splits), DOT_F32=INTERPRET or q.dtype == torch.float32, WHILE_LOOP=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(q.device),
     )
     return out

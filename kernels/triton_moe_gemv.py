@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .pdl import enter, launch_options
 from . import triton_moe as tm
 from .fp8 import BLOCK, cdiv
 from .moe import ExpertWeights
@@ -213,7 +214,9 @@ def _gate_up_gemv_kernel(
     H: tl.constexpr, N2: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, QG: tl.constexpr,
     QUANT_OUT: tl.constexpr, HW_CVT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs  # pairs vary fastest: tokens sharing an expert read it together (L2)
     n_tile = pid // num_pairs
@@ -290,7 +293,9 @@ def _down_gemv_kernel(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, QG: tl.constexpr,
     QUANT_ACT: tl.constexpr, HW_CVT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     tok = pid % T  # tokens vary fastest (L2 sharing of common experts)
     n_tile = pid // T
@@ -391,6 +396,7 @@ def gate_up_swiglu_gemv(
         H=h, N2=n2, TOP_K=k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
         QG=_QUANT_GROUPS, QUANT_OUT=tile.block_n == 2 * BLOCK, HW_CVT=_HW_CVT,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(x.device),
     )
     return act
 
@@ -423,6 +429,7 @@ def down_combine_gemv(
         H=h, I=i, TOP_K=k, HAS_BIAS=bool(add_down_bias), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         NUM_STAGES=tile.num_stages, QG=_QUANT_GROUPS, QUANT_ACT=not act_quantised, HW_CVT=_HW_CVT,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **launch_options(act.device),
     )
     return out
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_options
 from .triton_math import INTERPRET, rsqrt_f32
 
 
@@ -27,7 +28,9 @@ def _add_rms_norm_kernel(
     x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, H, inv_h, eps,
     stride_x, stride_d, stride_r, stride_o,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < H
@@ -67,5 +70,6 @@ def add_rms_norm(
             x, d, weight, res, out, h, float(np.float32(1) / np.float32(h)), eps,
             x.stride(0), sd, res.stride(0), out.stride(0),
             HAS_DELTA=delta is not None, BLOCK=block, ACCURATE=not INTERPRET, num_warps=max(1, min(16, block // 256)),
+            **launch_options(x.device),
         )
     return res, out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_options
+
 
 @triton.jit
 def _rope_kv_kernel(
@@ -28,7 +30,9 @@ def _rope_kv_kernel(
     stride_cb, stride_ckv, stride_co, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = D // 2
     dt = qkv_ptr.dtype.element_ty
@@ -97,5 +101,6 @@ def rope_qkv_write(
             BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
             BLOCK_V=triton.next_power_of_2(num_kv_heads), num_warps=4,
             enable_fp_fusion=False,  # a product must be rounded before the sum, as in torch
+            **launch_options(qkv.device),
         )
     return q

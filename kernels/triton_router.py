@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_options
 from .arrival import arrival_counters
 from .triton_math import INTERPRET, exp_f32
 
@@ -35,10 +36,12 @@ def _router_kernel(
     x_ptr, w_ptr, b_ptr, weight_ptr, ids_ptr, logits_ptr, part_ptr, count_ptr, stride_x, stride_w,
     H: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr, WRITE_LOGITS: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, s): token t's partial logits over the s-th BLOCK_K columns -> float32 scratch;
     the token's last program to finish (a counter per token) sums the partials in split order,
     picks the top 4 and writes the softmax, then resets the counter for the next launch."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -123,5 +126,6 @@ def route_fused(
             x.stride(0), router_weight.stride(0), H=h, E=e, BLOCK_E=block_e, BLOCK_K=block_k,
             SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), WRITE_LOGITS=return_logits,
             ACCURATE_EXP=not INTERPRET, num_warps=num_warps,
+            **launch_options(x.device),
         )
     return (weights, ids, logits) if return_logits else (weights, ids)

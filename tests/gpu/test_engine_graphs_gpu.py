@@ -4,13 +4,9 @@ Triton FP8 MoE), step by step, while the batch changes size, requests cross page
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from pdserve.engine.checkpoint_writer import make_random_checkpoint
-from pdserve.engine.config import preset
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -19,14 +15,6 @@ from numerics import rel_l2
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 
 pytest.importorskip("flashinfer")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    # gpt-oss attention geometry (64 q / 8 kv heads, window 128) on narrower, fewer layers
-    cfg = dataclasses.replace(preset("20b"), hidden_size=640, intermediate_size=768, num_hidden_layers=4,
-                              num_local_experts=8, layer_types=())
-    return make_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "graphs", cfg, seed=0)
 
 
 def _start(runner: ModelRunner, prompts: list[list[int]], steps: list[int]) -> list[Sequence]:
@@ -39,9 +27,9 @@ def _start(runner: ModelRunner, prompts: list[list[int]], steps: list[int]) -> l
     return seqs
 
 
-def test_graph_decode_matches_eager(ckpt):
-    eager = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=512)
-    graphs = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16)
+def test_graph_decode_matches_eager(narrow_ckpt):
+    eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512)
+    graphs = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16)
     assert graphs.decode_graphs is not None and eager.decode_graphs is None
     assert graphs.decode_graphs.sizes == [1, 2, 4, 8, 16]
     free_before = {g: a.num_free for g, a in graphs.cache.allocators.items()}
@@ -83,8 +71,8 @@ def test_graph_decode_matches_eager(ckpt):
     assert {g: a.num_free for g, a in graphs.cache.allocators.items()} == free_before
 
 
-def test_graph_decode_over_the_largest_size_runs_eagerly(ckpt):
-    r = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256, cuda_graph_max_batch=2)
+def test_graph_decode_over_the_largest_size_runs_eagerly(narrow_ckpt):
+    r = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=256, cuda_graph_max_batch=2)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     seqs = _start(r, prompts, [4, 4, 4])
     out = r.decode(seqs)  # 3 > 2: the eager path
@@ -93,14 +81,14 @@ def test_graph_decode_over_the_largest_size_runs_eagerly(ckpt):
     assert out2.shape == (2, r.cfg.vocab_size) and torch.isfinite(out2).all()
 
 
-def test_pipelined_decode_matches_step_by_step(ckpt):
+def test_pipelined_decode_matches_step_by_step(narrow_ckpt):
     """LLMEngine's pipelined decode (the next step launched on the device-side tokens before the
     host reads them; one event wait per step) against the step-by-step engine on the same runner:
     the batches are composed the same way (length ends are known ahead; requests join at the same
     step), so the replays and therefore the greedy tokens are identical."""
     from pdserve.engine.llm_engine import LLMEngine
 
-    r = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=8)
+    r = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=8)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist() for n in (7, 140, 33, 300, 9)]
     lens = [30, 12, 25, 40, 3]

@@ -1,0 +1,96 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the decode step's kernels.
+
+A decode step at batch 1 is a chain of ~220 short dependent kernels (9 a layer), each a few
+microseconds; between two of them the GPU idles while the next grid is launched and its CTAs are
+placed and run their prologue. With PDL a kernel is launched with programmatic stream
+serialisation: its CTAs may start as soon as every CTA of the kernel before it has signalled
+(`griddepcontrol.launch_dependents`), and they block in `griddepcontrol.wait` until that kernel has
+finished and its memory is visible. So the launch and placement of kernel N + 1 overlap kernel N.
+
+The contract every PDL kernel keeps: `enter(PDL)` is its first statement (wait, then let the next
+kernel launch), so nothing it reads or writes can race with the kernel before it, and a kernel
+launched after it waits for it in turn (one kernel of look-ahead, never more). Kernels launched
+without PDL (cuBLAS, torch) keep plain stream order on both sides. CUDA graphs capture the
+programmatic edges, so replays keep them.
+
+`PDSERVE_PDL=0` turns it off (the benchmark's A/B); it is off on the CPU, under Triton's
+interpreter and before Hopper.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_math import INTERPRET
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL."""
+    if device.type != "cuda" or INTERPRET or os.environ.get("PDSERVE_PDL", "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments of a Triton launch whose kernel takes `PDL: tl.constexpr`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a PDL kernel: wait for the kernel before it, then let the next launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# The driver's launch structures (cuda.h, CUDA >= 12.0).
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, args: list,
+                pdl: bool) -> None:
+    """Launch a kernel of `torch.cuda._utils._cuda_load_module` on the current stream, with PDL when
+    `pdl` (its source must then begin with `griddepcontrol.wait`). Arguments as torch's launcher
+    takes them: tensors as pointers, ints as int, floats as double."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    keep = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            keep.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, int):
+            keep.append(ctypes.c_int(a))
+        elif isinstance(a, float):
+            keep.append(ctypes.c_double(a))
+        else:
+            raise TypeError(f"unsupported kernel argument {type(a).__name__}")
+    params = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                        torch.cuda.current_stream().cuda_stream, ctypes.pointer(attr), 1 if pdl else 0)
+    libcuda = _get_gpu_runtime_library()
+    _check_cuda(libcuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None))
