@@ -4,7 +4,8 @@ Each setting (environment variables read when kernels are launched, so at captur
 DecodeGraphs of the same runner and the same running batch; rounds replay each setting's graph
 back to back in turn, so clock and thermal drift fall on every setting alike. Reports the median
 replay per setting and its ratio to the first. Settings: programmatic dependent launch
-(kernels/pdl.py) off, then on.
+(kernels/pdl.py) off, then on; then also one token's QKV GEMV + RoPE + KV write in one launch
+(`GptOssModel.fuse_qkv_rope`), the engine's default.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--rounds 15] [--replays 20] [--out FILE.json]
@@ -28,7 +29,12 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 
-SETTINGS = {"pdl off": {"PDSERVE_PDL": "0"}, "pdl on": {"PDSERVE_PDL": "1"}}
+# name -> (environment, GptOssModel attributes) at capture
+SETTINGS = {
+    "pdl off": ({"PDSERVE_PDL": "0"}, {"fuse_qkv_rope": False}),
+    "pdl on": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": False}),
+    "pdl on, qkv+rope": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}),
+}
 
 
 def main() -> int:
@@ -52,8 +58,10 @@ def main() -> int:
         while eng.waiting:
             eng.step()
         graphs, steps = {}, {}
-        for name, env in SETTINGS.items():
+        for name, (env, attrs) in SETTINGS.items():
             os.environ.update(env)
+            for k, v in attrs.items():
+                setattr(runner.model, k, v)
             graphs[name] = DecodeGraphs(runner.model, runner.cache, batch, max_context=runner.max_context)
             size = graphs[name].size_for(batch)
             graphs[name].capture_all([size])

@@ -100,6 +100,7 @@ def labels(runner):
     p.set(m, "rope", _LabelledRope(m.rope))
     p.set(runner.cache, "write", _labelled("RoPE + KV write", runner.cache.write))
     p.set(TR, "rope_qkv_write", _labelled("RoPE + KV write", TR.rope_qkv_write))
+    p.set(TR, "qkv_rope_write", _labelled("QKV GEMV + RoPE + KV write", TR.qkv_rope_write))
     p.set(m, "_embed", _labelled("embedding", m._embed))
     p.set(LE, "sample", _labelled("sampling", LE.sample))
     for att in list(runner.attention.values()):

@@ -61,6 +61,16 @@ def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale:
     return linear_fp8(x, w, scale, bias)
 
 
+def _qkv_rope_fused(t: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether one token's QKV projection, RoPE and KV write run as one kernel
+    (kernels.triton_rope.qkv_rope_write): where `_project` would take the bf16 GEMV."""
+    if scale is not None or t.shape[0] != 1 or not t.is_cuda or t.dtype != torch.bfloat16 or w.dtype != t.dtype:
+        return False
+    from pdserve.kernels.triton_bf16_gemv import gemv_wins
+
+    return w.stride(1) == 1 and gemv_wins(1, *w.shape)
+
+
 @dataclass
 class StepContext:
     """One step's batch as the layers see it: KV slots per pool, planned attention per pool."""
@@ -95,6 +105,9 @@ class GptOssModel:
         self.page_size = page_size
         self.attention_backend = attention_backend
         self.fused = fused_kernels_wanted(self.device) if fused is None else fused
+        # with `fused`: one token's QKV GEMV + RoPE + KV write in one launch (False: two fused
+        # kernels; benchmarks and tests compare the two)
+        self.fuse_qkv_rope = True
 
     def make_attention(
         self,
@@ -138,22 +151,29 @@ class GptOssModel:
     def _attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         a, _ = self.w.layers[layer]
         D = self.cfg.head_dim
-        qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
         nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
         group, _ = step.cache.layer_group[layer]
-        if self.fused:
+        cache = step.cache.layer_cache(layer)
+        if self.fused and self.fuse_qkv_rope and _qkv_rope_fused(t, a.qkv_weight, a.qkv_scale):
+            from pdserve.kernels.triton_rope import qkv_rope_write
+
+            q = qkv_rope_write(t, a.qkv_weight, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
+                               step.slots[group], cache, self.num_q_heads, self.num_kv_heads)
+        elif self.fused:
             from pdserve.kernels.triton_rope import rope_qkv_write
 
-            q = rope_qkv_write(qkv, positions, self.rope.cos, self.rope.sin, step.slots[group],
-                               step.cache.layer_cache(layer), self.num_q_heads, self.num_kv_heads)
+            qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
+            q = rope_qkv_write(qkv, positions, self.rope.cos, self.rope.sin, step.slots[group], cache,
+                               self.num_q_heads, self.num_kv_heads)
         else:
+            qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
             q = qkv[:, :nq].view(-1, self.num_q_heads, D)
             k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, D)
             v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, D)
             q, k = self.rope(q, positions), self.rope(k, positions)
             step.cache.write(layer, step.slots, k, v)
             q = q.contiguous()
-        o = step.attention[group].run(q, step.cache.layer_cache(layer), a.sinks)
+        o = step.attention[group].run(q, cache, a.sinks)
         o = _project(o.reshape(-1, nq), a.o_weight, a.o_bias, a.o_scale, self.fused)
         return all_reduce(o, self.shard)
 

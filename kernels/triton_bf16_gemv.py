@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, launch_options
 from .arrival import arrival_counters
 from .fp8 import cdiv
+from .pdl import enter, launch_options
 from .triton_fp8_linear import _split_k_store
 from .triton_moe import _empty
 
@@ -139,26 +139,12 @@ def _token_out(acc, part, cols, TOKEN: tl.constexpr):
 
 
 @triton.jit
-def _bf16_gemv_kernel(
-    x_ptr,                      # [M, K], rows contiguous
-    w_ptr, bias_ptr,            # [N, K] rows contiguous, [N] (HAS_BIAS)
-    out_ptr,                    # [M, N]
-    part_ptr, count_ptr,        # SPLIT_K > 1: f32 [SPLIT_K, M, N] partials, int32 [tiles] counters (zero)
-    M, N, K,
-    stride_xm, stride_wn, stride_om,
-    TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    enter(PDL)
-    pid = tl.program_id(0)
-    pid_n = pid // SPLIT_K
-    pid_k = pid % SPLIT_K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_tile(x_ptr, w_rows, n_ok, K, stride_xm, k_lo, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_M]: the rows at `w_rows` (pointers [BLOCK_N, 1]; `n_ok` masks them)
+    times the first TOKENS rows of x over K_PER steps of BLOCK_K from k_lo."""
     offs_k0 = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), 8), 8)
     cols = tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     a0 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     if TOKENS > 1:
         a1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
@@ -174,7 +160,6 @@ def _bf16_gemv_kernel(
         a6 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     if TOKENS > 7:
         a7 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    k_lo = pid_k * (K_PER * BLOCK_K)
     # K_PER steps from k_lo; the last split's steps past K load nothing (masked) and add 0.
     # (Triton 3.6's interpreter under numpy 2 takes only constexpr loop bounds.)
     for i in tl.range(0, K_PER, num_stages=NUM_STAGES):
@@ -213,6 +198,31 @@ def _bf16_gemv_kernel(
         acc = _token_out(acc, a6, cols, 6)
     if TOKENS > 7:
         acc = _token_out(acc, a7, cols, 7)
+    return acc
+
+
+@triton.jit
+def _bf16_gemv_kernel(
+    x_ptr,                      # [M, K], rows contiguous
+    w_ptr, bias_ptr,            # [N, K] rows contiguous, [N] (HAS_BIAS)
+    out_ptr,                    # [M, N]
+    part_ptr, count_ptr,        # SPLIT_K > 1: f32 [SPLIT_K, M, N] partials, int32 [tiles] counters (zero)
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    enter(PDL)
+    pid = tl.program_id(0)
+    pid_n = pid // SPLIT_K
+    pid_k = pid % SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    k_lo = pid_k * (K_PER * BLOCK_K)
+    acc = _gemv_tile(x_ptr, w_rows, n_ok, K, stride_xm, k_lo, TOKENS, BLOCK_M, BLOCK_N, BLOCK_K, K_PER, NUM_STAGES)
     if HAS_BIAS:  # in split 0's partial only
         acc += tl.load(bias_ptr + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
     _split_k_store(acc, out_ptr, part_ptr, count_ptr, offs_n, cols, M, N, stride_om, pid_n, pid_k,

@@ -56,10 +56,10 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .pdl import enter, launch_options
 from . import triton_moe as tm
 from .fp8 import BLOCK, cdiv
 from .moe import ExpertWeights
+from .pdl import enter, launch_options
 from .triton_math import swiglu_f32
 
 

@@ -1,4 +1,6 @@
-"""The QKV epilogue in one Triton launch: YaRN RoPE on q and k, and the paged KV-cache write.
+"""The QKV epilogue in one Triton launch: YaRN RoPE on q and k, and the paged KV-cache write; and,
+for one token (batch-1 decode), the QKV projection itself in the same launch (`qkv_rope_write`:
+the bf16 GEMV's rows taken in rotation pairs, so each program rotates what it computed).
 
 The QKV GEMM keeps its bias (cuBLAS adds it in its epilogue). What follows it in the plain path
 is about 20 small kernels per layer (table gathers, casts, chunk, four multiplies, two adds, cat,
@@ -21,6 +23,8 @@ import triton
 import triton.language as tl
 
 from .pdl import enter, launch_options
+from .triton_bf16_gemv import DEFAULTS, _gemv_tile, select_config
+from .triton_math import INTERPRET
 
 
 @triton.jit
@@ -103,4 +107,101 @@ def rope_qkv_write(
             enable_fp_fusion=False,  # a product must be rounded before the sum, as in torch
             **launch_options(qkv.device),
         )
+    return q
+
+
+@triton.jit
+def _mul_rounded(a, b, dt, ACCURATE: tl.constexpr):
+    """a * b rounded to dt, as float32: a product LLVM cannot narrow and contract into the sum after
+    it (libdevice's round-to-nearest multiply), so a fused kernel rounds as `_rope_kv_kernel` does
+    without turning FMA fusion off for its GEMV."""
+    if ACCURATE:
+        return tl.extra.cuda.libdevice.mul_rn(a, b).to(dt).to(tl.float32)
+    else:
+        return (a * b).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, w_ptr, bias_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_ptr, page_size, K,
+    stride_wn, stride_cos, stride_cb, stride_ckv, stride_co, stride_ch,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr, ACCURATE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One token. Program p: 4 rotation pairs of one head, rows h D + j + {0..3} and + D / 2 (the
+    GEMV of kernels.triton_bf16_gemv on those 8 weight rows, bias in float32, rounded to x.dtype as
+    its output is), then `_rope_kv_kernel`'s arithmetic on them: q heads to q, k heads rotated and
+    v heads as they are into the token's KV slot."""
+    enter(PDL)
+    HALF: tl.constexpr = D // 2
+    p = tl.program_id(0)
+    h = p // (HALF // 4)
+    j = (p % (HALF // 4)) * 4
+    r = tl.arange(0, 8)
+    rows = h * D + j + (r % 4) + (r // 4) * HALF  # [x1 of dims j..j+3, x2 of the same dims]
+    n_ok = rows < (HQ + 2 * HKV) * D
+    acc = _gemv_tile(x_ptr, w_ptr + rows.to(tl.int64)[:, None] * stride_wn, n_ok, K, 0, 0,
+                     1, 1, 8, BLOCK_K, K_PER, NUM_STAGES)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+    dt = x_ptr.dtype.element_ty
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dt).to(tl.float32), (2, 4)), (1, 0)))
+    jj = j + tl.arange(0, 4)
+    pos = tl.load(pos_ptr)
+    cos = tl.load(cos_ptr + pos * stride_cos + jj).to(dt).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + jj).to(dt).to(tl.float32)
+    if h < HQ + HKV:  # q or k: rotate
+        a = _mul_rounded(x1, cos, dt, ACCURATE)
+        b = _mul_rounded(x2, sin, dt, ACCURATE)
+        c = _mul_rounded(x2, cos, dt, ACCURATE)
+        d = _mul_rounded(x1, sin, dt, ACCURATE)
+        o1 = (a - b).to(dt)
+        o2 = (c + d).to(dt)
+    else:
+        o1 = x1.to(dt)
+        o2 = x2.to(dt)
+    if h < HQ:
+        tl.store(q_ptr + h * D + jj, o1)
+        tl.store(q_ptr + h * D + HALF + jj, o2)
+    else:
+        slot = tl.load(slot_ptr)
+        page = slot // page_size
+        head = tl.where(h < HQ + HKV, h - HQ, h - HQ - HKV)
+        dst = (cache_ptr + page * stride_cb + (slot - page * page_size) * stride_co + head * stride_ch
+               + tl.where(h < HQ + HKV, 0, stride_ckv))
+        tl.store(dst + jj, o1.to(cache_ptr.dtype.element_ty))
+        tl.store(dst + HALF + jj, o2.to(cache_ptr.dtype.element_ty))
+
+
+def qkv_rope_write(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+) -> torch.Tensor:
+    """One token's QKV projection, RoPE and KV-cache write in one launch: x [1, K] (bf16), w
+    [(Hq + 2 Hkv) D, K] (bf16, rows contiguous), bias [N] or None; the rest as `rope_qkv_write`.
+    Returns rotated q [1, Hq, D]; equals `bf16_gemv` then `rope_qkv_write` bit for bit where the GEMV
+    does not split K (gpt-oss' QKV at TP 1: 640 tiles of 8 rows; K is never split here)."""
+    blocks, two, page_size, hkv, d = layer_cache.shape
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be one contiguous token row of w {tuple(w.shape)}'s K")
+    if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d or d % 8:
+        raise ValueError(f"w {tuple(w.shape)} does not match cache {tuple(layer_cache.shape)} "
+                         f"with {num_q_heads} q heads")
+    if layer_cache.stride(-1) != 1 or cos.stride(1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("cache heads and cos/sin rows must be contiguous")
+    if positions.shape != (1,) or slots.shape != (1,):
+        raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be [1]")
+    cfg = select_config(1, n, k)  # the GEMV's launch shape for these weights, in tiles of 8 rows
+    if cfg.block_n != 8:
+        cfg = DEFAULTS[1]
+    q = torch.empty(1, num_q_heads, d, dtype=x.dtype, device=x.device)
+    _qkv_rope_kernel[(n // 8,)](
+        x, w, bias if bias is not None else w, positions, cos, sin, slots, layer_cache, q, page_size, k,
+        w.stride(0), cos.stride(0), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
+        layer_cache.stride(3), HQ=num_q_heads, HKV=num_kv_heads, D=d, HAS_BIAS=bias is not None,
+        BLOCK_K=cfg.block_k, K_PER=triton.cdiv(k, cfg.block_k), NUM_STAGES=cfg.num_stages,
+        ACCURATE=not INTERPRET, num_warps=cfg.num_warps, **launch_options(x.device),
+    )
     return q

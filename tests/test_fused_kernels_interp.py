@@ -8,7 +8,8 @@ values and compared whole, so a write to a wrong slot fails too). float32 and fl
 interpreter casts float32 to bf16 by truncation (the GPU tests cover bf16).
 
 Tolerances:
-- RoPE + KV write: bit-exact (same roundings in the same order);
+- RoPE + KV write: bit-exact (same roundings in the same order); one token's QKV GEMV + RoPE + KV
+  write in one launch: bit-exact against the bf16 GEMV then the RoPE + KV write;
 - residual add: bit-exact; the normed output: rel L2 2e-6 (float32) / 1e-3 (float16): the sum of
   squares is summed in another order and the interpreter's rsqrt is 1/sqrt, not libdevice's;
 - router logits: rel L2 1e-6 / 1e-3 (summation order); ids: the top 4 of the kernel's own logits
@@ -50,6 +51,12 @@ def _cases(seed: int) -> list[dict]:
         cache = torch.randn(blocks, 2, page, hkv, d, generator=g).to(dt)
         out.append(dict(kind="rope", dtype=dt, qkv=torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dt),
                         pos=pos, slots=slots, cache=cache, hq=hq, hkv=hkv))
+        # one token's projection too (K ragged: 600 = a 512-wide step and a masked one)
+        k = 600
+        out.append(dict(kind="qkv_rope", dtype=dt, x=torch.randn(1, k, generator=g).to(dt),
+                        w=(torch.randn((hq + 2 * hkv) * d, k, generator=g) * 0.05).to(dt),
+                        b=torch.randn((hq + 2 * hkv) * d, generator=g).to(dt), pos=pos[:1], slots=slots[:1],
+                        cache=cache, hq=hq, hkv=hkv))
         # router: 128 experts (the launch shape of triton_router.LAUNCH_SHAPES: 16 splits of 64
         # columns), 32 (8 splits of 128) and 8 (2 splits); the bias lifts a few experts (one vector
         # for all rows, so a row's 4th and 5th logits may still be close, or equal in float16)
@@ -77,7 +84,8 @@ def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from pdserve.engine.rope import RotaryEmbedding
     from pdserve.kernels.triton_norm import add_rms_norm
-    from pdserve.kernels.triton_rope import rope_qkv_write
+    from pdserve.kernels.triton_bf16_gemv import GemvConfig, bf16_gemv
+    from pdserve.kernels.triton_rope import qkv_rope_write, rope_qkv_write
     from pdserve.kernels.triton_router import route_fused
 
     rope = RotaryEmbedding(_rope_cfg(), torch.device("cpu"), max_positions=512)
@@ -91,6 +99,13 @@ def _child(in_path: str, out_path: str) -> None:
             cache = c["cache"].clone()
             q = rope_qkv_write(c["qkv"], c["pos"], rope.cos, rope.sin, c["slots"], cache, c["hq"], c["hkv"])
             results.append(dict(q=q, cache=cache))
+        elif c["kind"] == "qkv_rope":
+            two_step, fused = c["cache"].clone(), c["cache"].clone()
+            qkv = bf16_gemv(c["x"], c["w"], c["b"], GemvConfig(block_n=8, block_k=512, split_k=1))  # K unsplit, as fused
+            q2 = rope_qkv_write(qkv, c["pos"], rope.cos, rope.sin, c["slots"], two_step, c["hq"], c["hkv"])
+            q1 = qkv_rope_write(c["x"], c["w"], c["b"], c["pos"], rope.cos, rope.sin, c["slots"], fused,
+                                c["hq"], c["hkv"])
+            results.append(dict(q_fused=q1, cache_fused=fused, q=q2, cache=two_step))
         else:
             w, ids, logits = route_fused(c["x"], c["w"], c["b"], 4, return_logits=True)
             again = route_fused(c["x"], c["w"], c["b"], 4)  # the arrival counters were reset
@@ -140,6 +155,14 @@ def test_rope_kv_write(run):
         PagedKVCache.write(_OneLayer(cache, page), 0, {"full": c["slots"]}, k, v)
         assert r["q"].is_contiguous() and torch.equal(r["q"], q)
         assert torch.equal(r["cache"], cache)
+
+
+def test_qkv_rope_one_launch(run):
+    for c, r in _of(run, "qkv_rope"):
+        assert not r["q_fused"].isnan().any()
+        assert torch.equal(r["q_fused"], r["q"])
+        assert torch.equal(r["cache_fused"], r["cache"])
+        assert not torch.equal(r["cache"], c["cache"])  # the token's K and V were written
 
 
 class _OneLayer:

@@ -4,7 +4,8 @@ kernels.moe.route), and the whole model with and without them.
 
 Tolerances:
 - RoPE + KV write: bit-exact (same roundings, same order); the whole cache is compared, so a write
-  to a wrong slot fails too;
+  to a wrong slot fails too; one token's QKV GEMV + RoPE + KV write in one launch: bit-exact against
+  the bf16 GEMV then the RoPE + KV write;
 - residual add: bit-exact; normed output: each element within one bf16 rounding step of the plain
   path's and at least 99 % identical (only the float32 sum of squares is summed in another order);
 - router logits: within one bf16 step (of the exact value) plus 1e-6 of the sum of |products| of
@@ -98,6 +99,38 @@ def test_rope_kv_write(t, preset_name):
         assert torch.equal(got[pool], cache.pools[pool]), pool
 
 
+@pytest.mark.parametrize("preset_name", ["20b", "120b"])
+@pytest.mark.parametrize("layer", [0, 1])  # a windowed and a full-attention layer
+def test_qkv_rope_one_launch(preset_name, layer):
+    from pdserve.engine.config import preset
+    from pdserve.engine.kv_cache import PagedKVCache
+    from pdserve.engine.rope import RotaryEmbedding
+    from pdserve.kernels.triton_bf16_gemv import bf16_gemv
+    from pdserve.kernels.triton_rope import qkv_rope_write, rope_qkv_write
+
+    cfg = dataclasses.replace(preset(preset_name), num_hidden_layers=2, layer_types=())
+    g = _gen()
+    hq, hkv, dd, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    rope = RotaryEmbedding(cfg, DEV)
+    cache = PagedKVCache(cfg, num_blocks=64, page_size=16, device=DEV)
+    for pool in cache.pools.values():
+        pool.normal_(generator=g)
+    x = torch.randn(1, h, device=DEV, generator=g).to(BF16)
+    w = (torch.randn((hq + 2 * hkv) * dd, h, device=DEV, generator=g) * 0.03).to(BF16)
+    b = torch.randn((hq + 2 * hkv) * dd, device=DEV, generator=g).to(BF16)
+    pos = torch.randint(0, cfg.max_position_embeddings, (1,), device=DEV, generator=g)
+    slot = torch.randint(0, 64 * 16, (1,), device=DEV, generator=g)
+    before = {k: v.clone() for k, v in cache.pools.items()}
+    q = qkv_rope_write(x, w, b, pos, rope.cos, rope.sin, slot, cache.layer_cache(layer), hq, hkv)
+    fused = {k: v.clone() for k, v in cache.pools.items()}
+    cache.pools = before
+    qkv = bf16_gemv(x, w, b)  # gpt-oss' QKV at one token: K not split, as in the fused launch
+    ref_q = rope_qkv_write(qkv, pos, rope.cos, rope.sin, slot, cache.layer_cache(layer), hq, hkv)
+    assert torch.equal(q, ref_q), f"{(q != ref_q).float().mean():.2%} of q differs"
+    for pool in fused:
+        assert torch.equal(fused[pool], cache.pools[pool]), pool
+
+
 @pytest.mark.parametrize("t", [1, 8, 64, 256])
 @pytest.mark.parametrize("experts", [32, 128])
 def test_router(t, experts):
@@ -156,3 +189,31 @@ def test_model_fused_vs_plain(ckpt, monkeypatch):
     err = rel_l2(a, b)
     print(f"fused vs plain prefill logits: rel L2 {err:.2e}")
     assert err < 5e-2
+
+
+def test_qkv_rope_launch_keeps_the_decode_step(ckpt):
+    """One token's QKV GEMV + RoPE + KV write in one launch (GptOssModel.fuse_qkv_rope) gives the
+    decode step the logits of the two separate fused kernels, bit for bit, step after step (two
+    copies of one request, one through each)."""
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
+
+    r = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256)
+    assert r.model.fused and r.model.fuse_qkv_rope
+    prompt = torch.randint(0, 201088, (150,)).tolist()
+    seqs = []
+    for name in ("fused", "separate"):
+        s = Sequence(name, list(prompt), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+        s.blocks = r.cache.reserve(s.max_tokens, len(prompt))
+        s.append(int(r.prefill(s).argmax()), (), r.max_context)
+        seqs.append(s)
+    for _ in range(8):
+        logits = []
+        for s, flag in zip(seqs, (True, False)):
+            r.model.fuse_qkv_rope = flag
+            logits.append(r.decode([s]))
+        assert torch.isfinite(logits[0]).all() and torch.equal(logits[0], logits[1])
+        tok = int(logits[0].argmax())
+        for s in seqs:
+            s.append(tok, (), r.max_context)
