@@ -243,6 +243,9 @@ def profile_decode(eng, runner, graphs, steps: int = 20) -> dict:
     res["categories"] = {c: {"us": cats[c] / n, "kernels": count[c] / n} for c, _ in cats.most_common()}
     res["kernels_per_step"] = len(replayed) / n
     res["kernel_us_per_step"] = sum(k["dur"] for k in replayed) / n
+    from pdserve.kernels.pdl import enabled
+
+    res["pdl"] = enabled(runner.device)  # then a kernel's duration includes its wait for the one before
     runner.decode_graphs = saved
     return res
 
@@ -273,6 +276,10 @@ def table(profiles: dict[str, dict]) -> list[str]:
         for p in profiles.values():
             cells += [f"{p['host_us'].get(h, 0):.0f}", ""]
         lines.append(f"| host: {h} | " + " | ".join(cells) + " |")
+    if any(p.get("pdl") for p in profiles.values()):
+        lines.append("\nKernels launched with programmatic dependent launch (kernels/pdl.py): a kernel's duration "
+                     "includes the time its CTAs wait for the kernel before it, so the categories add up to more "
+                     "than the replay; `PDSERVE_PDL=0` gives durations without the overlap.")
     return lines
 
 
