@@ -11,7 +11,9 @@
 # --tokens 1,4,16,64"), MX_ENGINE_ARGS: of the engine runs (e.g. "--mxfp4-mma-max-tokens 0"), dec120
 # (120b with $LAYERS120 layers, default 8, batch 1 at context 8192, FP8 then MXFP4 experts; scale per
 # layer for the 36-layer figure), mxncu (Nsight Compute on the one-token MXFP4 mma kernels, warp
-# states sampled per SASS instruction: $W/mx_t1.ncu-rep for the Nsight Compute UI's Source page).
+# states sampled per SASS instruction: $W/mx_t1.ncu-rep for the Nsight Compute UI's Source page), ab
+# (bench/launch_ab.py: the step's graph with PDL off / on / on + the one-launch QKV epilogue,
+# interleaved, FP8 then MXFP4 experts, batches $AB_BATCHES, default 1,64).
 # BUDGET: seconds.
 # Logs and results go to $OUT/decode.tgz; build caches to $OUT (see bench/device_caches.sh).
 set -u
@@ -33,7 +35,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,p
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$W/env.log"
 
 # the checkpoint and the XQA decode modules build in the background while the tests run
-if { has bench || has peer || has engmx; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
+if { has bench || has peer || has engmx || has ab; } && [ ! -f /tmp/ckpt/20b-mxfp4-seed0/config.json ]; then
   ( python3 -c "
 from pathlib import Path
 from bench.model import ensure_checkpoint
@@ -77,7 +79,7 @@ if has mxncu; then
   grep -E "mx_|Duration|DRAM Throughput|Warp Cycles Per Issued|Stall|Issued Warp" "$W/mx_t1_details.txt" | head -60
   pack
 fi
-if has bench || has peer || has engmx; then
+if has bench || has peer || has engmx || has ab; then
   [ -n "${ckpt_pid:-}" ] && wait "$ckpt_pid"
   wait $xqa_pid 2>/dev/null
   tail -1 "$W/ckpt20.log" 2>/dev/null
@@ -108,6 +110,15 @@ if has engmx; then
       --decode-steps 32 --batches ${MX_BATCHES:-1,16,32,64} ${MX_ENGINE_ARGS:-} > "$W/eg_$prec.log" 2>&1
     log "engine_gpu $prec rc=$?"
     grep -vE "^\s*$|Warning|warn" "$W/eg_$prec.log" | grep -E "decode|prefill|step|rel|Error|error" | tail -20
+    pack
+  done
+fi
+if has ab; then
+  for prec in fp8 mxfp4; do
+    timeout "$(left 10)" python3 bench/launch_ab.py --ckpt /tmp/ckpt/20b-mxfp4-seed0 --precision $prec \
+      --batches ${AB_BATCHES:-1,64} --out "$W/ab_$prec.json" > "$W/ab_$prec.log" 2>&1
+    log "launch_ab $prec rc=$?"
+    grep -E "^batch|Error" "$W/ab_$prec.log"
     pack
   done
 fi
