@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.kernels import time_it  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
@@ -70,16 +71,10 @@ def main() -> int:
             steps[name] = graphs[name]._steps[size]
         runner.decode_graphs = None
         times = {name: [] for name in SETTINGS}
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(a.rounds):
-            for name, step in steps.items():
-                step.graph.replay()
-                e0.record()
-                for _ in range(a.replays):
-                    step.graph.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                times[name].append(e0.elapsed_time(e1) / a.replays * 1e3)
+            for name, step in steps.items():  # one timed run of `replays` back-to-back replays
+                run = lambda: [step.graph.replay() for _ in range(a.replays)]  # noqa: E731
+                times[name].append(time_it(run, reps=1, warmup=1, flush=False) * 1e6 / a.replays)
         base = statistics.median(times[next(iter(SETTINGS))])
         results[batch] = {}
         for name, ts in times.items():

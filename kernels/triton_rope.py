@@ -12,8 +12,9 @@ Same arithmetic as `engine.rope.RotaryEmbedding` + `PagedKVCache.write`: cos and
 tables, concentration folded in) are rounded to the activation dtype, each product and each
 sum/difference is rounded to it, half-split rotation. So the outputs are bit-identical to the
 plain path's, provided the compiler does not contract a product and a sum into one FMA (LLVM
-narrows the rounded float32 products to bf16 multiplies and would then fuse them into the
-subtraction, skipping the product's rounding): the launch turns FMA fusion off.
+narrows rounded float32 products to bf16 multiplies and would then fuse them into the
+subtraction, skipping the product's rounding): the products are PTX round-to-nearest
+multiplies, which it cannot narrow (`_rotate`), and the RoPE-only launch also turns FMA fusion off.
 """
 
 from __future__ import annotations
@@ -28,12 +29,37 @@ from .triton_math import INTERPRET
 
 
 @triton.jit
+def _mul_rounded(a, b, dt, ACCURATE: tl.constexpr):
+    """a * b rounded to dt, as float32: a product LLVM cannot narrow and contract into the sum after
+    it (PTX `mul.rn.f32`, which ptxas does not fuse either; no flush of subnormals; a product of two
+    dt values is exact in float32, so this is the torch op's rounding), which a kernel with a GEMV
+    needs without turning FMA fusion off."""
+    if ACCURATE:
+        p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        return p.to(dt).to(tl.float32)
+    else:
+        return (a * b).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dt, ACCURATE: tl.constexpr):
+    """Half-split rotation of float32 halves x1, x2 as the torch ops round it: each product and
+    each sum / difference rounded to dt. Returns the two halves in dt."""
+    a = _mul_rounded(x1, cos, dt, ACCURATE)
+    b = _mul_rounded(x2, sin, dt, ACCURATE)
+    c = _mul_rounded(x2, cos, dt, ACCURATE)
+    d = _mul_rounded(x1, sin, dt, ACCURATE)
+    return (a - b).to(dt), (c + d).to(dt)
+
+
+@triton.jit
 def _rope_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_ptr, page_size,
     stride_qkv, stride_cos, stride_q,
     stride_cb, stride_ckv, stride_co, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, ACCURATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     enter(PDL)
@@ -55,12 +81,7 @@ def _rope_kv_kernel(
     src = qkv_ptr + t * stride_qkv + h[:, None] * D + j[None, :]
     x1 = tl.load(src, mask=rot, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=rot, other=0.0).to(tl.float32)
-    a = (x1 * cos).to(dt).to(tl.float32)
-    b = (x2 * sin).to(dt).to(tl.float32)
-    c = (x2 * cos).to(dt).to(tl.float32)
-    d = (x1 * sin).to(dt).to(tl.float32)
-    o1 = (a - b).to(dt)
-    o2 = (c + d).to(dt)
+    o1, o2 = _rotate(x1, x2, cos, sin, dt, ACCURATE)
     is_q = (h < HQ)[:, None]
     qdst = q_ptr + t * stride_q + h[:, None] * D + j[None, :]
     tl.store(qdst, o1, mask=is_q)
@@ -103,22 +124,11 @@ def rope_qkv_write(
             layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
             HQ=num_q_heads, HKV=num_kv_heads, D=d,
             BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads),
-            BLOCK_V=triton.next_power_of_2(num_kv_heads), num_warps=4,
-            enable_fp_fusion=False,  # a product must be rounded before the sum, as in torch
+            BLOCK_V=triton.next_power_of_2(num_kv_heads), ACCURATE=not INTERPRET, num_warps=4,
+            enable_fp_fusion=False,  # nothing else to fuse here; a product must be rounded before the sum
             **launch_options(qkv.device),
         )
     return q
-
-
-@triton.jit
-def _mul_rounded(a, b, dt, ACCURATE: tl.constexpr):
-    """a * b rounded to dt, as float32: a product LLVM cannot narrow and contract into the sum after
-    it (libdevice's round-to-nearest multiply), so a fused kernel rounds as `_rope_kv_kernel` does
-    without turning FMA fusion off for its GEMV."""
-    if ACCURATE:
-        return tl.extra.cuda.libdevice.mul_rn(a, b).to(dt).to(tl.float32)
-    else:
-        return (a * b).to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -131,8 +141,8 @@ def _qkv_rope_kernel(
 ):
     """One token. Program p: 4 rotation pairs of one head, rows h D + j + {0..3} and + D / 2 (the
     GEMV of kernels.triton_bf16_gemv on those 8 weight rows, bias in float32, rounded to x.dtype as
-    its output is), then `_rope_kv_kernel`'s arithmetic on them: q heads to q, k heads rotated and
-    v heads as they are into the token's KV slot."""
+    its output is), then `_rotate` as `_rope_kv_kernel` does: q heads to q, k heads rotated and v
+    heads as they are into the token's KV slot."""
     enter(PDL)
     HALF: tl.constexpr = D // 2
     p = tl.program_id(0)
@@ -152,12 +162,7 @@ def _qkv_rope_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos + jj).to(dt).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + jj).to(dt).to(tl.float32)
     if h < HQ + HKV:  # q or k: rotate
-        a = _mul_rounded(x1, cos, dt, ACCURATE)
-        b = _mul_rounded(x2, sin, dt, ACCURATE)
-        c = _mul_rounded(x2, cos, dt, ACCURATE)
-        d = _mul_rounded(x1, sin, dt, ACCURATE)
-        o1 = (a - b).to(dt)
-        o2 = (c + d).to(dt)
+        o1, o2 = _rotate(x1, x2, cos, sin, dt, ACCURATE)
     else:
         o1 = x1.to(dt)
         o2 = x2.to(dt)

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, launch_options
 from .arrival import arrival_counters
+from .pdl import enter, launch_options
 from .triton_math import INTERPRET, exp_f32
 
 MAX_TOKENS = 256  # above this a cuBLAS GEMM reads the router weights once for many tokens
