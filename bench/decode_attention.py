@@ -9,8 +9,9 @@ page-table buffers sized for the batch, plan() outside, run() replayed from a CU
 L2 flushed (256 MB read) before each repetition, median of 25. Full layers read every key;
 windowed layers (window_left = 127) read a pool holding only the pages a 128-key window reaches,
 as the engine's sliding pool does. `--tilings` adds the Triton kernel with other tilings
-(block_n/min_keys/num_warps: keys per inner step, fewest keys per split, warps), through the same
-buffers. The "vs XQA" column is our Triton kernel's output against XQA's (relative L2), a check
+(block_n/min_keys/num_warps[/max_splits[/num_stages[/combine_splits]]]: keys per inner step, fewest
+keys per split, warps, most splits, pipeline stages, partials folded per combine step), through
+the same buffers. The "vs XQA" column is our Triton kernel's output against XQA's (relative L2), a check
 on real shapes. Floor: the KV bytes read / the measured device-to-device copy bandwidth.
 """
 
@@ -35,8 +36,11 @@ WINDOW_LEFT = 127
 def _tiling(spec: str):
     from pdserve.kernels.triton_decode_attention import DecodeConfig
 
-    block_n, min_keys, warps = (int(x) for x in spec.split("/"))
-    return DecodeConfig(block_n=block_n, min_keys=min_keys, num_warps=warps)
+    fields = [int(x) for x in spec.split("/")]
+    names = ("block_n", "min_keys", "num_warps", "max_splits", "num_stages", "combine_splits")
+    if not 3 <= len(fields) <= len(names):
+        raise SystemExit(f"a tiling is {'/'.join(names)} (the last three optional), got {spec!r}")
+    return DecodeConfig(**dict(zip(names, fields)))
 
 
 def _case(b: int, ctx: int, window_left: int, tilings: list[str], gen: torch.Generator) -> dict:
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--contexts", default="1024,8192")
-    ap.add_argument("--tilings", default="", help="extra Triton tilings, block_n/min_keys/num_warps, comma-separated")
+    ap.add_argument("--tilings", default="", help="extra Triton tilings, block_n/min_keys/num_warps[/max_splits[/num_stages[/combine_splits]]], comma-separated")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
