@@ -11,8 +11,9 @@ Paths (chosen per batch kind, measured on an H200: docs/kernels.md):
 - decode (every request has one query): XQA (`xqa_batch_decode_with_kv_cache`) for small
   batches (full layers: < 64k KV tokens; windowed layers: <= 16 requests), the FA2 sink wrapper
   for bigger ones and for page sizes XQA has no kernel for. `decode_backend="triton"`: the
-  Triton split-KV kernel instead (same page-table buffers as XQA; "auto" takes it up to
-  `_TRITON_MAX_BATCH` requests: windowed layers up to 64, full layers never, as measured).
+  Triton split-KV kernel instead (same page-table buffers as XQA, the tiling of its layer type:
+  `triton_decode_attention.FULL_LAYERS` / `WINDOWED_LAYERS`; "auto" takes it up to
+  `_TRITON_MAX_BATCH` requests: windowed layers up to 64, full layers up to 16, as measured).
   A CUDA-graph object with the Triton decode kernel needs no FlashInfer at all.
 
 CUDA graphs (decode): construct with `cuda_graph_batch_size=B, max_pages_per_request=P`. The
@@ -48,11 +49,13 @@ _XQA_PAGE_SIZES = (16, 32, 64, 128)
 # XQA eagerly and FA2 in its graph).
 _XQA_MAX_BATCH = 16
 # Our Triton split-KV decode kernel takes decode batches of up to this many requests, per layer
-# type, ahead of the rules above (0: never). Measured (H200, 2026-12-01, bench/decode_attention.py,
+# type, ahead of the rules above (0: never). Measured (H200, bench/decode_attention.py,
 # docs/performance.md): windowed layers 0.43-0.67x the best FlashInfer kernel's time at batch
-# 1-64, context 1k and 8k; full layers faster at context 1k (0.76-0.96x) but slower at 8k
-# (1.2-1.5x), and a captured graph keeps its kernel for every context: XQA/FA2 stay there.
-_TRITON_MAX_BATCH = {"full": 0, "window": 64}
+# 1-64, context 1k and 8k (2026-12-01); full layers, with their tiling of 2026-12-02, at or below
+# XQA's time at batches 1-16 for every context from 1k to 32k keys (0.71x at 1k, 0.89x at 8k,
+# 0.97x at 32k, batch 1). A captured graph keeps its kernel for every context, so the rule holds
+# only where the kernel is no slower at any of them.
+_TRITON_MAX_BATCH = {"full": 16, "window": 64}
 
 _FA_WORKSPACE_BYTES = 256 << 20
 _XQA_WORKSPACE_BYTES = 256 << 20
@@ -137,6 +140,13 @@ class FlashInferSinkAttention:
     def _triton_max_batch(self) -> int:
         return _TRITON_MAX_BATCH["window" if self.window_left >= 0 else "full"]
 
+    @property
+    def _triton_config(self):
+        """The Triton decode kernel's tiling for this layer type."""
+        from .triton_decode_attention import FULL_LAYERS, WINDOWED_LAYERS
+
+        return WINDOWED_LAYERS if self.window_left >= 0 else FULL_LAYERS
+
     # ---------------------------------------------------------------- construction helpers
     def _init_graph_buffers(self, b: int, max_pages: int) -> None:
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -151,7 +161,7 @@ class FlashInferSinkAttention:
             self._staged = torch.cuda.Event()
             self._staged.record()
             if self.decode_backend == "triton":
-                self._triton_scratch(b, max_pages * self.page_size)
+                self._triton_scratch(b)
         else:
             self._graph_bufs = dict(
                 qo_indptr_buf=torch.arange(b + 1, **i32),
@@ -160,13 +170,14 @@ class FlashInferSinkAttention:
                 paged_kv_last_page_len_buf=torch.ones(b, **i32),
             )
 
-    def _triton_scratch(self, rows: int, max_keys: int):
-        """Partials for `rows` requests of up to `max_keys` keys; graph objects size it once."""
+    def _triton_scratch(self, rows: int):
+        """Partials for `rows` requests; graph objects size it once. The splits depend on the rows
+        and the layer type only (the window bounds a windowed layer's keys), never on the step's
+        lengths: an eager step and the graph that replays it split and fold alike (bit for bit)."""
         from .triton_decode_attention import DecodeScratch, num_splits
 
-        if self.window_left >= 0:
-            max_keys = min(max_keys, self.window_left + 1)
-        splits = num_splits(rows, self.num_kv_heads, max_keys, self.device)
+        max_keys = self.window_left + 1 if self.window_left >= 0 else None
+        splits = num_splits(rows, self.num_kv_heads, max_keys, self.device, self._triton_config)
         s = getattr(self, "_scratch", None)
         if s is None or not s.fits(rows, self.num_kv_heads, splits):
             s = self._scratch = DecodeScratch(rows, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
@@ -204,7 +215,7 @@ class FlashInferSinkAttention:
         if decode_backend in ("xqa", "triton"):
             self._plan_xqa(batch)
             if decode_backend == "triton":
-                self._triton_scratch(batch.batch_size, int(batch.kv_lens.max()))
+                self._triton_scratch(batch.batch_size)
                 self._mode = "triton"
         else:
             backend = decode_backend or self.prefill_backend
@@ -303,7 +314,7 @@ class FlashInferSinkAttention:
             from .triton_decode_attention import paged_decode_attention
 
             return paged_decode_attention(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
-                                          self.window_left, self._scratch, out=out)
+                                          self.window_left, self._scratch, out=out, cfg=self._triton_config)
         if self._mode == "xqa":
             from flashinfer.decode import xqa_batch_decode_with_kv_cache
 

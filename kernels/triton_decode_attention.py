@@ -53,24 +53,42 @@ class DecodeConfig:
     combine_splits: int = 8  # partials folded per combine step (power of two)
 
 
+# The tilings the engine runs, by layer type (H200, `python -m pdserve.bench.decode_attention
+# --tilings ...`, docs/performance.md, 2026-12-02). Full layers: 128-key blocks, splits of at least
+# 256 keys, up to 32 splits folded in one combine step: at or below XQA's time at batches 1-16 and
+# 1k-32k keys (batch 1: 10.9 / 17.2 / 31.6 us at 1k / 8k / 32k against XQA's 15.4 / 19.4 / 32.7),
+# where the same blocks in up to 16 splits folded 8 at a time took 3-15 us more at 8k-32k keys.
+# Windowed layers (128 keys): one 128-key block of 8 warps, no split (about 0.5 us under the
+# default tiling).
+FULL_LAYERS = DecodeConfig(block_n=128, min_keys=256, max_splits=32, combine_splits=32)
+WINDOWED_LAYERS = DecodeConfig(block_n=128, min_keys=256, num_warps=8)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_splits(
-    batch_rows: int, num_kv_heads: int, max_keys: int, device: torch.device, cfg: DecodeConfig = DecodeConfig()
+    batch_rows: int, num_kv_heads: int, max_keys: int | None, device: torch.device, cfg: DecodeConfig = DecodeConfig()
 ) -> int:
-    """Splits per (request, KV head) for a grid of `batch_rows` requests of up to `max_keys` keys
-    (for a windowed layer: the window): a power of two, so few kernel variants compile."""
+    """Splits per (request, KV head) for a grid of `batch_rows` requests whose keys are bounded by
+    `max_keys` (a windowed layer's window; None: no bound): a power of two, so few kernel variants
+    compile. The rows count as the next power of two: an eager decode step of b requests and the
+    CUDA graph that runs it padded to its capture size (engine.cuda_graphs: powers of two up to 8,
+    then multiples of 16) get the same splits, and with them the same split of each request's keys
+    and the same folding order, so a replayed step equals the eager one bit for bit. For the same
+    reason the engine passes a bound that does not depend on the step (the window, or None), not
+    the longest request."""
     target = cfg.programs
     if target <= 0:
         if device.type == "cuda":
             target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         else:
             target = 2 * 132  # an H200's SMs: CPU runs (the interpreter) mimic its grid
-    want = min(triton.cdiv(target, max(batch_rows, 1) * num_kv_heads), triton.cdiv(max(max_keys, 1), cfg.min_keys),
-               cfg.max_splits)
+    want = min(triton.cdiv(target, triton.next_power_of_2(max(batch_rows, 1)) * num_kv_heads), cfg.max_splits)
+    if max_keys is not None:
+        want = min(want, triton.cdiv(max(max_keys, 1), cfg.min_keys))
     return 1 << (max(want, 1).bit_length() - 1)  # largest power of two <= want
 
 

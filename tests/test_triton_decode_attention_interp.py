@@ -7,9 +7,10 @@ must not leak into this process); this process draws fresh inputs (requests of 1
 outside the cache so a stray read fails, padded rows beyond the batch), runs the reference and
 compares. Outputs are poisoned with NaN first, so an unwritten element fails.
 
-Configurations: the default tiling (a few 64-key splits per request) and a fine one (16-key
-blocks, up to 16 splits: the combine runs more than one step), full attention and windows of 128
-and 21 keys, GQA groups of 4 (padded to 16 rows) and 8 (gpt-oss).
+Configurations: the default tiling (a few 64-key splits per request), a fine one (16-key blocks,
+up to 16 splits: the combine runs more than one step, or folds them all in one), and the tilings
+the engine runs by layer type; full attention and windows of 128 and 21 keys, GQA groups of 4
+(padded to 16 rows) and 8 (gpt-oss).
 
 Tolerances (relative L2): float32 1e-5 (the same softmax in another order, ~1e-7); bf16 1e-2:
 the inputs are exact in both, but the interpreter casts float32 to bf16 by truncation (< 2^-7
@@ -33,10 +34,20 @@ pytest.importorskip("triton")
 PAGE = 16
 LENS = [1, 15, 16, 17, 300]
 FINE = dict(block_n=16, min_keys=16, programs=1024, max_splits=16)
+FINE_ONE_FOLD = dict(FINE, combine_splits=16)  # every partial folded in one combine step
+
+
+def _engine_tilings() -> dict[str, dict]:
+    from dataclasses import asdict
+
+    from pdserve.kernels.triton_decode_attention import FULL_LAYERS, WINDOWED_LAYERS
+
+    return {"full": asdict(FULL_LAYERS), "window": asdict(WINDOWED_LAYERS)}
 
 
 def _cases(seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
+    engine = _engine_tilings()
     out = []
     for dtype, hq, hkv, d, window_left, cfg in (
         (torch.float32, 8, 2, 16, -1, {}),
@@ -45,6 +56,9 @@ def _cases(seed: int) -> list[dict]:
         (torch.float32, 16, 2, 32, -1, FINE),
         (torch.bfloat16, 16, 2, 64, -1, FINE),
         (torch.bfloat16, 16, 2, 64, 127, {}),
+        (torch.float32, 16, 2, 32, -1, FINE_ONE_FOLD),
+        (torch.bfloat16, 16, 2, 64, -1, engine["full"]),
+        (torch.bfloat16, 16, 2, 64, 127, engine["window"]),
     ):
         lens = LENS[:]
         perm_lens = torch.randperm(len(lens), generator=g).tolist()

@@ -19,7 +19,9 @@ pytest.importorskip("triton")
 from paged_attention_cases import (D, DEV, HKV, HQ, PAGE, SM_SCALE, random_batch, reference,  # noqa: E402
                                    rel_l2, sinks_for)
 from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
-from pdserve.kernels.triton_decode_attention import DecodeScratch, num_splits, paged_decode_attention  # noqa: E402
+from pdserve.kernels.triton_decode_attention import (  # noqa: E402
+    FULL_LAYERS, WINDOWED_LAYERS, DecodeConfig, DecodeScratch, num_splits, paged_decode_attention,
+)
 
 
 def decode_batch(kv_lens, gen, spare_pages=3):
@@ -33,25 +35,32 @@ def lens_for(b, ctx, gen):
     return [ctx] + torch.randint(1, ctx + 1, (b - 1,), generator=gen).tolist()
 
 
-def triton_decode(batch, q, kv, sinks, window_left, scratch=None):
+def triton_decode(batch, q, kv, sinks, window_left, cfg=DecodeConfig()):
     table = FlashInferSinkAttention._page_table(batch, max(int((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max()), 1))
     lens = batch.kv_lens.to(torch.int32)
-    if scratch is None:
-        keys = int(lens.max()) if window_left < 0 else window_left + 1
-        scratch = DecodeScratch(q.shape[0], HKV, HQ // HKV, D, num_splits(q.shape[0], HKV, keys, DEV), DEV)
+    keys = int(lens.max()) if window_left < 0 else window_left + 1
+    scratch = DecodeScratch(q.shape[0], HKV, HQ // HKV, D, num_splits(q.shape[0], HKV, keys, DEV, cfg), DEV)
     out = torch.full_like(q, float("nan"))
-    return paged_decode_attention(q, kv, table.to(DEV), lens.to(DEV), sinks, SM_SCALE, window_left, scratch, out=out)
+    return paged_decode_attention(q, kv, table.to(DEV), lens.to(DEV), sinks, SM_SCALE, window_left, scratch, out=out,
+                                  cfg=cfg)
 
 
+# the default tiling, and the one the engine runs for the layer type
+TILINGS = {"default": lambda window_left: DecodeConfig(),
+           "engine": lambda window_left: WINDOWED_LAYERS if window_left >= 0 else FULL_LAYERS}
+
+
+@pytest.mark.parametrize("tiling", list(TILINGS))
 @pytest.mark.parametrize("window_left", [-1, 127])
 @pytest.mark.parametrize("ctx", [1, 1000, 8192])
 @pytest.mark.parametrize("b", [1, 4, 16])
-def test_matches_reference(b, ctx, window_left):
+def test_matches_reference(b, ctx, window_left, tiling):
     gen = torch.Generator().manual_seed(1000 * b + ctx + window_left)
     batch, kv, q, sinks = decode_batch(lens_for(b, ctx, gen), gen)
-    out = triton_decode(batch, q, kv, sinks, window_left)
+    cfg = TILINGS[tiling](window_left)
+    out = triton_decode(batch, q, kv, sinks, window_left, cfg)
     assert rel_l2(out, reference(batch, q, kv, sinks, window_left)) < 1e-2
-    assert torch.equal(out, triton_decode(batch, q, kv, sinks, window_left))  # deterministic
+    assert torch.equal(out, triton_decode(batch, q, kv, sinks, window_left, cfg))  # deterministic
 
 
 @pytest.mark.parametrize("window_left", [-1, 127])
@@ -108,6 +117,36 @@ def test_cuda_graph_replay(b_graph, window_left):
         assert rel_l2(out_static[:n], reference(batch, q, kv, sinks, window_left)) < 1e-2, f"step {step}"
 
 
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("b,b_graph", [(1, 1), (3, 4), (5, 8), (20, 32)])
+def test_eager_step_equals_the_graph_that_runs_it(b, b_graph, window_left):
+    """An eager decode step of b requests and the CUDA graph of the size the engine pads b to
+    (engine.cuda_graphs) give the same outputs bit for bit, whatever the lengths (the longest here
+    needs a split count that is not a power of two): the splits depend on the rows and the layer
+    type only."""
+    gen = torch.Generator().manual_seed(31 + b)
+    max_pages = 400
+    kw = dict(window_left=window_left, sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+              page_size=PAGE, decode_backend="triton")
+    batch, kv, q, sinks = decode_batch([1300] + torch.randint(1, 1301, (b - 1,), generator=gen).tolist(), gen)
+    eager = FlashInferSinkAttention(DEV, **kw)
+    eager.plan(batch)
+    want = eager.run(q, kv, sinks, out=torch.full_like(q, float("nan")))
+    graph_obj = FlashInferSinkAttention(DEV, cuda_graph_batch_size=b_graph, max_pages_per_request=max_pages, **kw)
+    graph_obj.plan(batch)
+    q_static = torch.zeros(b_graph, HQ, D, device=DEV, dtype=torch.bfloat16)
+    q_static[:b].copy_(q)
+    out_static = torch.full_like(q_static, float("nan"))
+    graph_obj.run(q_static, kv, sinks, out=out_static)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_obj.run(q_static, kv, sinks, out=out_static)
+    out_static.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_static[:b], want)
+
+
 def test_graph_object_rejects_oversized_batches():
     attn = FlashInferSinkAttention(DEV, window_left=-1, sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV,
                                    head_dim=D, page_size=PAGE, decode_backend="triton",
@@ -124,7 +163,7 @@ def test_auto_rule_takes_triton_up_to_its_batch(monkeypatch):
     pytest.importorskip("flashinfer")
     from pdserve.kernels import flashinfer_attention
 
-    assert flashinfer_attention._TRITON_MAX_BATCH == {"full": 0, "window": 64}  # as measured (docs/performance.md)
+    assert flashinfer_attention._TRITON_MAX_BATCH == {"full": 16, "window": 64}  # as measured (docs/performance.md)
     monkeypatch.setitem(flashinfer_attention._TRITON_MAX_BATCH, "full", 4)
     monkeypatch.setitem(flashinfer_attention._TRITON_MAX_BATCH, "window", 2)
     kw = dict(sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
