@@ -1,14 +1,17 @@
-"""The decode step's CUDA graph under different launch settings, timed interleaved in one process.
+"""The decode step's CUDA graph under different settings, timed interleaved in one process.
 
-Each setting (environment variables read when kernels are launched, so at capture) gets its own
-DecodeGraphs of the same runner and the same running batch; rounds replay each setting's graph
-back to back in turn, so clock and thermal drift fall on every setting alike. Reports the median
-replay per setting and its ratio to the first. Settings: programmatic dependent launch
-(kernels/pdl.py) off, then on; then also one token's QKV GEMV + RoPE + KV write in one launch
-(`GptOssModel.fuse_qkv_rope`), the engine's default.
+Each setting (environment variables read when kernels are launched, model attributes and module
+constants read when a graph is captured) gets its own DecodeGraphs of the same runner and the same
+running batch; rounds replay each setting's graph back to back in turn, so clock and thermal drift
+fall on every setting alike. Reports the median replay per setting and its ratio to the first.
+Settings: programmatic dependent launch (kernels/pdl.py) off, then on; then also one token's QKV
+GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode attention of
+2026-12-01 (XQA for full layers, the default Triton tiling for windowed ones), then with the Triton
+kernel for full layers too; the engine's defaults; with --mma-config, the defaults with another
+launch shape of the MXFP4 mma kernels.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
-        [--rounds 15] [--replays 20] [--out FILE.json]
+        [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--rounds 15] [--replays 20] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -29,12 +32,27 @@ from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
+from pdserve.kernels import cuda_moe_mxfp4, flashinfer_attention, triton_decode_attention  # noqa: E402
 
-# name -> (environment, GptOssModel attributes) at capture
+DEFAULT_ATTENTION = {
+    (flashinfer_attention, "_TRITON_MAX_BATCH"): dict(flashinfer_attention._TRITON_MAX_BATCH),
+    (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.WINDOWED_LAYERS,
+    (cuda_moe_mxfp4, "CONFIG"): cuda_moe_mxfp4.CONFIG,
+}
+ATTENTION_12_01 = {
+    (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 0, "window": 64},
+    (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(),
+}
+FULL_LAYERS_TRITON = {**ATTENTION_12_01, (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 16, "window": 64}}
+
+# name -> (environment, GptOssModel attributes, module constants) at capture
 SETTINGS = {
-    "pdl off": ({"PDSERVE_PDL": "0"}, {"fuse_qkv_rope": False}),
-    "pdl on": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": False}),
-    "pdl on, qkv+rope": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}),
+    "pdl off": ({"PDSERVE_PDL": "0"}, {"fuse_qkv_rope": False}, DEFAULT_ATTENTION),
+    "pdl on": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": False}, DEFAULT_ATTENTION),
+    "pdl on, qkv+rope": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
+    "attention 12-01": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, ATTENTION_12_01),
+    "full layers triton": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, FULL_LAYERS_TRITON),
+    "default": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
 }
 
 
@@ -44,10 +62,24 @@ def main() -> int:
     ap.add_argument("--precision", default="mxfp4", choices=["fp8", "mxfp4", "bf16"])
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names of SETTINGS, the first the base")
+    ap.add_argument("--mma-config", default=None,
+                    help="also the default with this MXFP4 mma launch shape, gate/up and down as "
+                         "'warps,ksplit,batch/warps,ksplit,batch' (kernels/cuda_moe_mxfp4.MmaConfig)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    names = [n.strip() for n in a.settings.split(",")]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    settings = {n: SETTINGS[n] for n in names}
+    if a.mma_config:
+        gu, dn = (tuple(int(v) for v in part.split(",")) for part in a.mma_config.split("/"))
+        env, attrs, constants = SETTINGS["default"]
+        settings[f"mma {a.mma_config}"] = (env, attrs, {**constants, (cuda_moe_mxfp4, "CONFIG"): cuda_moe_mxfp4.MmaConfig(gu, dn)})
+        names.append(f"mma {a.mma_config}")
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
     g = torch.Generator().manual_seed(1)
     results = {}
@@ -59,10 +91,12 @@ def main() -> int:
         while eng.waiting:
             eng.step()
         graphs, steps = {}, {}
-        for name, (env, attrs) in SETTINGS.items():
+        for name, (env, attrs, constants) in settings.items():
             os.environ.update(env)
             for k, v in attrs.items():
                 setattr(runner.model, k, v)
+            for (module, k), v in constants.items():
+                setattr(module, k, v)
             graphs[name] = DecodeGraphs(runner.model, runner.cache, batch, max_context=runner.max_context)
             size = graphs[name].size_for(batch)
             graphs[name].capture_all([size])
@@ -70,17 +104,17 @@ def main() -> int:
             eng.step()  # one real step through this setting's graph (its inputs staged)
             steps[name] = graphs[name]._steps[size]
         runner.decode_graphs = None
-        times = {name: [] for name in SETTINGS}
+        times = {name: [] for name in settings}
         for _ in range(a.rounds):
             for name, step in steps.items():  # one timed run of `replays` back-to-back replays
                 run = lambda: [step.graph.replay() for _ in range(a.replays)]  # noqa: E731
                 times[name].append(time_it(run, reps=1, warmup=1, flush=False) * 1e6 / a.replays)
-        base = statistics.median(times[next(iter(SETTINGS))])
+        base = statistics.median(times[names[0]])
         results[batch] = {}
         for name, ts in times.items():
             med = statistics.median(ts)
             results[batch][name] = {"replay_us": med, "min_us": min(ts), "ratio": med / base}
-            print(f"batch {batch:3d} {a.precision:5s} {name:24s} replay {med:8.1f} us (min {min(ts):8.1f}) "
+            print(f"batch {batch:3d} {a.precision:5s} {name:20s} replay {med:8.1f} us (min {min(ts):8.1f}) "
                   f"x{med / base:.3f}", flush=True)
         while eng.busy:
             eng.step()
