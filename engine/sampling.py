@@ -230,7 +230,6 @@ def _cut(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 def _draw(x: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
     """One token per row by inverse-CDF sampling of the top-k/top-p cut distribution: [B] long."""
-    v = x.shape[1]
     u = _tensor([uniform(p.seed, len(o)) for p, o in zip(params, outputs)], torch.float32, x.device)
     cdf = torch.cumsum(torch.softmax(_cut(x, params), dim=-1), dim=-1)  # monotone: terms are >= 0
     target = (u * cdf[:, -1]).unsqueeze(-1)

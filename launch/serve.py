@@ -223,7 +223,6 @@ class LocalCluster:
             return ""
 
     def start(self, timeout: float = 180.0) -> "LocalCluster":
-        s = self.spec
         self._check_cancel()  # interrupted while the built-in model was being made
         self._gpus = self.gpu_plan()
         try:

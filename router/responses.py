@@ -27,8 +27,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from pdserve.router.errors import InvalidRequestError, NotFoundError, RouterError
 from pdserve.router.harmony import Delta, HarmonyError
