@@ -150,32 +150,39 @@ class GptOssModel:
 
     def _attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         a, _ = self.w.layers[layer]
-        D = self.cfg.head_dim
-        nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
         group, _ = step.cache.layer_group[layer]
         cache = step.cache.layer_cache(layer)
+        q = self._rotated_q(layer, t, positions, step, group, cache)
+        o = step.attention[group].run(q, cache, a.sinks)
+        o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
+                     self.fused)
+        return all_reduce(o, self.shard)
+
+    def _rotated_q(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext, group: str,
+                   cache: torch.Tensor) -> torch.Tensor:
+        """The QKV projection with RoPE: k and v written to the token's KV slots, rotated q returned
+        [T, Hq, D] (one launch for one token where the bf16 GEMV serves, else the projection then
+        the fused epilogue, else the plain torch path)."""
+        a, _ = self.w.layers[layer]
         if self.fused and self.fuse_qkv_rope and _qkv_rope_fused(t, a.qkv_weight, a.qkv_scale):
             from pdserve.kernels.triton_rope import qkv_rope_write
 
-            q = qkv_rope_write(t, a.qkv_weight, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
-                               step.slots[group], cache, self.num_q_heads, self.num_kv_heads)
-        elif self.fused:
+            return qkv_rope_write(t, a.qkv_weight, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
+                                  step.slots[group], cache, self.num_q_heads, self.num_kv_heads)
+        qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
+        if self.fused:
             from pdserve.kernels.triton_rope import rope_qkv_write
 
-            qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
-            q = rope_qkv_write(qkv, positions, self.rope.cos, self.rope.sin, step.slots[group], cache,
-                               self.num_q_heads, self.num_kv_heads)
-        else:
-            qkv = _project(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
-            q = qkv[:, :nq].view(-1, self.num_q_heads, D)
-            k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, D)
-            v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, D)
-            q, k = self.rope(q, positions), self.rope(k, positions)
-            step.cache.write(layer, step.slots, k, v)
-            q = q.contiguous()
-        o = step.attention[group].run(q, cache, a.sinks)
-        o = _project(o.reshape(-1, nq), a.o_weight, a.o_bias, a.o_scale, self.fused)
-        return all_reduce(o, self.shard)
+            return rope_qkv_write(qkv, positions, self.rope.cos, self.rope.sin, step.slots[group], cache,
+                                  self.num_q_heads, self.num_kv_heads)
+        D = self.cfg.head_dim
+        nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
+        q = qkv[:, :nq].view(-1, self.num_q_heads, D)
+        k = qkv[:, nq : nq + nkv].view(-1, self.num_kv_heads, D)
+        v = qkv[:, nq + nkv :].view(-1, self.num_kv_heads, D)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        step.cache.write(layer, step.slots, k, v)
+        return q.contiguous()
 
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.cfg.experts_per_token

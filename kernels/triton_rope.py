@@ -54,6 +54,21 @@ def _rotate(x1, x2, cos, sin, dt, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, pos, stride_cos, cols, dt):
+    """The position's cos and sin at `cols`, rounded to dt (as the torch path's tables are), float32."""
+    cos = tl.load(cos_ptr + pos * stride_cos + cols).to(dt).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + cols).to(dt).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _slot_base(cache_ptr, slot, page_size, stride_cb, stride_co):
+    """Where a flat KV slot's K heads start in a [blocks, 2, page, Hkv, D] layer cache."""
+    page = slot // page_size
+    return cache_ptr + page * stride_cb + (slot - page * page_size) * stride_co
+
+
+@triton.jit
 def _rope_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_ptr, page_size,
     stride_qkv, stride_cos, stride_q,
@@ -67,13 +82,9 @@ def _rope_kv_kernel(
     HALF: tl.constexpr = D // 2
     dt = qkv_ptr.dtype.element_ty
     j = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t)
-    cos = tl.load(cos_ptr + pos * stride_cos + j).to(dt).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_cos + j).to(dt).to(tl.float32)[None, :]
-    slot = tl.load(slot_ptr + t)
-    page = slot // page_size
-    off = slot - page * page_size
-    kv_base = cache_ptr + page * stride_cb + off * stride_co
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr + t), stride_cos, j, dt)
+    cos, sin = cos[None, :], sin[None, :]
+    kv_base = _slot_base(cache_ptr, tl.load(slot_ptr + t), page_size, stride_cb, stride_co)
 
     # q heads 0..HQ-1 and k heads HQ..HQ+HKV-1 are adjacent D-wide column groups of the row
     h = tl.arange(0, BLOCK_H)
@@ -158,9 +169,7 @@ def _qkv_rope_kernel(
     dt = x_ptr.dtype.element_ty
     x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dt).to(tl.float32), (2, 4)), (1, 0)))
     jj = j + tl.arange(0, 4)
-    pos = tl.load(pos_ptr)
-    cos = tl.load(cos_ptr + pos * stride_cos + jj).to(dt).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_cos + jj).to(dt).to(tl.float32)
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr), stride_cos, jj, dt)
     if h < HQ + HKV:  # q or k: rotate
         o1, o2 = _rotate(x1, x2, cos, sin, dt, ACCURATE)
     else:
@@ -170,10 +179,8 @@ def _qkv_rope_kernel(
         tl.store(q_ptr + h * D + jj, o1)
         tl.store(q_ptr + h * D + HALF + jj, o2)
     else:
-        slot = tl.load(slot_ptr)
-        page = slot // page_size
         head = tl.where(h < HQ + HKV, h - HQ, h - HQ - HKV)
-        dst = (cache_ptr + page * stride_cb + (slot - page * page_size) * stride_co + head * stride_ch
+        dst = (_slot_base(cache_ptr, tl.load(slot_ptr), page_size, stride_cb, stride_co) + head * stride_ch
                + tl.where(h < HQ + HKV, 0, stride_ckv))
         tl.store(dst + jj, o1.to(cache_ptr.dtype.element_ty))
         tl.store(dst + HALF + jj, o2.to(cache_ptr.dtype.element_ty))
