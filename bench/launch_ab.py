@@ -7,7 +7,8 @@ fall on every setting alike. Reports the median replay per setting and its ratio
 Settings: programmatic dependent launch (kernels/pdl.py) off, then on; then also one token's QKV
 GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode attention of
 2026-12-01 (XQA for full layers, the default Triton tiling for windowed ones), then with the Triton
-kernel for full layers too; the engine's defaults; with --mma-config, the defaults with another
+kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of
+the kernels that have them; the engine's defaults; with --mma-config, the defaults with another
 launch shape of the MXFP4 mma kernels.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
@@ -32,16 +33,35 @@ from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
-from pdserve.kernels import cuda_moe_mxfp4, flashinfer_attention, triton_decode_attention  # noqa: E402
+from pdserve.kernels import (  # noqa: E402
+    cuda_moe_mxfp4, flashinfer_attention, triton_bf16_gemv, triton_decode_attention, triton_router,
+)
+
+# reads ahead of the PDL wait (kernels/pdl.py), per kernel
+EARLY = {
+    "attention": (triton_decode_attention, "EARLY_KV"),
+    "router": (triton_router, "EARLY_WEIGHTS"),
+    "down": (cuda_moe_mxfp4, "EARLY_DOWN"),
+    "gemv": (triton_bf16_gemv, "EARLY_WEIGHTS"),
+}
+EARLY_DEFAULT = {key: getattr(*key) for key in EARLY.values()}
+
+
+def _early(*kernels: str) -> dict:
+    """Module constants: reads ahead of the PDL wait in these kernels only."""
+    return {key: name in kernels for name, key in EARLY.items()}
+
 
 DEFAULT_ATTENTION = {
     (flashinfer_attention, "_TRITON_MAX_BATCH"): dict(flashinfer_attention._TRITON_MAX_BATCH),
     (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.WINDOWED_LAYERS,
     (cuda_moe_mxfp4, "CONFIG"): cuda_moe_mxfp4.CONFIG,
+    **EARLY_DEFAULT,
 }
 ATTENTION_12_01 = {
     (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 0, "window": 64},
     (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(),
+    **_early(),
 }
 FULL_LAYERS_TRITON = {**ATTENTION_12_01, (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 16, "window": 64}}
 
@@ -52,6 +72,12 @@ SETTINGS = {
     "pdl on, qkv+rope": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
     "attention 12-01": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, ATTENTION_12_01),
     "full layers triton": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, FULL_LAYERS_TRITON),
+    "no early reads": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {**DEFAULT_ATTENTION, **_early()}),
+    "early attention": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {**DEFAULT_ATTENTION, **_early("attention")}),
+    "early attention+router": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True},
+                                {**DEFAULT_ATTENTION, **_early("attention", "router")}),
+    "early attention+router+down": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True},
+                                      {**DEFAULT_ATTENTION, **_early("attention", "router", "down")}),
     "default": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
 }
 

@@ -21,9 +21,11 @@
 // at the scale extremes); the activations are staged times 2^64, so a group's sum times 2^(s - 65)
 // is its value.
 //
-// Both kernels begin with `enter_pdl()`: launched with programmatic dependent launch
-// (kernels/pdl.py), a CTA may be placed while the kernel before it still runs; it waits there
-// until that kernel is done, then lets the next kernel launch.
+// Both kernels take `enter_pdl()`: launched with programmatic dependent launch (kernels/pdl.py), a
+// CTA may be placed while the kernel before it still runs; it waits there until that kernel is done,
+// then lets the next kernel launch. gate/up takes it first. down reads only what was written before
+// gate/up ran ahead of the wait (with MX_EARLY_DOWN: its routing, from L2, and its first batch of
+// weights), then waits before it stages gate/up's activations.
 //
 // Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
@@ -50,6 +52,15 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 __device__ __forceinline__ U4 load_stream(const U4* p) {
   U4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// Through L2 only, and in program order with `griddepcontrol.wait` (ptxas sinks the non-coherent
+// loads above past it): the weights a CTA reads before its PDL wait.
+__device__ __forceinline__ U4 load_early(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
@@ -111,6 +122,9 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #ifndef MX_TRACE
 #define MX_TRACE 0
 #endif
+#ifndef MX_EARLY_DOWN
+#define MX_EARLY_DOWN 0
+#endif
 #if MX_TRACE
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -144,7 +158,8 @@ struct Item {
 // The item's expert and pairs: per-pair launches (item_expert null) have one pair, blockIdx.y;
 // grouped launches read the routing layout (kernels/triton_moe.py align_routing: an expert's pairs
 // first in its blocks, -1 after them; block_expert -1 for unused blocks). A pair's activation row
-// is row slot / row_div of `in` (row stride stride_in elements).
+// is row slot / row_div of `in` (row stride stride_in elements). Read from L2 (`ld.global.cg`): down
+// may read them before its PDL wait, when no line of this SM's L1 may stand in for them.
 __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expert, const int* item_slots,
                           const u16* in, int stride_in, int row_div) {
   const int b = blockIdx.y;
@@ -152,10 +167,10 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
     int slot;
     if (item_expert == nullptr) {
       slot = threadIdx.x == 0 ? b : -1;
-      if (threadIdx.x == 0) it.expert = (int)pair_expert[b];
+      if (threadIdx.x == 0) it.expert = (int)__ldcg(pair_expert + b);
     } else {
-      slot = item_slots[b * SLOTS + threadIdx.x];
-      if (threadIdx.x == 0) it.expert = item_expert[b];
+      slot = __ldcg(item_slots + b * SLOTS + threadIdx.x);
+      if (threadIdx.x == 0) it.expert = __ldcg(item_expert + b);
     }
     it.slot[threadIdx.x] = slot;
     it.row[threadIdx.x] = reinterpret_cast<const U4*>(in + (i64)(slot < 0 ? 0 : slot / row_div) * stride_in);
@@ -183,6 +198,8 @@ struct Batch {
   u32 sa[D], sb[D];  // their rows' scale words (groups 4c .. 4c + 3)
 };
 
+// EARLY: the batch is read before the CTA's PDL wait (load_early).
+template <bool EARLY>
 __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1, const u32* s0, const u32* s1,
                                            int first, int tig) {
 #pragma unroll
@@ -192,11 +209,11 @@ __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1,
     b.sa[j] = b.sb[j] = 0u;
     if (c < CHUNKS) {
       if (grp < KG) {
-        b.wa[j] = load_stream(w0 + grp);
-        b.wb[j] = load_stream(w1 + grp);
+        b.wa[j] = EARLY ? load_early(w0 + grp) : load_stream(w0 + grp);
+        b.wb[j] = EARLY ? load_early(w1 + grp) : load_stream(w1 + grp);
       }
-      b.sa[j] = __ldg(s0 + c);
-      b.sb[j] = __ldg(s1 + c);
+      b.sa[j] = EARLY ? __ldcg(s0 + c) : __ldg(s0 + c);
+      b.sb[j] = EARLY ? __ldcg(s1 + c) : __ldg(s1 + c);
     }
   }
 }
@@ -247,7 +264,8 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
 // sum over K of W[row] * x[slot] for the CTA's ROWS rows and the item's pairs: warp w takes rows
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
-// rows are staged (in flight together).
+// rows are staged (in flight together); with EARLY, the PDL wait comes between the two.
+template <bool EARLY>
 __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
                          const Item& it, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -260,7 +278,8 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
 
   Batch b0, b1;
-  load_batch(b0, w0, w1, s0, s1, ks, tig);
+  load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
+  if (EARLY) enter_pdl();
   stage_rows(xs, it);
   const int ntp = (it.n + 1) / 2;
   float acc[TP][2];
@@ -269,10 +288,10 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
-    if (first + STEP < CHUNKS) load_batch(b1, w0, w1, s0, s1, first + STEP, tig);
+    if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
     use_batch(b0, first, xs, it, ntp, g, tig, acc);
     if (first + STEP >= CHUNKS) break;
-    if (first + 2 * STEP < CHUNKS) load_batch(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
+    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
     use_batch(b1, first + STEP, xs, it, ntp, g, tig, acc);
   }
 #pragma unroll
@@ -314,7 +333,7 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);
   if (it.expert < 0) return;
   const i64 e = it.expert;
-  tile_dot(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  tile_dot<false>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
   const float limit = (float)limit_d, alpha = (float)alpha_d;
   for (int t = threadIdx.x; t < it.n * (ROWS / 2); t += NW * 32) {
@@ -343,13 +362,13 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
   __shared__ int last[SLOTS];
-  enter_pdl();
+  if (!MX_EARLY_DOWN) enter_pdl();
   TRACE(0);
   TRACE(3);
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1);
   if (it.expert < 0) return;
   const i64 e = it.expert;
-  tile_dot(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  tile_dot<MX_EARLY_DOWN != 0>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
   const int tile = blockIdx.x, tiles = gridDim.x;
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {

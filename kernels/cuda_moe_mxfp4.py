@@ -53,6 +53,9 @@ class MmaConfig:
 CONFIG = MmaConfig()
 GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
+# down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
+# (the .cu file's MX_EARLY_DOWN)
+EARLY_DOWN = True
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -68,7 +71,7 @@ def _available(index: int) -> bool:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
-        _kernels(index, 90, 1, CONFIG.gate_up)
+        _kernels(index, 90, 1, CONFIG.gate_up, early_down=EARLY_DOWN)
     except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
         log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
         return False
@@ -76,16 +79,19 @@ def _available(index: int) -> bool:
 
 
 @functools.cache
-def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], trace: bool = False) -> dict:
+def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], trace: bool = False,
+             early_down: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
-    shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE)."""
+    shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
+    early_down: MX_EARLY_DOWN."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     nw, ksplit, batch = shape
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
             f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", "-std=c++17", *_LAYOUT_MACROS])
+            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", f"-DMX_EARLY_DOWN={int(early_down)}", "-std=c++17",
+            *_LAYOUT_MACROS])
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
         # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
@@ -151,7 +157,7 @@ def experts_forward_mxfp4_mma(
                                  f"{buf.numel()} {buf.dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None)["mx_gate_up"]
-    down = _kernels(dev, ig, slots, config.down, trace is not None)["mx_down"]
+    down = _kernels(dev, ig, slots, config.down, trace is not None, EARLY_DOWN)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     pdl = pdl_enabled(x.device)

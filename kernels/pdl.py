@@ -7,11 +7,19 @@ serialisation: its CTAs may start as soon as every CTA of the kernel before it h
 (`griddepcontrol.launch_dependents`), and they block in `griddepcontrol.wait` until that kernel has
 finished and its memory is visible. So the launch and placement of kernel N + 1 overlap kernel N.
 
-The contract every PDL kernel keeps: `enter(PDL)` is its first statement (wait, then let the next
-kernel launch), so nothing it reads or writes can race with the kernel before it, and a kernel
-launched after it waits for it in turn (one kernel of look-ahead, never more). Kernels launched
-without PDL (cuBLAS, torch) keep plain stream order on both sides. CUDA graphs capture the
-programmatic edges, so replays keep them.
+The contract every PDL kernel keeps: it takes `enter(PDL)` (wait, then let the next kernel launch)
+before it writes anything or reads anything the kernel before it may write, so nothing races with
+that kernel, and a kernel launched after it waits for it in turn (one kernel of look-ahead, never
+more). Since the kernel two back has finished before the next one can launch, a kernel may read
+ahead of its wait what never changes (weights) and what was written before the kernel ahead of it
+ran (the step's staged inputs, KV rows of earlier steps, the routing two launches back), so those
+reads overlap the kernel ahead: the decode attention's first block of keys
+(`triton_decode_attention.EARLY_KV`), the router's and the bf16 GEMV's first weight tiles
+(`triton_router.EARLY_WEIGHTS`, `triton_bf16_gemv.EARLY_WEIGHTS`), the MXFP4 down projection's
+routing and first weights (`cuda_moe_mxfp4.EARLY_DOWN`). Such reads of data a kernel of the step
+wrote go through L2 only (`.cg`), so that no L1 line of the SM from before it stands in for them.
+Kernels launched without PDL (cuBLAS, torch) keep plain stream order on both sides. CUDA graphs
+capture the programmatic edges, so replays keep them.
 
 `PDSERVE_PDL=0` turns it off (the benchmark's A/B); it is off on the CPU, under Triton's
 interpreter and before Hopper.
@@ -50,7 +58,7 @@ def launch_options(device: torch.device) -> dict:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First statement of a PDL kernel: wait for the kernel before it, then let the next launch."""
+    """A PDL kernel's wait for the kernel before it, then the next one's launch (the contract above)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -73,8 +81,8 @@ class _LaunchConfig(ctypes.Structure):
 def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, args: list,
                 pdl: bool) -> None:
     """Launch a kernel of `torch.cuda._utils._cuda_load_module` on the current stream, with PDL when
-    `pdl` (its source must then begin with `griddepcontrol.wait`). Arguments as torch's launcher
-    takes them: tensors as pointers, ints as int, floats as double."""
+    `pdl` (its source must then keep the contract above with `griddepcontrol.wait`). Arguments as
+    torch's launcher takes them: tensors as pointers, ints as int, floats as double."""
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
     keep = []

@@ -42,6 +42,9 @@ from .triton_moe import _empty
 MAX_M = 8  # tokens a launch takes: the FMAs grow with M, past a few tokens cuBLAS' tensor cores win
 NUM_SMS_H200 = 132
 MAX_TILES = 1 << 16  # split-K tiles per launch (arrival counters)
+# Each program reads its first K step's weights before the PDL wait (kernels/pdl.py), while the
+# kernel ahead of it runs (the weights never change).
+EARLY_WEIGHTS = True
 
 
 @dataclass(frozen=True)
@@ -139,49 +142,53 @@ def _token_out(acc, part, cols, TOKEN: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(a0, a1, a2, a3, a4, a5, a6, a7, w, x_ptr, stride_xm, offs_k, k_ok, TOKENS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step: each of the first TOKENS accumulators += that token's products with the weight tile w."""
+    wf = w.to(tl.float32)
+    a0 += _token_part(wf, x_ptr, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 1:
+        a1 += _token_part(wf, x_ptr + stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 2:
+        a2 += _token_part(wf, x_ptr + 2 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 3:
+        a3 += _token_part(wf, x_ptr + 3 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 4:
+        a4 += _token_part(wf, x_ptr + 4 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 5:
+        a5 += _token_part(wf, x_ptr + 5 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 6:
+        a6 += _token_part(wf, x_ptr + 6 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    if TOKENS > 7:
+        a7 += _token_part(wf, x_ptr + 7 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _gemv_tile(x_ptr, w_rows, n_ok, K, stride_xm, k_lo, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr,
+               EARLY: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_N, BLOCK_M]: the rows at `w_rows` (pointers [BLOCK_N, 1]; `n_ok` masks them)
-    times the first TOKENS rows of x over K_PER steps of BLOCK_K from k_lo."""
+    times the first TOKENS rows of x over K_PER steps of BLOCK_K from k_lo. EARLY: the first K
+    step's weights are read before the PDL wait, which this function then takes (`enter`); else
+    the caller has taken it."""
     offs_k0 = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), 8), 8)
     cols = tl.arange(0, BLOCK_M)
-    a0 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 1:
-        a1 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 2:
-        a2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 3:
-        a3 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 4:
-        a4 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 5:
-        a5 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 6:
-        a6 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    if TOKENS > 7:
-        a7 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    zero = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero  # past TOKENS: unused
+    if EARLY:
+        k_ok = (k_lo + offs_k0) < K
+        w = tl.load(w_rows + (k_lo + offs_k0)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        enter(PDL)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _accumulate(a0, a1, a2, a3, a4, a5, a6, a7, w, x_ptr, stride_xm,
+                                                     k_lo + offs_k0, k_ok, TOKENS, BLOCK_N, BLOCK_K)
     # K_PER steps from k_lo; the last split's steps past K load nothing (masked) and add 0.
-    # (Triton 3.6's interpreter under numpy 2 takes only constexpr loop bounds.)
-    for i in tl.range(0, K_PER, num_stages=NUM_STAGES):
+    for i in tl.range(1 if EARLY else 0, K_PER, num_stages=NUM_STAGES):
         offs_k = k_lo + i * BLOCK_K + offs_k0
         k_ok = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        wf = w.to(tl.float32)
-        a0 += _token_part(wf, x_ptr, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 1:
-            a1 += _token_part(wf, x_ptr + stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 2:
-            a2 += _token_part(wf, x_ptr + 2 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 3:
-            a3 += _token_part(wf, x_ptr + 3 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 4:
-            a4 += _token_part(wf, x_ptr + 4 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 5:
-            a5 += _token_part(wf, x_ptr + 5 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 6:
-            a6 += _token_part(wf, x_ptr + 6 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
-        if TOKENS > 7:
-            a7 += _token_part(wf, x_ptr + 7 * stride_xm, offs_k, k_ok, BLOCK_N, BLOCK_K)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _accumulate(a0, a1, a2, a3, a4, a5, a6, a7, w, x_ptr, stride_xm,
+                                                     offs_k, k_ok, TOKENS, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = _token_out(acc, a0, cols, 0)
     if TOKENS > 1:
@@ -211,9 +218,10 @@ def _bf16_gemv_kernel(
     stride_xm, stride_wn, stride_om,
     TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
-    enter(PDL)
+    if not EARLY:
+        enter(PDL)
     pid = tl.program_id(0)
     pid_n = pid // SPLIT_K
     pid_k = pid % SPLIT_K
@@ -222,7 +230,8 @@ def _bf16_gemv_kernel(
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_k * (K_PER * BLOCK_K)
-    acc = _gemv_tile(x_ptr, w_rows, n_ok, K, stride_xm, k_lo, TOKENS, BLOCK_M, BLOCK_N, BLOCK_K, K_PER, NUM_STAGES)
+    acc = _gemv_tile(x_ptr, w_rows, n_ok, K, stride_xm, k_lo, TOKENS, BLOCK_M, BLOCK_N, BLOCK_K, K_PER, NUM_STAGES,
+                     EARLY, PDL)
     if HAS_BIAS:  # in split 0's partial only
         acc += tl.load(bias_ptr + offs_n, mask=n_ok & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
     _split_k_store(acc, out_ptr, part_ptr, count_ptr, offs_n, cols, M, N, stride_om, pid_n, pid_k,
@@ -264,7 +273,7 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         xc, w, bias if bias is not None else w, out, part, counters, m, n, k,
         xc.stride(0), w.stride(0), out.stride(0),
         TOKENS=m, BLOCK_M=m_bucket(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        SPLIT_K=split, K_PER=k_per, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        SPLIT_K=split, K_PER=k_per, NUM_STAGES=cfg.num_stages, EARLY=EARLY_WEIGHTS, num_warps=cfg.num_warps,
         **launch_options(x.device),
     )
     return out

@@ -63,6 +63,10 @@ class DecodeConfig:
 FULL_LAYERS = DecodeConfig(block_n=128, min_keys=256, max_splits=32, combine_splits=32)
 WINDOWED_LAYERS = DecodeConfig(block_n=128, min_keys=256, num_warps=8)
 
+# Read each split's first block of keys before the PDL wait (kernels/pdl.py), while the kernel ahead
+# (the QKV epilogue) still runs, and re-read only the step's own key after it.
+EARLY_KV = True
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
@@ -110,16 +114,24 @@ class DecodeScratch:
 
 
 @triton.jit
-def _attend_block(q, m_i, l_i, acc, n0, hi, table, kv_ptr, g, stride_page, stride_kv, stride_tok, qk_scale,
-                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """Online-softmax step over keys n0 .. n0 + BLOCK_N (those < hi), gathered through the page table."""
+def _load_block(n0, hi, table, kv_ptr, g, stride_page, stride_kv, stride_tok, D: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N (those < hi) of KV head g, gathered through the page table:
+    (k, v, key positions, their row offsets in the cache)."""
     d = tl.arange(0, D)
     keys = n0 + tl.arange(0, BLOCK_N)
     k_ok = keys < hi
-    page = tl.load(table + keys // PAGE, mask=k_ok, other=0).to(tl.int64)
+    page = tl.load(table + keys // PAGE, mask=k_ok, other=0, cache_modifier=CACHE).to(tl.int64)
     base = page * stride_page + (keys % PAGE) * stride_tok + g * D
-    k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-    v = tl.load(kv_ptr + stride_kv + base[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+    k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=k_ok[:, None], other=0.0, cache_modifier=CACHE)
+    v = tl.load(kv_ptr + stride_kv + base[:, None] + d[None, :], mask=k_ok[:, None], other=0.0,
+                cache_modifier=CACHE)
+    return k, v, keys, base
+
+
+@triton.jit
+def _softmax_step(q, m_i, l_i, acc, k, v, k_ok, qk_scale, DOT_F32: tl.constexpr):
+    """Online-softmax step over one block of keys (k, v; `k_ok` masks them)."""
     if DOT_F32:
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -136,6 +148,14 @@ def _attend_block(q, m_i, l_i, acc, n0, hi, table, kv_ptr, g, stride_page, strid
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, n0, hi, table, kv_ptr, g, stride_page, stride_kv, stride_tok, qk_scale,
+                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online-softmax step over keys n0 .. n0 + BLOCK_N (those < hi), gathered through the page table."""
+    k, v, keys, _ = _load_block(n0, hi, table, kv_ptr, g, stride_page, stride_kv, stride_tok, D, PAGE, BLOCK_N, "")
+    return _softmax_step(q, m_i, l_i, acc, k, v, keys < hi, qk_scale, DOT_F32)
+
+
 # the window and the page-table width vary by layer type and captured size: one compiled variant for all
 @triton.jit(do_not_specialize=["stride_table", "window_left"])
 def _decode_kernel(
@@ -145,22 +165,31 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_KEYS: tl.constexpr, SPLITS: tl.constexpr,
     COMBINE: tl.constexpr, DOT_F32: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY_KV: tl.constexpr, PDL: tl.constexpr,
 ):
-    enter(PDL)
+    if not EARLY_KV:
+        enter(PDL)
     s = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.program_id(2)
     hkv = tl.num_programs(2)
-    seq_len = tl.load(lens_ptr + b)
+    seq_len = tl.load(lens_ptr + b, cache_modifier=".cg")  # staged before the step
     start = tl.maximum(seq_len - 1 - window_left, 0)  # window_left: 2**30 for full attention
     n_keys = seq_len - start
     n_split = tl.maximum(tl.minimum(tl.cdiv(n_keys, MIN_KEYS), SPLITS), 1)
     chunk = tl.cdiv(tl.cdiv(n_keys, n_split), BLOCK_N) * BLOCK_N
     n_split = tl.cdiv(n_keys, chunk)
+    lo = start + s * chunk
+    hi = tl.where(s < n_split, tl.minimum(lo + chunk, seq_len), lo)  # idle programs: no keys
+    if EARLY_KV:
+        # The split's first block is in the cache before the kernel ahead of this one (the QKV
+        # epilogue) runs, but for the step's own key (position seq_len - 1), which that kernel
+        # writes: read the block now (L2 only, so no stale line stays in L1), wait, then re-read
+        # that one row.
+        k0, v0, keys0, base0 = _load_block(lo, hi, table_ptr + b.to(tl.int64) * stride_table, kv_ptr, g,
+                                           stride_page, stride_kv, stride_tok, D, PAGE, BLOCK_N, ".cg")
+        enter(PDL)
     if s < n_split:
-        lo = start + s * chunk
-        hi = tl.minimum(lo + chunk, seq_len)
         rows = tl.arange(0, BLOCK_H)
         row_ok = rows < GROUP
         heads = g * GROUP + rows
@@ -173,14 +202,23 @@ def _decode_kernel(
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
         table = table_ptr + b.to(tl.int64) * stride_table
+        key0 = lo
+        if EARLY_KV:
+            new = (keys0 == seq_len - 1) & (keys0 < hi)
+            k0 = tl.where(new[:, None], tl.load(kv_ptr + base0[:, None] + d[None, :], mask=new[:, None], other=0.0,
+                                                cache_modifier=".cg"), k0)
+            v0 = tl.where(new[:, None], tl.load(kv_ptr + stride_kv + base0[:, None] + d[None, :], mask=new[:, None],
+                                                other=0.0, cache_modifier=".cg"), v0)
+            m_i, l_i, acc = _softmax_step(q, m_i, l_i, acc, k0, v0, keys0 < hi, qk_scale, DOT_F32)
+            key0 = lo + BLOCK_N
         if WHILE_LOOP:  # Triton's interpreter cannot take tensor loop bounds (numpy >= 2.3)
-            n0 = lo
+            n0 = key0
             while n0 < hi:
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, n0, hi, table, kv_ptr, g, stride_page, stride_kv,
                                               stride_tok, qk_scale, D, PAGE, BLOCK_N, DOT_F32)
                 n0 += BLOCK_N
         else:
-            for n0 in range(lo, hi, BLOCK_N):
+            for n0 in range(key0, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, n0, hi, table, kv_ptr, g, stride_page, stride_kv,
                                               stride_tok, qk_scale, D, PAGE, BLOCK_N, DOT_F32)
         if n_split == 1:
@@ -287,7 +325,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_H=max(16, triton.next_power_of_2(group)),
         D=d, PAGE=page_size, BLOCK_N=cfg.block_n, MIN_KEYS=cfg.min_keys, SPLITS=splits,
         COMBINE=min(cfg.combine_splits, splits), DOT_F32=INTERPRET or q.dtype == torch.float32, WHILE_LOOP=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EARLY_KV=EARLY_KV, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),
     )
     return out

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_bf16_gemv
 from .pdl import enter, launch_options
 from .triton_bf16_gemv import DEFAULTS, _gemv_tile, select_config
 from .triton_math import INTERPRET
@@ -148,13 +149,14 @@ def _qkv_rope_kernel(
     stride_wn, stride_cos, stride_cb, stride_ckv, stride_co, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_K: tl.constexpr, K_PER: tl.constexpr, NUM_STAGES: tl.constexpr, ACCURATE: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token. Program p: 4 rotation pairs of one head, rows h D + j + {0..3} and + D / 2 (the
     GEMV of kernels.triton_bf16_gemv on those 8 weight rows, bias in float32, rounded to x.dtype as
     its output is), then `_rotate` as `_rope_kv_kernel` does: q heads to q, k heads rotated and v
     heads as they are into the token's KV slot."""
-    enter(PDL)
+    if not EARLY:
+        enter(PDL)
     HALF: tl.constexpr = D // 2
     p = tl.program_id(0)
     h = p // (HALF // 4)
@@ -163,7 +165,7 @@ def _qkv_rope_kernel(
     rows = h * D + j + (r % 4) + (r // 4) * HALF  # [x1 of dims j..j+3, x2 of the same dims]
     n_ok = rows < (HQ + 2 * HKV) * D
     acc = _gemv_tile(x_ptr, w_ptr + rows.to(tl.int64)[:, None] * stride_wn, n_ok, K, 0, 0,
-                     1, 1, 8, BLOCK_K, K_PER, NUM_STAGES)
+                     1, 1, 8, BLOCK_K, K_PER, NUM_STAGES, EARLY, PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
     dt = x_ptr.dtype.element_ty
@@ -214,6 +216,7 @@ def qkv_rope_write(
         w.stride(0), cos.stride(0), layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2),
         layer_cache.stride(3), HQ=num_q_heads, HKV=num_kv_heads, D=d, HAS_BIAS=bias is not None,
         BLOCK_K=cfg.block_k, K_PER=triton.cdiv(k, cfg.block_k), NUM_STAGES=cfg.num_stages,
-        ACCURATE=not INTERPRET, num_warps=cfg.num_warps, **launch_options(x.device),
+        ACCURATE=not INTERPRET, EARLY=triton_bf16_gemv.EARLY_WEIGHTS, num_warps=cfg.num_warps,
+        **launch_options(x.device),
     )
     return q

@@ -36,12 +36,14 @@ def _router_kernel(
     x_ptr, w_ptr, b_ptr, weight_ptr, ids_ptr, logits_ptr, part_ptr, count_ptr, stride_x, stride_w,
     H: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr, WRITE_LOGITS: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY_WEIGHTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, s): token t's partial logits over the s-th BLOCK_K columns -> float32 scratch;
     the token's last program to finish (a counter per token) sums the partials in split order,
-    picks the top 4 and writes the softmax, then resets the counter for the next launch."""
-    enter(PDL)
+    picks the top 4 and writes the softmax, then resets the counter for the next launch.
+    EARLY_WEIGHTS: the weight tile is read before the PDL wait (the weights never change)."""
+    if not EARLY_WEIGHTS:
+        enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -49,8 +51,10 @@ def _router_kernel(
     em = e < E
     k = s * BLOCK_K + tl.arange(0, BLOCK_K)
     km = k < H
-    xv = tl.load(x_ptr + t * stride_x + k, mask=km, other=0.0).to(tl.float32)
     wv = tl.load(w_ptr + e[:, None] * stride_w + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
+    if EARLY_WEIGHTS:
+        enter(PDL)
+    xv = tl.load(x_ptr + t * stride_x + k, mask=km, other=0.0).to(tl.float32)
     part = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
     tl.store(part_ptr + (t * SPLITS + s) * BLOCK_E + e, part)
     tl.debug_barrier()  # every thread's partial is stored before the counter moves
@@ -90,6 +94,9 @@ def _router_kernel(
 # from 16).
 LAUNCH_SHAPES: dict[int, tuple[int, int]] = {128: (64, 4)}
 
+# Each program reads its weight tile before the PDL wait (kernels/pdl.py), while the norm ahead of it runs.
+EARLY_WEIGHTS = True
+
 
 def launch_shape(num_experts: int) -> tuple[int, int]:
     """(BLOCK_K, num_warps) of the router launch for E experts."""
@@ -125,7 +132,7 @@ def route_fused(
             x, router_weight, router_bias, weights, ids, logits, part, arrival_counters(x.device, "router", MAX_TOKENS),
             x.stride(0), router_weight.stride(0), H=h, E=e, BLOCK_E=block_e, BLOCK_K=block_k,
             SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), WRITE_LOGITS=return_logits,
-            ACCURATE_EXP=not INTERPRET, num_warps=num_warps,
+            ACCURATE_EXP=not INTERPRET, EARLY_WEIGHTS=EARLY_WEIGHTS, num_warps=num_warps,
             **launch_options(x.device),
         )
     return (weights, ids, logits) if return_logits else (weights, ids)

@@ -57,7 +57,7 @@ def _case(name: str, seed: int) -> dict:
 
 def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from pdserve.kernels import triton_moe
+    from pdserve.kernels import triton_bf16_gemv, triton_moe
     from pdserve.kernels.triton_bf16_gemv import GemvConfig, bf16_gemv
 
     triton_moe.POISON = True
@@ -66,7 +66,10 @@ def _child(in_path: str, out_path: str) -> None:
         cfg = GemvConfig(**c["cfg"]) if c["cfg"] is not None else None
         out = bf16_gemv(c["x"], c["w"], c["b"], config=cfg)
         again = bf16_gemv(c["x"], c["w"], c["b"], config=cfg)  # the arrival counters were reset
-        results[c["name"]] = dict(out=out, again=again)
+        triton_bf16_gemv.EARLY_WEIGHTS = False  # the first K step read in the loop, not before it
+        late = bf16_gemv(c["x"], c["w"], c["b"], config=cfg)
+        triton_bf16_gemv.EARLY_WEIGHTS = True
+        results[c["name"]] = dict(out=out, again=again, late=late)
     torch.save(results, out_path)
 
 
@@ -95,6 +98,7 @@ def test_matches_reference(run, name):
         bound = 2.0**-7 * ref.abs() + 1e-5 * mag
         assert (err <= bound).all(), f"max excess {(err - bound).max():.3e}"
     assert torch.equal(r["again"], out)
+    assert torch.equal(r["late"], out)  # EARLY_WEIGHTS moves a read, not an operation
 
 
 def test_launch_shapes_leave_no_split_empty():

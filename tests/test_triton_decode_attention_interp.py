@@ -15,7 +15,8 @@ the engine runs by layer type; full attention and windows of 128 and 21 keys, GQ
 Tolerances (relative L2): float32 1e-5 (the same softmax in another order, ~1e-7); bf16 1e-2:
 the inputs are exact in both, but the interpreter casts float32 to bf16 by truncation (< 2^-7
 relative per element; the GPU rounds to nearest), measured ~4e-3. Running a launch twice is
-bit-identical and leaves the arrival counters at zero.
+bit-identical and leaves the arrival counters at zero, and reading each split's first block before
+the PDL wait (`EARLY_KV`) gives the same bits as reading it in the loop.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _cases(seed: int) -> list[dict]:
 
 def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from pdserve.kernels import triton_decode_attention as tda
     from pdserve.kernels.triton_decode_attention import DecodeConfig, DecodeScratch, num_splits, paged_decode_attention
 
     results = []
@@ -95,12 +97,13 @@ def _child(in_path: str, out_path: str) -> None:
         splits = num_splits(q.shape[0], hkv, max_keys, torch.device("cpu"), cfg)
         scratch = DecodeScratch(q.shape[0], hkv, hq // hkv, d, splits, "cpu")
         outs = []
-        for _ in range(2):
+        for early in (True, True, False):
+            tda.EARLY_KV = early
             out = torch.full_like(q, float("nan"))
             paged_decode_attention(q, kv, c["table"], c["seq_lens"], c["sinks"], c["sm_scale"], c["window_left"],
                                    scratch, out=out, cfg=cfg)
             outs.append(out)
-        results.append(dict(out=outs[0], again=outs[1], splits=splits, counters=scratch.count.clone()))
+        results.append(dict(out=outs[0], again=outs[1], late=outs[2], splits=splits, counters=scratch.count.clone()))
     torch.save(results, out_path)
 
 
@@ -140,6 +143,14 @@ def test_deterministic_and_counters_reset(run):
     for r in results:
         assert torch.equal(r["out"], r["again"])
         assert not r["counters"].any()
+
+
+def test_first_block_read_early_changes_nothing(run):
+    """EARLY_KV (each split's first block read before the PDL wait, the step's key re-read after
+    it) runs the same arithmetic in the same order as reading every block in the loop."""
+    _, results = run
+    for r in results:
+        assert torch.equal(r["out"], r["late"])
 
 
 def test_rejects_mismatched_inputs():

@@ -2,7 +2,9 @@
 what they compute: with it on, every step's logits equal those with it off bit for bit, eagerly and
 replayed from CUDA graphs, in both expert precisions (FP8 GEMV / grouped kernels, MXFP4 mma kernels),
 over batch sizes that take the GEMV and grouped paths. A kernel that read its predecessor's output
-before `griddepcontrol.wait` would race and show up here as a mismatch."""
+before `griddepcontrol.wait` would race and show up here as a mismatch; the kernels that read ahead
+of the wait (the decode attention's first block of keys, whose last key the QKV epilogue just wrote,
+the router's, GEMV's and MXFP4 down projection's weights) run with those reads on."""
 
 from __future__ import annotations
 
