@@ -91,7 +91,11 @@ class _Step:
     logits: torch.Tensor | None = None
     graph: object | None = None  # torch.cuda.CUDAGraph
     staging: torch.Tensor | None = None  # pinned host twin of `inputs`
-    staged: object | None = None  # torch.cuda.Event: the last copy out of `staging` has run
+    # with capture: `inputs`, `staging` and the attention backends' staged inputs are views of
+    # one device buffer and its pinned twin, copied in one piece before each replay
+    device_bytes: torch.Tensor | None = None
+    host_bytes: torch.Tensor | None = None
+    staged: object | None = None  # torch.cuda.Event: the last copy out of `host_bytes` has run
     slots: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -148,12 +152,29 @@ class DecodeGraphs:
             )
         else:
             attention = self.model.make_attention()
-        step = _Step(size, torch.zeros(2 + len(self.pools), size, dtype=torch.long, device=dev),
-                     attention, self.pools)
-        if self.capture:
-            step.staging = torch.zeros(step.inputs.shape, dtype=torch.long, pin_memory=True)
-            step.staged = torch.cuda.Event()
-            step.staged.record()
+        shape = (2 + len(self.pools), size)
+        if not self.capture:
+            return _Step(size, torch.zeros(shape, dtype=torch.long, device=dev), attention, self.pools)
+        # one pinned buffer and its device twin: the step's inputs, then each backend's staged inputs
+        parts = [("inputs", None, torch.Size(shape), torch.long)]
+        parts += [(name, g, shp, dt) for g, att in attention.items() for name, (shp, dt) in att.staged_inputs().items()]
+        offsets, total = [], 0
+        for _, _, shp, dt in parts:
+            offsets.append(total)
+            total += cdiv(shp.numel() * dt.itemsize, 16) * 16
+        device_bytes = torch.zeros(total, dtype=torch.uint8, device=dev)
+        host_bytes = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
+        views = {}
+        for (name, g, shp, dt), off in zip(parts, offsets):
+            n = shp.numel() * dt.itemsize
+            views[name, g] = (host_bytes[off:off + n].view(dt).view(shp), device_bytes[off:off + n].view(dt).view(shp))
+        for g, att in attention.items():
+            names = att.staged_inputs()
+            if names:
+                att.bind_staging({k: views[k, g][0] for k in names}, {k: views[k, g][1] for k in names})
+        step = _Step(size, views["inputs", None][1], attention, self.pools, staging=views["inputs", None][0],
+                     device_bytes=device_bytes, host_bytes=host_bytes, staged=torch.cuda.Event())
+        step.staged.record()
         return step
 
     def _forward(self, step: _Step) -> torch.Tensor:
@@ -163,7 +184,8 @@ class DecodeGraphs:
 
     def _pad_plan(self, step: _Step, n: int, input_ids, positions, slots, batches, device_ids=None) -> None:
         """Fill the static inputs and plan attention for n real rows padded to step.size; the
-        first len(device_ids) token ids come from that device tensor (in stream order)."""
+        first len(device_ids) token ids come from that device tensor (in stream order). Captured
+        steps stage everything in one pinned buffer and copy it to the device in one piece."""
         host = step.staging if step.staging is not None else torch.empty(step.inputs.shape, dtype=torch.long)
         if step.staged is not None:
             step.staged.synchronize()  # the previous replay's copy out of `staging` has run
@@ -173,11 +195,13 @@ class DecodeGraphs:
         for i, g in enumerate(self.pools):
             host[2 + i, :n] = slots[g]
             host[2 + i, n:] = self.pad_block[g] * self.cache.page_size
-        for g, att in step.attention.items():
+        for g, att in step.attention.items():  # a backend bound to the step's staging fills its views
             att.plan(pad_batch(batches[g], step.size, self.pad_block[g]))
-        step.inputs.copy_(host, non_blocking=step.staging is not None)
-        if step.staged is not None:
+        if step.host_bytes is not None:
+            step.device_bytes.copy_(step.host_bytes, non_blocking=True)  # one copy, ordered before the replay
             step.staged.record()
+        else:
+            step.inputs.copy_(host)
         if device_ids is not None:
             step.inputs[0, : device_ids.numel()].copy_(device_ids)
 
@@ -247,9 +271,10 @@ class DecodeGraphs:
 
     # -- running -------------------------------------------------------------------------------
     def run(self, input_ids: list[int], positions: list[int], slots: dict[str, torch.Tensor],
-            batches: dict[str, PagedBatch], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+            batches: dict[str, PagedBatch], device_ids: torch.Tensor | None = None, copy: bool = True) -> torch.Tensor:
         """One decode step for n = len(input_ids) requests -> float32 logits [n, vocab].
-        device_ids: int64 device tensor replacing the first len(device_ids) input ids."""
+        device_ids: int64 device tensor replacing the first len(device_ids) input ids. copy=False:
+        a view of the graph's static output, which the next replay of this size overwrites."""
         n = len(input_ids)
         size = self.size_for(n)
         if size is None:
@@ -266,4 +291,4 @@ class DecodeGraphs:
         else:
             step.graph.replay()
             logits = step.logits
-        return logits[:n].clone()  # the static output is overwritten by the next replay
+        return logits[:n].clone() if copy else logits[:n]  # the static output is overwritten by the next replay

@@ -76,8 +76,8 @@ def launch(runner, seqs: list[Sequence], prev: InFlight | None,
     if m:
         idx = [rows[id(s)] for s in seqs[:m]]
         ids = prev.tokens[:m] if idx == list(range(m)) else prev.tokens[torch.tensor(idx, device=prev.tokens.device)]
-    logits = runner.decode(seqs, block_copies=block_copies, device_ids=ids)
-    tokens = torch.argmax(logits, dim=-1)
+    logits = runner.decode(seqs, block_copies=block_copies, device_ids=ids, keep_logits=False)
+    tokens = torch.argmax(logits, dim=-1)  # on the stream before the next step can overwrite them
     host, copied = tokens, None
     if tokens.is_cuda:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -57,6 +57,8 @@ class StepPlan:
     device_ids : optional int64 device tensor [m]: the first m input ids, sampled on the device
         by the previous step and not read by the host (their `input_ids` entries are
         placeholders). Single-rank only: it does not travel to other ranks.
+    keep_logits : False: the logits may be a view of a decode graph's static output, overwritten
+        by the next step (the caller consumes them on the stream before it launches that step).
     """
 
     input_ids: list[int]
@@ -69,6 +71,7 @@ class StepPlan:
     score_next: int | None = None  # with prompt_logprobs: the token after these rows (a later chunk's first)
     block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     device_ids: torch.Tensor | None = None
+    keep_logits: bool = True
 
 
 class StepGroup(Protocol):
@@ -170,7 +173,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not plan.all_logits and len(plan.input_ids) == len(plan.qo_lens)
                 and len(plan.qo_lens) <= graphs.max_batch):
-            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches, plan.device_ids)
+            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.batches, plan.device_ids,
+                              copy=plan.keep_logits)
         plan_step(self.attention, plan.batches)
         step = StepContext(self.cache, {g: s.to(self.device) for g, s in plan.slots.items()}, self.attention)
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
@@ -291,12 +295,13 @@ class ModelRunner:
                 self.cache.pools[pool][:, dst] = self.cache.pools[pool][:, src]
 
     def decode(self, seqs: list[Sequence], block_copies: dict[str, list[tuple[int, int]]] | None = None,
-               device_ids: torch.Tensor | None = None) -> torch.Tensor:
+               device_ids: torch.Tensor | None = None, keep_logits: bool = True) -> torch.Tensor:
         """One token for each request (its last sampled one at position num_cached): [B, V].
         `block_copies` (see StepPlan) run first, on every rank; device_ids: the first
-        len(device_ids) requests' tokens, still on the device (see StepPlan)."""
+        len(device_ids) requests' tokens, still on the device; keep_logits: see StepPlan."""
         plan = self.decode_plan(seqs, device_ids)
         plan.block_copies = block_copies or {}
+        plan.keep_logits = keep_logits
         logits = self._step(plan)
         for s in seqs:
             s.num_cached += 1

@@ -157,7 +157,8 @@ class FlashInferSinkAttention:
             self._host_tables = torch.zeros(b, max_pages, dtype=torch.int32, pin_memory=True)
             self._host_lens = torch.ones(b, dtype=torch.int32, pin_memory=True)
             # the host may run a step ahead of the GPU: refill the pinned staging buffers only
-            # after the previous step's copies out of them have executed
+            # after the previous step's copies out of them have executed (None: bound to a caller's
+            # staging, which the caller copies and guards; `bind_staging`)
             self._staged = torch.cuda.Event()
             self._staged.record()
             if self.decode_backend == "triton":
@@ -169,6 +170,37 @@ class FlashInferSinkAttention:
                 paged_kv_indices_buf=torch.zeros(b * max_pages, **i32),
                 paged_kv_last_page_len_buf=torch.ones(b, **i32),
             )
+
+    def staged_inputs(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Graph mode with a table-driven decode kernel (triton, xqa): the device inputs each plan()
+        stages from pinned host memory, by name; empty otherwise (FlashInfer's graph wrappers
+        stage their own)."""
+        if self._graph_batch is None or self.decode_backend not in ("xqa", "triton"):
+            return {}
+        return {"block_tables": (self._block_tables.shape, self._block_tables.dtype),
+                "seq_lens": (self._seq_lens.shape, self._seq_lens.dtype)}
+
+    def bind_staging(self, host: dict[str, torch.Tensor], device: dict[str, torch.Tensor]) -> None:
+        """Take views of a caller's pinned staging buffer and its device twin for `staged_inputs()`
+        (same shapes and dtypes). From then on plan() only fills the host views: the caller copies
+        its whole buffer to the device once per step, after every backend has planned, and refills
+        it only after that copy has executed (engine.cuda_graphs: one copy a step, not two a
+        backend)."""
+        want = self.staged_inputs()
+        if set(host) != set(want) or set(device) != set(want):
+            raise ValueError(f"staging views {sorted(host)} / {sorted(device)} do not match {sorted(want)}")
+        for name, (shape, dtype) in want.items():
+            for t, pinned in ((host[name], True), (device[name], False)):
+                if t.shape != shape or t.dtype != dtype or t.is_pinned() != pinned or not t.is_contiguous():
+                    raise ValueError(f"staging view {name} must be a contiguous {'pinned ' if pinned else ''}"
+                                     f"{dtype} tensor of shape {tuple(shape)}")
+        host["block_tables"].copy_(self._host_tables)
+        host["seq_lens"].copy_(self._host_lens)
+        device["block_tables"].copy_(self._block_tables)
+        device["seq_lens"].copy_(self._seq_lens)
+        self._host_tables, self._host_lens = host["block_tables"], host["seq_lens"]
+        self._block_tables, self._seq_lens = device["block_tables"], device["seq_lens"]
+        self._staged = None
 
     def _triton_scratch(self, rows: int):
         """Partials for `rows` requests; graph objects size it once. The splits depend on the rows
@@ -273,15 +305,17 @@ class FlashInferSinkAttention:
             raise ValueError(f"a request uses {int(pages.max())} pages, over max_pages_per_request={p_max}")
         self._rows = b_max
         if self.decode_backend in ("xqa", "triton"):
-            self._staged.synchronize()
+            if self._staged is not None:
+                self._staged.synchronize()
             self._page_table(batch, p_max, self._host_tables)
             self._host_tables[b:].fill_(self._pad_page)
             self._host_lens[:b] = batch.kv_lens.to(torch.int32)
             self._host_lens[b:] = 1
-            # pinned -> device on the current stream, ordered before the graph replay
-            self._block_tables.copy_(self._host_tables, non_blocking=True)
-            self._seq_lens.copy_(self._host_lens, non_blocking=True)
-            self._staged.record()
+            if self._staged is not None:
+                # pinned -> device on the current stream, ordered before the graph replay
+                self._block_tables.copy_(self._host_tables, non_blocking=True)
+                self._seq_lens.copy_(self._host_lens, non_blocking=True)
+                self._staged.record()
             self._mode = self.decode_backend
             return
         pad = b_max - b
