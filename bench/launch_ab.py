@@ -12,7 +12,8 @@ the kernels that have them; the engine's defaults; with --mma-config, the defaul
 launch shape of the MXFP4 mma kernels.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
-        [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--rounds 15] [--replays 20] [--out FILE.json]
+        [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
+        [--rounds 15] [--replays 20] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ def _early(*kernels: str) -> dict:
 
 DEFAULT_ATTENTION = {
     (flashinfer_attention, "_TRITON_MAX_BATCH"): dict(flashinfer_attention._TRITON_MAX_BATCH),
+    (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.FULL_LAYERS,
     (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.WINDOWED_LAYERS,
     (cuda_moe_mxfp4, "CONFIG"): cuda_moe_mxfp4.CONFIG,
+    (cuda_moe_mxfp4, "PAIR_CONFIG"): cuda_moe_mxfp4.PAIR_CONFIG,
     **EARLY_DEFAULT,
 }
 ATTENTION_12_01 = {
     (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 0, "window": 64},
+    (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.FULL_LAYERS,
     (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(),
     **_early(),
 }
@@ -78,8 +82,22 @@ SETTINGS = {
                                 {**DEFAULT_ATTENTION, **_early("attention", "router")}),
     "early attention+router+down": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True},
                                       {**DEFAULT_ATTENTION, **_early("attention", "router", "down")}),
+    # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
+    # 32 or 64 splits
+    "full 128-key splits": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {
+        **DEFAULT_ATTENTION, (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.DecodeConfig(
+            block_n=128, min_keys=128, max_splits=32, combine_splits=32)}),
+    "full 128-key splits x64": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {
+        **DEFAULT_ATTENTION, (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.DecodeConfig(
+            block_n=128, min_keys=128, max_splits=64, combine_splits=64)}),
     "default": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
 }
+
+
+def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
+    """'warps,ksplit,batch/warps,ksplit,batch' -> MmaConfig(gate_up, down)."""
+    gu, dn = (tuple(int(v) for v in part.split(",")) for part in spec.split("/"))
+    return cuda_moe_mxfp4.MmaConfig(gu, dn)
 
 
 def main() -> int:
@@ -92,6 +110,9 @@ def main() -> int:
     ap.add_argument("--mma-config", default=None,
                     help="also the default with this MXFP4 mma launch shape, gate/up and down as "
                          "'warps,ksplit,batch/warps,ksplit,batch' (kernels/cuda_moe_mxfp4.MmaConfig)")
+    ap.add_argument("--pair-configs", default=None,
+                    help="also the default with each of these launch shapes of the per-pair MXFP4 mma launches "
+                         "(cuda_moe_mxfp4.PAIR_CONFIG), ';'-separated, each as --mma-config")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -102,10 +123,13 @@ def main() -> int:
         raise SystemExit(f"unknown settings {unknown}; known: {list(SETTINGS)}")
     settings = {n: SETTINGS[n] for n in names}
     if a.mma_config:
-        gu, dn = (tuple(int(v) for v in part.split(",")) for part in a.mma_config.split("/"))
         env, attrs, constants = SETTINGS["default"]
-        settings[f"mma {a.mma_config}"] = (env, attrs, {**constants, (cuda_moe_mxfp4, "CONFIG"): cuda_moe_mxfp4.MmaConfig(gu, dn)})
+        settings[f"mma {a.mma_config}"] = (env, attrs, {**constants, (cuda_moe_mxfp4, "CONFIG"): _mma(a.mma_config)})
         names.append(f"mma {a.mma_config}")
+    for cfg in (a.pair_configs.split(";") if a.pair_configs else []):
+        env, attrs, constants = SETTINGS["default"]
+        settings[f"pair {cfg}"] = (env, attrs, {**constants, (cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
+        names.append(f"pair {cfg}")
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
     g = torch.Generator().manual_seed(1)
     results = {}

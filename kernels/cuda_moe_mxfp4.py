@@ -50,7 +50,13 @@ class MmaConfig:
         return 16 * nw // ksplit
 
 
-CONFIG = MmaConfig()
+CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
+# Per-pair launches (1-3 tokens): down's K over 4 warps in batches of 3 K steps, so its first batch,
+# read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights. 20b step replay on an H200
+# (2026-12-02, bench/launch_ab.py): 1866 -> 1777 us at one token, level at two (2435 us); K over 2
+# warps (the grouped shape) was the default before. Per-pair and grouped launches then sum down's
+# K shares in different orders: the same tokens in a batch of 3 and of 4 may differ in the last bit.
+PAIR_CONFIG = MmaConfig(down=(4, 4, 3))
 GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
@@ -118,11 +124,11 @@ def experts_forward_mxfp4_mma(
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
     experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
-    are served together (routing layout first); else one CTA column per pair. config: CONFIG when
-    None. trace: uint64 buffers of 4 words per CTA of each launch (gate/up, down): the kernels'
+    are served together (routing layout first); else one CTA column per pair. config: CONFIG
+    (grouped) or PAIR_CONFIG when None. trace: uint64 buffers of 4 words per CTA of each launch (gate/up, down): the kernels'
     timing build records each CTA's start, sums done, end (%globaltimer ns) and SM
     (bench/moe_trace.py)."""
-    config = config or CONFIG
+    config = config or (CONFIG if grouped else PAIR_CONFIG)
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
     t, h = x.shape

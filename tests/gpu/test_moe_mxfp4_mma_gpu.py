@@ -2,7 +2,8 @@
 random weights and routing, against `experts_forward_ref` in float32 on the exactly dequantised
 weights. Tolerance: rel L2 4e-3 (float32 sums; the SwiGLU activations and the output are rounded to
 bf16, ~1.6e-3 together). Grouped launches (pairs of an expert served together) must equal per-pair
-launches bit for bit: a column of the mma sees only its own token, so every sum is the same. Also:
+launches of the same launch shape bit for bit: a column of the mma sees only its own token, so every
+sum is the same. Also:
 deterministic, replayed from a CUDA graph on new inputs, and every scale byte the packed layout
 allows, against a float64 reference."""
 
@@ -34,16 +35,18 @@ def _seeded():
 
 
 def _configs():
-    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, MmaConfig
+    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, PAIR_CONFIG, MmaConfig
 
-    return [CONFIG, MmaConfig((4, 2, 3), (4, 4, 2)), MmaConfig((8, 1, 2), (2, 1, 3))]
+    return [CONFIG, PAIR_CONFIG, MmaConfig((4, 2, 3), (4, 4, 2)), MmaConfig((8, 1, 2), (2, 1, 3)),
+            MmaConfig((4, 1, 2), (8, 8, 2)), MmaConfig((4, 1, 2), (4, 4, 3))]
 
 
 @pytest.mark.parametrize("t,e", [(1, 32), (3, 8), (8, 8), (16, 32), (64, 8), (64, 32)])
-@pytest.mark.parametrize("config", range(3))
+@pytest.mark.parametrize("config", range(6))
 def test_mma_moe_against_reference(t, e, config):
-    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Three launch
-    shapes (the default; K split over 2 / 4 warps; 8 warps)."""
+    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Six launch
+    shapes (the grouped and per-pair defaults; K split over 2 / 4 / 8 warps; 8 warps; 3 K steps a
+    batch), each for per-pair and grouped launches alike."""
     import functools
 
     fwd = functools.partial(_mma(), config=_configs()[config])
