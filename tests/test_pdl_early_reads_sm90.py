@@ -1,0 +1,149 @@
+"""The kernels that read ahead of their PDL wait (kernels/pdl.py), compiled offline for sm_90: no GPU,
+Triton's compiler and the ptxas and cuobjdump its wheel ships (nvcc for the CUDA kernel).
+
+Each compiles with its early reads on and off, and in its SASS the early variant issues global loads
+before `griddepcontrol.wait` (ACQBULK) while the other issues none there. So this fails if a change
+lets ptxas sink the early loads past the wait (it does so with non-coherent `ld.global.nc` loads,
+docs/kernels.md), if a late variant starts reading before its wait, or if a variant no longer
+compiles for the GPU (Triton's CPU interpreter does not type-check: a variable rebound with another
+type inside a branch compiles there and fails on the GPU, as the first early-read attention did).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+_CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _sass(cubin: bytes, tmp: Path, function: str | None = None) -> list[str]:
+    """The SASS instruction mnemonics of a cubin, in order (predicates dropped)."""
+    if not _CUOBJDUMP.exists():
+        pytest.skip("Triton's wheel ships no cuobjdump here")
+    path = tmp / "k.cubin"
+    path.write_bytes(cubin)
+    cmd = [str(_CUOBJDUMP), "-sass"] + (["-fun", function] if function else []) + [str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    ops = []
+    for line in out.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops.append(m.group(1))
+    return ops
+
+
+def _loads_before_wait(ops: list[str]) -> list[str]:
+    assert "ACQBULK" in ops, "no griddepcontrol.wait in the kernel"
+    return [op for op in ops[: ops.index("ACQBULK")] if op.startswith("LDG")]
+
+
+def _compile(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 2) -> bytes:
+    """fn compiled for sm_90 with these argument types (the rest i32), pointers and int arguments
+    taken as multiples of 16 (as Triton specialises the engine's strides and pointers)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
+    div = [a for a in names if sig[a].startswith("*") or (sig[a] == "i32" and a.startswith(("stride", "K", "N")))]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return k.asm["cubin"]
+
+
+def _attention(early: bool, splits: int):
+    from pdserve.kernels import triton_decode_attention as tda
+
+    cfg = tda.FULL_LAYERS if splits > 1 else tda.WINDOWED_LAYERS
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "table_ptr": "*i32", "lens_ptr": "*i32", "sinks_ptr": "*fp32",
+             "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "count_ptr": "*i32",
+             "qk_scale": "fp32"}
+    consts = dict(GROUP=8, GROUP_P2=8, BLOCK_H=16, D=64, PAGE=16, BLOCK_N=cfg.block_n, MIN_KEYS=cfg.min_keys,
+                  SPLITS=splits, COMBINE=min(cfg.combine_splits, splits), DOT_F32=False, WHILE_LOOP=False,
+                  EARLY_KV=early, PDL=True)
+    return _compile(tda._decode_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+
+
+def _router(early: bool):
+    from pdserve.kernels import triton_router as tr
+
+    block_k, warps = tr.launch_shape(32)
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "weight_ptr": "*bf16", "ids_ptr": "*i64",
+             "logits_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    consts = dict(H=2880, E=32, BLOCK_E=32, BLOCK_K=block_k, SPLITS=triton.cdiv(2880, block_k),
+                  SPLITS_P2=triton.next_power_of_2(triton.cdiv(2880, block_k)), WRITE_LOGITS=False,
+                  ACCURATE_EXP=True, EARLY_WEIGHTS=early, PDL=True)
+    return _compile(tr._router_kernel, types, consts, warps)
+
+
+def _gemv(early: bool):
+    from pdserve.kernels import triton_bf16_gemv as g
+
+    n, k = 2880, 4096  # gpt-oss' O projection, one token
+    cfg = g.select_config(1, n, k)
+    split, k_per = g.launch_shape(cfg, n, k)
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+             "count_ptr": "*i32"}
+    consts = dict(TOKENS=1, BLOCK_M=g.m_bucket(1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=True,
+                  SPLIT_K=split, K_PER=k_per, NUM_STAGES=cfg.num_stages, EARLY=early, PDL=True)
+    return _compile(g._bf16_gemv_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+
+
+def _qkv_rope(early: bool):
+    from pdserve.kernels import triton_bf16_gemv as g
+    from pdserve.kernels import triton_rope as r
+
+    cfg = g.select_config(1, 5120, 2880)
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32",
+             "sin_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*bf16", "q_ptr": "*bf16"}
+    consts = dict(HQ=64, HKV=8, D=64, HAS_BIAS=True, BLOCK_K=cfg.block_k, K_PER=triton.cdiv(2880, cfg.block_k),
+                  NUM_STAGES=cfg.num_stages, ACCURATE=True, EARLY=early, PDL=True)
+    return _compile(r._qkv_rope_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+
+
+KERNELS = {
+    "attention, one split (windowed)": lambda early: _attention(early, 1),
+    "attention, 32 splits (full)": lambda early: _attention(early, 32),
+    "router": _router,
+    "bf16 GEMV": _gemv,
+    "QKV + RoPE": _qkv_rope,
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
+    early = _loads_before_wait(_sass(KERNELS[name](True), tmp_path))
+    late = _loads_before_wait(_sass(KERNELS[name](False), tmp_path))
+    assert any(op.startswith("LDG.E.128") for op in early), f"{name}: no vector load before the wait: {early}"
+    assert not late, f"{name}: loads before the wait with early reads off: {late}"
+
+
+@pytest.mark.parametrize("launch", ["grouped", "per pair"])
+def test_mxfp4_down_reads_its_routing_and_first_batch_ahead_of_the_wait(launch, tmp_path):
+    """Both launch shapes of the down kernel (ptxas sank the first batch's `ld.global.nc` loads past
+    the wait in the grouped shape, not in the per-pair one)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this host")
+    from pdserve.kernels.cuda_moe_mxfp4 import _LAYOUT_MACROS, CONFIG, PAIR_CONFIG, SOURCE
+
+    nw, ksplit, batch = (CONFIG if launch == "grouped" else PAIR_CONFIG).down
+    ops = {}
+    for early in (0, 1):
+        cubin = tmp_path / f"mx{early}.cubin"
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-DMX_KG=90", f"-DMX_NW={nw}",
+                        f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", "-DMX_SLOTS=1", "-DMX_TRACE=0",
+                        f"-DMX_EARLY_DOWN={early}", *_LAYOUT_MACROS, "-x", "cu", str(SOURCE), "-o", str(cubin)],
+                       check=True, capture_output=True, text=True)
+        ops[early] = _loads_before_wait(_sass(cubin.read_bytes(), tmp_path, "mx_down"))
+    assert not ops[0], f"loads before the wait with MX_EARLY_DOWN=0: {ops[0]}"
+    weights = [op for op in ops[1] if ".128" in op]
+    assert len(weights) >= 2 * batch, f"the first batch's weight loads are not all ahead of the wait: {ops[1]}"
