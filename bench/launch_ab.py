@@ -45,7 +45,15 @@ EARLY = {
     "down": (cuda_moe_mxfp4, "EARLY_DOWN"),
     "gemv": (triton_bf16_gemv, "EARLY_WEIGHTS"),
 }
-EARLY_DEFAULT = {key: getattr(*key) for key in EARLY.values()}
+# the module constants the settings change, as the engine has them: each setting starts from these
+DEFAULTS = {key: getattr(*key) for key in [
+    (flashinfer_attention, "_TRITON_MAX_BATCH"),
+    (triton_decode_attention, "FULL_LAYERS"),
+    (triton_decode_attention, "WINDOWED_LAYERS"),
+    (cuda_moe_mxfp4, "CONFIG"),
+    (cuda_moe_mxfp4, "PAIR_CONFIG"),
+    *EARLY.values(),
+]}
 
 
 def _early(*kernels: str) -> dict:
@@ -53,44 +61,38 @@ def _early(*kernels: str) -> dict:
     return {key: name in kernels for name, key in EARLY.items()}
 
 
-DEFAULT_ATTENTION = {
-    (flashinfer_attention, "_TRITON_MAX_BATCH"): dict(flashinfer_attention._TRITON_MAX_BATCH),
-    (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.FULL_LAYERS,
-    (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.WINDOWED_LAYERS,
-    (cuda_moe_mxfp4, "CONFIG"): cuda_moe_mxfp4.CONFIG,
-    (cuda_moe_mxfp4, "PAIR_CONFIG"): cuda_moe_mxfp4.PAIR_CONFIG,
-    **EARLY_DEFAULT,
-}
+def _setting(constants: dict | None = None, pdl: bool = True, fuse_qkv_rope: bool = True) -> tuple:
+    """(environment, GptOssModel attributes, module constants over DEFAULTS) at capture."""
+    return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": fuse_qkv_rope}, constants or {}
+
+
+def _full_layers(min_keys: int, max_splits: int) -> dict:
+    return {(triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.DecodeConfig(
+        block_n=128, min_keys=min_keys, max_splits=max_splits, combine_splits=max_splits)}
+
+
 ATTENTION_12_01 = {
     (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 0, "window": 64},
-    (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.FULL_LAYERS,
     (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(),
     **_early(),
 }
-FULL_LAYERS_TRITON = {**ATTENTION_12_01, (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 16, "window": 64}}
 
-# name -> (environment, GptOssModel attributes, module constants) at capture
 SETTINGS = {
-    "pdl off": ({"PDSERVE_PDL": "0"}, {"fuse_qkv_rope": False}, DEFAULT_ATTENTION),
-    "pdl on": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": False}, DEFAULT_ATTENTION),
-    "pdl on, qkv+rope": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
-    "attention 12-01": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, ATTENTION_12_01),
-    "full layers triton": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, FULL_LAYERS_TRITON),
-    "no early reads": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {**DEFAULT_ATTENTION, **_early()}),
-    "early attention": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {**DEFAULT_ATTENTION, **_early("attention")}),
-    "early attention+router": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True},
-                                {**DEFAULT_ATTENTION, **_early("attention", "router")}),
-    "early attention+router+down": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True},
-                                      {**DEFAULT_ATTENTION, **_early("attention", "router", "down")}),
+    "pdl off": _setting(pdl=False, fuse_qkv_rope=False),
+    "pdl on": _setting(fuse_qkv_rope=False),
+    "pdl on, qkv+rope": _setting(),
+    "attention 12-01": _setting(ATTENTION_12_01),
+    "full layers triton": _setting({**ATTENTION_12_01,
+                                    (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 16, "window": 64}}),
+    "no early reads": _setting(_early()),
+    "early attention": _setting(_early("attention")),
+    "early attention+router": _setting(_early("attention", "router")),
+    "early attention+router+down": _setting(_early("attention", "router", "down")),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
-    "full 128-key splits": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {
-        **DEFAULT_ATTENTION, (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.DecodeConfig(
-            block_n=128, min_keys=128, max_splits=32, combine_splits=32)}),
-    "full 128-key splits x64": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, {
-        **DEFAULT_ATTENTION, (triton_decode_attention, "FULL_LAYERS"): triton_decode_attention.DecodeConfig(
-            block_n=128, min_keys=128, max_splits=64, combine_splits=64)}),
-    "default": ({"PDSERVE_PDL": "1"}, {"fuse_qkv_rope": True}, DEFAULT_ATTENTION),
+    "full 128-key splits": _setting(_full_layers(128, 32)),
+    "full 128-key splits x64": _setting(_full_layers(128, 64)),
+    "default": _setting(),
 }
 
 
@@ -123,12 +125,10 @@ def main() -> int:
         raise SystemExit(f"unknown settings {unknown}; known: {list(SETTINGS)}")
     settings = {n: SETTINGS[n] for n in names}
     if a.mma_config:
-        env, attrs, constants = SETTINGS["default"]
-        settings[f"mma {a.mma_config}"] = (env, attrs, {**constants, (cuda_moe_mxfp4, "CONFIG"): _mma(a.mma_config)})
+        settings[f"mma {a.mma_config}"] = _setting({(cuda_moe_mxfp4, "CONFIG"): _mma(a.mma_config)})
         names.append(f"mma {a.mma_config}")
     for cfg in (a.pair_configs.split(";") if a.pair_configs else []):
-        env, attrs, constants = SETTINGS["default"]
-        settings[f"pair {cfg}"] = (env, attrs, {**constants, (cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
+        settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
         names.append(f"pair {cfg}")
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
     g = torch.Generator().manual_seed(1)
@@ -145,7 +145,7 @@ def main() -> int:
             os.environ.update(env)
             for k, v in attrs.items():
                 setattr(runner.model, k, v)
-            for (module, k), v in constants.items():
+            for (module, k), v in {**DEFAULTS, **constants}.items():
                 setattr(module, k, v)
             graphs[name] = DecodeGraphs(runner.model, runner.cache, batch, max_context=runner.max_context)
             size = graphs[name].size_for(batch)

@@ -56,7 +56,7 @@ __device__ __forceinline__ U4 load_stream(const U4* p) {
   return v;
 }
 
-// Through L2 only, and in program order with `griddepcontrol.wait` (ptxas sinks the non-coherent
+// Through L2 only, and in program order with `griddepcontrol.wait` (ptxas may sink the non-coherent
 // loads above past it): the weights a CTA reads before its PDL wait.
 __device__ __forceinline__ U4 load_early(const U4* p) {
   U4 v;

@@ -89,7 +89,8 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int
              early_down: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
-    early_down: MX_EARLY_DOWN."""
+    early_down: MX_EARLY_DOWN (down only; callers pass EARLY_DOWN for both kernels, so a shape
+    that serves both compiles once)."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     nw, ksplit, batch = shape
@@ -125,9 +126,9 @@ def experts_forward_mxfp4_mma(
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
     experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
     are served together (routing layout first); else one CTA column per pair. config: CONFIG
-    (grouped) or PAIR_CONFIG when None. trace: uint64 buffers of 4 words per CTA of each launch (gate/up, down): the kernels'
-    timing build records each CTA's start, sums done, end (%globaltimer ns) and SM
-    (bench/moe_trace.py)."""
+    (grouped) or PAIR_CONFIG when None. trace: uint64 buffers of 4 words per CTA of each launch
+    (gate/up, down): the kernels' timing build records each CTA's start, sums done, end
+    (%globaltimer ns) and SM (bench/moe_trace.py)."""
     config = config or (CONFIG if grouped else PAIR_CONFIG)
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
@@ -162,7 +163,7 @@ def experts_forward_mxfp4_mma(
                 raise ValueError(f"a trace buffer needs {4 * ctas} contiguous int64 words, got "
                                  f"{buf.numel()} {buf.dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None)["mx_gate_up"]
+    gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None, EARLY_DOWN)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, trace is not None, EARLY_DOWN)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)

@@ -183,6 +183,7 @@ def _gemv_tile(x_ptr, w_rows, n_ok, K, stride_xm, k_lo, TOKENS: tl.constexpr, BL
         a0, a1, a2, a3, a4, a5, a6, a7 = _accumulate(a0, a1, a2, a3, a4, a5, a6, a7, w, x_ptr, stride_xm,
                                                      k_lo + offs_k0, k_ok, TOKENS, BLOCK_N, BLOCK_K)
     # K_PER steps from k_lo; the last split's steps past K load nothing (masked) and add 0.
+    # (Triton 3.6's interpreter under numpy 2 takes only constexpr loop bounds.)
     for i in tl.range(1 if EARLY else 0, K_PER, num_stages=NUM_STAGES):
         offs_k = k_lo + i * BLOCK_K + offs_k0
         k_ok = offs_k < K

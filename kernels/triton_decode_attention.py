@@ -181,13 +181,14 @@ def _decode_kernel(
     n_split = tl.cdiv(n_keys, chunk)
     lo = start + s * chunk
     hi = tl.where(s < n_split, tl.minimum(lo + chunk, seq_len), lo)  # idle programs: no keys
+    table = table_ptr + b.to(tl.int64) * stride_table
     if EARLY_KV:
         # The split's first block is in the cache before the kernel ahead of this one (the QKV
         # epilogue) runs, but for the step's own key (position seq_len - 1), which that kernel
         # writes: read the block now (L2 only, so no stale line stays in L1), wait, then re-read
         # that one row.
-        k0, v0, keys0, base0 = _load_block(lo, hi, table_ptr + b.to(tl.int64) * stride_table, kv_ptr, g,
-                                           stride_page, stride_kv, stride_tok, D, PAGE, BLOCK_N, ".cg")
+        k0, v0, keys0, base0 = _load_block(lo, hi, table, kv_ptr, g, stride_page, stride_kv, stride_tok, D, PAGE,
+                                           BLOCK_N, ".cg")
         enter(PDL)
     if s < n_split:
         rows = tl.arange(0, BLOCK_H)
@@ -201,7 +202,6 @@ def _decode_kernel(
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
-        table = table_ptr + b.to(tl.int64) * stride_table
         key0 = lo
         if EARLY_KV:
             new = (keys0 == seq_len - 1) & (keys0 < hi)
