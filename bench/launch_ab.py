@@ -8,11 +8,13 @@ Settings: programmatic dependent launch (kernels/pdl.py) off, then on; then also
 GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode attention of
 2026-12-01 (XQA for full layers, the default Triton tiling for windowed ones), then with the Triton
 kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of
-the kernels that have them; the engine's defaults; with --mma-config, the defaults with another
-launch shape of the MXFP4 mma kernels.
+the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the engine's defaults; with --mma-config, the defaults with another
+launch shape of the MXFP4 mma kernels; with --ablate, the defaults with one piece of every layer
+(norms, QKV, attention, O projection, router, MoE) taken out: the marginal cost of each.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
+        [--ablate norms,qkv,attention,o,router,moe]
         [--rounds 15] [--replays 20] [--out FILE.json]
 """
 
@@ -44,6 +46,7 @@ EARLY = {
     "router": (triton_router, "EARLY_WEIGHTS"),
     "down": (cuda_moe_mxfp4, "EARLY_DOWN"),
     "gemv": (triton_bf16_gemv, "EARLY_WEIGHTS"),
+    "gate/up x": (cuda_moe_mxfp4, "EARLY_X"),
 }
 # the module constants the settings change, as the engine has them: each setting starts from these
 DEFAULTS = {key: getattr(*key) for key in [
@@ -88,12 +91,56 @@ SETTINGS = {
     "early attention": _setting(_early("attention")),
     "early attention+router": _setting(_early("attention", "router")),
     "early attention+router+down": _setting(_early("attention", "router", "down")),
+    "no early gate/up x": _setting({EARLY["gate/up x"]: False}),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),
     "full 128-key splits x64": _setting(_full_layers(128, 64)),
     "default": _setting(),
 }
+
+
+ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe")
+
+
+def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, str, object]]:
+    """Patches (object, attribute, value) that take one piece of every layer out of the captured
+    step, launching nothing in its place (a buffer of the right shape made here, or the piece's
+    input, stands for its output): the replay's change is that piece's marginal cost on the step's
+    critical path. The logits are meaningless; every routing stays a valid one."""
+    import pdserve.engine.model as model_mod
+
+    m, cfg, dev = runner.model, runner.cfg, runner.device
+    hq, d = m.num_q_heads, cfg.head_dim
+    if piece == "norms":
+        return [(m, "_add_norm", lambda x, delta, weight: (x, x))]
+    if piece == "qkv":
+        q = torch.randn(rows, hq, d, device=dev).to(torch.bfloat16)
+        return [(m, "_rotated_q", lambda layer, t, *a: q[: t.shape[0]])]
+    if piece == "attention":
+        make = m.make_attention
+
+        def make_attention(*a, **k):
+            backends = make(*a, **k)
+            for b in backends.values():
+                b.run = lambda q, cache, sinks, out=None: q
+            return backends
+
+        return [(m, "make_attention", make_attention)]
+    if piece == "o":
+        project, o_in = model_mod._project, hq * d
+        y = torch.randn(rows, cfg.hidden_size, device=dev).to(torch.bfloat16)
+        return [(model_mod, "_project",
+                 lambda x, w, *a: y[: x.shape[0]] if x.shape[-1] == o_in and w.shape[0] == cfg.hidden_size
+                 else project(x, w, *a))]
+    if piece == "router":
+        k = cfg.experts_per_token
+        ids = (torch.arange(rows * k, device=dev) % cfg.num_local_experts).view(rows, k)
+        wts = torch.full((rows, k), 1.0 / k, device=dev, dtype=torch.bfloat16)
+        return [(m, "_route", lambda t, mlp: (wts[: t.shape[0]], ids[: t.shape[0]]))]
+    if piece == "moe":
+        return [(m, "_moe", lambda layer, t: t)]
+    raise SystemExit(f"unknown piece {piece!r}; known: {ABLATIONS}")
 
 
 def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
@@ -115,6 +162,8 @@ def main() -> int:
     ap.add_argument("--pair-configs", default=None,
                     help="also the default with each of these launch shapes of the per-pair MXFP4 mma launches "
                          "(cuda_moe_mxfp4.PAIR_CONFIG), ';'-separated, each as --mma-config")
+    ap.add_argument("--ablate", default=None,
+                    help=f"also the default with each of these pieces taken out of every layer: comma-separated of {ABLATIONS}")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -131,6 +180,11 @@ def main() -> int:
         settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
         names.append(f"pair {cfg}")
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
+    patches = {name: [] for name in settings}
+    for piece in (a.ablate.split(",") if a.ablate else []):
+        settings[f"skip {piece}"] = _setting()
+        patches[f"skip {piece}"] = _ablation(runner, piece.strip(), max(a.batches))
+        names.append(f"skip {piece}")
     g = torch.Generator().manual_seed(1)
     results = {}
     for batch in a.batches:
@@ -147,12 +201,17 @@ def main() -> int:
                 setattr(runner.model, k, v)
             for (module, k), v in {**DEFAULTS, **constants}.items():
                 setattr(module, k, v)
+            saved = [(obj, k, getattr(obj, k)) for obj, k, _ in patches[name]]
+            for obj, k, v in patches[name]:
+                setattr(obj, k, v)
             graphs[name] = DecodeGraphs(runner.model, runner.cache, batch, max_context=runner.max_context)
             size = graphs[name].size_for(batch)
             graphs[name].capture_all([size])
             runner.decode_graphs = graphs[name]
             eng.step()  # one real step through this setting's graph (its inputs staged)
             steps[name] = graphs[name]._steps[size]
+            for obj, k, v in saved:
+                setattr(obj, k, v)
         runner.decode_graphs = None
         times = {name: [] for name in settings}
         for _ in range(a.rounds):

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, experts_forward_mxfp4_mma  # noqa: E402
+from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG, experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
 
 
@@ -58,13 +58,13 @@ def main() -> int:
     w = random_experts(e, torch.Generator(device=dev).manual_seed(0), dev, h=h, i=i).to_packed()
     x = torch.randn(t, h, device=dev).to(torch.bfloat16)
     wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
-    rows_gu, rows_dn = CONFIG.rows("gate_up"), CONFIG.rows("down")
+    rows_gu, rows_dn = PAIR_CONFIG.rows("gate_up"), PAIR_CONFIG.rows("down")  # per-pair launches
     ctas = (2 * i // rows_gu * t * k, h // rows_dn * t * k)
     bufs = [torch.zeros(n * 4, dtype=torch.int64, device=dev) for n in ctas]
     gu_bytes = t * k * (w.gate_up_blocks[0].numel() + w.gate_up_scales[0].numel())
     dn_bytes = t * k * (w.down_blocks[0].numel() + w.down_scales[0].numel())
     print(f"tokens {t}: gate/up {ctas[0]} CTAs ({gu_bytes / 1e6:.1f} MB), down {ctas[1]} CTAs "
-          f"({dn_bytes / 1e6:.1f} MB), config {CONFIG}", flush=True)
+          f"({dn_bytes / 1e6:.1f} MB), config {PAIR_CONFIG}", flush=True)
     rows = []
     for rep in range(a.reps + 2):
         ids = torch.stack([(torch.arange(k, device=dev) + k * ((rep * t + j) % (e // k))) for j in range(t)])

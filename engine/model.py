@@ -199,8 +199,8 @@ class GptOssModel:
         # to them; one all-reduce sums the ranks' weighted partial outputs (engine/parallel.py).
         _, m = self.w.layers[layer]
         cfg = self.cfg
-        weights, ids = self._route(t, m)
-        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha)
+        weights, ids = self._route(t, m)  # from t, on the GPU: t predates the routing's launch
+        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha, x_before_routing=True)
         return all_reduce(y, self.shard)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,12 @@
 //
 // Both kernels take `enter_pdl()`: launched with programmatic dependent launch (kernels/pdl.py), a
 // CTA may be placed while the kernel before it still runs; it waits there until that kernel is done,
-// then lets the next kernel launch. gate/up takes it first. down reads only what was written before
-// gate/up ran ahead of the wait (with MX_EARLY_DOWN: its routing, from L2, and its first batch of
-// weights), then waits before it stages gate/up's activations.
+// then lets the next kernel launch. gate/up takes it first, except that with MX_EARLY_X a per-pair
+// launch (SLOTS 1) stages its token's row ahead of it: the caller vouches that the row was written
+// before the routing (the launch before gate/up), so by kernels/pdl.py's contract it is final. down
+// reads only what was written before gate/up ran ahead of the wait (with MX_EARLY_DOWN: its
+// routing, from L2, and its first batch of weights), then waits before it stages gate/up's
+// activations.
 //
 // Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
@@ -125,6 +128,10 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #ifndef MX_EARLY_DOWN
 #define MX_EARLY_DOWN 0
 #endif
+#ifndef MX_EARLY_X
+#define MX_EARLY_X 0
+#endif
+#define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)  // per-pair gate/up: its token row before the wait
 #if MX_TRACE
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -181,14 +188,18 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
   __syncthreads();
 }
 
-// The item's activation rows (KG * 32 bf16 each) into shared memory, XROW words apart.
-__device__ __forceinline__ void stage_rows(u32* xs, const Item& it) {
+// One activation row (KG * 32 bf16) into shared memory, scaled for the mma; EARLY: read before the
+// CTA's PDL wait (load_early). The caller synchronises the CTA before the row is used.
+template <bool EARLY>
+__device__ __forceinline__ void stage_row(u32* dst, const U4* src) {
   const int per_row = KG * 4;  // 16-byte vectors
-  for (int i = 0; i < it.n; i++) {
-    const U4* src = it.row[i];
-    for (int c = threadIdx.x; c < per_row; c += NW * 32)
-      *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) = stage_scale(load_cached(src + c));
-  }
+  for (int c = threadIdx.x; c < per_row; c += NW * 32)
+    *reinterpret_cast<U4*>(dst + 4 * c) = stage_scale(EARLY ? load_early(src + c) : load_cached(src + c));
+}
+
+// The item's activation rows into shared memory, XROW words apart.
+__device__ __forceinline__ void stage_rows(u32* xs, const Item& it) {
+  for (int i = 0; i < it.n; i++) stage_row<false>(xs + i * XROW, it.row[i]);
   __syncthreads();
 }
 
@@ -264,8 +275,9 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
 // sum over K of W[row] * x[slot] for the CTA's ROWS rows and the item's pairs: warp w takes rows
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
-// rows are staged (in flight together); with EARLY, the PDL wait comes between the two.
-template <bool EARLY>
+// rows are staged (in flight together); with EARLY, the PDL wait comes between the two. STAGED: the
+// rows are in xs already (gate/up's MX_EARLY_X).
+template <bool EARLY, bool STAGED = false>
 __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
                          const Item& it, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -280,7 +292,7 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   Batch b0, b1;
   load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
-  stage_rows(xs, it);
+  if (!STAGED) stage_rows(xs, it);
   const int ntp = (it.n + 1) / 2;
   float acc[TP][2];
 #pragma unroll
@@ -327,13 +339,15 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
+  // a per-pair CTA serves pair blockIdx.y, of token blockIdx.y / top_k: its row needs no routing
+  if (GATE_UP_EARLY_X) stage_row<true>(xs, reinterpret_cast<const U4*>(x + (i64)(blockIdx.y / top_k) * stride_x));
   enter_pdl();
   TRACE(0);
   TRACE(3);
-  read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);
+  read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);  // syncs the CTA
   if (it.expert < 0) return;
   const i64 e = it.expert;
-  tile_dot<false>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  tile_dot<false, GATE_UP_EARLY_X>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
   const float limit = (float)limit_d, alpha = (float)alpha_d;
   for (int t = threadIdx.x; t < it.n * (ROWS / 2); t += NW * 32) {

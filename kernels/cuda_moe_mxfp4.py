@@ -51,17 +51,21 @@ class MmaConfig:
 
 
 CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
-# Per-pair launches (1-3 tokens): down's K over 4 warps in batches of 3 K steps, so its first batch,
-# read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights. 20b step replay on an H200
-# (2026-12-02, bench/launch_ab.py): 1866 -> 1777 us at one token, level at two (2435 us); K over 2
-# warps (the grouped shape) was the default before. Per-pair and grouped launches then sum down's
-# K shares in different orders: the same tokens in a batch of 3 and of 4 may differ in the last bit.
-PAIR_CONFIG = MmaConfig(down=(4, 4, 3))
+# Per-pair launches (1-3 tokens): both kernels split their K over 4 warps in batches of 3 K steps, so
+# down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights. 20b
+# step replay on an H200 (bench/launch_ab.py): down's shape 1866 -> 1777 us at one token, level at
+# two (2435 us); then gate/up's 1750 -> 1744 / 2407 -> 2381 / 2958 -> 2932 us at 1 / 2 / 3 tokens.
+# Per-pair and grouped launches then sum K shares in different orders: the same tokens in a batch
+# of 3 and of 4 may differ in the last bit.
+PAIR_CONFIG = MmaConfig(gate_up=(4, 4, 3), down=(4, 4, 3))
 GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
 # (the .cu file's MX_EARLY_DOWN)
 EARLY_DOWN = True
+# per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
+# predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
+EARLY_X = True
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -77,7 +81,7 @@ def _available(index: int) -> bool:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
-        _kernels(index, 90, 1, CONFIG.gate_up, early_down=EARLY_DOWN)
+        _kernels(index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X)
     except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
         log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
         return False
@@ -86,18 +90,19 @@ def _available(index: int) -> bool:
 
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], trace: bool = False,
-             early_down: bool = False) -> dict:
+             early_down: bool = False, early_x: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
-    early_down: MX_EARLY_DOWN (down only; callers pass EARLY_DOWN for both kernels, so a shape
-    that serves both compiles once)."""
+    early_down: MX_EARLY_DOWN (down only), early_x: MX_EARLY_X (per-pair gate/up only); callers pass
+    the same flags for both kernels, so a shape that serves both compiles once."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     nw, ksplit, batch = shape
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
             f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", f"-DMX_EARLY_DOWN={int(early_down)}", "-std=c++17",
+            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", f"-DMX_EARLY_DOWN={int(early_down)}",
+            f"-DMX_EARLY_X={int(early_x)}", "-std=c++17",
             *_LAYOUT_MACROS])
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
@@ -122,13 +127,16 @@ def experts_forward_mxfp4_mma(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
     limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, grouped: bool = False,
     config: MmaConfig | None = None, trace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_before_routing: bool = False,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
     experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
     are served together (routing layout first); else one CTA column per pair. config: CONFIG
     (grouped) or PAIR_CONFIG when None. trace: uint64 buffers of 4 words per CTA of each launch
     (gate/up, down): the kernels' timing build records each CTA's start, sums done, end
-    (%globaltimer ns) and SM (bench/moe_trace.py)."""
+    (%globaltimer ns) and SM (bench/moe_trace.py). x_before_routing: the caller vouches that x was
+    written before the launch that computed the routing (the model routes x on the GPU), so a
+    per-pair gate/up may read it ahead of its PDL wait (EARLY_X; kernels/pdl.py)."""
     config = config or (CONFIG if grouped else PAIR_CONFIG)
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
@@ -163,8 +171,9 @@ def experts_forward_mxfp4_mma(
                 raise ValueError(f"a trace buffer needs {4 * ctas} contiguous int64 words, got "
                                  f"{buf.numel()} {buf.dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None, EARLY_DOWN)["mx_gate_up"]
-    down = _kernels(dev, ig, slots, config.down, trace is not None, EARLY_DOWN)["mx_down"]
+    early_x = EARLY_X and x_before_routing and not grouped
+    gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None, EARLY_DOWN, early_x)["mx_gate_up"]
+    down = _kernels(dev, ig, slots, config.down, trace is not None, EARLY_DOWN, early_x)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     pdl = pdl_enabled(x.device)

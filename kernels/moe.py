@@ -185,8 +185,11 @@ def experts_forward(
     limit: float = 7.0,
     alpha: float = 1.702,
     add_down_bias: bool = True,
+    x_before_routing: bool = False,
 ) -> torch.Tensor:
-    """Dispatch to the fastest implementation for the device and weight format."""
+    """Dispatch to the fastest implementation for the device and weight format. x_before_routing: x
+    was written before the launch that computed the routing (kernels that read ahead of their PDL
+    wait may then read it early; cuda_moe_mxfp4.EARLY_X)."""
     if isinstance(w, MxExperts):
         t = x.shape[0]
         if x.is_cuda and w.layout == "packed" and MXFP4_MMA_MAX_TOKENS is not None and t <= MXFP4_MMA_MAX_TOKENS:
@@ -194,7 +197,8 @@ def experts_forward(
 
             if cuda_moe_mxfp4.available(x.device):
                 return cuda_moe_mxfp4.experts_forward_mxfp4_mma(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
-                                                                grouped=t >= MXFP4_MMA_GROUPED_FROM)
+                                                                grouped=t >= MXFP4_MMA_GROUPED_FROM,
+                                                                x_before_routing=x_before_routing)
         if x.is_cuda and MXFP4_GROUPED_MIN_TOKENS is not None and t >= MXFP4_GROUPED_MIN_TOKENS and w.layout == "packed":
             from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
 

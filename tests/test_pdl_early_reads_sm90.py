@@ -125,24 +125,44 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
     assert not late, f"{name}: loads before the wait with early reads off: {late}"
 
 
+def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, int, int], slots: int, early_down: int,
+                         early_x: int) -> list[str]:
+    """The loads ahead of the first wait in one MXFP4 kernel, compiled by nvcc for sm_90 as the
+    engine's NVRTC build does (cuda_moe_mxfp4._kernels' macros)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this host")
+    from pdserve.kernels.cuda_moe_mxfp4 import _LAYOUT_MACROS, SOURCE
+
+    nw, ksplit, batch = shape
+    cubin = tmp / f"mx{early_down}{early_x}{slots}.cubin"
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-DMX_KG=90", f"-DMX_NW={nw}",
+                    f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", f"-DMX_SLOTS={slots}", "-DMX_TRACE=0",
+                    f"-DMX_EARLY_DOWN={early_down}", f"-DMX_EARLY_X={early_x}", *_LAYOUT_MACROS, "-x", "cu",
+                    str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    return _loads_before_wait(_sass(cubin.read_bytes(), tmp, function))
+
+
 @pytest.mark.parametrize("launch", ["grouped", "per pair"])
 def test_mxfp4_down_reads_its_routing_and_first_batch_ahead_of_the_wait(launch, tmp_path):
     """Both launch shapes of the down kernel (ptxas sank the first batch's `ld.global.nc` loads past
     the wait in the grouped shape, not in the per-pair one)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
-    from pdserve.kernels.cuda_moe_mxfp4 import _LAYOUT_MACROS, CONFIG, PAIR_CONFIG, SOURCE
+    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, GROUP_SLOTS, PAIR_CONFIG
 
-    nw, ksplit, batch = (CONFIG if launch == "grouped" else PAIR_CONFIG).down
-    ops = {}
-    for early in (0, 1):
-        cubin = tmp_path / f"mx{early}.cubin"
-        subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-DMX_KG=90", f"-DMX_NW={nw}",
-                        f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", "-DMX_SLOTS=1", "-DMX_TRACE=0",
-                        f"-DMX_EARLY_DOWN={early}", *_LAYOUT_MACROS, "-x", "cu", str(SOURCE), "-o", str(cubin)],
-                       check=True, capture_output=True, text=True)
-        ops[early] = _loads_before_wait(_sass(cubin.read_bytes(), tmp_path, "mx_down"))
-    assert not ops[0], f"loads before the wait with MX_EARLY_DOWN=0: {ops[0]}"
-    weights = [op for op in ops[1] if ".128" in op]
-    assert len(weights) >= 2 * batch, f"the first batch's weight loads are not all ahead of the wait: {ops[1]}"
+    shape, slots = (CONFIG.down, GROUP_SLOTS) if launch == "grouped" else (PAIR_CONFIG.down, 1)
+    late = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 0, 0)
+    early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0)
+    assert not late, f"loads before the wait with MX_EARLY_DOWN=0: {late}"
+    weights = [op for op in early if ".128" in op]
+    assert len(weights) >= 2 * shape[2], f"the first batch's weight loads are not all ahead of the wait: {early}"
+
+
+def test_mxfp4_gate_up_stages_its_token_row_ahead_of_the_wait_in_per_pair_launches_only(tmp_path):
+    """MX_EARLY_X: a per-pair gate/up (one pair a CTA) loads its token's row before the wait; a
+    grouped one (whose rows come from the routing) and a build without it load nothing there."""
+    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, GROUP_SLOTS, PAIR_CONFIG
+
+    early = _mx_loads_before_wait(tmp_path, "mx_gate_up", PAIR_CONFIG.gate_up, 1, 1, 1)
+    assert any(op.startswith("LDG.E.128") for op in early), f"no row load before the wait: {early}"
+    assert not _mx_loads_before_wait(tmp_path, "mx_gate_up", PAIR_CONFIG.gate_up, 1, 1, 0)
+    assert not _mx_loads_before_wait(tmp_path, "mx_gate_up", CONFIG.gate_up, GROUP_SLOTS, 1, 1)

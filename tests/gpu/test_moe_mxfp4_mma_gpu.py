@@ -63,6 +63,8 @@ def test_mma_moe_against_reference(t, e, config):
     assert rel_l2(pair, ref) < 4e-3, rel_l2(pair, ref)
     assert torch.equal(grouped, pair)
     assert torch.equal(pair, fwd(x, weights, ids, wp))
+    # per-pair gate/up staging the token rows ahead of its PDL wait (EARLY_X): the same sums
+    assert torch.equal(fwd(x, weights, ids, wp, x_before_routing=True), pair)
     nobias = fwd(x, weights, ids, wp, add_down_bias=False, grouped=True)
     assert rel_l2(nobias, reference(x, weights, ids, w, bias=False)) < 4e-3
 
@@ -166,13 +168,16 @@ def test_dispatch_takes_the_mma_kernels_for_decode_batches():
         x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
         weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-        assert torch.equal(moe.experts_forward(x, weights, ids, wp), fwd(x, weights, ids, wp))
+        grouped = t >= moe.MXFP4_MMA_GROUPED_FROM  # per-pair and grouped shapes add down's K in other orders
+        assert torch.equal(moe.experts_forward(x, weights, ids, wp), fwd(x, weights, ids, wp, grouped=grouped))
+        assert torch.equal(moe.experts_forward(x, weights, ids, wp, x_before_routing=True),
+                           fwd(x, weights, ids, wp, grouped=grouped, x_before_routing=True))
 
 
 def test_trace_build_records_every_cta_and_computes_the_same():
     """The timing build (MX_TRACE, bench/moe_trace.py) gives the same output bits and one sane
     record per CTA of each launch: start <= sums done <= end, on an SM the GPU has."""
-    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG
+    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG  # the launch shape of per-pair launches
 
     fwd = _mma()
     g = _seeded()
@@ -180,7 +185,7 @@ def test_trace_build_records_every_cta_and_computes_the_same():
     x = torch.randn(2, 2880, device=DEV, generator=g).to(torch.bfloat16)
     ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], device=DEV)
     weights = torch.softmax(torch.randn(2, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-    ctas = (5760 // CONFIG.rows("gate_up") * 8, 2880 // CONFIG.rows("down") * 8)
+    ctas = (5760 // PAIR_CONFIG.rows("gate_up") * 8, 2880 // PAIR_CONFIG.rows("down") * 8)
     bufs = tuple(torch.zeros(n * 4, dtype=torch.int64, device=DEV) for n in ctas)
     traced = fwd(x, weights, ids, wp, trace=bufs)
     assert torch.equal(traced, fwd(x, weights, ids, wp))
