@@ -100,15 +100,32 @@ SETTINGS = {
 }
 
 
-ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe")
+ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")
+_SKIPPED = object()  # stands for an MXFP4 mma kernel taken out: its launch is skipped
 
 
 def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, str, object]]:
     """Patches (object, attribute, value) that take one piece of every layer out of the captured
     step, launching nothing in its place (a buffer of the right shape made here, or the piece's
     input, stands for its output): the replay's change is that piece's marginal cost on the step's
-    critical path. The logits are meaningless; every routing stays a valid one."""
+    critical path. The logits are meaningless; every routing stays a valid one, except that without
+    one of the MXFP4 mma kernels ("gate_up", "down": the per-pair and grouped launches of
+    kernels/cuda_moe_mxfp4.py) the MoE's output is garbage that the router may turn into no valid
+    routing: take those together with "router" ("router+down"). Pieces join with "+"."""
     import pdserve.engine.model as model_mod
+
+    if "+" in piece:
+        return [p for part in piece.split("+") for p in _ablation(runner, part, rows)]
+    if piece in ("gate_up", "down"):
+        kernels, launch = cuda_moe_mxfp4._kernels, cuda_moe_mxfp4.launch_cuda
+
+        def kernels_without(*a, **k):
+            return {**kernels(*a, **k), f"mx_{piece}": _SKIPPED}
+
+        def launch_unless_skipped(kernel, *a, **k):
+            return None if kernel is _SKIPPED else launch(kernel, *a, **k)
+
+        return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim
@@ -144,7 +161,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
 
 
 def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
-    """'warps,ksplit,batch/warps,ksplit,batch' -> MmaConfig(gate_up, down)."""
+    """'warps,ksplit,batch[,min CTAs]/warps,ksplit,batch[,min CTAs]' -> MmaConfig(gate_up, down)."""
     gu, dn = (tuple(int(v) for v in part.split(",")) for part in spec.split("/"))
     return cuda_moe_mxfp4.MmaConfig(gu, dn)
 
@@ -163,7 +180,8 @@ def main() -> int:
                     help="also the default with each of these launch shapes of the per-pair MXFP4 mma launches "
                          "(cuda_moe_mxfp4.PAIR_CONFIG), ';'-separated, each as --mma-config")
     ap.add_argument("--ablate", default=None,
-                    help=f"also the default with each of these pieces taken out of every layer: comma-separated of {ABLATIONS}")
+                    help=f"also the default with each of these pieces taken out of every layer: comma-separated of "
+                         f"{ABLATIONS}, or several joined by '+'")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -225,8 +243,13 @@ def main() -> int:
             results[batch][name] = {"replay_us": med, "min_us": min(ts), "ratio": med / base}
             print(f"batch {batch:3d} {a.precision:5s} {name:20s} replay {med:8.1f} us (min {min(ts):8.1f}) "
                   f"x{med / base:.3f}", flush=True)
-        while eng.busy:
-            eng.step()
+        if any(patches.values()):  # the ablated steps left garbage in these requests' KV: drop them
+            torch.cuda.synchronize()
+            for seq in eng.running:
+                runner.cache.release(seq.blocks)
+        else:
+            while eng.busy:
+                eng.step()
         del graphs, steps
     if a.out:
         Path(a.out).write_text(json.dumps({"precision": a.precision, "context": a.context, "results": results,

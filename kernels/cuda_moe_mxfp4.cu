@@ -2,7 +2,8 @@
 // accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py); no headers.
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
-// that split one 16-row tile's K), MX_D (K steps per register batch), MX_SLOTS (most (token, expert) pairs
+// that split one 16-row tile's K), MX_D (K steps per register batch), MX_MIN_CTAS (0, or CTAs an SM
+// must hold at once: a register bound), MX_SLOTS (most (token, expert) pairs
 // one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
 // buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
 // bench/moe_trace.py, never in the engine), and the packed word layout of kernels/mxfp4.py (one source
@@ -130,6 +131,16 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #endif
 #ifndef MX_EARLY_X
 #define MX_EARLY_X 0
+#endif
+// MX_MIN_CTAS > 0: ptxas keeps registers low enough for that many CTAs per SM (one wave of a
+// one-token launch instead of a second, near-empty one)
+#ifndef MX_MIN_CTAS
+#define MX_MIN_CTAS 0
+#endif
+#if MX_MIN_CTAS > 0
+#define MX_BOUNDS __launch_bounds__(NW * 32, MX_MIN_CTAS)
+#else
+#define MX_BOUNDS __launch_bounds__(NW * 32)
 #endif
 #define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)  // per-pair gate/up: its token row before the wait
 #if MX_TRACE
@@ -331,7 +342,7 @@ __device__ __forceinline__ float row_sum(const float* red, int i, int r) {
 
 // gate/up + bias + gpt-oss' clamped SwiGLU: act[pair, (ROWS bx + 2j) / 2] for the item's pairs.
 // x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
-extern "C" __global__ void __launch_bounds__(NW * 32)
+extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
@@ -366,7 +377,7 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
 // down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
 // CTA writes its pairs' float32 partials; the last CTA of a (token, row tile) to arrive (a counter,
 // reset by it) sums the token's partials and stores the bf16 rows (deterministic, no float atomics).
-extern "C" __global__ void __launch_bounds__(NW * 32)
+extern "C" __global__ void MX_BOUNDS
 mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
         const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,

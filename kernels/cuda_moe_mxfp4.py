@@ -40,24 +40,27 @@ _LAYOUT_MACROS = ([f"-DMX_MAG_ROT{q}={r}" for q, r in enumerate(PACKED_MAG_ROT)]
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
-    per register batch, two batches in flight)."""
+    per register batch, two batches in flight[, CTAs an SM must hold at once: ptxas bounds the
+    registers to fit them; 0 or left out: no bound])."""
 
-    gate_up: tuple[int, int, int] = (4, 1, 2)
-    down: tuple[int, int, int] = (4, 2, 2)
+    gate_up: tuple[int, ...] = (4, 1, 2)
+    down: tuple[int, ...] = (4, 2, 2)
 
     def rows(self, which: str) -> int:
-        nw, ksplit, _ = getattr(self, which)
+        nw, ksplit = getattr(self, which)[:2]
         return 16 * nw // ksplit
 
 
 CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
 # Per-pair launches (1-3 tokens): both kernels split their K over 4 warps in batches of 3 K steps, so
-# down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights. 20b
-# step replay on an H200 (bench/launch_ab.py): down's shape 1866 -> 1777 us at one token, level at
-# two (2435 us); then gate/up's 1750 -> 1744 / 2407 -> 2381 / 2958 -> 2932 us at 1 / 2 / 3 tokens.
-# Per-pair and grouped launches then sum K shares in different orders: the same tokens in a batch
-# of 3 and of 4 may differ in the last bit.
-PAIR_CONFIG = MmaConfig(gate_up=(4, 4, 3), down=(4, 4, 3))
+# down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights; down
+# keeps to 80 registers so that one token's 720 CTAs fit in one wave (6 a SM; at 96 registers, 5 a
+# SM, 60 of them ran in a second wave). 20b step replay on an H200 (bench/launch_ab.py): down's
+# shape 1866 -> 1777 us at one token, level at two (2435 us); then gate/up's 1750 -> 1744 / 2407 ->
+# 2381 / 2958 -> 2932 us at 1 / 2 / 3 tokens; then down's one wave 1741 -> 1725 / 2385 -> 2388 /
+# 2923 -> 2914 us. Per-pair and grouped launches sum K shares in different orders: the same tokens
+# in a batch of 3 and of 4 may differ in the last bit.
+PAIR_CONFIG = MmaConfig(gate_up=(4, 4, 3), down=(4, 4, 3, 6))
 GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
@@ -89,18 +92,18 @@ def _available(index: int) -> bool:
 
 
 @functools.cache
-def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, int, int], trace: bool = False,
+def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
-    shape (warps, K split, batch) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
+    shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x: MX_EARLY_X (per-pair gate/up only); callers pass
     the same flags for both kernels, so a shape that serves both compiles once."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
-    nw, ksplit, batch = shape
+    nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     with torch.cuda.device(device_index):
         cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
-            f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
+            f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", f"-DMX_MIN_CTAS={min_ctas}",
             f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", f"-DMX_EARLY_DOWN={int(early_down)}",
             f"-DMX_EARLY_X={int(early_x)}", "-std=c++17",
             *_LAYOUT_MACROS])

@@ -125,7 +125,7 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
     assert not late, f"{name}: loads before the wait with early reads off: {late}"
 
 
-def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, int, int], slots: int, early_down: int,
+def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int,
                          early_x: int) -> list[str]:
     """The loads ahead of the first wait in one MXFP4 kernel, compiled by nvcc for sm_90 as the
     engine's NVRTC build does (cuda_moe_mxfp4._kernels' macros)."""
@@ -134,10 +134,11 @@ def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, int, int],
         pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_moe_mxfp4 import _LAYOUT_MACROS, SOURCE
 
-    nw, ksplit, batch = shape
+    nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     cubin = tmp / f"mx{early_down}{early_x}{slots}.cubin"
     subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-DMX_KG=90", f"-DMX_NW={nw}",
-                    f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", f"-DMX_SLOTS={slots}", "-DMX_TRACE=0",
+                    f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}",
+                    "-DMX_TRACE=0",
                     f"-DMX_EARLY_DOWN={early_down}", f"-DMX_EARLY_X={early_x}", *_LAYOUT_MACROS, "-x", "cu",
                     str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
     return _loads_before_wait(_sass(cubin.read_bytes(), tmp, function))
