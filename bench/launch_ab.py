@@ -9,12 +9,13 @@ GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode a
 2026-12-01 (XQA for full layers, the default Triton tiling for windowed ones), then with the Triton
 kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of
 the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the engine's defaults; with --mma-config, the defaults with another
-launch shape of the MXFP4 mma kernels; with --ablate, the defaults with one piece of every layer
+launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of
+one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults with one piece of every layer
 (norms, QKV, attention, O projection, router, MoE) taken out: the marginal cost of each.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
-        [--ablate norms,qkv,attention,o,router,moe]
+        [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe]
         [--rounds 15] [--replays 20] [--out FILE.json]
 """
 
@@ -55,6 +56,7 @@ DEFAULTS = {key: getattr(*key) for key in [
     (triton_decode_attention, "WINDOWED_LAYERS"),
     (cuda_moe_mxfp4, "CONFIG"),
     (cuda_moe_mxfp4, "PAIR_CONFIG"),
+    (triton_bf16_gemv, "CONFIGS"),
     *EARLY.values(),
 ]}
 
@@ -160,6 +162,17 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
     raise SystemExit(f"unknown piece {piece!r}; known: {ABLATIONS}")
 
 
+def _gemv(spec: str) -> dict:
+    """'NxK:block_n,block_k,warps,stages[,programs per SM]' -> triton_bf16_gemv.CONFIGS with that
+    shape for one token of an N x K projection (QKV + RoPE takes its shape from there too)."""
+    shape, cfg = spec.split(":")
+    n, k = (int(v) for v in shape.split("x"))
+    bn, bk, nw, ns, *pps = (int(v) for v in cfg.split(","))
+    gemv = triton_bf16_gemv.GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                                       **({"programs_per_sm": pps[0]} if pps else {}))
+    return {(triton_bf16_gemv, "CONFIGS"): {**DEFAULTS[triton_bf16_gemv, "CONFIGS"], (n, k, 1): gemv}}
+
+
 def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
     """'warps,ksplit,batch[,min CTAs]/warps,ksplit,batch[,min CTAs]' -> MmaConfig(gate_up, down)."""
     gu, dn = (tuple(int(v) for v in part.split(",")) for part in spec.split("/"))
@@ -179,6 +192,9 @@ def main() -> int:
     ap.add_argument("--pair-configs", default=None,
                     help="also the default with each of these launch shapes of the per-pair MXFP4 mma launches "
                          "(cuda_moe_mxfp4.PAIR_CONFIG), ';'-separated, each as --mma-config")
+    ap.add_argument("--gemv-configs", default=None,
+                    help="also the default with each of these one-token bf16 GEMV shapes, ';'-separated, each as "
+                         "'NxK:block_n,block_k,warps,stages[,programs per SM]' (kernels/triton_bf16_gemv.GemvConfig)")
     ap.add_argument("--ablate", default=None,
                     help=f"also the default with each of these pieces taken out of every layer: comma-separated of "
                          f"{ABLATIONS}, or several joined by '+'")
@@ -197,6 +213,9 @@ def main() -> int:
     for cfg in (a.pair_configs.split(";") if a.pair_configs else []):
         settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
         names.append(f"pair {cfg}")
+    for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
+        settings[f"gemv {spec}"] = _setting(_gemv(spec))
+        names.append(f"gemv {spec}")
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
     patches = {name: [] for name in settings}
     for piece in (a.ablate.split(",") if a.ablate else []):
