@@ -174,7 +174,8 @@ def experts_forward_mxfp4_mma(
                 raise ValueError(f"a trace buffer needs {4 * ctas} contiguous int64 words, got "
                                  f"{buf.numel()} {buf.dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    early_x = EARLY_X and x_before_routing and not grouped
+    # (a converted copy of x would be written by the launch just before gate/up: never read early)
+    early_x = EARLY_X and x_before_routing and not grouped and xb is x
     gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None, EARLY_DOWN, early_x)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, trace is not None, EARLY_DOWN, early_x)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])

@@ -61,3 +61,30 @@ def test_trace_buffers_too_small_are_refused_before_any_launch():
             experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, trace=(bad, ok))
         with pytest.raises(ValueError, match="trace buffer"):
             experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, trace=(ok, bad))
+
+
+@pytest.mark.parametrize("dtype,grouped,vouched,early", [
+    (torch.bfloat16, False, True, True),
+    (torch.bfloat16, False, False, False),  # the caller does not vouch for the order
+    (torch.bfloat16, True, True, False),  # grouped CTAs take their rows from the routing
+    (torch.float32, False, True, False),  # x converted by the launch just before gate/up
+])
+def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(monkeypatch, dtype, grouped, vouched,
+                                                                             early):
+    """The build each launch gets (MX_EARLY_X), with the compile and the launches stubbed out."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    builds, launched = [], []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[-1]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w, x, ids, wts = _problem(t=1, h=128, i=128)
+    cfg = cm.MmaConfig((4, 1, 2), (4, 2, 2))
+    if grouped:
+        monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing",
+                            lambda *a: type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
+    cm.experts_forward_mxfp4_mma(x.to(dtype), wts, ids, w.to_packed(), config=cfg, grouped=grouped,
+                                 x_before_routing=vouched)
+    assert launched == ["gu", "dn"]
+    assert builds == [early, early]  # gate/up's and down's builds alike (one compile where shapes match)
