@@ -49,16 +49,6 @@ EARLY = {
     "gemv": (triton_bf16_gemv, "EARLY_WEIGHTS"),
     "gate/up x": (cuda_moe_mxfp4, "EARLY_X"),
 }
-# the module constants the settings change, as the engine has them: each setting starts from these
-DEFAULTS = {key: getattr(*key) for key in [
-    (flashinfer_attention, "_TRITON_MAX_BATCH"),
-    (triton_decode_attention, "FULL_LAYERS"),
-    (triton_decode_attention, "WINDOWED_LAYERS"),
-    (cuda_moe_mxfp4, "CONFIG"),
-    (cuda_moe_mxfp4, "PAIR_CONFIG"),
-    (triton_bf16_gemv, "CONFIGS"),
-    *EARLY.values(),
-]}
 
 
 def _early(*kernels: str) -> dict:
@@ -67,7 +57,8 @@ def _early(*kernels: str) -> dict:
 
 
 def _setting(constants: dict | None = None, pdl: bool = True, fuse_qkv_rope: bool = True) -> tuple:
-    """(environment, GptOssModel attributes, module constants over DEFAULTS) at capture."""
+    """(environment, GptOssModel attributes, {(module, constant): value}) at capture; what a
+    setting does not name keeps the engine's value (every change is undone after its capture)."""
     return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": fuse_qkv_rope}, constants or {}
 
 
@@ -104,6 +95,7 @@ SETTINGS = {
 
 ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")
 _SKIPPED = object()  # stands for an MXFP4 mma kernel taken out: its launch is skipped
+_ABSENT = object()  # an attribute a patch added (a method shadowed on the instance): undone by deleting it
 
 
 def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, str, object]]:
@@ -170,7 +162,7 @@ def _gemv(spec: str) -> dict:
     bn, bk, nw, ns, *pps = (int(v) for v in cfg.split(","))
     gemv = triton_bf16_gemv.GemvConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
                                        **({"programs_per_sm": pps[0]} if pps else {}))
-    return {(triton_bf16_gemv, "CONFIGS"): {**DEFAULTS[triton_bf16_gemv, "CONFIGS"], (n, k, 1): gemv}}
+    return {(triton_bf16_gemv, "CONFIGS"): {**triton_bf16_gemv.CONFIGS, (n, k, 1): gemv}}
 
 
 def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
@@ -209,19 +201,19 @@ def main() -> int:
     settings = {n: SETTINGS[n] for n in names}
     if a.mma_config:
         settings[f"mma {a.mma_config}"] = _setting({(cuda_moe_mxfp4, "CONFIG"): _mma(a.mma_config)})
-        names.append(f"mma {a.mma_config}")
     for cfg in (a.pair_configs.split(";") if a.pair_configs else []):
         settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
-        names.append(f"pair {cfg}")
     for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
         settings[f"gemv {spec}"] = _setting(_gemv(spec))
-        names.append(f"gemv {spec}")
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
-    patches = {name: [] for name in settings}
-    for piece in (a.ablate.split(",") if a.ablate else []):
+    ablated = {}
+    for piece in (p.strip() for p in a.ablate.split(",")) if a.ablate else []:
         settings[f"skip {piece}"] = _setting()
-        patches[f"skip {piece}"] = _ablation(runner, piece.strip(), max(a.batches))
-        names.append(f"skip {piece}")
+        ablated[f"skip {piece}"] = _ablation(runner, piece, max(a.batches))
+    # per setting, the (object, attribute, value) set for its capture and undone after it
+    patches = {name: [*((runner.model, k, v) for k, v in attrs.items()), *((mod, k, v) for (mod, k), v in consts.items()),
+                      *ablated.get(name, [])]
+               for name, (_, attrs, consts) in settings.items()}
     g = torch.Generator().manual_seed(1)
     results = {}
     for batch in a.batches:
@@ -232,13 +224,9 @@ def main() -> int:
         while eng.waiting:
             eng.step()
         graphs, steps = {}, {}
-        for name, (env, attrs, constants) in settings.items():
+        for name, (env, _, _) in settings.items():
             os.environ.update(env)
-            for k, v in attrs.items():
-                setattr(runner.model, k, v)
-            for (module, k), v in {**DEFAULTS, **constants}.items():
-                setattr(module, k, v)
-            saved = [(obj, k, getattr(obj, k)) for obj, k, _ in patches[name]]
+            saved = [(obj, k, vars(obj).get(k, _ABSENT)) for obj, k, _ in patches[name]]
             for obj, k, v in patches[name]:
                 setattr(obj, k, v)
             graphs[name] = DecodeGraphs(runner.model, runner.cache, batch, max_context=runner.max_context)
@@ -247,22 +235,25 @@ def main() -> int:
             runner.decode_graphs = graphs[name]
             eng.step()  # one real step through this setting's graph (its inputs staged)
             steps[name] = graphs[name]._steps[size]
-            for obj, k, v in saved:
-                setattr(obj, k, v)
+            for obj, k, v in reversed(saved):
+                if v is _ABSENT:
+                    delattr(obj, k)
+                else:
+                    setattr(obj, k, v)
         runner.decode_graphs = None
         times = {name: [] for name in settings}
         for _ in range(a.rounds):
             for name, step in steps.items():  # one timed run of `replays` back-to-back replays
                 run = lambda: [step.graph.replay() for _ in range(a.replays)]  # noqa: E731
                 times[name].append(time_it(run, reps=1, warmup=1, flush=False) * 1e6 / a.replays)
-        base = statistics.median(times[names[0]])
+        base = statistics.median(times[next(iter(settings))])
         results[batch] = {}
         for name, ts in times.items():
             med = statistics.median(ts)
             results[batch][name] = {"replay_us": med, "min_us": min(ts), "ratio": med / base}
             print(f"batch {batch:3d} {a.precision:5s} {name:20s} replay {med:8.1f} us (min {min(ts):8.1f}) "
                   f"x{med / base:.3f}", flush=True)
-        if any(patches.values()):  # the ablated steps left garbage in these requests' KV: drop them
+        if ablated:  # the ablated steps left garbage in these requests' KV: drop them
             torch.cuda.synchronize()
             for seq in eng.running:
                 runner.cache.release(seq.blocks)

@@ -100,13 +100,9 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
     the same flags for both kernels, so a shape that serves both compiles once."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
-    nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     with torch.cuda.device(device_index):
-        cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up", nvcc_options=[
-            f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", f"-DMX_MIN_CTAS={min_ctas}",
-            f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}", f"-DMX_EARLY_DOWN={int(early_down)}",
-            f"-DMX_EARLY_X={int(early_x)}", "-std=c++17",
-            *_LAYOUT_MACROS])
+        cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up",
+                                  nvcc_options=compile_options(k_groups, slots, shape, trace, early_down, early_x))
         kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
         # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
         # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
@@ -116,6 +112,15 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
             k.set_shared_memory_config(smem)  # the launcher's own check, from 48 KB
             _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, smem))
     return kernels
+
+
+def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
+                    early_x: bool = False) -> list[str]:
+    """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
+    nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
+    return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
+            f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
+            f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -127,20 +127,16 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
 
 def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int,
                          early_x: int) -> list[str]:
-    """The loads ahead of the first wait in one MXFP4 kernel, compiled by nvcc for sm_90 as the
-    engine's NVRTC build does (cuda_moe_mxfp4._kernels' macros)."""
+    """The loads ahead of the first wait in one MXFP4 kernel, compiled by nvcc for sm_90 with the
+    engine's NVRTC options (cuda_moe_mxfp4.compile_options)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc on this host")
-    from pdserve.kernels.cuda_moe_mxfp4 import _LAYOUT_MACROS, SOURCE
+    from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
-    nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     cubin = tmp / f"mx{early_down}{early_x}{slots}.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-DMX_KG=90", f"-DMX_NW={nw}",
-                    f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}", f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}",
-                    "-DMX_TRACE=0",
-                    f"-DMX_EARLY_DOWN={early_down}", f"-DMX_EARLY_X={early_x}", *_LAYOUT_MACROS, "-x", "cu",
-                    str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(90, slots, shape, False, early_down, early_x),
+                    "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
     return _loads_before_wait(_sass(cubin.read_bytes(), tmp, function))
 
 
