@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import grpc
 
 log = logging.getLogger(__name__)
+_SIGNAL_POLL_S = 0.1  # longest a caught SIGTERM / SIGINT waits for the main thread to act on it
 
 
 def add_worker_process_args(p) -> None:
@@ -104,7 +105,10 @@ class WorkerLifecycle:
             log.info("%s worker %s serving on %s:%d%s", self.role, worker_id, host, bound, describe)
             write_ready_file(ready_file, role=self.role, address=f"{host}:{bound}", worker_id=worker_id,
                              **ready_info)
-            self._stop.wait()
+            # in short waits: a signal another thread caught runs its handler only once this (main)
+            # thread runs Python code again; an unbounded wait would hold it until the next signal
+            while not self._stop.wait(_SIGNAL_POLL_S):
+                pass
             self._refuse()
             if self.failed is not None:
                 server.stop(grace=1.0).wait()

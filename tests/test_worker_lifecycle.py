@@ -100,6 +100,28 @@ def test_signal_handlers_are_restored_after_serving(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigterm_caught_by_another_thread_still_stops_the_worker(tmp_path):
+    """The kernel may hand a process's SIGTERM to any thread that does not block it (gRPC's, UCX's,
+    the engine's): CPython then runs the handler only when the main thread next runs Python code, so
+    a main thread asleep in an unbounded wait would never drain (a real decode worker once ignored a
+    SIGTERM until the next signal came). Here the signal lands on the driver thread; if the worker
+    has not stopped 5 s later, a second SIGTERM aimed at the main thread ends it, and the test fails."""
+    life = WorkerLifecycle("decode", ["pdserve.v1.DecodeWorker"], drain_timeout_s=1)
+    service, events, seen = FakeService(in_flight=0), [], {}
+
+    def drive(address):
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # this (non-main) thread takes it
+        t0 = time.monotonic()
+        while "teardown" not in events and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        seen["stopped_in_time"] = "teardown" in events
+        if not seen["stopped_in_time"]:
+            os.kill(os.getpid(), signal.SIGTERM)  # unblock the main thread: the test has failed
+
+    assert serve_in_background(life, service, tmp_path, events)(drive) == 0
+    assert seen == {"stopped_in_time": True}
+
+
 def test_drain_timeout_must_not_be_negative():
     with pytest.raises(ValueError, match="--drain-timeout"):
         WorkerLifecycle("decode", [], drain_timeout_s=-1)
