@@ -15,7 +15,7 @@ one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults with one pie
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
-        [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe]
+        [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
         [--rounds 15] [--replays 20] [--out FILE.json]
 """
 
@@ -38,7 +38,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_moe_mxfp4, flashinfer_attention, triton_bf16_gemv, triton_decode_attention, triton_router,
+    cuda_gemv_staged, cuda_moe_mxfp4, flashinfer_attention, triton_bf16_gemv, triton_decode_attention, triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -85,6 +85,11 @@ SETTINGS = {
     "early attention+router": _setting(_early("attention", "router")),
     "early attention+router+down": _setting(_early("attention", "router", "down")),
     "no early gate/up x": _setting({EARLY["gate/up x"]: False}),
+    # the MXFP4 kernels' bias (and down's routing weights) requested after the sums, not with the weights
+    "late bias": _setting({(cuda_moe_mxfp4, "EARLY_BIAS"): False}),
+    # the attention output projection through the Triton bf16 GEMV, not the one that stages its
+    # weights in shared memory during the attention
+    "O triton gemv": _setting({(cuda_gemv_staged, "MAX_TOKENS"): 0}),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),
@@ -142,8 +147,8 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         project, o_in = model_mod._project, hq * d
         y = torch.randn(rows, cfg.hidden_size, device=dev).to(torch.bfloat16)
         return [(model_mod, "_project",
-                 lambda x, w, *a: y[: x.shape[0]] if x.shape[-1] == o_in and w.shape[0] == cfg.hidden_size
-                 else project(x, w, *a))]
+                 lambda x, w, *a, **k: y[: x.shape[0]] if x.shape[-1] == o_in and w.shape[0] == cfg.hidden_size
+                 else project(x, w, *a, **k))]
     if piece == "router":
         k = cfg.experts_per_token
         ids = (torch.arange(rows * k, device=dev) % cfg.num_local_experts).view(rows, k)
@@ -190,6 +195,7 @@ def main() -> int:
     ap.add_argument("--ablate", default=None,
                     help=f"also the default with each of these pieces taken out of every layer: comma-separated of "
                          f"{ABLATIONS}, or several joined by '+'")
+    ap.add_argument("--ablate-on", default="default", help="the setting the ablations take out of (a name of SETTINGS)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -208,8 +214,9 @@ def main() -> int:
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
     ablated = {}
     for piece in (p.strip() for p in a.ablate.split(",")) if a.ablate else []:
-        settings[f"skip {piece}"] = _setting()
-        ablated[f"skip {piece}"] = _ablation(runner, piece, max(a.batches))
+        name = f"skip {piece}" + ("" if a.ablate_on == "default" else f" ({a.ablate_on})")
+        settings[name] = SETTINGS[a.ablate_on]
+        ablated[name] = _ablation(runner, piece, max(a.batches))
     # per setting, the (object, attribute, value) set for its capture and undone after it
     patches = {name: [*((runner.model, k, v) for k, v in attrs.items()), *((mod, k, v) for (mod, k), v in consts.items()),
                       *ablated.get(name, [])]

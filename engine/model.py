@@ -46,19 +46,32 @@ def fused_kernels_wanted(device: torch.device) -> bool:
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-             gemv: bool = False):
+             gemv: bool = False, staged: bool = False):
     """An attention projection: bf16 weights through cuBLAS (or, with `gemv`, decode batches where
     kernels.triton_bf16_gemv measured faster: bandwidth-bound, where cuBLAS streams these weights
-    at 1.9-2.8 TB/s), or e4m3 weights with 128x128 block scales (attention precision fp8) through
+    at 1.9-2.8 TB/s; with `staged` as well, up to cuda_gemv_staged.MAX_TOKENS tokens through the GEMV
+    that stages its weights in shared memory while the launch before it runs: the projection after
+    the attention), or e4m3 weights with 128x128 block scales (attention precision fp8) through
     kernels.fp8.linear_fp8."""
     if scale is None:
         if gemv and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1:
+            if staged and _staged_gemv_fits(x, w, bias):
+                from pdserve.kernels.cuda_gemv_staged import gemv_staged
+
+                return gemv_staged(x, w, bias)
             from pdserve.kernels.triton_bf16_gemv import bf16_gemv, gemv_wins
 
             if gemv_wins(x.shape[0], *w.shape):
                 return bf16_gemv(x, w, bias)
         return F.linear(x, w, bias)
     return linear_fp8(x, w, scale, bias)
+
+
+def _staged_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    from pdserve.kernels import cuda_gemv_staged as gs
+
+    return (x.shape[0] <= gs.MAX_TOKENS and gs.fits(x.shape[0], *w.shape) and x.is_contiguous() and w.is_contiguous()
+            and (bias is None or bias.dtype == torch.bfloat16) and gs.available(x.device))
 
 
 def _qkv_rope_fused(t: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
@@ -155,7 +168,7 @@ class GptOssModel:
         q = self._rotated_q(layer, t, positions, step, group, cache)
         o = step.attention[group].run(q, cache, a.sinks)
         o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
-                     self.fused)
+                     self.fused, staged=True)
         return all_reduce(o, self.shard)
 
     def _rotated_q(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext, group: str,

@@ -132,6 +132,11 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #ifndef MX_EARLY_X
 #define MX_EARLY_X 0
 #endif
+// MX_EARLY_BIAS: each kernel requests its epilogue's bias (and down its routing weights) with its
+// weights, not after its sums (one memory round trip less at each CTA's end)
+#ifndef MX_EARLY_BIAS
+#define MX_EARLY_BIAS 0
+#endif
 // MX_MIN_CTAS > 0: ptxas keeps registers low enough for that many CTAs per SM (one wave of a
 // one-token launch instead of a second, near-empty one)
 #ifndef MX_MIN_CTAS
@@ -142,7 +147,8 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #else
 #define MX_BOUNDS __launch_bounds__(NW * 32)
 #endif
-#define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)  // per-pair gate/up: its token row before the wait
+#define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)
+static_assert((NW * 32) % ROWS == 0, "a thread's epilogue row must be the same for every pair");  // per-pair gate/up: its token row before the wait
 #if MX_TRACE
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -171,6 +177,7 @@ struct Item {
   int n;             // pairs in the item
   int slot[SLOTS];   // their pair ids (token * top_k + k)
   const U4* row[SLOTS];  // their activation rows
+  u16 weight[SLOTS];     // their routing weights (bf16), where read_item was given them
 };
 
 // The item's expert and pairs: per-pair launches (item_expert null) have one pair, blockIdx.y;
@@ -179,7 +186,7 @@ struct Item {
 // is row slot / row_div of `in` (row stride stride_in elements). Read from L2 (`ld.global.cg`): down
 // may read them before its PDL wait, when no line of this SM's L1 may stand in for them.
 __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expert, const int* item_slots,
-                          const u16* in, int stride_in, int row_div) {
+                          const u16* in, int stride_in, int row_div, const u16* route_weight = nullptr) {
   const int b = blockIdx.y;
   if (threadIdx.x < SLOTS) {
     int slot;
@@ -191,6 +198,7 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
       if (threadIdx.x == 0) it.expert = __ldcg(item_expert + b);
     }
     it.slot[threadIdx.x] = slot;
+    if (route_weight != nullptr) it.weight[threadIdx.x] = slot < 0 ? (u16)0 : __ldcg(route_weight + slot);
     it.row[threadIdx.x] = reinterpret_cast<const U4*>(in + (i64)(slot < 0 ? 0 : slot / row_div) * stride_in);
     // pairs come first in a block: the count is the number of non-negative slots
     const unsigned live = __ballot_sync((1u << SLOTS) - 1u, slot >= 0);
@@ -358,14 +366,19 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);  // syncs the CTA
   if (it.expert < 0) return;
   const i64 e = it.expert;
+  // a thread's output column j is the same for every pair (NW * 32 is a multiple of ROWS / 2)
+  const int row_j = blockIdx.x * ROWS + 2 * (threadIdx.x % (ROWS / 2));
+  float bias_glu = 0.f, bias_lin = 0.f;
+  if (MX_EARLY_BIAS) bias_glu = bias[e * n_rows + row_j], bias_lin = bias[e * n_rows + row_j + 1];
   tile_dot<false, GATE_UP_EARLY_X>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
+  if (!MX_EARLY_BIAS) bias_glu = bias[e * n_rows + row_j], bias_lin = bias[e * n_rows + row_j + 1];
   const float limit = (float)limit_d, alpha = (float)alpha_d;
   for (int t = threadIdx.x; t < it.n * (ROWS / 2); t += NW * 32) {
     const int i = t / (ROWS / 2), j = t % (ROWS / 2);
     const int row = blockIdx.x * ROWS + 2 * j;
-    float glu = row_sum(red, i, 2 * j) + bias[e * n_rows + row];
-    float lin = row_sum(red, i, 2 * j + 1) + bias[e * n_rows + row + 1];
+    float glu = row_sum(red, i, 2 * j) + bias_glu;
+    float lin = row_sum(red, i, 2 * j + 1) + bias_lin;
     glu = fminf(glu, limit);
     lin = fminf(fmaxf(lin, -limit), limit);
     const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
@@ -390,19 +403,24 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   if (!MX_EARLY_DOWN) enter_pdl();
   TRACE(0);
   TRACE(3);
-  read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1);
+  read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1,
+            MX_EARLY_BIAS ? route_weight : nullptr);
   if (it.expert < 0) return;
   const i64 e = it.expert;
+  const int tile = blockIdx.x, tiles = gridDim.x;
+  // a thread's row r is the same for every pair (NW * 32 is a multiple of ROWS)
+  const int row_r = tile * ROWS + threadIdx.x % ROWS;
+  float bias_r = 0.f;
+  if (MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
   tile_dot<MX_EARLY_DOWN != 0>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
-  const int tile = blockIdx.x, tiles = gridDim.x;
+  if (!MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
     const int i = t / ROWS, r = t % ROWS;
     const int row = tile * ROWS + r;
-    float y = row_sum(red, i, r);
-    if (has_bias) y += bias[e * n_rows + row];
+    const float y = row_sum(red, i, r) + bias_r;
     const int pair = it.slot[i];
-    part[(i64)pair * n_rows + row] = y * from_bf16(route_weight[pair]);
+    part[(i64)pair * n_rows + row] = y * from_bf16(MX_EARLY_BIAS ? it.weight[i] : route_weight[pair]);
   }
   __threadfence();
   __syncthreads();

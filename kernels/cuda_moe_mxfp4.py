@@ -26,6 +26,7 @@ import torch
 
 from .arrival import arrival_counters
 from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
+from .nvrtc import load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, al
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
 # (the .cu file's MX_EARLY_DOWN)
 EARLY_DOWN = True
+# each kernel requests its epilogue's bias (down: and its routing weights) with its weights rather
+# than after its sums (MX_EARLY_BIAS)
+EARLY_BIAS = True
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
@@ -84,7 +88,7 @@ def _available(index: int) -> bool:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
-        _kernels(index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X)
+        _kernels(index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X, early_bias=EARLY_BIAS)
     except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
         log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
         return False
@@ -93,37 +97,27 @@ def _available(index: int) -> bool:
 
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
-             early_down: bool = False, early_x: bool = False) -> dict:
+             early_down: bool = False, early_x: bool = False, early_bias: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
-    early_down: MX_EARLY_DOWN (down only), early_x: MX_EARLY_X (per-pair gate/up only); callers pass
-    the same flags for both kernels, so a shape that serves both compiles once."""
-    from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
-
-    with torch.cuda.device(device_index):
-        cubin, _ = _nvrtc_compile(SOURCE.read_text(), "mx_gate_up",
-                                  nvcc_options=compile_options(k_groups, slots, shape, trace, early_down, early_x))
-        kernels = _cuda_load_module(cubin, ["mx_gate_up", "mx_down"])
-        # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
-        # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
-        libcuda = _get_gpu_runtime_library()
-        smem = _shared_bytes(k_groups, slots)
-        for k in kernels.values():
-            k.set_shared_memory_config(smem)  # the launcher's own check, from 48 KB
-            _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, smem))
-    return kernels
+    early_down: MX_EARLY_DOWN (down only), early_x:
+    MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS; callers pass the same flags for
+    both kernels, so a shape that serves both compiles once."""
+    # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
+    # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
+    return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
+                        compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias), device_index,
+                        _shared_bytes(k_groups, slots))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
-                    early_x: bool = False) -> list[str]:
+                    early_x: bool = False, early_bias: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
-            f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", "-std=c++17", *_LAYOUT_MACROS]
-
-
-_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
+            "-std=c++17", *_LAYOUT_MACROS]
 
 
 def _shared_bytes(k_groups: int, slots: int) -> int:
@@ -181,8 +175,9 @@ def experts_forward_mxfp4_mma(
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
-    gate_up = _kernels(dev, hg, slots, config.gate_up, trace is not None, EARLY_DOWN, early_x)["mx_gate_up"]
-    down = _kernels(dev, ig, slots, config.down, trace is not None, EARLY_DOWN, early_x)["mx_down"]
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS)
+    gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
+    down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     pdl = pdl_enabled(x.device)

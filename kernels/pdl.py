@@ -16,8 +16,10 @@ ran (the step's staged inputs, KV rows of earlier steps, the routing two launche
 reads overlap the kernel ahead: the decode attention's first block of keys
 (`triton_decode_attention.EARLY_KV`), the router's and the bf16 GEMV's first weight tiles
 (`triton_router.EARLY_WEIGHTS`, `triton_bf16_gemv.EARLY_WEIGHTS`), the MXFP4 down projection's
-routing and first weights (`cuda_moe_mxfp4.EARLY_DOWN`). Such reads of data a kernel of the step
-wrote go through L2 only (`.cg`), so that no L1 line of the SM from before it stands in for them.
+routing, routing weights and first weights (`cuda_moe_mxfp4.EARLY_DOWN`, `EARLY_BIAS`), all of
+the attention output projection's weights (`cuda_gemv_staged`, into shared memory). Such reads of
+data a kernel of the step wrote go through L2 only (`.cg`), so that no L1 line of the SM from
+before it stands in for them.
 Kernels launched without PDL (cuBLAS, torch) keep plain stream order on both sides. CUDA graphs
 capture the programmatic edges, so replays keep them.
 
@@ -82,13 +84,15 @@ def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
                 pdl: bool) -> None:
     """Launch a kernel of `torch.cuda._utils._cuda_load_module` on the current stream, with PDL when
     `pdl` (its source must then keep the contract above with `griddepcontrol.wait`). Arguments as
-    torch's launcher takes them: tensors as pointers, ints as int, floats as double."""
+    torch's launcher takes them: tensors as pointers (None: a null one), ints as int, floats as double."""
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
     keep = []
     for a in args:
         if isinstance(a, torch.Tensor):
             keep.append(ctypes.c_void_p(a.data_ptr()))
+        elif a is None:  # a null pointer
+            keep.append(ctypes.c_void_p(None))
         elif isinstance(a, int):
             keep.append(ctypes.c_int(a))
         elif isinstance(a, float):

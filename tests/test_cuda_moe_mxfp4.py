@@ -75,7 +75,7 @@ def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(mon
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     builds, launched = [], []
-    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[-1]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
     monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -126,7 +126,7 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
 
 
 def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int,
-                         early_x: int) -> list[str]:
+                         early_x: int, early_bias: bool = False) -> list[str]:
     """The loads ahead of the first wait in one MXFP4 kernel, compiled by nvcc for sm_90 with the
     engine's NVRTC options (cuda_moe_mxfp4.compile_options)."""
     nvcc = shutil.which("nvcc")
@@ -134,8 +134,9 @@ def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, ...], slot
         pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
-    cubin = tmp / f"mx{early_down}{early_x}{slots}.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(90, slots, shape, False, early_down, early_x),
+    cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{slots}.cubin"
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3",
+                    *compile_options(90, slots, shape, False, early_down, early_x, early_bias),
                     "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
     return _loads_before_wait(_sass(cubin.read_bytes(), tmp, function))
 
@@ -143,15 +144,19 @@ def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, ...], slot
 @pytest.mark.parametrize("launch", ["grouped", "per pair"])
 def test_mxfp4_down_reads_its_routing_and_first_batch_ahead_of_the_wait(launch, tmp_path):
     """Both launch shapes of the down kernel (ptxas sank the first batch's `ld.global.nc` loads past
-    the wait in the grouped shape, not in the per-pair one)."""
+    the wait in the grouped shape, not in the per-pair one); with MX_EARLY_BIAS also its routing
+    weights, which the router wrote before gate/up ran."""
     from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, GROUP_SLOTS, PAIR_CONFIG
 
     shape, slots = (CONFIG.down, GROUP_SLOTS) if launch == "grouped" else (PAIR_CONFIG.down, 1)
-    late = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 0, 0)
+    late = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 0, 0, True)
     early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0)
     assert not late, f"loads before the wait with MX_EARLY_DOWN=0: {late}"
     weights = [op for op in early if ".128" in op]
     assert len(weights) >= 2 * shape[2], f"the first batch's weight loads are not all ahead of the wait: {early}"
+    assert not [op for op in early if ".U16" in op], f"routing weights read early without MX_EARLY_BIAS: {early}"
+    early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0, True)
+    assert [op for op in early if ".U16" in op], f"no routing weight read ahead of the wait: {early}"
 
 
 def test_mxfp4_gate_up_stages_its_token_row_ahead_of_the_wait_in_per_pair_launches_only(tmp_path):
@@ -163,3 +168,21 @@ def test_mxfp4_gate_up_stages_its_token_row_ahead_of_the_wait_in_per_pair_launch
     assert any(op.startswith("LDG.E.128") for op in early), f"no row load before the wait: {early}"
     assert not _mx_loads_before_wait(tmp_path, "mx_gate_up", PAIR_CONFIG.gate_up, 1, 1, 0)
     assert not _mx_loads_before_wait(tmp_path, "mx_gate_up", CONFIG.gate_up, GROUP_SLOTS, 1, 1)
+
+
+def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it(tmp_path):
+    """kernels/cuda_gemv_staged.cu: the async copies of the CTA's weight rows (LDGSTS) come before
+    the wait, those of x (written by the kernel ahead) after it, and no other global load before it."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this host")
+    from pdserve.kernels.cuda_gemv_staged import ROWS, SOURCE, WARPS
+
+    cubin = tmp_path / "gs.cubin"
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", f"-DGS_ROWS={ROWS}", f"-DGS_WARPS={WARPS}", "-std=c++17",
+                    "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    ops = _sass(cubin.read_bytes(), tmp_path)
+    early = _loads_before_wait(ops)
+    assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
+    assert all(op.startswith(("LDGSTS", "LDGDEPBAR")) for op in early), f"loads other than the weight copies ahead of the wait: {early}"
+    assert any(op.startswith("LDGSTS") for op in ops[ops.index("ACQBULK"):]), "no copy of x after the wait"

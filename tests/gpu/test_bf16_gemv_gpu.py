@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from numerics import assert_one_bf16_rounding
+
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 
 pytest.importorskip("triton")
@@ -41,23 +43,12 @@ def _problem(n: int, k: int, m: int, seed: int, bias: bool = True):
     return x, w, b
 
 
-def _assert_one_rounding(out: torch.Tensor, x, w, b) -> None:
-    xf, wf = x.float(), w.float()
-    ref = xf @ wf.T
-    mag = xf.abs() @ wf.abs().T
-    if b is not None:
-        ref, mag = ref + b.float(), mag + b.float().abs()
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16
-    excess = (out.float() - ref).abs() - (2.0**-8 * ref.abs() + 1e-5 * mag)
-    assert excess.max() <= 0, f"{(excess > 0).sum()} elements past one bf16 rounding, worst by {excess.max():.3e}"
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("m", range(1, 9))
 def test_default_matches_reference(shape, m, seed):
     n, k = SHAPES[shape]
     x, w, b = _problem(n, k, m, seed)
-    _assert_one_rounding(bf16_gemv(x, w, b), x, w, b)
+    assert_one_bf16_rounding(bf16_gemv(x, w, b), x, w, b)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -65,7 +56,7 @@ def test_default_matches_reference(shape, m, seed):
 def test_candidates_match_reference(shape, m, cfg, seed):
     n, k = SHAPES[shape]
     x, w, b = _problem(n, k, m, seed)
-    _assert_one_rounding(bf16_gemv(x, w, b, config=cfg), x, w, b)
+    assert_one_bf16_rounding(bf16_gemv(x, w, b, config=cfg), x, w, b)
 
 
 def test_no_bias_and_tp_shard_shapes(seed):
@@ -73,7 +64,7 @@ def test_no_bias_and_tp_shard_shapes(seed):
     for n, k in ((640, 2880), (2880, 512)):
         for m in (1, 3):
             x, w, _ = _problem(n, k, m, seed)
-            _assert_one_rounding(bf16_gemv(x, w, None), x, w, None)
+            assert_one_bf16_rounding(bf16_gemv(x, w, None), x, w, None)
 
 
 @pytest.mark.parametrize("m", [1, 4, 8])
