@@ -28,8 +28,9 @@
 // launch (SLOTS 1) stages its token's row ahead of it: the caller vouches that the row was written
 // before the routing (the launch before gate/up), so by kernels/pdl.py's contract it is final. down
 // reads only what was written before gate/up ran ahead of the wait (with MX_EARLY_DOWN: its
-// routing, from L2, and its first batch of weights), then waits before it stages gate/up's
-// activations.
+// routing, from L2, and its first batch of weights; with MX_EARLY_BIAS also its routing weights
+// and bias), then waits before it stages gate/up's activations. MX_EARLY_BIAS: each kernel's
+// epilogue bias is requested with its weights, not after its sums.
 //
 // Each warp owns a 16-row tile (or a share of its K steps) and streams its weights in batches of D
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
