@@ -8,10 +8,13 @@ Settings: programmatic dependent launch (kernels/pdl.py) off, then on; then also
 GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode attention of
 2026-12-01 (XQA for full layers, the default Triton tiling for windowed ones), then with the Triton
 kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of
-the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the engine's defaults; with --mma-config, the defaults with another
-launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of
-one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults with one piece of every layer
-(norms, QKV, attention, O projection, router, MoE) taken out: the marginal cost of each.
+the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the MXFP4 kernels' bias
+read after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged
+one ("O triton gemv"); the engine's defaults; with --mma-config, the defaults with another launch
+shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
+token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
+piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
+cost of each.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
