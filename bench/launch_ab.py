@@ -204,7 +204,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     names = [n.strip() for n in a.settings.split(",")]
-    unknown = [n for n in names if n not in SETTINGS]
+    unknown = [n for n in [*names, a.ablate_on] if n not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; known: {list(SETTINGS)}")
     settings = {n: SETTINGS[n] for n in names}

@@ -18,8 +18,10 @@
 // so the sums are the same dot products. The warps' sums are added in a fixed order, the bias in
 // float32, one rounding to bf16.
 //
-// Macros set by the compiler call: GS_ROWS (weight rows a CTA: the mma's 8), GS_WARPS (warps
-// splitting K).
+// Macros set by the compiler call (kernels/cuda_gemv_staged.py): GS_ROWS (weight rows a CTA: the
+// mma's 8), GS_WARPS (warps splitting K), GS_MAX_M (most tokens: the mma's rows 0-7), GS_PAD (bytes
+// after each staged row, so that the 16-byte reads of a quarter warp, rows g and g + 1, fall in
+// distinct banks).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -27,8 +29,8 @@ typedef long long i64;
 
 #define ROWS GS_ROWS
 #define WARPS GS_WARPS
-#define MAX_M 8
-#define PAD 64  // bytes after each staged row: the 16-byte reads of a quarter warp (rows g, g + 1) fall in distinct banks
+#define MAX_M GS_MAX_M
+#define PAD GS_PAD
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 

@@ -24,13 +24,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cuda_gemv_staged.cu")
 ROWS = 8  # weight rows a CTA (the mma's 8 columns)
 WARPS = 4  # warps splitting a CTA's K
-PAD = 64  # bytes after each staged row (the .cu file's PAD)
+PAD = 64  # bytes after each staged row: a quarter warp's 16-byte reads of rows g, g + 1 in distinct banks
 MAX_M = 8  # tokens: the mma's rows 0-7
 # Up to how many tokens the model takes this kernel for the attention output projection (0: never,
 # the bf16 GEMV of kernels/triton_bf16_gemv instead); at one token every CTA of gpt-oss' O is resident
 # at once (3 a SM), from two tokens the token rows leave room for 2
 MAX_TOKENS = 1
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
+# the dynamic shared memory a CTA may ask for: an SM's, less the kernel's static reduction buffer
+MAX_DYNAMIC_SHARED = SHARED_PER_SM - 4 * WARPS * MAX_M * ROWS
 
 
 def shared_bytes(k: int, m: int) -> int:
@@ -41,7 +43,7 @@ def shared_bytes(k: int, m: int) -> int:
 def fits(m: int, n: int, k: int) -> bool:
     """Whether the kernel takes an [m, k] x [n, k]^T projection: tokens, row and K tiling (two 32-K
     blocks a step), and a CTA's rows within an SM's shared memory."""
-    return 1 <= m <= MAX_M and n % ROWS == 0 and k % (64 * WARPS) == 0 and shared_bytes(k, m) <= SHARED_PER_SM
+    return 1 <= m <= MAX_M and n % ROWS == 0 and k % (64 * WARPS) == 0 and shared_bytes(k, m) <= MAX_DYNAMIC_SHARED
 
 
 def available(device: torch.device) -> bool:
@@ -56,17 +58,23 @@ def _available(index: int) -> bool:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
-        _kernel(index, 4096)
+        _kernel(index)
     except Exception as ex:  # no NVRTC on this host: the Triton GEMV serves instead
         log.warning("staged GEMV unavailable (%s: %s); using the Triton GEMV", type(ex).__name__, ex)
         return False
     return True
 
 
+def compile_options() -> list[str]:
+    """The compiler options of cuda_gemv_staged.cu (nvcc takes them too): this module's shape constants."""
+    return [f"-DGS_ROWS={ROWS}", f"-DGS_WARPS={WARPS}", f"-DGS_MAX_M={MAX_M}", f"-DGS_PAD={PAD}", "-std=c++17"]
+
+
 @functools.cache
-def _kernel(device_index: int, k: int):
-    options = [f"-DGS_ROWS={ROWS}", f"-DGS_WARPS={WARPS}", "-std=c++17"]
-    return load_kernels(SOURCE, ["gemv_staged"], options, device_index, shared_bytes(k, MAX_M))["gemv_staged"]
+def _kernel(device_index: int):
+    """The kernel for the device, allowed the most dynamic shared memory any K that `fits` needs
+    (one build serves every K)."""
+    return load_kernels(SOURCE, ["gemv_staged"], compile_options(), device_index, MAX_DYNAMIC_SHARED)["gemv_staged"]
 
 
 def gemv_staged(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +95,6 @@ def gemv_staged(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError("the staged GEMV takes 16-byte aligned rows of x and w")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch_cuda(_kernel(dev, k), (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m), pdl=pdl_enabled(x.device),
+    launch_cuda(_kernel(dev), (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, bias, out, out.stride(0), m, k])
     return out

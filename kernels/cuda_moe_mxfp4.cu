@@ -148,8 +148,8 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #else
 #define MX_BOUNDS __launch_bounds__(NW * 32)
 #endif
-#define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)
-static_assert((NW * 32) % ROWS == 0, "a thread's epilogue row must be the same for every pair");  // per-pair gate/up: its token row before the wait
+#define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)  // per-pair gate/up: its token row before the wait
+static_assert((NW * 32) % ROWS == 0, "a thread's epilogue row must be the same for every pair");
 #if MX_TRACE
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
 __device__ __forceinline__ unsigned long long now_ns() {

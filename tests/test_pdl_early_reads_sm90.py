@@ -176,11 +176,11 @@ def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc on this host")
-    from pdserve.kernels.cuda_gemv_staged import ROWS, SOURCE, WARPS
+    from pdserve.kernels.cuda_gemv_staged import SOURCE, compile_options
 
     cubin = tmp_path / "gs.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", f"-DGS_ROWS={ROWS}", f"-DGS_WARPS={WARPS}", "-std=c++17",
-                    "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(), "-x", "cu", str(SOURCE), "-o", str(cubin)],
+                   check=True, capture_output=True, text=True)
     ops = _sass(cubin.read_bytes(), tmp_path)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
