@@ -10,7 +10,8 @@ GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode a
 kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of
 the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the MXFP4 kernels' bias
 read after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged
-one ("O triton gemv"); the engine's defaults; with --mma-config, the defaults with another launch
+one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through global memory rather
+than a thread-block cluster ("down counters"); the engine's defaults; with --mma-config, the defaults with another launch
 shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
 token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
 piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
@@ -93,6 +94,9 @@ SETTINGS = {
     # the attention output projection through the Triton bf16 GEMV, not the one that stages its
     # weights in shared memory during the attention
     "O triton gemv": _setting({(cuda_gemv_staged, "MAX_TOKENS"): 0}),
+    # per-pair MXFP4 down adds a token's pairs through float32 partials and an arrival counter in
+    # global memory, not inside a thread-block cluster
+    "down counters": _setting({(cuda_moe_mxfp4, "CLUSTER_SUM"): False}),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),

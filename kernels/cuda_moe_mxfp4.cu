@@ -124,6 +124,33 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 
 __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)b) << 16); }
 
+// Every thread of the cluster arrives, then waits for all: shared-memory writes before it are
+// visible to the cluster's CTAs after it (release / acquire; ptxas fences at GPU scope for it).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The same without ordering: for a CTA's last sync, after which it only exits (its reads of its
+// peers' shared memory are done: their values are used before it)
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// *p in the shared memory of the cluster's CTA `rank` (p: an address of this CTA's shared memory)
+__device__ __forceinline__ float load_peer(const float* p, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
 #ifndef MX_TRACE
 #define MX_TRACE 0
 #endif
@@ -149,6 +176,13 @@ __device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)
 #define MX_BOUNDS __launch_bounds__(NW * 32)
 #endif
 #define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)  // per-pair gate/up: its token row before the wait
+// MX_CLUSTER_SUM (per-pair launches only): down is launched in clusters of one token's top_k pairs
+// (cluster dims (1, top_k, 1)); the CTAs of a cluster add their rows through distributed shared
+// memory instead of float32 partials in global memory, a fence and an arrival counter
+#ifndef MX_CLUSTER_SUM
+#define MX_CLUSTER_SUM 0
+#endif
+static_assert(!MX_CLUSTER_SUM || SLOTS == 1, "the cluster sum serves per-pair launches");
 static_assert((NW * 32) % ROWS == 0, "a thread's epilogue row must be the same for every pair");
 #if MX_TRACE
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
@@ -388,6 +422,24 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   TRACE_END();
 }
 
+#if MX_CLUSTER_SUM
+// The cluster's top_k CTAs (one token's pairs, rank = the pair's k; the same row tile) each hold
+// their weighted rows in y, the same shared array in each; CTA `rank` adds rows rank, rank + top_k,
+// ... over the pairs in slot order (the counter path's order and float operations: bit-identical)
+// and stores them. The second sync keeps every CTA's y alive until its peers have read it.
+__device__ __forceinline__ void cluster_sum(const float* y, int top_k, u16* __restrict__ out, int stride_out) {
+  cluster_sync();
+  const u32 rank = cluster_rank();
+  const int token = blockIdx.y / top_k;
+  for (int r = (int)rank + top_k * threadIdx.x; r < ROWS; r += top_k * NW * 32) {
+    float v = 0.f;
+    for (int k = 0; k < top_k; k++) v += load_peer(y + r, (u32)k);
+    out[(i64)token * stride_out + blockIdx.x * ROWS + r] = to_bf16(v);
+  }
+  cluster_sync_relaxed();
+}
+#endif
+
 // down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
 // CTA writes its pairs' float32 partials; the last CTA of a (token, row tile) to arrive (a counter,
 // reset by it) sums the token's partials and stores the bf16 rows (deterministic, no float atomics).
@@ -400,15 +452,28 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
+#if MX_CLUSTER_SUM
+  __shared__ float y_sum[ROWS];  // this pair's weighted rows, read by the cluster (cluster_sum)
+#else
   __shared__ int last[SLOTS];
+#endif
   if (!MX_EARLY_DOWN) enter_pdl();
   TRACE(0);
   TRACE(3);
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1,
             MX_EARLY_BIAS ? route_weight : nullptr);
+#if MX_CLUSTER_SUM
+  if (it.expert < 0) {  // no expert here (another rank's): the pair adds zeros, the cluster still syncs
+    if (MX_EARLY_DOWN) enter_pdl();  // the cluster's sum below stores rows: never ahead of the wait
+    for (int r = threadIdx.x; r < ROWS; r += NW * 32) y_sum[r] = 0.f;
+    cluster_sum(y_sum, top_k, out, stride_out);
+    return;
+  }
+#else
   if (it.expert < 0) return;
+#endif
   const i64 e = it.expert;
-  const int tile = blockIdx.x, tiles = gridDim.x;
+  const int tile = blockIdx.x;
   // a thread's row r is the same for every pair (NW * 32 is a multiple of ROWS)
   const int row_r = tile * ROWS + threadIdx.x % ROWS;
   float bias_r = 0.f;
@@ -416,6 +481,11 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   tile_dot<MX_EARLY_DOWN != 0>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
   if (!MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
+#if MX_CLUSTER_SUM
+  for (int r = threadIdx.x; r < ROWS; r += NW * 32)
+    y_sum[r] = (row_sum(red, 0, r) + bias_r) * from_bf16(MX_EARLY_BIAS ? it.weight[0] : route_weight[it.slot[0]]);
+  cluster_sum(y_sum, top_k, out, stride_out);
+#else
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
     const int i = t / ROWS, r = t % ROWS;
     const int row = tile * ROWS + r;
@@ -425,6 +495,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   }
   __threadfence();
   __syncthreads();
+  const int tiles = gridDim.x;
   if (threadIdx.x < it.n) {
     const int token = it.slot[threadIdx.x] / top_k;
     last[threadIdx.x] = atomicAdd(counters + (i64)token * tiles + tile, 1) == top_k - 1;
@@ -441,5 +512,6 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
     out[(i64)token * stride_out + row] = to_bf16(y);
     if (r == 0) counters[(i64)token * tiles + tile] = 0;
   }
+#endif
   TRACE_END();
 }

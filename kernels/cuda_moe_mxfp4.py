@@ -11,7 +11,9 @@ share experts read each expert once.
 
 Two launches, no host synchronisation (CUDA-graph capturable): gate/up + bias + SwiGLU -> bf16
 activations per pair; down + bias, times the routing weight, with the token's pairs summed in slot
-order by the last CTA to finish a row tile (deterministic). Grouped launches add the routing layout
+order (deterministic): per-pair launches run a token's pairs as one thread-block cluster that adds
+them in distributed shared memory, grouped ones leave it to the last CTA to finish a row tile
+(float32 partials and an arrival counter). Grouped launches add the routing layout
 of kernels/triton_moe.py (pairs sorted by expert, blocks of 8).
 """
 
@@ -70,6 +72,11 @@ EARLY_DOWN = True
 # each kernel requests its epilogue's bias (down: and its routing weights) with its weights rather
 # than after its sums (MX_EARLY_BIAS)
 EARLY_BIAS = True
+# per-pair down adds one token's top_k pairs inside a thread-block cluster of their CTAs, through
+# distributed shared memory, instead of through float32 partials, a fence and an arrival counter in
+# global memory (the .cu file's MX_CLUSTER_SUM; same float operations in the same order)
+CLUSTER_SUM = True
+MAX_CLUSTER = 8  # the portable cluster size: larger top_k take the arrival counters
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
@@ -88,7 +95,8 @@ def _available(index: int) -> bool:
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     try:
-        _kernels(index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X, early_bias=EARLY_BIAS)
+        _kernels(index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X, early_bias=EARLY_BIAS,
+                 cluster_sum=CLUSTER_SUM)
     except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
         log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
         return False
@@ -97,27 +105,30 @@ def _available(index: int) -> bool:
 
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
-             early_down: bool = False, early_x: bool = False, early_bias: bool = False) -> dict:
+             early_down: bool = False, early_x: bool = False, early_bias: bool = False,
+             cluster_sum: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
-    MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS; callers pass the same flags for
+    MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
+    down only: launch it in clusters of (1, top_k, 1)); callers pass the same flags for
     both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
-                        compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias), device_index,
+                        compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum),
+                        device_index,
                         _shared_bytes(k_groups, slots))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
-                    early_x: bool = False, early_bias: bool = False) -> list[str]:
+                    early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
 def _shared_bytes(k_groups: int, slots: int) -> int:
@@ -175,7 +186,8 @@ def experts_forward_mxfp4_mma(
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS)
+    cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
@@ -184,10 +196,14 @@ def experts_forward_mxfp4_mma(
     launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
-    part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
+    if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
+        part = counters = None
+    else:
+        part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots), pdl=pdl, args=[
+    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots), pdl=pdl,
+                cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])
     if res is not out:

@@ -68,6 +68,7 @@ def enter(PDL: tl.constexpr):
 
 # The driver's launch structures (cuda.h, CUDA >= 12.0).
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -81,10 +82,14 @@ class _LaunchConfig(ctypes.Structure):
 
 
 def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, args: list,
-                pdl: bool) -> None:
+                pdl: bool, cluster: tuple[int, int, int] | None = None) -> None:
     """Launch a kernel of `torch.cuda._utils._cuda_load_module` on the current stream, with PDL when
-    `pdl` (its source must then keep the contract above with `griddepcontrol.wait`). Arguments as
-    torch's launcher takes them: tensors as pointers (None: a null one), ints as int, floats as double."""
+    `pdl` (its source must then keep the contract above with `griddepcontrol.wait`), in thread-block
+    clusters of `cluster` CTAs when given (each grid dimension a multiple of the cluster's). Arguments
+    as torch's launcher takes them: tensors as pointers (None: a null one), ints as int, floats as
+    double."""
+    if cluster is not None and any(g % c for g, c in zip(grid, cluster)):
+        raise ValueError(f"grid {tuple(grid)} is not a whole number of clusters {tuple(cluster)}")
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
     keep = []
@@ -100,9 +105,13 @@ def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
         else:
             raise TypeError(f"unsupported kernel argument {type(a).__name__}")
     params = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
+    values = ([(_PROGRAMMATIC_STREAM_SERIALIZATION, (ctypes.c_int * 1)(1))] if pdl else []) + (
+        [(_CLUSTER_DIMENSION, (ctypes.c_uint * 3)(*cluster))] if cluster is not None else [])
+    attrs = (_LaunchAttribute * max(1, len(values)))()
+    for attr, (key, value) in zip(attrs, values):
+        attr.id = key
+        ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, ctypes.byref(value), ctypes.sizeof(value))
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                        torch.cuda.current_stream().cuda_stream, ctypes.pointer(attr), 1 if pdl else 0)
+                        torch.cuda.current_stream().cuda_stream, attrs, len(values))
     libcuda = _get_gpu_runtime_library()
     _check_cuda(libcuda.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None))

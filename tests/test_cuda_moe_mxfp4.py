@@ -88,3 +88,44 @@ def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(mon
                                  x_before_routing=vouched)
     assert launched == ["gu", "dn"]
     assert builds == [early, early]  # gate/up's and down's builds alike (one compile where shapes match)
+
+
+@pytest.mark.parametrize("grouped,top_k,cluster_sum", [
+    (False, 4, True),  # per pair: down in clusters of the token's pairs
+    (True, 4, False),  # grouped CTAs serve pairs of many tokens: the arrival counters
+    (False, 9, False),  # more pairs than a portable cluster holds: the arrival counters
+])
+def test_per_pair_down_launches_in_clusters_of_a_tokens_pairs(monkeypatch, grouped, top_k, cluster_sum):
+    """The build each launch gets (MX_CLUSTER_SUM) and the cluster shape down is launched with, with
+    the compile and the launches stubbed out."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    builds, launched = [], []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[8]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, cluster=None, **k: launched.append(
+        (kernel, grid, cluster)))
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    g = torch.Generator().manual_seed(0)
+    w = random_layer(16, g, h=128, i=128)
+    x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(16, generator=g)[:top_k] for _ in range(2)])
+    wts = torch.full((2, top_k), 1 / top_k, dtype=torch.bfloat16)
+    if grouped:
+        monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing",
+                            lambda *a: type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
+    cm.experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cm.MmaConfig((4, 1, 2), (4, 2, 2)),
+                                 grouped=grouped)
+    assert builds == [cluster_sum, cluster_sum]
+    (gu, _, gu_cluster), (dn, dn_grid, dn_cluster) = launched
+    assert (gu, gu_cluster, dn) == ("gu", None, "dn")
+    assert dn_cluster == ((1, top_k, 1) if cluster_sum else None)
+    if cluster_sum:
+        assert dn_grid[1] == 2 * top_k  # one CTA row per pair: whole clusters
+
+
+def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
+    from pdserve.kernels.pdl import launch_cuda
+
+    with pytest.raises(ValueError, match="whole number of clusters"):
+        launch_cuda(None, (180, 6, 1), (128, 1, 1), 0, [], pdl=True, cluster=(1, 4, 1))

@@ -125,38 +125,61 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
     assert not late, f"{name}: loads before the wait with early reads off: {late}"
 
 
-def _mx_loads_before_wait(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int,
-                         early_x: int, early_bias: bool = False) -> list[str]:
-    """The loads ahead of the first wait in one MXFP4 kernel, compiled by nvcc for sm_90 with the
-    engine's NVRTC options (cuda_moe_mxfp4.compile_options)."""
+def _mx_sass(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int, early_x: int,
+            early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
+    """One MXFP4 kernel's SASS, compiled by nvcc for sm_90 with the engine's NVRTC options
+    (cuda_moe_mxfp4.compile_options)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
-    cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{slots}.cubin"
+    cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{int(cluster_sum)}{slots}.cubin"
     subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3",
-                    *compile_options(90, slots, shape, False, early_down, early_x, early_bias),
+                    *compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum),
                     "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
-    return _loads_before_wait(_sass(cubin.read_bytes(), tmp, function))
+    return _sass(cubin.read_bytes(), tmp, function)
 
 
-@pytest.mark.parametrize("launch", ["grouped", "per pair"])
+def _mx_loads_before_wait(*args, **kwargs) -> list[str]:
+    """The loads ahead of the first wait in one MXFP4 kernel (_mx_sass' arguments)."""
+    return _loads_before_wait(_mx_sass(*args, **kwargs))
+
+
+@pytest.mark.parametrize("launch", ["grouped", "per pair", "per pair, cluster sum"])
 def test_mxfp4_down_reads_its_routing_and_first_batch_ahead_of_the_wait(launch, tmp_path):
     """Both launch shapes of the down kernel (ptxas sank the first batch's `ld.global.nc` loads past
-    the wait in the grouped shape, not in the per-pair one); with MX_EARLY_BIAS also its routing
-    weights, which the router wrote before gate/up ran."""
+    the wait in the grouped shape, not in the per-pair one), per-pair also with MX_CLUSTER_SUM; with
+    MX_EARLY_BIAS also its routing weights, which the router wrote before gate/up ran."""
     from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, GROUP_SLOTS, PAIR_CONFIG
 
     shape, slots = (CONFIG.down, GROUP_SLOTS) if launch == "grouped" else (PAIR_CONFIG.down, 1)
-    late = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 0, 0, True)
-    early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0)
+    cluster = launch.endswith("cluster sum")
+    late = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 0, 0, True, cluster)
+    early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0, False, cluster)
     assert not late, f"loads before the wait with MX_EARLY_DOWN=0: {late}"
     weights = [op for op in early if ".128" in op]
     assert len(weights) >= 2 * shape[2], f"the first batch's weight loads are not all ahead of the wait: {early}"
     assert not [op for op in early if ".U16" in op], f"routing weights read early without MX_EARLY_BIAS: {early}"
-    early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0, True)
+    early = _mx_loads_before_wait(tmp_path, "mx_down", shape, slots, 1, 0, True, cluster)
     assert [op for op in early if ".U16" in op], f"no routing weight read ahead of the wait: {early}"
+
+
+def test_mxfp4_down_cluster_sum_adds_in_shared_memory_without_atomics(tmp_path):
+    """MX_CLUSTER_SUM: per-pair down syncs its cluster (UCGABAR) and reads its peers' rows from
+    distributed shared memory (LD through a mapped address), with no arrival counter (ATOM / RED) and
+    no float32 partials in global memory; without it, the counter path's atomic is there and no
+    cluster barrier."""
+    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG
+
+    cluster = _mx_sass(tmp_path, "mx_down", PAIR_CONFIG.down, 1, 1, 1, True, True)
+    counters = _mx_sass(tmp_path, "mx_down", PAIR_CONFIG.down, 1, 1, 1, True, False)
+    assert cluster.count("UCGABAR_ARV") >= 2 and "LD.E" in cluster, sorted(set(cluster))
+    assert not [op for op in cluster if op.startswith(("ATOM", "RED"))], sorted(set(cluster))
+    assert [op for op in cluster if op.startswith("STG")] == ["STG.E.U16"] * len(
+        [op for op in cluster if op.startswith("STG")]), "stores other than the bf16 rows"
+    assert any(op.startswith(("ATOM", "RED")) for op in counters)
+    assert not any(op.startswith("UCGABAR") for op in counters)
 
 
 def test_mxfp4_gate_up_stages_its_token_row_ahead_of_the_wait_in_per_pair_launches_only(tmp_path):

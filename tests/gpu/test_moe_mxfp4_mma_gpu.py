@@ -92,6 +92,49 @@ def test_mma_moe_cuda_graph(grouped):
     assert rel_l2(out, reference(x, weights, ids, w)) < 4e-3
 
 
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_cluster_sum_equals_the_counter_sum(t, monkeypatch):
+    """Per-pair down adding a token's pairs inside a thread-block cluster (CLUSTER_SUM) does the
+    counter path's float operations in its order: bit-identical, eager and replayed from a graph."""
+    from pdserve.kernels import cuda_moe_mxfp4
+
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(32, g, DEV)
+    wp = w.to_packed()
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(32, device=DEV, generator=g)[:4] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    monkeypatch.setattr(cuda_moe_mxfp4, "CLUSTER_SUM", False)
+    counters = fwd(x, weights, ids, wp)
+    monkeypatch.setattr(cuda_moe_mxfp4, "CLUSTER_SUM", True)
+    cluster = fwd(x, weights, ids, wp)
+    assert torch.equal(cluster, counters)
+    assert rel_l2(cluster, reference(x, weights, ids, w)) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fwd(x, weights, ids, wp)
+    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
+    graph.replay()
+    assert torch.equal(replayed, fwd(x, weights, ids, wp))
+
+
+def test_cluster_sum_pairs_without_a_local_expert_add_zeros():
+    """A pair whose expert id is negative (no expert here) adds nothing, while its cluster's other
+    pairs still sum: the CTA takes part in the cluster's syncs with zero rows."""
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(32, g, DEV)
+    x = torch.randn(2, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[3, -1, 7, 11], [-1, -1, -1, -1]], device=DEV)
+    weights = torch.softmax(torch.randn(2, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    out = fwd(x, weights, ids, w.to_packed())
+    local = ids >= 0
+    ref = reference(x, torch.where(local, weights, 0), torch.where(local, ids, 0), w)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_l2(out[0], ref[0]) < 4e-3
+
+
 def _reference_f64(x, weights, ids, w):
     from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
     from pdserve.kernels.mxfp4 import dequantize_mxfp4
