@@ -11,7 +11,8 @@ kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none
 the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the MXFP4 kernels' bias
 read after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged
 one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through global memory rather
-than a thread-block cluster ("down counters"); the engine's defaults; with --mma-config, the defaults with another launch
+than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
+triton"); the engine's defaults; with --mma-config, the defaults with another launch
 shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
 token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
 piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
@@ -42,7 +43,8 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_gemv_staged, cuda_moe_mxfp4, flashinfer_attention, triton_bf16_gemv, triton_decode_attention, triton_router,
+    cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv, triton_decode_attention,
+    triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -97,6 +99,8 @@ SETTINGS = {
     # per-pair MXFP4 down adds a token's pairs through float32 partials and an arrival counter in
     # global memory, not inside a thread-block cluster
     "down counters": _setting({(cuda_moe_mxfp4, "CLUSTER_SUM"): False}),
+    # the router through the Triton kernel (partial logits meet in global memory), not the clusters
+    "router triton": _setting({(cuda_router, "ENABLED"): False}),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),

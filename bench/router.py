@@ -1,4 +1,5 @@
-"""The fused router (kernels/triton_router.py) by launch shape: us per call for gpt-oss' 32
+"""The fused router (kernels/triton_router.py, and the thread-block clusters of kernels/cuda_router.py
+that route_fused takes on Hopper) by launch shape: us per call for gpt-oss' 32
 (20b) and 128 (120b) experts over hidden 2880, at decode token counts. Each timed graph calls it on
 LAYERS different weight copies (as consecutive layers do; 64 x 737 KB for E = 128 passes the L2
 only partly, so read it as an upper bound on the weights' cost), us = graph time / LAYERS.
@@ -16,12 +17,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.kernels import triton_router  # noqa: E402
+from pdserve.kernels import cuda_router, triton_router  # noqa: E402
 
 LAYERS = 64
 
 
-def time_shape(e: int, t: int, shape: tuple[int, int] | None) -> tuple[float, torch.Tensor]:
+def time_shape(e: int, t: int, shape: tuple[int, int] | None, cluster: bool = False) -> tuple[float, torch.Tensor]:
+    """(us a call, logits) of the Triton kernel in this shape (None: its default), or of the cluster
+    kernel (cluster)."""
+    cuda_router.ENABLED = cluster
     if shape is None:
         triton_router.LAUNCH_SHAPES.pop(e, None)
     else:
@@ -59,6 +63,9 @@ def main() -> int:
         for t in (int(v) for v in a.tokens.split(",")):
             base_us, base = time_shape(e, t, None)
             line = [f"E={e:3d} T={t:3d} default {triton_router.launch_shape(e)}: {base_us:6.2f} us"]
+            us, logits = time_shape(e, t, None, cluster=True)
+            same = "" if torch.equal(logits, base) else f" (logits differ: max {float((logits.float() - base.float()).abs().max()):.1e})"
+            line.append(f"cluster {cuda_router.shape(e, 2880)} {us:6.2f}{same}")
             for shape in shapes:
                 us, logits = time_shape(e, t, shape)
                 same = "" if torch.equal(logits, base) else f" (logits differ: max {float((logits.float() - base.float()).abs().max()):.1e})"

@@ -1,5 +1,5 @@
 // bf16 GEMV for a decode batch (M <= 8 tokens) whose CTAs copy their weight rows into shared memory
-// ahead of their PDL wait. Compiled at run time by NVRTC (kernels/cuda_gemv_staged.py); no headers.
+// ahead of their PDL wait. Compiled at run time by NVRTC (kernels/cuda_gemv_staged.py).
 //
 // Why: the attention output projection follows the decode attention, a kernel bound by latency on
 // few CTAs. Launched with programmatic dependent launch (kernels/pdl.py), this kernel's CTAs are
@@ -23,16 +23,12 @@
 // after each staged row, so that the 16-byte reads of a quarter warp, rows g and g + 1, fall in
 // distinct banks).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
+#include "cuda_common.cuh"
 
 #define ROWS GS_ROWS
 #define WARPS GS_WARPS
 #define MAX_M GS_MAX_M
 #define PAD GS_PAD
-
-struct __align__(16) U4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -42,14 +38,6 @@ __device__ __forceinline__ void mma(float d[4], u32 a0, u32 a2, u32 b0, u32 b1) 
       "{%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)b) << 16); }
-
-__device__ __forceinline__ u16 to_bf16(float f) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
 }
 
 // out[m, n] = x[m, :] . w[n, :] + bias[n] for m < M, the CTA's rows n = ROWS * blockIdx.x + (0 .. ROWS).
@@ -71,8 +59,7 @@ gemv_staged(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, 
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
   // the PDL wait (kernels/pdl.py): x is written by the kernel before this one
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  enter_pdl();
   // the tokens' rows after the weights, all requested at once
   unsigned char* xs = smem + ROWS * stride_s;
   for (int c = threadIdx.x; c < M * per_row; c += WARPS * 32) {

@@ -11,15 +11,13 @@ first use by NVRTC (kernels/nvrtc.py); CUDA-graph capturable (no host synchronis
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from .nvrtc import load_kernels
+from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cuda_gemv_staged.cu")
 ROWS = 8  # weight rows a CTA (the mma's 8 columns)
@@ -48,21 +46,7 @@ def fits(m: int, n: int, k: int) -> bool:
 
 def available(device: torch.device) -> bool:
     """Hopper or newer (bulk copies, mbarrier transaction counts) with NVRTC and the kernel compiled."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _available(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _available(index: int) -> bool:
-    if torch.cuda.get_device_capability(index) < (9, 0):
-        return False
-    try:
-        _kernel(index)
-    except Exception as ex:  # no NVRTC on this host: the Triton GEMV serves instead
-        log.warning("staged GEMV unavailable (%s: %s); using the Triton GEMV", type(ex).__name__, ex)
-        return False
-    return True
+    return builds_on(device, "staged GEMV", _kernel)
 
 
 def compile_options() -> list[str]:

@@ -1,5 +1,5 @@
 // MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, bf16 in, float32
-// accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py); no headers.
+// accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py).
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_MIN_CTAS (0, or CTAs an SM
@@ -37,9 +37,7 @@
 // rows are staged in shared memory once per CTA; the K shares are added in a fixed order
 // (deterministic).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
+#include "cuda_common.cuh"
 
 #define KG MX_KG
 #define NW MX_NW
@@ -51,8 +49,6 @@ typedef long long i64;
 #define ROWS (16 * NW / KSPLIT)         // weight rows per CTA
 #define SCALE_WORDS (((KG + 15) / 16) * 4)  // a row's scale bytes, padded to 16 groups, as words
 #define XROW (KG * 16 + 4)            // a staged token row in words (+4: fewer bank conflicts)
-
-struct __align__(16) U4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ U4 load_stream(const U4* p) {
   U4 v;
@@ -74,11 +70,6 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
   U4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ void enter_pdl() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 __device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
@@ -113,41 +104,6 @@ __device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s 
 __device__ __forceinline__ U4 stage_scale(U4 v) {
   asm("mul.rn.bf16x2 %0, %0, %4;\n\tmul.rn.bf16x2 %1, %1, %4;\n\tmul.rn.bf16x2 %2, %2, %4;\n\t"
       "mul.rn.bf16x2 %3, %3, %4;" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(0x5F805F80u));
-  return v;
-}
-
-__device__ __forceinline__ u16 to_bf16(float f) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
-
-__device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)b) << 16); }
-
-// Every thread of the cluster arrives, then waits for all: shared-memory writes before it are
-// visible to the cluster's CTAs after it (release / acquire; ptxas fences at GPU scope for it).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The same without ordering: for a CTA's last sync, after which it only exits (its reads of its
-// peers' shared memory are done: their values are used before it)
-__device__ __forceinline__ void cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// *p in the shared memory of the cluster's CTA `rank` (p: an address of this CTA's shared memory)
-__device__ __forceinline__ float load_peer(const float* p, u32 rank) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
 

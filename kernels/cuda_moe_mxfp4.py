@@ -20,7 +20,6 @@ of kernels/triton_moe.py (pairs sorted by expert, blocks of 8).
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +27,9 @@ import torch
 
 from .arrival import arrival_counters
 from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
-from .nvrtc import load_kernels
+from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cuda_moe_mxfp4.cu")
 # the packed word layout (kernels/mxfp4.py), handed to the compiler so the decode has one source
@@ -84,23 +82,9 @@ EARLY_X = True
 
 def available(device: torch.device | None = None) -> bool:
     """Hopper or newer (bf16x2 multiplies) with NVRTC loadable and the kernels compiled."""
-    if not torch.cuda.is_available():
-        return False
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    return _available(index)
-
-
-@functools.cache
-def _available(index: int) -> bool:
-    if torch.cuda.get_device_capability(index) < (9, 0):
-        return False
-    try:
-        _kernels(index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X, early_bias=EARLY_BIAS,
-                 cluster_sum=CLUSTER_SUM)
-    except Exception as ex:  # no NVRTC / CUDA headers on this host: the Triton kernels serve instead
-        log.warning("MXFP4 mma kernels unavailable (%s: %s); using the Triton kernels", type(ex).__name__, ex)
-        return False
-    return True
+    return builds_on(device, "MXFP4 mma kernels", lambda index: _kernels(
+        index, 90, 1, PAIR_CONFIG.gate_up, early_down=EARLY_DOWN, early_x=EARLY_X, early_bias=EARLY_BIAS,
+        cluster_sum=CLUSTER_SUM))
 
 
 @functools.cache

@@ -3,9 +3,13 @@ place that compiles, loads and sizes them; kernels/pdl.py launches them."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -16,10 +20,34 @@ def load_kernels(source: Path, names: list[str], options: list[str], device_inde
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     with torch.cuda.device(device_index):
-        cubin, _ = _nvrtc_compile(source.read_text(), names[0], nvcc_options=options)
+        # -I: the .cu files' shared header (cuda_common.cuh) sits next to them
+        cubin, _ = _nvrtc_compile(source.read_text(), names[0], nvcc_options=[f"-I{source.parent}", *options])
         kernels = _cuda_load_module(cubin, names)
         libcuda = _get_gpu_runtime_library()
         for k in kernels.values():
             k.set_shared_memory_config(dynamic_smem)  # the launcher's own check, from 48 KB
             _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, dynamic_smem))
     return kernels
+
+
+_BUILDS: dict[tuple[str, int], bool] = {}
+
+
+def builds_on(device: torch.device | None, what: str, build: Callable[[int], object]) -> bool:
+    """Whether `build(device_index)` compiles and loads on this device (Hopper or newer, NVRTC
+    present), tried once per kernel family and device; where not, the callers' Triton kernels serve
+    and the reason is logged once."""
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    key = (what, index)
+    if key not in _BUILDS:
+        ok = torch.cuda.get_device_capability(index) >= (9, 0)
+        if ok:
+            try:
+                build(index)
+            except Exception as ex:  # no NVRTC / CUDA headers on this host
+                log.warning("%s unavailable (%s: %s); the Triton kernels serve instead", what, type(ex).__name__, ex)
+                ok = False
+        _BUILDS[key] = ok
+    return _BUILDS[key]

@@ -14,7 +14,9 @@ Against the plain path: the logits may differ by one rounding step of x.dtype wh
 sums (different order) straddle a rounding boundary; given the same logits, expert ids and
 weights are bit-identical (except among exactly equal logits, where torch.topk's order is not
 specified). Meant for decode-sized batches (`MAX_TOKENS`): every token reads all of the router
-weights (from L2 after the first), so larger batches go to the GEMM path.
+weights (from L2 after the first), so larger batches go to the GEMM path. On Hopper with bf16
+inputs, route_fused launches kernels/cuda_router.py instead: the same numerics, with a token's
+partial logits meeting in a thread-block cluster's shared memory rather than in global memory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cuda_router
 from .arrival import arrival_counters
 from .pdl import enter, launch_options
 from .triton_math import INTERPRET, exp_f32
@@ -123,7 +126,9 @@ def route_fused(
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device) if return_logits else weights
     if t > MAX_TOKENS:
         raise ValueError(f"the fused router takes up to {MAX_TOKENS} tokens, got {t}")
-    if t:
+    if t and cuda_router.applies(x, router_weight, router_bias):
+        cuda_router.route_cluster(x, router_weight, router_bias, weights, ids, logits if return_logits else None)
+    elif t:
         block_e = triton.next_power_of_2(e)
         block_k, num_warps = launch_shape(e)
         splits = triton.cdiv(h, block_k)

@@ -193,6 +193,31 @@ def test_mxfp4_gate_up_stages_its_token_row_ahead_of_the_wait_in_per_pair_launch
     assert not _mx_loads_before_wait(tmp_path, "mx_gate_up", CONFIG.gate_up, GROUP_SLOTS, 1, 1)
 
 
+@pytest.mark.parametrize("experts", [32, 128])
+def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(experts, tmp_path):
+    """kernels/cuda_router.cu: every weight load of a lane (and CTA 0's bias) comes before the
+    wait, its token columns' loads after it; CTA 0 reads its peers' partial logits through the
+    cluster."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this host")
+    from pdserve.kernels.cuda_router import SOURCE, compile_options, shape
+
+    cluster, warps = shape(experts, 2880)
+    cubin = tmp_path / "router.cubin"
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(experts, 2880, cluster, warps), "-x", "cu",
+                    str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    ops = _sass(cubin.read_bytes(), tmp_path)
+    vectors = -(-2880 // cluster // 8 // 32)  # 16-byte vectors a lane reads of one row's share
+    early = _loads_before_wait(ops)
+    weights = [op for op in early if op.startswith("LDG.E.128")]
+    assert len(weights) == experts // warps * vectors and len(set(weights)) == 1, early
+    assert [op for op in early if not op.startswith("LDG.E.128")] == ["LDG.E.U16.STRONG.GPU"], early  # the bias
+    late = [op for op in ops[ops.index("ACQBULK"):] if op.startswith("LDG")]
+    assert len(late) == vectors and all(op.startswith("LDG.E.128") for op in late), late
+    assert "UCGABAR_ARV" in ops and "LD.E" in ops and not [op for op in ops if op.startswith(("ATOM", "RED"))]
+
+
 def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it(tmp_path):
     """kernels/cuda_gemv_staged.cu: the async copies of the CTA's weight rows (LDGSTS) come before
     the wait, those of x (written by the kernel ahead) after it, and no other global load before it."""

@@ -9,7 +9,8 @@ Tolerances:
 - residual add: bit-exact; normed output: each element within one bf16 rounding step of the plain
   path's and at least 99 % identical (only the float32 sum of squares is summed in another order);
 - router logits: within one bf16 step (of the exact value) plus 1e-6 of the sum of |products| of
-  cuBLAS's, >= 99 % identical (float32 sums in another order; near-cancelling sums can move by more
+  cuBLAS's, >= 99 % identical (at most 2 differ among fewer than 200) (float32 sums in another
+  order; near-cancelling sums can move by more
   than a step of their small result); ids and weights given the kernel's own logits: bit-exact against torch.topk +
   torch.softmax, on rows without equal logits around the 4th place (torch.topk's order there is
   unspecified);
@@ -132,16 +133,23 @@ def test_qkv_rope_one_launch(preset_name, layer):
 
 
 @pytest.mark.parametrize("t", [1, 8, 64, 256])
-@pytest.mark.parametrize("experts", [32, 128])
-def test_router(t, experts):
+@pytest.mark.parametrize("experts", [8, 32, 128])
+@pytest.mark.parametrize("kernel", ["cuda cluster", "triton"])
+def test_router(t, experts, kernel, monkeypatch):
+    """Both kernels route_fused launches: the thread-block clusters of kernels/cuda_router.py and
+    the Triton kernel."""
+    from pdserve.kernels import cuda_router
     from pdserve.kernels.moe import route
     from pdserve.kernels.triton_router import route_fused
 
+    monkeypatch.setattr(cuda_router, "ENABLED", kernel == "cuda cluster")
     g = _gen()
     h = 2880
     x = torch.randn(t, h, device=DEV, generator=g).to(BF16)
     w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
     b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
+    if kernel == "cuda cluster" and not cuda_router.applies(x, w, b):
+        pytest.skip("the cluster router does not take this call here (no Hopper or NVRTC, or too many tokens)")
     weights, ids, logits = route_fused(x, w, b, 4, return_logits=True)
     ref = torch.nn.functional.linear(x, w, b)
     exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
@@ -149,7 +157,9 @@ def test_router(t, experts):
     step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
     for got in (logits, ref):
         assert ((got.double() - exact).abs() <= step + 1e-6 * scale).all()
-    assert float((logits == ref).float().mean()) >= 0.99
+    # sums in another order land on the other side of a rounding boundary for ~1 % of logits: at most
+    # 1 % differ, or 2 of the few logits of 8 experts x 8 tokens
+    assert int((logits != ref).sum()) <= max(2, 0.01 * logits.numel())
     top5 = torch.topk(logits.float(), 5, dim=-1, sorted=True).values
     clear = (top5[:, :4] != top5[:, 1:5]).all(-1)  # no equal logits among the top 5
     own_w, own_ids = route(logits, torch.eye(experts, device=DEV, dtype=BF16),

@@ -1,0 +1,51 @@
+// What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
+// on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the PDL entry, and
+// the thread-block cluster's sync and distributed shared memory reads.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+struct __align__(16) U4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ float from_bf16(u16 b) { return __int_as_float(((u32)b) << 16); }
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract)
+__device__ __forceinline__ void enter_pdl() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Every thread of the cluster arrives, then waits for all: shared-memory writes before it are
+// visible to the cluster's CTAs after it (release / acquire; ptxas fences at GPU scope for it).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The same without ordering: for a CTA's last sync, after which it only exits (its reads of its
+// peers' shared memory are done: their values are used before it)
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// *p in the shared memory of the cluster's CTA `rank` (p: an address of this CTA's shared memory)
+__device__ __forceinline__ float load_peer(const float* p, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
