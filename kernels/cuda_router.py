@@ -30,10 +30,11 @@ CLUSTER = 8
 # route_fused takes these kernels where they apply (False: the Triton router always)
 ENABLED = True
 # Most tokens a launch, by the number of experts: a token's cluster reads all the weights, 8 CTAs of
-# 512 threads for 128 experts, one CTA a SM; beyond one wave of them the Triton router's many small
-# programs win (H200, bench/router.py: 120b's router at 1 / 4 / 64 tokens 2.9 / 2.9 / 18.6 us against
-# 4.1 / 4.7 / 15.3 with Triton; 20b's 2.0 / 2.1 / 3.9 against 2.5 / 2.5 / 4.9)
-MAX_TOKENS = {128: 16}
+# 512 threads for 128 experts, one CTA a SM; from 16 tokens the Triton router's many small programs
+# win (H200, bench/router.py, us at 1 / 8 / 16 / 32 tokens: 120b 2.85 / 3.34 / 6.39 / 10.25 against
+# Triton's 3.44 / 4.32 / 4.75 / 7.38; 20b 2.03 / 2.37 / 2.71 / 3.23 against 2.49 / 2.76 / 3.00 /
+# 3.80, and 3.9 against 4.9 at 64)
+MAX_TOKENS = {128: 8}
 
 
 def shape(num_experts: int, hidden: int) -> tuple[int, int] | None:
