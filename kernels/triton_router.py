@@ -71,16 +71,20 @@ def _router_kernel(
         logits = (tl.sum(parts, axis=0) + bias).to(dt)
         if WRITE_LOGITS:
             tl.store(logits_ptr + t * E + e, logits, mask=em)
-        cur = tl.where(em, logits.to(tl.float32), float("-inf"))
+        # a NaN logit competes as -inf; experts picked already and padding columns take no part, so
+        # every pick is a real expert not picked before, whatever the logits
+        lf = logits.to(tl.float32)
+        cur = tl.where(lf == lf, lf, float("-inf"))
+        free = em
         slot = tl.arange(0, 4)
         vals = tl.zeros((4,), dtype=tl.float32)
         ids = tl.zeros((4,), dtype=tl.int32)
         for i in tl.static_range(4):
-            m = tl.max(cur, axis=0)
-            idx = tl.min(tl.where(cur == m, e, BLOCK_E), axis=0)
+            m = tl.max(tl.where(free, cur, float("-inf")), axis=0)
+            idx = tl.min(tl.where(free & (cur == m), e, BLOCK_E), axis=0)
             vals = tl.where(slot == i, m, vals)
             ids = tl.where(slot == i, idx, ids)
-            cur = tl.where(e == idx, float("-inf"), cur)
+            free = free & (e != idx)
         ex = exp_f32(vals - tl.max(vals, axis=0), ACCURATE_EXP)
         pair = tl.sum(tl.reshape(ex, (2, 2)), axis=0)  # [e0 + e2, e1 + e3]
         total = tl.sum(pair, axis=0)

@@ -69,6 +69,16 @@ def _cases(seed: int) -> list[dict]:
                 top = torch.randperm(e, generator=g)[:4]
                 b[top] += 3 + torch.rand(4, generator=g)
             out.append(dict(kind="router", dtype=dt, x=x, w=w, b=b.to(dt)))
+        # NaN logits (a row of NaN activations, one NaN weight row, -inf biases): every pick is a real
+        # expert, once a row (a pick past the experts would index past the MoE weights)
+        e, h = 32, 1000
+        x = torch.randn(3, h, generator=g).to(dt)
+        x[0] = float("nan")
+        w = (torch.randn(e, h, generator=g) * 0.05).to(dt)
+        w[5] = float("nan")
+        b = torch.zeros(e)
+        b[:30] = float("-inf")
+        out.append(dict(kind="router_nan", dtype=dt, x=x, w=w, b=b.to(dt)))
     return out
 
 
@@ -106,6 +116,9 @@ def _child(in_path: str, out_path: str) -> None:
             q1 = qkv_rope_write(c["x"], c["w"], c["b"], c["pos"], rope.cos, rope.sin, c["slots"], fused,
                                 c["hq"], c["hkv"])
             results.append(dict(q_fused=q1, cache_fused=fused, q=q2, cache=two_step))
+        elif c["kind"] == "router_nan":
+            w, ids = route_fused(c["x"], c["w"], c["b"], 4)
+            results.append(dict(weights=w, ids=ids))
         else:
             w, ids, logits = route_fused(c["x"], c["w"], c["b"], 4, return_logits=True)
             again = route_fused(c["x"], c["w"], c["b"], 4)  # the arrival counters were reset
@@ -190,6 +203,17 @@ def test_router(run):
         assert torch.equal(r["again"][0], r["weights"]) and torch.equal(r["again"][1], r["ids"])
         tol = 1e-6 if c["dtype"] == torch.float32 else 1e-3  # float16: the weights' own rounding
         assert rel_l2(r["weights"], torch.softmax(own.values[:, :4].float(), -1)) < tol
+
+
+def test_router_picks_real_experts_whatever_the_logits(run):
+    for c, r in _of(run, "router_nan"):
+        e = c["w"].shape[0]
+        ids = r["ids"]
+        assert ((ids >= 0) & (ids < e)).all(), ids
+        assert all(len(set(row.tolist())) == 4 for row in ids), ids
+        # row 1: expert 5's logit is NaN, 30, 31 the only finite ones: they come first, then the
+        # lowest ids among the rest (all compete as -inf)
+        assert ids[1, :2].sort().values.tolist() == [30, 31] and ids[1, 2:].tolist() == [0, 1]
 
 
 if __name__ == "__main__":

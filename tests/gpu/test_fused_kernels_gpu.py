@@ -177,6 +177,32 @@ def test_router(t, experts, kernel, monkeypatch):
         assert torch.equal(fast_w, weights) and torch.equal(fast_ids, ids)
 
 
+@pytest.mark.parametrize("kernel", ["cuda cluster", "triton"])
+@pytest.mark.parametrize("experts", [32, 128])
+def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypatch):
+    """NaN and -inf logits (a row of NaN activations, a NaN weight row, -inf biases): every pick is
+    a real expert, once a row; NaN competes as -inf, equal logits go to the lower id. A pick past
+    the experts would index past the MoE weights (an illegal address, the process lost)."""
+    from pdserve.kernels import cuda_router
+    from pdserve.kernels.triton_router import route_fused
+
+    monkeypatch.setattr(cuda_router, "ENABLED", kernel == "cuda cluster")
+    g = _gen()
+    x = torch.randn(3, 2880, device=DEV, generator=g).to(BF16)
+    x[0] = float("nan")
+    w = (torch.randn(experts, 2880, device=DEV, generator=g) * 0.02).to(BF16)
+    w[5] = float("nan")
+    b = torch.zeros(experts, device=DEV, dtype=BF16)
+    b[:experts - 2] = float("-inf")
+    if kernel == "cuda cluster" and not cuda_router.applies(x, w, b):
+        pytest.skip("the cluster router does not take this call here")
+    weights, ids = route_fused(x, w, b)
+    assert ((ids >= 0) & (ids < experts)).all(), ids
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert sorted(ids[1, :2].tolist()) == [experts - 2, experts - 1] and ids[1, 2:].tolist() == [0, 1]
+    assert torch.isfinite(weights[1:]).all()
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from pdserve.engine.checkpoint_writer import make_random_checkpoint
