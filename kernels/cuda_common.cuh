@@ -1,5 +1,6 @@
 // What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
-// on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the PDL entry, and
+// on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the L2 load and entry
+// of a PDL kernel, and
 // the thread-block cluster's sync and distributed shared memory reads.
 #pragma once
 
@@ -15,6 +16,15 @@ __device__ __forceinline__ u16 to_bf16(float f) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+}
+
+// 16 bytes through L2 only, in program order with `griddepcontrol.wait` (ptxas may sink non-coherent
+// `ld.global.nc` loads past it): what a kernel reads before its PDL wait, or may have been written by
+// the kernel just before it
+__device__ __forceinline__ U4 load_early(const void* p) {
+  U4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 }
 
 // A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract)

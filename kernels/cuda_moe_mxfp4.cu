@@ -57,15 +57,6 @@ __device__ __forceinline__ U4 load_stream(const U4* p) {
   return v;
 }
 
-// Through L2 only, and in program order with `griddepcontrol.wait` (ptxas may sink the non-coherent
-// loads above past it): the weights a CTA reads before its PDL wait.
-__device__ __forceinline__ U4 load_early(const U4* p) {
-  U4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ U4 load_cached(const U4* p) {
   U4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));

@@ -6,9 +6,9 @@
 //
 // Token t is cluster t (grid (RT_C, T)). CTA c of it owns columns [c KC, (c + 1) KC) of every
 // expert's weight row: warp w the experts w EPW .. + EPW, each lane 16-byte vectors lane, lane + 32,
-// ... of each row. The weights are read before the PDL wait (they never change), the token's columns
-// after it (and CTA 0's bias before it). A lane's products are summed in float32 in vector order, then over the warp's lanes by a
-// butterfly: the CTA's partial logit of each expert goes to shared memory. After a cluster sync, CTA
+// ... of each row. The weights (and CTA 0's bias) are read before the PDL wait (they never change),
+// the token's columns after it. A lane's products are summed in float32 in vector order, then over
+// the warp's lanes by a butterfly: the CTA's partial logit of each expert goes to shared memory. After a cluster sync, CTA
 // 0 adds the RT_C partials of each expert in rank order through distributed shared memory (fixed
 // order: deterministic), adds the bias and rounds to bf16 (as a GEMM epilogue would), and its first
 // warp picks the top 4 (equal logits: the lower expert id first) and takes their softmax the way
@@ -27,13 +27,6 @@ static_assert(RT_H % (RT_C * 8) == 0, "a CTA's columns must be whole 16-byte vec
 static_assert(RT_E % RT_NW == 0, "experts must split evenly over the warps");
 static_assert(RT_E >= TOP_K, "the router picks 4 experts");
 static_assert(RT_E <= RT_NW * 32, "CTA 0 adds one expert's logit a thread");
-
-// Through L2, in program order with `griddepcontrol.wait` (ptxas may sink non-coherent loads past it)
-__device__ __forceinline__ U4 load_cg(const void* p) {
-  U4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ float lo(u32 w) { return __int_as_float(w << 16); }
 __device__ __forceinline__ float hi(u32 w) { return __int_as_float(w & 0xFFFF0000u); }
@@ -67,7 +60,7 @@ route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const 
 #pragma unroll
     for (int j = 0; j < VPL; j++) {
       const int v = lane + 32 * j;
-      wv[e][j] = v < VEC ? load_cg(w + (i64)(warp * EPW + e) * RT_H + k0 + 8 * v) : U4{0u, 0u, 0u, 0u};
+      wv[e][j] = v < VEC ? load_early(w + (i64)(warp * EPW + e) * RT_H + k0 + 8 * v) : U4{0u, 0u, 0u, 0u};
     }
   const int e_own = threadIdx.x;  // CTA 0: the expert whose logit this thread completes
   const float bias_own = rank == 0 && e_own < RT_E ? __int_as_float((u32)__ldcg(bias + e_own) << 16) : 0.f;
@@ -76,7 +69,7 @@ route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const 
 #pragma unroll
   for (int j = 0; j < VPL; j++) {
     const int v = lane + 32 * j;
-    xv[j] = v < VEC ? load_cg(x + t * stride_x + k0 + 8 * v) : U4{0u, 0u, 0u, 0u};
+    xv[j] = v < VEC ? load_early(x + t * stride_x + k0 + 8 * v) : U4{0u, 0u, 0u, 0u};
   }
 #pragma unroll
   for (int e = 0; e < EPW; e++) {

@@ -29,9 +29,9 @@ TOP_K = 4
 CLUSTER = 8
 # route_fused takes these kernels where they apply (False: the Triton router always)
 ENABLED = True
-# Most tokens a launch, by the number of experts: a token's cluster reads all the weights, 8 CTAs of
-# 512 threads for 128 experts, one CTA a SM; from 16 tokens the Triton router's many small programs
-# win (H200, bench/router.py, us at 1 / 8 / 16 / 32 tokens: 120b 2.85 / 3.34 / 6.39 / 10.25 against
+# Most tokens a launch, by the number of experts (others: any batch route_fused takes): a token's
+# cluster reads all the weights, 8 CTAs of 512 threads for 128 experts, one CTA a SM; from 16 tokens
+# the Triton router's many small programs win (H200, bench/router.py, us at 1 / 8 / 16 / 32 tokens: 120b 2.85 / 3.34 / 6.39 / 10.25 against
 # Triton's 3.44 / 4.32 / 4.75 / 7.38; 20b 2.03 / 2.37 / 2.71 / 3.23 against 2.49 / 2.76 / 3.00 /
 # 3.80, and 3.9 against 4.9 at 64)
 MAX_TOKENS = {128: 8}
@@ -48,9 +48,9 @@ def shape(num_experts: int, hidden: int) -> tuple[int, int] | None:
 def applies(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor) -> bool:
     """Whether route_fused can take these kernels for this call (device, dtypes, shapes)."""
     bf16 = x.dtype == router_weight.dtype == router_bias.dtype == torch.bfloat16
-    e = router_weight.shape[0]
+    t, e = x.shape[0], router_weight.shape[0]
     return (ENABLED and x.is_cuda and bf16 and shape(*router_weight.shape) is not None
-            and x.shape[0] <= MAX_TOKENS.get(e, 256)
+            and t <= MAX_TOKENS.get(e, t)
             and router_weight.is_contiguous() and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
             and router_weight.data_ptr() % 16 == 0
             and available(x.device))

@@ -132,9 +132,16 @@ def test_qkv_rope_one_launch(preset_name, layer):
         assert torch.equal(fused[pool], cache.pools[pool]), pool
 
 
-@pytest.mark.parametrize("t", [1, 8, 64, 256])
-@pytest.mark.parametrize("experts", [8, 32, 128])
-@pytest.mark.parametrize("kernel", ["cuda cluster", "triton"])
+def _router_cases():
+    """(tokens, experts, kernel): both kernels route_fused launches, the cluster one up to its token
+    limit (cuda_router.MAX_TOKENS; test_cluster_router_token_limit checks the limit itself)."""
+    from pdserve.kernels.cuda_router import MAX_TOKENS
+
+    return [(t, e, k) for t in (1, 8, 64, 256) for e in (8, 32, 128) for k in ("cuda cluster", "triton")
+            if k == "triton" or t <= MAX_TOKENS.get(e, t)]
+
+
+@pytest.mark.parametrize("t,experts,kernel", _router_cases())
 def test_router(t, experts, kernel, monkeypatch):
     """Both kernels route_fused launches: the thread-block clusters of kernels/cuda_router.py and
     the Triton kernel."""
@@ -149,7 +156,7 @@ def test_router(t, experts, kernel, monkeypatch):
     w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
     b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
     if kernel == "cuda cluster" and not cuda_router.applies(x, w, b):
-        pytest.skip("the cluster router does not take this call here (no Hopper or NVRTC, or too many tokens)")
+        pytest.skip("the cluster router needs Hopper and NVRTC")
     weights, ids, logits = route_fused(x, w, b, 4, return_logits=True)
     ref = torch.nn.functional.linear(x, w, b)
     exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
@@ -177,6 +184,22 @@ def test_router(t, experts, kernel, monkeypatch):
         assert torch.equal(fast_w, weights) and torch.equal(fast_ids, ids)
 
 
+def test_cluster_router_token_limit():
+    """route_fused takes the cluster router for 120b's 128 experts up to MAX_TOKENS[128] tokens, the
+    Triton one beyond (where it measured faster), and the cluster one for 20b's 32 up to 256."""
+    from pdserve.kernels import cuda_router
+
+    w32 = torch.zeros(32, 2880, device=DEV, dtype=BF16)
+    w128 = torch.zeros(128, 2880, device=DEV, dtype=BF16)
+    if not cuda_router.available(DEV):
+        pytest.skip("the cluster router needs Hopper and NVRTC")
+    limit = cuda_router.MAX_TOKENS[128]
+    x = torch.zeros(256, 2880, device=DEV, dtype=BF16)
+    assert cuda_router.applies(x[:limit], w128, w128[:, 0])
+    assert not cuda_router.applies(x[:limit + 1], w128, w128[:, 0])
+    assert cuda_router.applies(x, w32, w32[:, 0])
+
+
 @pytest.mark.parametrize("kernel", ["cuda cluster", "triton"])
 @pytest.mark.parametrize("experts", [32, 128])
 def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypatch):
@@ -195,7 +218,7 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     b = torch.zeros(experts, device=DEV, dtype=BF16)
     b[:experts - 2] = float("-inf")
     if kernel == "cuda cluster" and not cuda_router.applies(x, w, b):
-        pytest.skip("the cluster router does not take this call here")
+        pytest.skip("the cluster router needs Hopper and NVRTC")
     weights, ids = route_fused(x, w, b)
     assert ((ids >= 0) & (ids < experts)).all(), ids
     assert ids[0].tolist() == [0, 1, 2, 3]
