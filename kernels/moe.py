@@ -149,8 +149,8 @@ def experts_forward_ref(
         tok = token_of[start : start + n]
         y = mlp(x[tok], w, e, limit, alpha, add_down_bias)
         # combine: weight in the activation dtype (as the reference's bf16 einsum), sum in fp32;
-        # index_add_: a token routed twice to one expert (a caller's placeholder id, as the kernels
-        # allow) gets both pairs, where indexed `+=` would keep one of them
+        # index_add_: a token routed twice to one expert gets both pairs, as in the kernels (indexed
+        # `+=` would keep one of them)
         out.index_add_(0, tok, (y * weight_of[start : start + n, None].to(y.dtype)).float())
         start += n
     return out.to(x.dtype)

@@ -1,7 +1,7 @@
 """kernels.moe.experts_forward_ref, the plain-torch MoE every kernel is measured against: each
 (token, slot) pair adds weight * expert(x) once, pairs on experts of another rank add nothing, and a
-token routed twice to one expert (a placeholder id, as callers use for pairs they mask out) gets
-both pairs, as the kernels give it."""
+token routed twice to one expert gets both pairs, as the kernels give it (routers never repeat an
+expert; a test that masks a pair with a placeholder id may)."""
 
 from __future__ import annotations
 
