@@ -52,7 +52,12 @@ def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale:
     at 1.9-2.8 TB/s; with `staged` as well, up to cuda_gemv_staged.MAX_TOKENS tokens through the GEMV
     that stages its weights in shared memory while the launch before it runs: the projection after
     the attention), or e4m3 weights with 128x128 block scales (attention precision fp8) through
-    kernels.fp8.linear_fp8."""
+    kernels.fp8.linear_fp8 (with `gemv`, up to cuda_gemv_fp8.MAX_TOKENS tokens through the FP8 GEMV
+    that stages its weights in shared memory ahead of its PDL wait)."""
+    if scale is not None and gemv and _fp8_gemv_fits(x, w, bias):
+        from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8
+
+        return gemv_fp8(x, w, scale, bias)
     if scale is None:
         if gemv and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1:
             if staged and _staged_gemv_fits(x, w, bias):
@@ -72,6 +77,14 @@ def _staged_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 
     return (x.shape[0] <= gs.MAX_TOKENS and gs.fits(x.shape[0], *w.shape) and x.is_contiguous() and w.is_contiguous()
             and (bias is None or bias.dtype == torch.bfloat16) and gs.available(x.device))
+
+
+def _fp8_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    from pdserve.kernels import cuda_gemv_fp8 as gf
+
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= gf.MAX_TOKENS and gf.fits(x.shape[0], *w.shape)
+            and x.stride(1) == 1 and w.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)
+            and gf.available(x.device))
 
 
 def _qkv_rope_fused(t: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
@@ -174,9 +187,16 @@ class GptOssModel:
     def _rotated_q(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext, group: str,
                    cache: torch.Tensor) -> torch.Tensor:
         """The QKV projection with RoPE: k and v written to the token's KV slots, rotated q returned
-        [T, Hq, D] (one launch for one token where the bf16 GEMV serves, else the projection then
-        the fused epilogue, else the plain torch path)."""
+        [T, Hq, D] (one launch for up to cuda_gemv_fp8.MAX_TOKENS tokens with FP8 weights, or for one
+        token where the bf16 GEMV serves; else the projection then the fused epilogue, else the plain
+        torch path)."""
         a, _ = self.w.layers[layer]
+        if (self.fused and self.fuse_qkv_rope and a.qkv_scale is not None and _fp8_gemv_fits(t, a.qkv_weight, a.qkv_bias)
+                and self._fp8_rope_fits(t, cache, positions, step.slots[group])):
+            from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8
+
+            return qkv_rope_fp8(t, a.qkv_weight, a.qkv_scale, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
+                                step.slots[group], cache, self.num_q_heads, self.num_kv_heads)
         if self.fused and self.fuse_qkv_rope and _qkv_rope_fused(t, a.qkv_weight, a.qkv_scale):
             from pdserve.kernels.triton_rope import qkv_rope_write
 
@@ -196,6 +216,16 @@ class GptOssModel:
         q, k = self.rope(q, positions), self.rope(k, positions)
         step.cache.write(layer, step.slots, k, v)
         return q.contiguous()
+
+    def _fp8_rope_fits(self, t: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Whether the FP8 QKV GEMV can carry the RoPE + KV-write epilogue for these tokens
+        (kernels.cuda_gemv_fp8.qkv_rope_fp8): its head dim, a bf16 cache, contiguous int64 positions
+        and slots."""
+        from pdserve.kernels.cuda_gemv_fp8 import fits_rope
+
+        return (cache.dtype == torch.bfloat16 and self.rope.cos.dtype == torch.float32
+                and all(v.dtype == torch.int64 and v.is_contiguous() for v in (positions, slots))
+                and fits_rope(t.shape[0], t.shape[1], self.num_q_heads, self.num_kv_heads, self.cfg.head_dim))
 
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.cfg.experts_per_token

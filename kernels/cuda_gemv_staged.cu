@@ -30,16 +30,6 @@
 #define MAX_M GS_MAX_M
 #define PAD GS_PAD
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mma(float d[4], u32 a0, u32 a2, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-
 // out[m, n] = x[m, :] . w[n, :] + bias[n] for m < M, the CTA's rows n = ROWS * blockIdx.x + (0 .. ROWS).
 // x [M, K] (row stride stride_x), w [N, K] rows contiguous, bias [N] or null, out [M, N] (stride_out);
 // K a multiple of 64 * WARPS, both 16-byte aligned.
@@ -89,8 +79,8 @@ gemv_staged(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, 
       U4 xv = U4{0u, 0u, 0u, 0u};
       if (token) xv = *reinterpret_cast<const U4*>(xr + (b + h) * 64);
       const U4 wv = *reinterpret_cast<const U4*>(wr + (b + h) * 64);
-      mma(d[2 * h], xv.x, xv.y, wv.x, wv.y);
-      mma(d[2 * h + 1], xv.z, xv.w, wv.z, wv.w);
+      mma_rows0_7(d[2 * h], xv.x, xv.y, wv.x, wv.y);
+      mma_rows0_7(d[2 * h + 1], xv.z, xv.w, wv.z, wv.w);
     }
   }
   // d[.][0], d[.][1]: token g, weight rows 2 tig, 2 tig + 1 (d[.][2], d[.][3]: the zero rows 8-15 of A)

@@ -234,3 +234,32 @@ def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
     assert all(op.startswith(("LDGSTS", "LDGDEPBAR")) for op in early), f"loads other than the weight copies ahead of the wait: {early}"
     assert any(op.startswith("LDGSTS") for op in ops[ops.index("ACQBULK"):]), "no copy of x after the wait"
+
+
+@pytest.mark.parametrize("entry", ["gemv_fp8", "gemv_fp8_rope"])
+def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_after_it(entry, tmp_path):
+    """kernels/cuda_gemv_fp8.cu: the async copies of the CTA's e4m3 rows, its block scales and its
+    biases (LDGSTS) are all it reads before the wait; x, the positions and the slots (written by the
+    step) come after it, through L2; the K loop feeds bf16 mmas without spills."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this host")
+    from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STATIC_SHARED, compile_options
+
+    cubin = tmp_path / "gf.cubin"
+    out = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", *compile_options(), "-x", "cu",
+                          str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
+    assert spills and set(spills) == {"0"}, out.stderr
+    # the module sizes its dynamic shared memory by the kernels' static buffers
+    assert set(re.findall(r"(\d+) bytes smem", out.stderr)) == {str(STATIC_SHARED)}, out.stderr
+    ops = _sass(cubin.read_bytes(), tmp_path, entry)
+    early = _loads_before_wait(ops)
+    assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
+    others = {op for op in early if not op.startswith(("LDGSTS", "LDGDEPBAR"))}
+    assert not others, f"loads ahead of the wait besides the async copies: {others}"
+    late = ops[ops.index("ACQBULK"):]
+    assert "LDG.E.128.STRONG.GPU" in late, "x not read after the wait through L2"
+    assert "HMMA.16816.F32.BF16" in late
+    if entry == "gemv_fp8_rope":
+        assert "LDG.E.64.STRONG.GPU" in late, "positions / slots not read after the wait through L2"

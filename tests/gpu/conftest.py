@@ -20,6 +20,14 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def seed():
+    """A fresh random seed for a test's inputs, printed so that a failure can be replayed."""
+    s = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {s}")
+    return s
+
+
 @pytest.fixture(scope="session")
 def narrow_ckpt(tmp_path_factory):
     """gpt-oss-20b's attention geometry (64 q / 8 kv heads, window 128) on narrower, fewer layers:

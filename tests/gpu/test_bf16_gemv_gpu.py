@@ -28,13 +28,6 @@ SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}
 CANDIDATES = [(m, cfg) for m, cfgs in SWEEP.items() for cfg in cfgs]
 
 
-@pytest.fixture
-def seed():
-    s = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed {s}")
-    return s
-
-
 def _problem(n: int, k: int, m: int, seed: int, bias: bool = True):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)

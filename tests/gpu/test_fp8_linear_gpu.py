@@ -78,13 +78,6 @@ def _reference(x, wq, ws, b, x_fp8: bool) -> torch.Tensor:
     return ref(x.cpu(), wq.cpu(), ws.cpu(), None if b is None else b.cpu())
 
 
-@pytest.fixture
-def seed():
-    s = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed {s}")
-    return s
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("m", [1, 3, 64])
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -28,13 +28,6 @@ def _needs_kernel():
         pytest.skip("the staged GEMV needs Hopper and NVRTC")
 
 
-@pytest.fixture
-def seed():
-    s = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed {s}")
-    return s
-
-
 def _problem(n: int, k: int, m: int, seed: int, bias: bool = True, row_pad: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)

@@ -1,0 +1,304 @@
+// FP8-weight GEMV for a decode batch (M <= 8 tokens): e4m3 weights with one float32 scale per 128x128
+// block (kernels/fp8.py), bf16 activations kept as they are, float32 sums, the bias in float32, one
+// rounding to bf16. Compiled at run time by NVRTC (kernels/cuda_gemv_fp8.py).
+//
+// Why: at decode the attention projections are pure weight streaming, and FP8 halves their bytes
+// (gpt-oss' QKV 29.5 -> 14.7 MB, O 23.6 -> 11.8 MB a layer). A Triton GEMV of the same weights was
+// bound by instruction issue (7-9 SASS instructions a byte, docs/kernels.md); here an e4m3 byte
+// becomes a bf16 tensor-core operand in two integer instructions, so the kernel is bound by bytes.
+//
+// Shape: a CTA owns ROWS = 8 weight rows (the 8 columns of B of mma.sync m16n8k16) and its 4 warps
+// split K in steps of 64. In a step, lane (g, tig) reads 16 weight bytes of row g (16 K) and the same
+// 16 K of token g (A's rows 0-7), and feeds four mmas; the K order inside an mma is permuted alike for
+// A and B. Each warp copies its share of the 8 rows into shared memory (16-byte cp.async, consecutive
+// lanes on consecutive bytes of a row), all of it ahead of the PDL wait (weights never change:
+// kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream while the kernel before
+// runs (the RMSNorm before QKV, the attention before O), and after the wait the warp sums each group
+// as soon as its copies have landed (a warp sync, no CTA barrier), the last bytes followed only by
+// one group's mmas, the CTA's reduction and the epilogue. A warp stages its share of the token rows
+// itself (plain loads after the wait, through L2: the kernel before wrote them); the block scales
+// and biases come with the first group.
+//
+// Exactness: the e4m3 byte s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000 (value * 2^-120, exact,
+// subnormals too) and the token rows are staged times 2^64 (exact), so every product is exact in
+// float32 (|x w| 2^-56, far from float32's subnormals); each 64-K step's sum times its block's scale
+// is added to the row's sum, and the total is multiplied by 2^56 (powers of two: the roundings are
+// those of the unscaled sums). So the result is the float32 dot product with the dequantised
+// weights, in this kernel's order.
+//
+// Two entry points: `gemv_fp8` writes out [M, N]; `gemv_fp8_rope` is gpt-oss' QKV projection with
+// its epilogue (kernels/triton_rope.py): a CTA takes 4 rotation pairs of one head, rounds its sums to
+// bf16, rotates q and k heads by YaRN RoPE (each product and sum rounded to bf16, as the torch path
+// does) and writes q, and k and v into each token's paged KV slot.
+//
+// Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
+// GF_GROUPS (commit groups a warp's weight copies are split into).
+// Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
+
+#include "cuda_common.cuh"
+
+#define ROWS 8
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define MAX_M GF_MAX_M
+#define STEP_K 64        // K of one step of a warp: 4 lanes x 16 bytes
+#define GROUPS GF_GROUPS  // commit groups of a warp's weight copies (1-4)
+#define MAX_WARP_KB 17   // 128-wide K blocks a warp's share touches (K <= 8192: 32 steps)
+#define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
+
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+template <int BYTES>
+__device__ __forceinline__ void copy_small(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES) : "memory");
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// this thread's copies of all but the last `pending` committed groups have landed
+__device__ __forceinline__ void wait_groups(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+  }
+}
+
+// Two e4m3 bytes of w (at byte positions the selector puts in bytes 1 and 3) as bf16x2, times 2^-120:
+// sign to bit 15, exponent and mantissa (7 bits) to bits 4-10
+__device__ __forceinline__ u32 e4m3x2_bf16x2(u32 w, u32 selector) {
+  const u32 u = __byte_perm(w, 0u, selector);  // the two bytes in bytes 1 and 3, zeros in 0 and 2
+  return ((u >> 4) & 0x07F007F0u) | (u & 0x80008000u);
+}
+
+// a step input (written before this kernel, anew for every step) through L2 only, as load_early
+__device__ __forceinline__ i64 load_input(const i64* p) {
+  i64 v;
+  asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 times_2_64(u32 bf16x2) {
+  const float lo = __int_as_float(bf16x2 << 16) * 18446744073709551616.f;
+  const float hi = __int_as_float(bf16x2 & 0xFFFF0000u) * 18446744073709551616.f;
+  return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16);
+}
+
+// The CTA's rows: row r is base + (r & 3) + (r >> 2) * upper (upper 4: 8 consecutive rows; D / 2:
+// 4 rotation pairs of a head). All in one 128-row scale block.
+struct Rows {
+  i64 base;
+  int upper;
+  __device__ __forceinline__ i64 operator()(int r) const { return base + (r & 3) + (r >> 2) * upper; }
+};
+
+// One CTA's dot products, each warp over its share of K. Shared memory: the staged weight rows at
+// ws (row r at r * w_stride), the token rows at xs (x_stride apart), the warps' block scales, the
+// raw bf16 biases, the warps' sums.
+struct Cta {
+  const unsigned char* __restrict__ w;
+  int K, w_stride, x_stride;
+  Rows rows;
+  unsigned char* ws;
+  unsigned char* xs;
+  float (*sc)[MAX_WARP_KB];
+  u16* bs;
+  float (*red)[MAX_M][ROWS];
+  int lane, warp, g, tig, s_lo, s_hi, per_group;
+
+  __device__ __forceinline__ Cta(const unsigned char* w_, int K_, int w_stride_, int x_stride_, Rows rows_,
+                                 unsigned char* smem, float (*sc_)[MAX_WARP_KB], u16* bs_, float (*red_)[MAX_M][ROWS])
+      : w(w_), K(K_), w_stride(w_stride_), x_stride(x_stride_), rows(rows_), ws(smem), xs(smem + ROWS * w_stride_),
+        sc(sc_), bs(bs_), red(red_) {
+    lane = threadIdx.x & 31;
+    warp = threadIdx.x >> 5;
+    g = lane >> 2;  // A row (token) g, B column (weight row) g
+    tig = lane & 3;
+    const int steps = K / STEP_K;
+    s_lo = warp * steps / WARPS;
+    s_hi = (warp + 1) * steps / WARPS;
+    per_group = (s_hi - s_lo + GROUPS - 1) / GROUPS;
+  }
+
+  // Before the PDL wait: the warp's share of the rows in GROUPS commit groups; with the first, the
+  // warp's block scales and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
+  __device__ __forceinline__ void request(const float* __restrict__ scale, const u16* __restrict__ bias,
+                                          bool bias_pairs) {
+    const int kb_total = (K + 127) / 128, kb0 = s_lo / 2, kb1 = (s_hi - 1) / 2;
+    if (lane <= kb1 - kb0) copy_small<4>(&sc[warp][lane], scale + (rows(0) / 128) * kb_total + kb0 + lane);
+    if (warp == 0 && bias != nullptr) {
+      if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
+      if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
+    }
+    // consecutive lanes on consecutive 16 bytes of a row's share of the group
+#pragma unroll 1
+    for (int q = 0; q < GROUPS; q++) {
+      const int a = s_lo + q * per_group, b = min(a + per_group, s_hi), per_row = max(b - a, 0) * (STEP_K / 16);
+      for (int c = lane; c < ROWS * per_row; c += 32) {
+        const int r = c / per_row, o = a * STEP_K + (c % per_row) * 16;
+        copy16(ws + r * w_stride + o, w + rows(r) * K + o);
+      }
+      commit();
+    }
+  }
+
+  // After the wait: the warp's share of the M token rows, times 2^64, X_BATCH 16-byte chunks a lane in
+  // flight (chunk c of token m: chunks run over tokens, then K, without divisions)
+  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
+    const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
+    int m = 0, c = lane;
+    while (c >= chunks && m < M) c -= chunks, m++;
+    while (m < M) {
+      U4 v[X_BATCH];
+      int mb[X_BATCH], cb[X_BATCH];
+#pragma unroll
+      for (int b = 0; b < X_BATCH; b++) {
+        mb[b] = m;
+        cb[b] = c;
+        if (m < M) v[b] = load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8);
+        for (c += 32; c >= chunks && m < M;) c -= chunks, m++;
+      }
+#pragma unroll
+      for (int b = 0; b < X_BATCH; b++) {
+        if (mb[b] < M) {
+          const U4 e = v[b];
+          *reinterpret_cast<U4*>(xs + mb[b] * x_stride + s_lo * STEP_K * 2 + cb[b] * 16) =
+              U4{times_2_64(e.x), times_2_64(e.y), times_2_64(e.z), times_2_64(e.w)};
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // Each group's steps once the warp's copies of it have landed; the warp's sums into red
+  __device__ __forceinline__ void sum(int M) {
+    const bool token = g < M;
+    const unsigned char* wr = ws + g * w_stride + tig * 16;
+    const unsigned char* xr = xs + (token ? g : 0) * x_stride + tig * 32;
+    const int kb0 = s_lo / 2;
+    float acc0 = 0.f, acc1 = 0.f;  // token g, weight rows 2 tig and 2 tig + 1
+    for (int s = s_lo, q = 0; s < s_hi; s++) {
+      if (s == s_lo + q * per_group) {  // the first step of group q: wait for it
+        wait_groups(GROUPS - 1 - q);
+        __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
+        q++;
+      }
+      const U4 wv = *reinterpret_cast<const U4*>(wr + s * STEP_K);
+      U4 xa = U4{0u, 0u, 0u, 0u}, xb = U4{0u, 0u, 0u, 0u};
+      if (token) {
+        xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
+        xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
+      }
+      // four mmas, K 4i .. 4i + 3 of the lane's 16: x pairs (4i, 4i+1), (4i+2, 4i+3) and the same bytes
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_rows0_7(d, xa.x, xa.y, e4m3x2_bf16x2(wv.x, 0x1404u), e4m3x2_bf16x2(wv.x, 0x3424u));
+      mma_rows0_7(d, xa.z, xa.w, e4m3x2_bf16x2(wv.y, 0x1404u), e4m3x2_bf16x2(wv.y, 0x3424u));
+      mma_rows0_7(d, xb.x, xb.y, e4m3x2_bf16x2(wv.z, 0x1404u), e4m3x2_bf16x2(wv.z, 0x3424u));
+      mma_rows0_7(d, xb.z, xb.w, e4m3x2_bf16x2(wv.w, 0x1404u), e4m3x2_bf16x2(wv.w, 0x3424u));
+      const float scale = sc[warp][(s >> 1) - kb0];  // 2 steps a 128-wide block
+      acc0 = fmaf(d[0], scale, acc0);
+      acc1 = fmaf(d[1], scale, acc1);
+    }
+    // d[0], d[1]: token g, weight rows 2 tig, 2 tig + 1 (d[2], d[3]: the zero rows 8-15 of A)
+    if (token) {
+      red[warp][g][2 * tig] = acc0;
+      red[warp][g][2 * tig + 1] = acc1;
+    }
+    __syncthreads();
+  }
+
+  // token m's total for row r: the warps' sums in order, times 2^56, then the bias (float32)
+  __device__ __forceinline__ float total(int m, int r, bool has_bias) const {
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARPS; k++) v += red[k][m][r];
+    v *= 72057594037927936.f;  // 2^56
+    return has_bias ? v + from_bf16(bs[r]) : v;
+  }
+};
+
+#define CTA_SHARED                                          \
+  extern __shared__ __align__(16) unsigned char smem[];     \
+  __shared__ float red[WARPS][MAX_M][ROWS];                 \
+  __shared__ float sc[WARPS][MAX_WARP_KB];                  \
+  __shared__ __align__(16) u16 bs[ROWS];
+
+// out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
+// x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
+// float32, bias [N] bf16 or null, out [M, N] bf16 (row stride stride_out); K a multiple of 64.
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w, const float* __restrict__ scale,
+         const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride) {
+  CTA_SHARED
+  Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4}, smem, sc, bs, red);
+  cta.request(scale, bias, false);
+  enter_pdl();  // x is written by the kernel before this one
+  cta.stage_x(x, stride_x, M);
+  cta.sum(M);
+  for (int t = threadIdx.x; t < M * ROWS; t += THREADS) {
+    const int m = t / ROWS, r = t % ROWS;
+    out[(i64)m * stride_out + cta.rows(r)] = to_bf16(cta.total(m, r, bias != nullptr));
+  }
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
+
+// gpt-oss' QKV projection with its epilogue, for M tokens. Rows of w: q heads, then k heads, then v
+// heads, D = GF_ROPE_D each; CTA p takes head h = p / (D / 8) and the 4 rotation pairs j .. j + 3
+// (j = 4 (p % (D / 8))), rows h D + j + (0..3) and h D + D/2 + j + (0..3). Sums rounded to bf16 (the
+// projection's output), then q and k heads rotated (half-split, cos / sin [positions, D/2] float32
+// tables rounded to bf16, each product and each sum rounded to bf16): q heads to q [M, HQ, D], k and
+// v heads into the KV slot slots[m] of layer_cache [blocks, 2, page, HKV, D] (K at 0, V at 1).
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w,
+              const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
+              const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+              int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
+              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV) {
+  constexpr int D = GF_ROPE_D, HALF = D / 2;
+  CTA_SHARED
+  const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
+  Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, bs, red);
+  cta.request(scale, bias, true);
+  enter_pdl();  // x, positions and slots are written before this kernel
+  // the epilogue thread's (token m, pair i) position, table entries and slot, in flight during the sums
+  const int m = threadIdx.x / 4, i = threadIdx.x % 4;
+  const bool epilogue = threadIdx.x < M * 4, rotate = h < HQ + HKV;
+  float c = 0.f, s = 0.f;
+  i64 slot = 0;
+  if (epilogue) {
+    if (rotate) {
+      const i64 pos = load_input(positions + m);
+      c = cos_t[pos * stride_cos + j + i];
+      s = sin_t[pos * stride_cos + j + i];
+    }
+    if (h >= HQ) slot = load_input(slots + m);
+  }
+  cta.stage_x(x, stride_x, M);
+  cta.sum(M);
+  if (!epilogue) return;
+  const float x1 = bf16_round(cta.total(m, i, bias != nullptr)), x2 = bf16_round(cta.total(m, i + 4, bias != nullptr));
+  float o1 = x1, o2 = x2;
+  if (rotate) {  // q or k
+    c = bf16_round(c);
+    s = bf16_round(s);
+    const float a = bf16_round(__fmul_rn(x1, c)), b = bf16_round(__fmul_rn(x2, s));
+    const float cc = bf16_round(__fmul_rn(x2, c)), dd = bf16_round(__fmul_rn(x1, s));
+    o1 = __fsub_rn(a, b);
+    o2 = __fadd_rn(cc, dd);
+  }
+  u16* dst;
+  if (h < HQ) {
+    dst = q + ((i64)m * HQ + h) * D;
+  } else {
+    const i64 page = slot / page_size;
+    const bool is_k = h < HQ + HKV;
+    dst = cache + page * stride_cb + (slot - page * page_size) * stride_co + (is_k ? h - HQ : h - HQ - HKV) * stride_ch +
+          (is_k ? 0 : stride_ckv);
+  }
+  dst[j + i] = to_bf16(o1);
+  dst[HALF + j + i] = to_bf16(o2);
+}

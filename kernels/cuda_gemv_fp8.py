@@ -1,0 +1,162 @@
+"""FP8-weight GEMV for decode batches (up to MAX_M tokens): e4m3 weights with 128x128 block scales
+(kernels/fp8.py), bf16 activations as they are, the bias in float32, one rounding to bf16; and
+gpt-oss' QKV projection with its RoPE + KV-write epilogue in the same launch.
+
+At decode the attention projections only stream weights, and FP8 halves their bytes. Each CTA
+requests its 8 weight rows into shared memory ahead of its PDL wait (kernels/pdl.py), so they stream
+while the kernel before it runs; e4m3 bytes become bf16 tensor-core operands in two integer
+instructions each (cuda_gemv_fp8.cu says how, and why the sums are exact products in float32).
+Compiled at first use by NVRTC (kernels/nvrtc.py); CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .fp8 import BLOCK, FP8, cdiv
+from .nvrtc import builds_on, load_kernels
+from .pdl import enabled as pdl_enabled, launch_cuda
+
+SOURCE = Path(__file__).with_name("cuda_gemv_fp8.cu")
+ROWS = 8  # weight rows a CTA (the mma's 8 columns)
+WARPS = 4  # warps splitting a CTA's K
+STEP_K = 64  # K a warp's step takes (4 lanes x 16 bytes)
+MAX_M = 8  # tokens: the mma's rows 0-7
+MAX_K = 8192  # the kernel's scale buffer: 64 blocks of 128
+ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
+# Commit groups a warp's weight copies are split into (1-4): the warp sums each as soon as it has
+# landed, so the last bytes are followed by one group's work; 1 = every byte before any sum, which
+# measured as fast or faster in the step at 1, 2 and 8 tokens (4 groups: -8 us at 4; docs/performance.md)
+GROUPS = 1
+# Up to how many tokens the engine takes these kernels for FP8 projections (beyond: the Triton FP8
+# linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
+# are 110-250 us a 20b step faster: docs/performance.md, fourteenth round)
+MAX_TOKENS = 4
+SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
+MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_K)
+# the kernels' static buffers: the warps' sums, their block scales, the bf16 biases
+STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 2 * ROWS
+MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
+
+
+def w_stride(k: int) -> int:
+    """Bytes between staged weight rows: K padded to 64 past a multiple of 128, so that a quarter
+    warp's 16-byte reads of rows g and g + 1 fall in distinct banks."""
+    return k + (64 - k % 128) % 128
+
+
+def x_stride(k: int) -> int:
+    """Bytes between staged token rows (bf16): 16 past a multiple of 128, for the same reason."""
+    return 2 * k + 16
+
+
+def shared_bytes(k: int, m: int) -> int:
+    """A CTA's dynamic shared memory: its ROWS staged weight rows and the m token rows."""
+    return ROWS * w_stride(k) + m * x_stride(k)
+
+
+def fits(m: int, n: int, k: int) -> bool:
+    """Whether the kernels take an [m, k] x [n, k]^T projection: tokens, rows in CTAs of 8 (all in one
+    128-row scale block), K in steps of 64, and a CTA within an SM's shared memory."""
+    return (1 <= m <= MAX_M and n % ROWS == 0 and k % STEP_K == 0 and k <= MAX_K
+            and shared_bytes(k, m) <= MAX_DYNAMIC_SHARED)
+
+
+def available(device: torch.device) -> bool:
+    """Hopper or newer with NVRTC and the kernels compiled."""
+    return builds_on(device, "FP8 GEMV", _kernels)
+
+
+def compile_options(groups: int = GROUPS) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too)."""
+    if not 1 <= groups <= 4:
+        raise ValueError(f"GROUPS must be 1-4, got {groups}")
+    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}", "-std=c++17"]
+
+
+def _kernels(device_index: int) -> dict:
+    return _build(device_index, GROUPS)
+
+
+@functools.cache
+def _build(device_index: int, groups: int) -> dict:
+    return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope"], compile_options(groups), device_index,
+                        MAX_DYNAMIC_SHARED)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} are not [M, K] and [N, K]")
+    m, k = x.shape
+    n = w.shape[0]
+    if not fits(m, n, k):
+        raise ValueError(f"the FP8 GEMV takes 1-{MAX_M} tokens, N a multiple of {ROWS} and K a multiple of "
+                         f"{STEP_K} up to {MAX_K}: got M {m}, N {n}, K {k}")
+    if x.dtype != torch.bfloat16 or w.dtype != FP8 or scale.dtype != torch.float32 or (
+            bias is not None and bias.dtype != torch.bfloat16):
+        raise ValueError("the FP8 GEMV takes bf16 x, e4m3 w, float32 scales and a bf16 bias")
+    if tuple(scale.shape) != (cdiv(n, BLOCK), cdiv(k, BLOCK)) or not scale.is_contiguous():
+        raise ValueError(f"scales {tuple(scale.shape)} are not the contiguous 128x128 grid of w {tuple(w.shape)}")
+    if not w.is_contiguous() or (bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous())):
+        raise ValueError("the FP8 GEMV takes contiguous w [N, K] and bias [N]")
+    if (x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 or w.data_ptr() % 16
+            or (bias is not None and bias.data_ptr() % 16)):
+        raise ValueError("the FP8 GEMV takes 16-byte aligned rows of x and w, and a 16-byte aligned bias")
+    return m, n, k
+
+
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 @ (w [N, K] e4m3 x its 128x128 block scales)^T + bias [N] -> [M, N] bf16 on one
+    CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding."""
+    m, n, k = _check(x, w, scale, bias)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    launch_cuda(_kernels(_index(x))["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
+                pdl=pdl_enabled(x.device),
+                args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k)])
+    return out
+
+
+def fits_rope(m: int, k: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `qkv_rope_fp8` takes this QKV projection (a head's rows within one 128-row block)."""
+    return head_dim == ROPE_D and BLOCK % head_dim == 0 and fits(m, (num_q_heads + 2 * num_kv_heads) * head_dim, k)
+
+
+def qkv_rope_fp8(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """The QKV projection of M tokens (as `gemv_fp8`) with kernels.triton_rope.rope_qkv_write's
+    epilogue in the same launch: x [M, K], w [(Hq + 2 Hkv) D, K] e4m3 with its scales, bias [N] or
+    None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
+    [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
+    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
+    m, n, k = _check(x, w, scale, bias)
+    blocks, two, page_size, hkv, d = layer_cache.shape
+    if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
+        raise ValueError(f"w {tuple(w.shape)} does not match cache {tuple(layer_cache.shape)} "
+                         f"with {num_q_heads} q heads")
+    if not fits_rope(m, k, num_q_heads, num_kv_heads, d):
+        raise ValueError(f"the FP8 QKV + RoPE kernel takes head dim {ROPE_D}, got {d}")
+    if layer_cache.dtype != torch.bfloat16 or layer_cache.stride(-1) != 1:
+        raise ValueError("the FP8 QKV + RoPE kernel writes a bf16 cache with contiguous heads")
+    if cos.dtype != torch.float32 or cos.stride(1) != 1 or cos.stride() != sin.stride() or sin.dtype != cos.dtype:
+        raise ValueError("cos / sin must be float32 tables with contiguous rows and the same strides")
+    if (positions.shape != (m,) or slots.shape != (m,) or positions.dtype != torch.int64 or slots.dtype != torch.int64
+            or positions.stride(0) != 1 or slots.stride(0) != 1):
+        raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
+                         f"int64 [{m}]")
+    q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
+    launch_cuda(_kernels(_index(x))["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
+                pdl=pdl_enabled(x.device),
+                args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
+                      cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
+                      num_kv_heads])
+    return q
+
+
+def _index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()

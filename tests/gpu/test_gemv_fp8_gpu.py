@@ -1,0 +1,178 @@
+"""The FP8-weight GEMV and its QKV + RoPE entry (kernels/cuda_gemv_fp8.py) on the GPU, at gpt-oss'
+projection shapes (QKV [5120, 2880], O [2880, 4096], their TP-2 shares), fresh random inputs each run.
+
+Reference: x @ (the dequantised e4m3 weights)^T + bias in float32 (kernels.fp8.fp8_weight_linear_ref's
+numbers); tolerance: one bf16 rounding of the output plus 1e-5 of the element's magnitude sum
+(tests/numerics.py), which only the float32 summation order may use: the kernel's products are exact.
+Every e4m3 code (subnormals, both zeros, +-448) goes through it. The RoPE entry equals the GEMV
+followed by the Triton epilogue bit for bit; results are bit-identical from call to call and when
+replayed from a CUDA graph behind a kernel that writes x.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from numerics import assert_one_bf16_rounding
+
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
+
+from pdserve.kernels import cuda_gemv_fp8  # noqa: E402
+from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8, qkv_rope_fp8  # noqa: E402
+from pdserve.kernels.fp8 import FP8, dequantize_weight_fp8, quantize_weight_fp8  # noqa: E402
+
+SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "qkv tp2": (2560, 2880), "o tp2": (2880, 2048)}
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernel():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 GEMV needs Hopper")
+    cuda_gemv_fp8._kernels(torch.cuda.current_device())  # on Hopper it must build: a failure is an error here
+
+
+def _problem(n: int, k: int, m: int, seed: int, bias: bool = True, row_pad: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wq, ws = quantize_weight_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    b = (torch.randn(n, device="cuda", generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    x = torch.randn(m, k + row_pad, device="cuda", generator=g).to(torch.bfloat16)[:, :k]
+    return x, wq, ws, b
+
+
+def _check(out, x, wq, ws, b):
+    assert_one_bf16_rounding(out, x, dequantize_weight_fp8(wq, ws), b)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_matches_reference(shape, m, seed):
+    x, wq, ws, b = _problem(*SHAPES[shape], m, seed)
+    _check(gemv_fp8(x, wq, ws, b), x, wq, ws, b)
+
+
+def test_every_e4m3_code_exactly(seed):
+    """Weights drawn from all 254 finite e4m3 codes (subnormals and -0 included), block scales from
+    2^-20 to 2^4 and not powers of two, x over many binades: still within the reference's bound."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k = 256, 2880
+    codes = torch.randint(0, 256, (n, k), device="cuda", generator=g, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes).to(torch.uint8)  # NaN codes -> finite
+    wq = codes.view(FP8)
+    ws = torch.exp2(torch.rand(2, 23, device="cuda", generator=g) * 24 - 20)
+    b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    x = (torch.randn(3, k, device="cuda", generator=g) * torch.exp2(torch.randint(
+        -30, 10, (3, k), device="cuda", generator=g).float())).to(torch.bfloat16)
+    _check(gemv_fp8(x, wq, ws, b), x, wq, ws, b)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_without_bias_and_with_strided_rows(m, seed):
+    x, wq, ws, _ = _problem(*SHAPES["o"], m, seed, bias=False, row_pad=64)
+    assert x.stride(0) != x.shape[1]
+    _check(gemv_fp8(x, wq, ws, None), x, wq, ws, None)
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_commit_groups_change_no_bit(groups, seed, monkeypatch):
+    """How a warp's copies are grouped (cuda_gemv_fp8.GROUPS) changes when it sums, not what: the
+    results equal the default build's bit for bit, QKV and O."""
+    for shape in ("qkv", "o"):
+        x, wq, ws, b = _problem(*SHAPES[shape], 3, seed)
+        want = gemv_fp8(x, wq, ws, b)
+        with monkeypatch.context() as mp:
+            mp.setattr(cuda_gemv_fp8, "GROUPS", groups)
+            assert torch.equal(gemv_fp8(x, wq, ws, b), want)
+
+
+def test_graph_replay_behind_a_writer_is_bit_identical(seed):
+    """Captured behind a kernel that writes x (the attention's place in the step): each replay reads
+    that replay's x (the kernel waits for it), and equals the eager call bit for bit."""
+    src, wq, ws, b = _problem(*SHAPES["o"], 2, seed)
+    x = torch.empty_like(src)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x.copy_(src)
+        gemv_fp8(x, wq, ws, b)  # compile and load outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            torch.mul(src, 1.0, out=x)
+            out = gemv_fp8(x, wq, ws, b)
+    for scale in (1.0, -2.0):
+        src.mul_(scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gemv_fp8(src, wq, ws, b))
+
+
+def _rope_case(m: int, seed: int, hq: int = 64, hkv: int = 8, d: int = 64, page: int = 16):
+    from pdserve.engine.config import preset
+    from pdserve.engine.rope import RotaryEmbedding
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, wq, ws, b = _problem((hq + 2 * hkv) * d, 2880, m, seed)
+    rope = RotaryEmbedding(preset("20b"), torch.device("cuda"))
+    positions = torch.randint(0, 4096, (m,), device="cuda", generator=g)
+    slots = torch.randperm(64 * page, device="cuda", generator=g)[:m]
+    cache = torch.randn(64, 2, page, hkv, d, device="cuda", generator=g).to(torch.bfloat16)
+    return x, wq, ws, b, positions, rope, slots, cache
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("heads", [(64, 8), (32, 4)])
+def test_rope_entry_equals_the_gemv_then_the_epilogue(m, heads, seed):
+    """qkv_rope_fp8 (one launch) against gemv_fp8 then kernels.triton_rope.rope_qkv_write: q and
+    the whole cache bit-identical (the KV slots written, nothing else touched); TP-2's heads too."""
+    from pdserve.kernels.triton_rope import rope_qkv_write
+
+    hq, hkv = heads
+    x, wq, ws, b, positions, rope, slots, cache = _rope_case(m, seed, hq, hkv)
+    want_cache = cache.clone()
+    want_q = rope_qkv_write(gemv_fp8(x, wq, ws, b), positions, rope.cos, rope.sin, slots, want_cache, hq, hkv)
+    q = qkv_rope_fp8(x, wq, ws, b, positions, rope.cos, rope.sin, slots, cache, hq, hkv)
+    assert torch.equal(q, want_q)
+    assert torch.equal(cache, want_cache)
+
+
+def test_engine_decode_takes_the_fp8_gemvs(tmp_path, monkeypatch):
+    """A decode step of the engine with FP8 projections runs QKV (with its epilogue) and O through
+    these kernels, and its logits agree with the Triton FP8 linear's step (same weights, other
+    summation order: bound 2e-2 relative L2 over a 2-layer random model)."""
+    pytest.importorskip("flashinfer")
+    import dataclasses
+
+    from numerics import rel_l2
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
+    from pdserve.engine.config import preset
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
+
+    cfg = dataclasses.replace(preset("20b"), hidden_size=640, intermediate_size=768, num_hidden_layers=2,
+                              num_local_experts=8, layer_types=())
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", cfg, seed=0)
+    runner = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256, attention_precision="fp8")
+    ids = torch.randint(0, cfg.vocab_size, (40,)).tolist()
+    seqs = []
+    for i, p in enumerate([ids[:9], ids[:40]]):
+        s = Sequence(f"r{i}", list(p), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+        s.blocks = runner.cache.reserve(s.max_tokens, len(p))
+        s.append(int(runner.prefill(s).argmax()), (), runner.max_context)
+        seqs.append(s)
+    calls = {"gemv_fp8": 0, "qkv_rope_fp8": 0}
+    for name in calls:
+        real = getattr(cuda_gemv_fp8, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(cuda_gemv_fp8, name, counted)
+    fast = runner.decode(seqs).float()
+    assert calls == {"gemv_fp8": 2, "qkv_rope_fp8": 2}
+    for s in seqs:  # the same step again (eager: no decode graphs; its KV slots written again)
+        s.num_cached -= 1
+    monkeypatch.setattr(cuda_gemv_fp8, "MAX_TOKENS", 0)
+    triton = runner.decode(seqs).float()
+    assert calls == {"gemv_fp8": 2, "qkv_rope_fp8": 2}
+    assert rel_l2(fast, triton) < 2e-2

@@ -1,0 +1,76 @@
+"""The FP8 GEMV's launch rules (kernels/cuda_gemv_fp8.py), without a GPU: which projections it takes,
+and the clear errors for those it does not (raised before anything is launched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.cuda_gemv_fp8 import MAX_M, ROWS, fits, fits_rope, gemv_fp8, qkv_rope_fp8, shared_bytes, w_stride
+from pdserve.kernels.fp8 import FP8
+
+
+def test_fits_gpt_oss_projections():
+    for n, k in [(5120, 2880), (2880, 4096), (2560, 2880), (2880, 2048)]:  # QKV, O, their TP-2 shares
+        assert fits(1, n, k) and fits(MAX_M, n, k)
+    assert not fits(0, 2880, 4096) and not fits(MAX_M + 1, 2880, 4096)
+    assert not fits(1, 2880 + ROWS // 2, 4096)  # rows in CTAs of 8
+    assert not fits(1, 2880, 2880 + 32)  # K in steps of 64
+    assert not fits(1, 2880, 8192 + 64)  # past the kernel's 64 scale blocks
+    assert fits_rope(8, 2880, 64, 8, 64) and not fits_rope(1, 2880, 64, 8, 128)
+
+
+def test_staged_rows_fall_in_distinct_banks():
+    """Rows g and g + 1 of a quarter warp's 16-byte reads: 64 bytes apart modulo 128."""
+    for k in (2048, 2880, 4096):
+        assert w_stride(k) % 128 == 64 and w_stride(k) >= k
+    assert shared_bytes(2880, 1) == 8 * 2880 + 2 * 2880 + 16
+
+
+def _args(case: str):
+    m, n, k = 1, 16, 256
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    w = torch.zeros(n, k, dtype=FP8)
+    s = torch.ones(1, 2)
+    b = torch.zeros(n, dtype=torch.bfloat16)
+    if case == "tokens":
+        x = torch.zeros(MAX_M + 1, k, dtype=torch.bfloat16)
+    elif case == "dtype":
+        w = torch.zeros(n, k, dtype=torch.bfloat16)
+    elif case == "scales":
+        s = torch.ones(1, 3)
+    elif case == "bias shape":
+        b = torch.zeros(n + 1, dtype=torch.bfloat16)
+    elif case == "x strided":
+        x = torch.zeros(m, k + 4, dtype=torch.bfloat16)[:, :k]
+    elif case == "shapes":
+        x = torch.zeros(m, k + 8, dtype=torch.bfloat16)
+    return x, w, s, b
+
+
+@pytest.mark.parametrize("case,match", [
+    ("tokens", "takes 1-8 tokens"),
+    ("dtype", "e4m3 w"),
+    ("scales", "128x128 grid"),
+    ("bias shape", "contiguous w"),
+    ("x strided", "16-byte aligned"),
+    ("shapes", "are not"),
+])
+def test_rejects_what_it_cannot_take(case, match):
+    with pytest.raises(ValueError, match=match):
+        gemv_fp8(*_args(case))
+
+
+def test_rope_entry_rejects_mismatched_cache_and_positions():
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    w = torch.zeros((4 + 2 * 2) * 64, 256, dtype=FP8)
+    s = torch.ones(4, 2)
+    cos = torch.zeros(128, 32)
+    cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.bfloat16)
+    pos = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="does not match cache"):
+        qkv_rope_fp8(x, w, s, None, pos, cos, cos, pos, cache, 8, 2)
+    with pytest.raises(ValueError, match="int64"):
+        qkv_rope_fp8(x, w, s, None, pos.int(), cos, cos, pos, cache, 4, 2)
+    with pytest.raises(ValueError, match="bf16 cache"):
+        qkv_rope_fp8(x, w, s, None, pos, cos, cos, pos, cache.float(), 4, 2)
