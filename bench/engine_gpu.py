@@ -13,7 +13,8 @@ same run).
         [--peer-triton]     then OpenAI's Triton implementation (gpt_oss.triton) on the same weights:
                             its decode step per batch size, and pdserve's throughput over its
                             (bench/peer_triton.py; needs gpt-oss and triton_kernels)
-        [--attention-precision fp8]   QKV / O projection weights in FP8 (kernels/triton_fp8_linear.py)
+        [--attention-precision fp8]   QKV / O projection weights in FP8 (decode batches up to 8 tokens:
+                            kernels/cuda_gemv_fp8.py; else kernels/triton_fp8_linear.py)
         [--compare-attention-precision]   prefill and decode with bf16, then FP8 projections (same
                             run, same weights: the FP8 ones quantised from the loaded bf16 ones)
 """

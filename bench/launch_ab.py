@@ -12,7 +12,9 @@ the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the M
 read after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged
 one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through global memory rather
 than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
-triton"); the engine's defaults; with --mma-config, the defaults with another launch
+triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
+("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
+four groups"); the engine's defaults; with --mma-config, the defaults with another launch
 shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
 token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
 piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
@@ -43,8 +45,8 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv, triton_decode_attention,
-    triton_router,
+    cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv,
+    triton_decode_attention, triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -105,8 +107,17 @@ SETTINGS = {
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),
     "full 128-key splits x64": _setting(_full_layers(128, 64)),
+    # the attention projections' weights in FP8 (128x128 block scales, as --attention-precision fp8
+    # loads them): through the FP8 GEMVs that stage their weights (QKV with its RoPE epilogue), or
+    # through the Triton FP8 linear
+    "attention fp8": _setting(),
+    "attention fp8 triton": _setting({(cuda_gemv_fp8, "MAX_TOKENS"): 0}),
+    # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
+    # groups), not once all have
+    "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
     "default": _setting(),
 }
+FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 four groups")  # settings that capture with FP8 projection weights
 
 
 ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")
@@ -170,6 +181,17 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
     raise SystemExit(f"unknown piece {piece!r}; known: {ABLATIONS}")
 
 
+def _fp8_attention(runner: ModelRunner) -> list[tuple[object, str, object]]:
+    """Patches that give every layer FP8 QKV and O weights (the bf16 ones stay loaded beside them)."""
+    from pdserve.kernels.fp8 import quantize_weight_fp8
+
+    patches = []
+    for a, _ in runner.model.w.layers:
+        (qkv, qkv_scale), (o, o_scale) = quantize_weight_fp8(a.qkv_weight), quantize_weight_fp8(a.o_weight)
+        patches += [(a, "qkv_weight", qkv), (a, "qkv_scale", qkv_scale), (a, "o_weight", o), (a, "o_scale", o_scale)]
+    return patches
+
+
 def _gemv(spec: str) -> dict:
     """'NxK:block_n,block_k,warps,stages[,programs per SM]' -> triton_bf16_gemv.CONFIGS with that
     shape for one token of an N x K projection (QKV + RoPE takes its shape from there too)."""
@@ -228,9 +250,10 @@ def main() -> int:
         name = f"skip {piece}" + ("" if a.ablate_on == "default" else f" ({a.ablate_on})")
         settings[name] = SETTINGS[a.ablate_on]
         ablated[name] = _ablation(runner, piece, max(a.batches))
+    fp8 = _fp8_attention(runner) if any(n in FP8_ATTENTION for n in settings) else []
     # per setting, the (object, attribute, value) set for its capture and undone after it
     patches = {name: [*((runner.model, k, v) for k, v in attrs.items()), *((mod, k, v) for (mod, k), v in consts.items()),
-                      *ablated.get(name, [])]
+                      *ablated.get(name, []), *(fp8 if name in FP8_ATTENTION else [])]
                for name, (_, attrs, consts) in settings.items()}
     g = torch.Generator().manual_seed(1)
     results = {}

@@ -1,13 +1,16 @@
-"""The attention output projection at decode, alone: the Triton bf16 GEMV (kernels/triton_bf16_gemv.py)
-against the GEMV that stages its weights in shared memory (kernels/cuda_gemv_staged.py), gpt-oss'
-O [2880, 4096] with bias.
+"""gpt-oss' attention projections at decode, alone, by path: QKV [5120, 2880] and O [2880, 4096] with
+bias, bf16 weights (cuBLAS, the Triton bf16 GEMV of kernels/triton_bf16_gemv.py, for O the GEMV that
+stages its weights in shared memory, kernels/cuda_gemv_staged.py) and FP8 weights with 128x128 block
+scales (the Triton FP8 linear of kernels/triton_fp8_linear.py, the staged FP8 GEMV of
+kernels/cuda_gemv_fp8.py).
 
-    python bench/o_projection.py [--m 1,2,4]
+    python bench/projections.py [--m 1,2,4,8] [--shapes qkv,o]
 
 Each row: median us of one call replayed from a CUDA graph, L2 flushed before each replay (50
-replays; the replay's launch is in the time), and the weight stream in TB/s. Alone, nothing runs
-ahead of the staged GEMV for it to overlap: its gain is in the step (bench/launch_ab.py's "O triton
-gemv" setting against the default).
+replays; the replay's launch is in the time), the weight stream in TB/s and the share of the floor
+(the path's weight bytes at the copy bandwidth measured in the same run). Alone, nothing runs ahead
+of the staged GEMVs for them to overlap: their gain is in the step (bench/launch_ab.py's "O triton
+gemv" and "attention fp8" settings against the default).
 """
 
 from __future__ import annotations
@@ -17,28 +20,45 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench.kernels import graphed, time_it  # noqa: E402
+from pdserve.bench.kernels import copy_bandwidth, graphed, time_it  # noqa: E402
+from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8  # noqa: E402
 from pdserve.kernels.cuda_gemv_staged import gemv_staged  # noqa: E402
+from pdserve.kernels.fp8 import quantize_weight_fp8  # noqa: E402
 from pdserve.kernels.triton_bf16_gemv import bf16_gemv  # noqa: E402
+from pdserve.kernels.triton_fp8_linear import fp8_linear  # noqa: E402
 
-N, K = 2880, 4096
+SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", default="1,2,4", help="token counts (1..8)")
+    ap.add_argument("--m", default="1,2,4,8", help="token counts (1..8)")
+    ap.add_argument("--shapes", default="qkv,o")
     a = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    b = (torch.randn(N, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
-    for m in (int(v) for v in a.m.split(",")):
-        x = torch.randn(m, K, device="cuda", generator=g).to(torch.bfloat16)
-        for name, fn in (("triton bf16 gemv", lambda: bf16_gemv(x, w, b)), ("staged", lambda: gemv_staged(x, w, b))):
-            t = time_it(graphed(fn), reps=50)
-            print(f"O M={m} {name:16s} {t * 1e6:6.2f} us {N * K * 2 / t / 1e12:5.2f} TB/s", flush=True)
+    for shape in a.shapes.split(","):
+        n, k = SHAPES[shape]
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        b = (torch.randn(n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+        wq, ws = quantize_weight_fp8(w)
+        for m in (int(v) for v in a.m.split(",")):
+            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            paths = [("cuBLAS bf16", 2, lambda: F.linear(x, w, b)), ("triton bf16 gemv", 2, lambda: bf16_gemv(x, w, b))]
+            if shape == "o":
+                paths.append(("staged bf16", 2, lambda: gemv_staged(x, w, b)))
+            paths += [("triton fp8 linear", 1, lambda: fp8_linear(x, wq, ws, b)),
+                      ("staged fp8", 1, lambda: gemv_fp8(x, wq, ws, b))]
+            for name, itemsize, fn in paths:
+                t = time_it(graphed(fn), reps=50)
+                nbytes = n * k * itemsize + (ws.numel() * 4 if itemsize == 1 else 0)
+                print(f"{shape:3s} M={m} {name:18s} {t * 1e6:6.2f} us {nbytes / t / 1e12:5.2f} TB/s "
+                      f"{nbytes / bw / t:4.0%} of floor", flush=True)
     return 0
 
 
