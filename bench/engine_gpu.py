@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{prof['kernels_per_step']:.0f} kernels, host before replay "
                       f"{prof['host_before_replay_us']:.0f} us", flush=True)
                 for c, v in prof["categories"].items():
-                    print(f"    {c:40s} {v['us']:8.1f} us {v['kernels']:6.1f} kernels", flush=True)
+                    print(f"    {c:40s} {v['us']:8.1f} us {v['critical_us']:8.1f} us on the critical path "
+                          f"{v['kernels']:6.1f} kernels", flush=True)
             runner.decode_graphs = None
             while eng.busy:
                 eng.step()

@@ -158,8 +158,27 @@ def _kernels(events: list[dict], outermost: bool = False) -> list[dict]:
                     best = a
             if best is not None:
                 label = best["name"][2:]
-        out.append(dict(name=g["name"], label=label, dur=g.get("dur", 0)))
+        out.append(dict(name=g["name"], label=label, ts=g.get("ts", 0), dur=g.get("dur", 0)))
     return out
+
+
+def critical_path(kernels: list[dict], gap_us: float = 200.0) -> collections.Counter:
+    """Each kernel name's share of the critical path, summed: for a kernel (in start order), the time
+    from the latest end of the kernels before it to its own end (0 if it ends before that). With PDL a
+    kernel starts while the one before it runs and waits for it, so its duration overstates what it
+    adds to the step; this share does not. A kernel that starts more than `gap_us` after that latest
+    end begins a new stretch (the time between replays is nobody's): its share is its duration."""
+    share = collections.Counter()
+    last_end = None
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        end = k["ts"] + k["dur"]
+        if last_end is None or k["ts"] - last_end > gap_us:
+            share[k["name"]] += k["dur"]
+            last_end = end
+        else:
+            share[k["name"]] += max(end - last_end, 0.0)
+            last_end = max(last_end, end)
+    return share
 
 
 def _category(label: str, name: str) -> str:
@@ -230,17 +249,21 @@ def profile_decode(eng, runner, graphs, steps: int = 20) -> dict:
     replayed = [k for k in _kernels(_trace(eng.step, n)) if k["label"] == "graph"]
     cats = collections.Counter()
     count = collections.Counter()
+    crit = collections.Counter()
+    shares = critical_path(replayed)
+    for name in {k["name"] for k in replayed}:
+        m = name_map.get(name) or {"(not seen eagerly)": 1}
+        tot = sum(m.values())
+        for c, v in m.items():
+            crit[c] += shares[name] * v / tot
     for k in replayed:
-        m = name_map.get(k["name"])
-        if not m:
-            cats["(not seen eagerly)"] += k["dur"]
-            count["(not seen eagerly)"] += 1
-            continue
+        m = name_map.get(k["name"]) or {"(not seen eagerly)": 1}
         tot = sum(m.values())
         for c, v in m.items():
             cats[c] += k["dur"] * v / tot
             count[c] += v / tot
-    res["categories"] = {c: {"us": cats[c] / n, "kernels": count[c] / n} for c, _ in cats.most_common()}
+    res["categories"] = {c: {"us": cats[c] / n, "critical_us": crit[c] / n, "kernels": count[c] / n}
+                         for c, _ in cats.most_common()}
     res["kernels_per_step"] = len(replayed) / n
     res["kernel_us_per_step"] = sum(k["dur"] for k in replayed) / n
     from pdserve.kernels.pdl import enabled
@@ -251,35 +274,36 @@ def profile_decode(eng, runner, graphs, steps: int = 20) -> dict:
 
 
 def table(profiles: dict[str, dict]) -> list[str]:
-    """Markdown: one column pair (us, kernels) per profiled variant."""
+    """Markdown: one column triple (us of kernel durations, us on the critical path, kernels) per
+    profiled variant."""
     names = list(profiles)
     cats = []
     for p in profiles.values():
         cats += [c for c in p["categories"] if c not in cats]
-    head = "| per decode step | " + " | ".join(f"{n}: us | {n}: kernels" for n in names) + " |"
-    lines = [head, "|---|" + "---|---|" * len(names)]
+    head = "| per decode step | " + " | ".join(f"{n}: us | {n}: critical us | {n}: kernels" for n in names) + " |"
+    lines = [head, "|---|" + "---|---|---|" * len(names)]
     for c in cats:
         cells = []
         for p in profiles.values():
             v = p["categories"].get(c)
-            cells += [f"{v['us']:.0f}", f"{v['kernels']:.0f}"] if v else ["-", "-"]
+            cells += [f"{v['us']:.0f}", f"{v.get('critical_us', 0):.0f}", f"{v['kernels']:.0f}"] if v else ["-"] * 3
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     for label, key, fmt in (("all kernels (sum of durations)", "kernel_us_per_step", "{:.0f}"),
                             ("graph replay alone (back to back)", "replay_us", "{:.0f}"),
                             ("host before the replay (plan + inputs)", "host_before_replay_us", "{:.0f}")):
         cells = []
         for p in profiles.values():
-            cells += [fmt.format(p[key]), f"{p['kernels_per_step']:.0f}" if key == "kernel_us_per_step" else ""]
+            cells += [fmt.format(p[key]), "", f"{p['kernels_per_step']:.0f}" if key == "kernel_us_per_step" else ""]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for h in next(iter(profiles.values()))["host_us"]:
         cells = []
         for p in profiles.values():
-            cells += [f"{p['host_us'].get(h, 0):.0f}", ""]
+            cells += [f"{p['host_us'].get(h, 0):.0f}", "", ""]
         lines.append(f"| host: {h} | " + " | ".join(cells) + " |")
     if any(p.get("pdl") for p in profiles.values()):
         lines.append("\nKernels launched with programmatic dependent launch (kernels/pdl.py): a kernel's duration "
-                     "includes the time its CTAs wait for the kernel before it, so the categories add up to more "
-                     "than the replay; `PDSERVE_PDL=0` gives durations without the overlap.")
+                     "includes the time its CTAs wait for the kernel before it, so the durations add up to more "
+                     "than the replay; the critical-path column (`critical_path`) counts only what each adds.")
     return lines
 
 

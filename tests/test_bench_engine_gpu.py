@@ -102,3 +102,21 @@ def test_peer_prefill_chunks_cover_the_context_in_bounded_calls():
         assert sum(chunks) == context, (context, batch, chunks)
         assert min(chunks) >= 64  # the peer's prefill attention alone (no reference check)
         assert max(chunks) * batch <= max(8192, 128 * batch)  # bounded [rows, vocab] logits
+
+
+def test_critical_path_counts_what_each_kernel_adds():
+    """bench/step_profile.critical_path: a kernel launched early (PDL) and waiting for the one before
+    adds only the time past that one's end; one that ends inside another adds nothing; a kernel after a
+    long gap (the next replay) adds its duration, not the gap."""
+    from pdserve.bench.step_profile import critical_path
+
+    kernels = [
+        dict(name="a", ts=0.0, dur=10.0),
+        dict(name="b", ts=2.0, dur=12.0),   # placed during a, waits: adds 14 - 10
+        dict(name="c", ts=5.0, dur=4.0),    # ends inside a: adds nothing
+        dict(name="a", ts=15.0, dur=3.0),   # after a 1 us gap: adds gap + its time, 18 - 14
+        dict(name="a", ts=1000.0, dur=10.0),  # the next replay: its duration only
+    ]
+    share = critical_path(list(reversed(kernels)))  # any order: sorted by start
+    assert share == {"a": 10.0 + 4.0 + 10.0, "b": 4.0, "c": 0.0}
+    assert sum(share.values()) == (18.0 - 0.0) + 10.0  # the spans of the two stretches
