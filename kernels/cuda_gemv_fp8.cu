@@ -4,8 +4,9 @@
 //
 // Why: at decode the attention projections are pure weight streaming, and FP8 halves their bytes
 // (gpt-oss' QKV 29.5 -> 14.7 MB, O 23.6 -> 11.8 MB a layer). A Triton GEMV of the same weights was
-// bound by instruction issue (7-9 SASS instructions a byte, docs/kernels.md); here an e4m3 byte
-// becomes a bf16 tensor-core operand in two integer instructions, so the kernel is bound by bytes.
+// bound by instruction issue (7-9 SASS instructions a byte, docs/kernels.md); here an e4m3 weight
+// becomes a bf16 tensor-core operand in two integer instructions. (Measured, this kernel is still
+// bound by its instructions rather than its bytes at one token: docs/kernels.md, "The CUDA FP8 GEMV".)
 //
 // Shape: a CTA owns ROWS = 8 weight rows (the 8 columns of B of mma.sync m16n8k16) and its 4 warps
 // split K in steps of 64. In a step, lane (g, tig) reads 16 weight bytes of row g (16 K) and the same
@@ -146,7 +147,7 @@ struct Cta {
   }
 
   // After the wait: the warp's share of the M token rows, times 2^64, X_BATCH 16-byte chunks a lane in
-  // flight (chunk c of token m: chunks run over tokens, then K, without divisions)
+  // flight (a lane's chunks: c over the token's share, then the next token m; no divisions)
   __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
     const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
     int m = 0, c = lane;
