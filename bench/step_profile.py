@@ -247,21 +247,22 @@ def profile_decode(eng, runner, graphs, steps: int = 20) -> dict:
     eng.step()
     n = 5
     replayed = [k for k in _kernels(_trace(eng.step, n)) if k["label"] == "graph"]
-    cats = collections.Counter()
-    count = collections.Counter()
-    crit = collections.Counter()
-    shares = critical_path(replayed)
+    # each kernel name's split over categories, from the eager step (once a name)
+    split = {}
     for name in {k["name"] for k in replayed}:
         m = name_map.get(name) or {"(not seen eagerly)": 1}
         tot = sum(m.values())
-        for c, v in m.items():
-            crit[c] += shares[name] * v / tot
+        split[name] = {c: v / tot for c, v in m.items()}
+    cats = collections.Counter()
+    count = collections.Counter()
+    crit = collections.Counter()
+    for name, share in critical_path(replayed).items():
+        for c, f in split[name].items():
+            crit[c] += share * f
     for k in replayed:
-        m = name_map.get(k["name"]) or {"(not seen eagerly)": 1}
-        tot = sum(m.values())
-        for c, v in m.items():
-            cats[c] += k["dur"] * v / tot
-            count[c] += v / tot
+        for c, f in split[k["name"]].items():
+            cats[c] += k["dur"] * f
+            count[c] += f
     res["categories"] = {c: {"us": cats[c] / n, "critical_us": crit[c] / n, "kernels": count[c] / n}
                          for c, _ in cats.most_common()}
     res["kernels_per_step"] = len(replayed) / n

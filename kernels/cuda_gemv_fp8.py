@@ -25,7 +25,7 @@ ROWS = 8  # weight rows a CTA (the mma's 8 columns)
 WARPS = 4  # warps splitting a CTA's K
 STEP_K = 64  # K a warp's step takes (4 lanes x 16 bytes)
 MAX_M = 8  # tokens: the mma's rows 0-7
-MAX_K = 8192  # the kernel's scale buffer: 64 blocks of 128
+MAX_K = 8192  # a warp's share of K then touches at most MAX_WARP_KB scale blocks
 ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
 # Commit groups a warp's weight copies are split into (1-4): the warp sums each as soon as it has
 # landed, so the last bytes are followed by one group's work; 1 = every byte before any sum, which
