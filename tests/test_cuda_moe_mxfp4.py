@@ -129,3 +129,43 @@ def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
 
     with pytest.raises(ValueError, match="whole number of clusters"):
         launch_cuda(None, (180, 6, 1), (128, 1, 1), 0, [], pdl=True, cluster=(1, 4, 1))
+
+
+def test_ring_gate_up_takes_per_pair_launches_of_one_to_three_tokens_that_fit(monkeypatch):
+    """cuda_moe_mxfp4.ring_fits: 1 to RING_TOKENS tokens of up to 8 pairs, 16-row tiles, shared
+    memory within one CTA's 227 KB; the launch takes it only for CUDA per-pair launches whose gate/up
+    splits K in four (its order of sums), never for grouped, traced or other-shaped launches."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    ring = cm.RingConfig(4, 8)
+    assert cm.ring_shared_bytes(90, ring) == 3 * (1440 + 4) * 4 + 8 * (16 * 1472 + 16 * 24 * 4)
+    assert all(cm.ring_fits(t, 4, 5760, 90, ring) for t in (1, 2, 3))
+    assert not cm.ring_fits(4, 4, 5760, 90, ring)  # past RING_TOKENS: mx_gate_up
+    assert not cm.ring_fits(1, 9, 5760, 90, ring)  # more pairs a token than the staged experts hold
+    assert not cm.ring_fits(1, 4, 5768, 90, ring)  # rows not in 16-row tiles
+    assert not cm.ring_fits(1, 4, 5760, 90, None)
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(slots=9))  # past one CTA's shared memory
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(groups=3, slots=4))  # slots shared across groups
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(groups=2, slots=4, producers=3))  # and producers
+    assert cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(groups=6, slots=6, producers=3))
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(groups=7, slots=7, producers=7))  # past 32 warps
+
+    launched = []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_ring_kernel", lambda *a: "ring")
+    monkeypatch.setattr(cm, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, block, *a, **k: launched.append((kernel, grid, block)))
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w, x, ids, wts = _problem(t=1, h=128, i=128)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cm.experts_forward_mxfp4_mma(x, wts, ids, w.to_packed())
+    ring = cm.RING
+    assert launched[0] == ("ring", (min(132, 4 * 256 // 16), 1, 1), (32 * (ring.producers + 4 * ring.groups), 1, 1))
+    for kwargs in ({"grouped": True}, {"config": cm.MmaConfig((4, 2, 3), (4, 4, 3))}):
+        launched.clear()
+        if kwargs.get("grouped"):
+            monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing", lambda *a: type(
+                "R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
+        cm.experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), **kwargs)
+        assert launched[0][0] == "gu"
