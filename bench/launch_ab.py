@@ -14,8 +14,7 @@ one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through gl
 than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
-four groups"); one to three tokens' MXFP4 gate/up without the persistent ring ("gate/up ring off") or
-with the ring in other shapes; the engine's defaults; with --mma-config, the defaults with another launch
+four groups"); the engine's defaults; with --mma-config, the defaults with another launch
 shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
 token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
 piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
@@ -116,18 +115,6 @@ SETTINGS = {
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
-    # one to three tokens' gate/up as mx_gate_up's 1440 CTAs a token, not the persistent ring of tiles
-    "gate/up ring off": _setting({(cuda_moe_mxfp4, "RING"): None}),
-    # the ring in other shapes: (consumer groups, slots, bulk copies, producer warps)
-    "gate/up ring cp.async": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(4, 8, False)}),
-    "gate/up ring 6x6": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(6, 6)}),
-    "gate/up ring 7x7": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(7, 7)}),
-    "gate/up ring 6x6 3 producers": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(6, 6, True, 3)}),
-    # timing probes of the ring (wrong results): its weights to the mma undecoded; nothing computed
-    "gate/up ring 6x6 no decode": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(6, 6),
-                                           (cuda_moe_mxfp4, "RING_PROBE"): 1}),
-    "gate/up ring 6x6 reads only": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(6, 6),
-                                            (cuda_moe_mxfp4, "RING_PROBE"): 2}),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 four groups")  # settings that capture with FP8 projection weights
@@ -159,10 +146,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         def launch_unless_skipped(kernel, *a, **k):
             return None if kernel is _SKIPPED else launch(kernel, *a, **k)
 
-        patches = [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
-        if piece == "gate_up":  # the persistent gate/up too, where it serves
-            patches.append((cuda_moe_mxfp4, "_ring_kernel", lambda *a, **k: _SKIPPED))
-        return patches
+        return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim

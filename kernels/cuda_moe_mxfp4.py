@@ -80,61 +80,6 @@ MAX_CLUSTER = 8  # the portable cluster size: larger top_k take the arrival coun
 EARLY_X = True
 
 
-
-
-@dataclass(frozen=True)
-class RingConfig:
-    """Shape of the persistent gate/up (the .cu file's mx_gate_up_ring): consumer groups of 4 warps,
-    tiles in flight a CTA (shared-memory slots of 16 rows), bulk copies (True) or cp.async (False),
-    producer warps. The slots split evenly over the groups and over the producers."""
-
-    groups: int = 4
-    slots: int = 8
-    bulk: bool = True
-    producers: int = 1
-
-
-# 1 to RING_TOKENS tokens' per-pair gate/up through one persistent CTA a SM fed by a ring of tiles in
-# shared memory (mx_gate_up_ring), in place of mx_gate_up's 1440 CTAs a token; None: mx_gate_up
-# (H200, 20b layer at one token, graph replay: 30.8 us with (6, 6) or (7, 7), 31.2 without the ring)
-RING: RingConfig | None = RingConfig(6, 6)
-RING_TOKENS = 3
-RING_PROBE = 0  # timing probes of bench/launch_ab.py (the .cu file's MX_RING_PROBE: wrong results); 0 in the engine
-_MAX_SHARED = 227 * 1024  # what one CTA may ask for on Hopper
-
-
-def ring_shared_bytes(k_groups: int, ring: RingConfig, tokens: int = RING_TOKENS) -> int:
-    """mx_gate_up_ring's dynamic shared memory: the staged token rows, then the ring's slots (16 rows
-    padded to 64 mod 128 bytes, then their scale words; the .cu file's RPITCH and SLOT_BYTES)."""
-    row = k_groups * 16
-    pitch = row + (64 - row % 128 + 128) % 128
-    scale_words = (k_groups + 15) // 16 * 4
-    return tokens * (k_groups * 16 + 4) * 4 + ring.slots * (16 * pitch + 16 * scale_words * 4)
-
-
-def ring_fits(t: int, top_k: int, n_rows: int, k_groups: int, ring: RingConfig | None) -> bool:
-    """Whether mx_gate_up_ring takes this per-pair gate/up: up to RING_TOKENS tokens of up to 8 pairs,
-    16-row tiles, the slots and staged rows within one CTA's shared memory (a static 4 KB spare)."""
-    return (ring is not None and 1 <= t <= RING_TOKENS and top_k <= 8 and n_rows % 16 == 0
-            and ring.groups >= 1 and ring.producers >= 1 and ring.slots % ring.groups == 0
-            and ring.slots % ring.producers == 0 and ring.producers + 4 * ring.groups <= 32
-            and ring_shared_bytes(k_groups, ring) + 4096 <= _MAX_SHARED)
-
-
-@functools.cache
-def _ring_kernel(device_index: int, k_groups: int, ring: RingConfig, early_x: bool, probe: int = 0):
-    options = compile_options(k_groups, 1, PAIR_CONFIG.gate_up, early_x=early_x) + [
-        f"-DMX_RING_GROUPS={ring.groups}", f"-DMX_RING_SLOTS={ring.slots}", f"-DMX_RING_TOKENS={RING_TOKENS}",
-        f"-DMX_RING_BULK={int(ring.bulk)}", f"-DMX_RING_PROBE={probe}", f"-DMX_RING_PRODUCERS={ring.producers}"]
-    return load_kernels(SOURCE, ["mx_gate_up_ring"], options, device_index,
-                        ring_shared_bytes(k_groups, ring))["mx_gate_up_ring"]
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def available(device: torch.device | None = None) -> bool:
     """Hopper or newer (bf16x2 multiplies) with NVRTC loadable and the kernels compiled."""
     return builds_on(device, "MXFP4 mma kernels", lambda index: _kernels(
@@ -232,17 +177,9 @@ def experts_forward_mxfp4_mma(
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     pdl = pdl_enabled(x.device)
-    # the ring adds each tile's K in the per-pair shape's four shares: it stands in for that shape only
-    if not grouped and trace is None and x.is_cuda and config.gate_up[1] == 4 and ring_fits(t, k, n2, hg, RING):
-        tiles = t * k * (n2 // 16)
-        launch_cuda(_ring_kernel(dev, hg, RING, early_x, RING_PROBE), (min(tiles, _sm_count(dev)), 1, 1),
-                    (32 * (RING.producers + 4 * RING.groups), 1, 1), ring_shared_bytes(hg, RING), pdl=pdl, args=[
-                        w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, t * k,
-                        k, n2, act, float(limit), float(alpha)])
-    else:
-        launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots), pdl=pdl, args=[
-                    w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
-                    item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots), pdl=pdl, args=[
+                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:
