@@ -266,6 +266,8 @@ def main() -> int:
             eng.step()
         graphs, steps = {}, {}
         for name, (env, _, _) in settings.items():
+            # a setting whose kernels hang (or fault) stops here, named, not in the timing rounds after
+            print(f"[launch_ab] batch {batch}: capturing and running {name!r}", file=sys.stderr, flush=True)
             os.environ.update(env)
             saved = [(obj, k, vars(obj).get(k, _ABSENT)) for obj, k, _ in patches[name]]
             for obj, k, v in patches[name]:
@@ -275,6 +277,7 @@ def main() -> int:
             graphs[name].capture_all([size])
             runner.decode_graphs = graphs[name]
             eng.step()  # one real step through this setting's graph (its inputs staged)
+            torch.cuda.synchronize()
             steps[name] = graphs[name]._steps[size]
             for obj, k, v in reversed(saved):
                 if v is _ABSENT:
