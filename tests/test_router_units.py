@@ -34,11 +34,23 @@ def test_stop_strings_cut_at_the_first_match_however_text_is_split(trial):
              for _ in range(rng.randrange(1, 4))]
     matcher = StopStringMatcher(stops)
     out = "".join(matcher.feed(p) for p in random_pieces(text, rng)) + matcher.flush()
-    hits = [text.find(s) for s in stops if s in text]
+    # the match that completes first (then the one that begins first) ends the text
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
     if hits:
-        assert matcher.stopped and out == text[:min(hits)]
+        assert matcher.stopped and out == text[:min(hits)[1]], (text, stops)
     else:
         assert not matcher.stopped and out == text
+
+
+@pytest.mark.parametrize("pieces", [["caac b"], ["caa", "c b"], ["c", "a", "a", "c", " ", "b"]])
+def test_the_stop_string_that_completes_first_ends_the_text_however_it_is_split(pieces):
+    """"aac b" begins before "c" but completes after it: "c" at index 3 ends the text, in one piece
+    or many (a stream cannot wait for a longer match that may never come)."""
+    matcher = StopStringMatcher(["aac b", "c "])
+    out = "".join(matcher.feed(p) for p in pieces) + matcher.flush()
+    assert matcher.stopped and out == "caa"
+    both = StopStringMatcher(["ab", "b"])  # both end at the same character: the earlier start wins
+    assert both.feed("xab") == "x" and both.stopped
 
 
 def test_stop_strings_hold_back_only_a_possible_prefix():
