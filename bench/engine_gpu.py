@@ -448,6 +448,14 @@ def main(argv: list[str] | None = None) -> int:
                 for c, v in prof["categories"].items():
                     print(f"    {c:40s} {v['us']:8.1f} us {v['critical_us']:8.1f} us on the critical path "
                           f"{v['kernels']:6.1f} kernels", flush=True)
+                pl = prof["pipeline"]
+                print(f"    pipelined steady state: {prof['pipelined_step_us']:.0f} us a step (wall); GPU busy "
+                      f"{pl['busy_us']:.0f} us, idle {pl['idle_us']:.0f} us; outside the graph "
+                      f"{pl['outside_graph_us']:.1f} us in {pl['outside_graph_ops']:.1f} ops a step", flush=True)
+                for n, v in list(pl["outside_graph"].items())[:8]:
+                    print(f"        {v['us']:6.1f} us {v['ops']:4.1f}x {n[:100]}", flush=True)
+                for gp in pl["gaps"]:
+                    print(f"        gap {gp['us']:6.1f} us after {gp['after'][:60]} before {gp['before'][:60]}", flush=True)
             runner.decode_graphs = None
             while eng.busy:
                 eng.step()

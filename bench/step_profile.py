@@ -130,9 +130,12 @@ def _trace(fn, steps: int) -> list[dict]:
         return json.loads(path.read_text())["traceEvents"]
 
 
-def _kernels(events: list[dict], outermost: bool = False) -> list[dict]:
-    """GPU kernels with the innermost (or outermost) `L:` label around the launch (or 'graph' for
-    replays)."""
+_GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _kernels(events: list[dict], outermost: bool = False, cats: tuple[str, ...] = ("kernel",)) -> list[dict]:
+    """GPU kernels (or the ops of `cats`) with the innermost (or outermost) `L:` label around the
+    launch (or 'graph' for replays)."""
     rt = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
@@ -144,7 +147,7 @@ def _kernels(events: list[dict], outermost: bool = False) -> list[dict]:
     starts = [a["ts"] for a in ann]
     out = []
     for g in events:
-        if g.get("ph") != "X" or g.get("cat") != "kernel":
+        if g.get("ph") != "X" or g.get("cat") not in cats:
             continue
         r = rt.get((g.get("args") or {}).get("correlation"))
         label = "other"
@@ -179,6 +182,40 @@ def critical_path(kernels: list[dict], gap_us: float = 200.0) -> collections.Cou
             share[k["name"]] += max(end - last_end, 0.0)
             last_end = max(last_end, end)
     return share
+
+
+def gpu_timeline(ops: list[dict], steps: int) -> dict:
+    """The GPU's side of `steps` engine steps traced back to back (`_kernels(..., cats=_GPU_OPS)`),
+    per step: busy (the union of the ops' intervals), idle (the rest of the span from the first op's
+    start to the last op's end) and the work outside the graph replays (the copies and kernels the
+    engine issues around them), with the names of that work and of the ops around the longest gaps."""
+    ops = sorted(ops, key=lambda k: k["ts"])
+    if not ops or steps < 1:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "outside_graph_us": 0.0, "outside_graph_ops": 0.0,
+                "outside_graph": {}, "gaps": []}
+    busy, gaps = 0.0, []
+    start, end = ops[0]["ts"], ops[0]["ts"] + ops[0]["dur"]
+    prev = ops[0]
+    for k in ops[1:]:
+        if k["ts"] > end:
+            busy += end - start
+            gaps.append((k["ts"] - end, prev["name"], k["name"]))
+            start = k["ts"]
+        if k["ts"] + k["dur"] >= end:
+            end, prev = k["ts"] + k["dur"], k
+    busy += end - start
+    span = end - ops[0]["ts"]
+    outside = collections.Counter()
+    counts = collections.Counter()
+    for k in ops:
+        if k["label"] != "graph":
+            outside[k["name"]] += k["dur"]
+            counts[k["name"]] += 1
+    gaps.sort(reverse=True)
+    return {"span_us": span / steps, "busy_us": busy / steps, "idle_us": (span - busy) / steps,
+            "outside_graph_us": sum(outside.values()) / steps, "outside_graph_ops": sum(counts.values()) / steps,
+            "outside_graph": {n: {"us": v / steps, "ops": counts[n] / steps} for n, v in outside.most_common()},
+            "gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:5]]}
 
 
 def _category(label: str, name: str) -> str:
@@ -267,6 +304,19 @@ def profile_decode(eng, runner, graphs, steps: int = 20) -> dict:
                          for c, _ in cats.most_common()}
     res["kernels_per_step"] = len(replayed) / n
     res["kernel_us_per_step"] = sum(k["dur"] for k in replayed) / n
+    # the pipelined engine in its steady state: wall time a step, and what the GPU does around the
+    # replays (inputs staged, the next ids fed, the argmax, the copy of the ids to the host)
+    left = min(s.params.max_new_tokens - len(s.output_ids) for s in eng.running) - 4
+    m = max(min(steps, left // 3), 1)
+    for _ in range(m):
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(m):
+        eng.step()
+    torch.cuda.synchronize()
+    res["pipelined_step_us"] = (time.perf_counter() - t0) / m * 1e6
+    res["pipeline"] = gpu_timeline(_kernels(_trace(eng.step, m), cats=_GPU_OPS), m)
     from pdserve.kernels.pdl import enabled
 
     res["pdl"] = enabled(runner.device)  # then a kernel's duration includes its wait for the one before
@@ -295,6 +345,15 @@ def table(profiles: dict[str, dict]) -> list[str]:
         cells = []
         for p in profiles.values():
             cells += [fmt.format(p[key]), "", f"{p['kernels_per_step']:.0f}" if key == "kernel_us_per_step" else ""]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for label, key in (("pipelined engine step (wall, steady state)", "pipelined_step_us"),
+                       ("GPU busy a pipelined step", "busy_us"), ("GPU idle a pipelined step", "idle_us"),
+                       ("GPU work outside the graph a pipelined step", "outside_graph_us")):
+        cells = []
+        for p in profiles.values():
+            v = p.get(key, p.get("pipeline", {}).get(key))
+            cells += [f"{v:.0f}" if v is not None else "-", "",
+                      f"{p['pipeline']['outside_graph_ops']:.0f}" if key == "outside_graph_us" and "pipeline" in p else ""]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for h in next(iter(profiles.values()))["host_us"]:
         cells = []

@@ -9,9 +9,9 @@ embedding to logits, with one launch.
 How: a batch of n requests runs in the graph captured for the smallest size >= n. The rows past
 n are dummy one-token requests at position 0 that write and read a pad block reserved in each KV
 pool when this object is built, so they touch no request's KV. Before each replay the host fills
-the static inputs (token ids, positions, KV slots: one pinned staging copy) and plans each
-attention backend from the padded batch; the backends are FlashInfer graph-mode objects whose
-page tables live in fixed device buffers. Every rank of a multi-rank worker executes the same
+the static inputs (token ids, positions, KV slots: one pinned staging buffer, which one kernel
+copies in, kernels/step_io.py) and plans each attention backend from the padded batch; the
+backends are FlashInfer graph-mode objects whose page tables live in fixed device buffers. Every rank of a multi-rank worker executes the same
 plans, so all ranks capture and replay the same sizes in lockstep (NCCL collectives are captured
 with the graph).
 
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kernels.attention import PagedBatch
+from pdserve.kernels.step_io import mapped, stage_step, zero_copy
 
 from .kv_cache import PagedKVCache, cdiv
 from .model import GptOssModel, StepContext
@@ -96,6 +97,7 @@ class _Step:
     device_bytes: torch.Tensor | None = None
     host_bytes: torch.Tensor | None = None
     staged: object | None = None  # torch.cuda.Event: the last copy out of `host_bytes` has run
+    host_mapped: torch.Tensor | None = None  # `host_bytes` as the GPU addresses it (kernels/step_io.py)
     slots: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -173,7 +175,8 @@ class DecodeGraphs:
             if names:
                 att.bind_staging({k: views[k, g][0] for k in names}, {k: views[k, g][1] for k in names})
         step = _Step(size, views["inputs", None][1], attention, self.pools, staging=views["inputs", None][0],
-                     device_bytes=device_bytes, host_bytes=host_bytes, staged=torch.cuda.Event())
+                     device_bytes=device_bytes, host_bytes=host_bytes, staged=torch.cuda.Event(),
+                     host_mapped=mapped(host_bytes))
         step.staged.record()
         return step
 
@@ -197,12 +200,17 @@ class DecodeGraphs:
             host[2 + i, n:] = self.pad_block[g] * self.cache.page_size
         for g, att in step.attention.items():  # a backend bound to the step's staging fills its views
             att.plan(pad_batch(batches[g], step.size, self.pad_block[g]))
-        if step.host_bytes is not None:
-            step.device_bytes.copy_(step.host_bytes, non_blocking=True)  # one copy, ordered before the replay
+        fed = device_ids is None
+        if step.host_bytes is not None:  # one copy, ordered before the replay
+            if zero_copy(step.device_bytes.device):  # a kernel reads the pinned bytes, ids fed (row 0 first)
+                stage_step(step.host_mapped, step.device_bytes, device_ids)
+                fed = True
+            else:
+                step.device_bytes.copy_(step.host_bytes, non_blocking=True)
             step.staged.record()
         else:
             step.inputs.copy_(host)
-        if device_ids is not None:
+        if not fed:
             step.inputs[0, : device_ids.numel()].copy_(device_ids)
 
     def _empty_batch(self) -> dict[str, PagedBatch]:

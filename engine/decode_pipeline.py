@@ -3,7 +3,8 @@
 Shared by `LLMEngine` and the decode worker's scheduler so both run the one way. A row is
 pipelined when its next token is the argmax of the logits (`sampled_on_device`): the GPU picks
 it, it feeds the next step without a host round trip, and the host reads it one step late through
-one pinned async copy and one event wait, issued after the next step is launched. Stop tokens are
+one event wait, issued after the next step is launched (on CUDA the argmax writes the ids into pinned
+memory that the next step's input staging reads: kernels/step_io.py). Stop tokens are
 therefore seen one step late (a row that stops computes one discarded token); length ends are
 known ahead and never overrun.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
+
+from pdserve.kernels.step_io import mapped, zero_copy
 
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -31,9 +34,10 @@ class InFlight:
     """A launched decode step whose tokens the host has not read yet."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # int64 [B] on the device: the next step's input ids
-    host: torch.Tensor  # pinned twin, filled by an async copy (CUDA), else `tokens`
-    copied: object | None  # torch.cuda.Event recorded after that copy
+    tokens: torch.Tensor  # int64 [B] the GPU reads: the next step's input ids
+    host: torch.Tensor  # where the host reads them: pinned (CUDA), else `tokens`
+    copied: object | None  # torch.cuda.Event recorded once they are in `host`
+    fed_from: torch.Tensor | None = None  # the previous step's ids, alive until this step has read them
 
     def wait(self) -> None:
         """Until the step (and its KV writes) and the copy are done."""
@@ -77,11 +81,18 @@ def launch(runner, seqs: list[Sequence], prev: InFlight | None,
         idx = [rows[id(s)] for s in seqs[:m]]
         ids = prev.tokens[:m] if idx == list(range(m)) else prev.tokens[torch.tensor(idx, device=prev.tokens.device)]
     logits = runner.decode(seqs, block_copies=block_copies, device_ids=ids, keep_logits=False)
-    tokens = torch.argmax(logits, dim=-1)  # on the stream before the next step can overwrite them
-    host, copied = tokens, None
-    if tokens.is_cuda:
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    # the argmax runs on the stream before the next step can overwrite the logits
+    fed_from = prev.host if prev is not None and m else None
+    if not logits.is_cuda:
+        tokens = torch.argmax(logits, dim=-1)
+        return InFlight(seqs, tokens, tokens, None)
+    host = torch.empty(logits.shape[0], dtype=torch.long, pin_memory=True)
+    if zero_copy(logits.device):  # the argmax writes the pinned ids; the next step reads them there
+        tokens = mapped(host)
+        torch.argmax(logits, dim=-1, out=tokens)
+    else:
+        tokens = torch.argmax(logits, dim=-1)
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-    return InFlight(seqs, tokens, host, copied)
+    copied = torch.cuda.Event()
+    copied.record()
+    return InFlight(seqs, tokens, host, copied, fed_from)

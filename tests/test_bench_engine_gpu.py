@@ -120,3 +120,27 @@ def test_critical_path_counts_what_each_kernel_adds():
     share = critical_path(list(reversed(kernels)))  # any order: sorted by start
     assert share == {"a": 10.0 + 4.0 + 10.0, "b": 4.0, "c": 0.0}
     assert sum(share.values()) == (18.0 - 0.0) + 10.0  # the spans of the two stretches
+
+
+def test_gpu_timeline_splits_pipelined_steps_into_busy_idle_and_work_outside_the_graph():
+    """bench/step_profile.gpu_timeline: overlapping ops count once as busy, the holes between them
+    are idle (the longest named by the ops around them), and ops not launched by a graph replay are
+    the work outside it, per step."""
+    from pdserve.bench.step_profile import gpu_timeline
+
+    ops = [
+        dict(name="copy in", label="other", ts=0.0, dur=2.0),
+        dict(name="k1", label="graph", ts=3.0, dur=10.0),     # 1 us idle before it
+        dict(name="k2", label="graph", ts=5.0, dur=12.0),     # placed early (PDL): busy to 17
+        dict(name="argmax", label="other", ts=20.0, dur=4.0),  # 3 us idle before it
+        dict(name="copy in", label="other", ts=24.0, dur=1.0),
+        dict(name="k1", label="graph", ts=25.0, dur=5.0),
+    ]
+    t = gpu_timeline(list(reversed(ops)), steps=2)
+    assert t["span_us"] == 30.0 / 2
+    assert t["busy_us"] == (2.0 + 14.0 + 10.0) / 2
+    assert t["idle_us"] == (1.0 + 3.0) / 2
+    assert t["outside_graph_us"] == (2.0 + 4.0 + 1.0) / 2 and t["outside_graph_ops"] == 3 / 2
+    assert t["outside_graph"]["copy in"] == {"us": 1.5, "ops": 1.0}
+    assert t["gaps"][0] == {"us": 3.0, "after": "k2", "before": "argmax"}
+    assert gpu_timeline([], steps=3)["busy_us"] == 0.0

@@ -81,12 +81,17 @@ def test_graph_decode_over_the_largest_size_runs_eagerly(narrow_ckpt):
     assert out2.shape == (2, r.cfg.vocab_size) and torch.isfinite(out2).all()
 
 
-def test_pipelined_decode_matches_step_by_step(narrow_ckpt):
+@pytest.mark.parametrize("zero_copy", ["1", "0"])
+def test_pipelined_decode_matches_step_by_step(narrow_ckpt, zero_copy, monkeypatch):
     """LLMEngine's pipelined decode (the next step launched on the device-side tokens before the
     host reads them; one event wait per step) against the step-by-step engine on the same runner:
     the batches are composed the same way (length ends are known ahead; requests join at the same
-    step), so the replays and therefore the greedy tokens are identical."""
+    step), so the replays and therefore the greedy tokens are identical. Both ways of moving the
+    step's inputs and ids: kernels on mapped pinned memory (kernels/step_io.py) and copies. Rows
+    that end leave gaps, so the next step gathers its fed ids from the in-flight ones."""
     from pdserve.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("PDSERVE_ZERO_COPY", zero_copy)
 
     r = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=8)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
