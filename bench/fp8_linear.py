@@ -28,7 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import measure_ceilings, time_it  # noqa: E402
 from pdserve.kernels.fp8 import (fp8_linear_ref, fp8_weight_linear_ref, quantize_act_fp8,  # noqa: E402

@@ -48,7 +48,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # before bench/: `kvtransfer` is the package, not this file
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
 
 BEGIN, END = "<!-- kvtransfer:begin -->", "<!-- kvtransfer:end -->"
 PAGE = 16

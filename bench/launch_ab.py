@@ -37,7 +37,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import time_it  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402

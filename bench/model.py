@@ -46,7 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
 
 PRICE_PER_GPU_HOUR = 3.00
 BEGIN, END = "<!-- model:begin -->", "<!-- model:end -->"

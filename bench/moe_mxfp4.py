@@ -22,7 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma  # noqa: E402

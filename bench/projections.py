@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth, graphed, time_it  # noqa: E402
 from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8  # noqa: E402

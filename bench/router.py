@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# As a script the checkout goes before bench/ on the path; imported as pdserve.bench.* the path is left
+# alone (the checkout's `kernels` folder would shadow the `kernels` distribution that transformers imports).
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.kernels import cuda_router, triton_router  # noqa: E402
 

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The project is tested as installed (pdserve.*): the checkout's folders are not top-level modules.
+# `python -m pytest` puts the working directory first on the path, where the checkout's `kernels/`
+# would shadow the `kernels` distribution (transformers imports it when it is installed).
+CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != CHECKOUT]
 
 if not torch.cuda.is_available():  # NIXL refuses a UCX_TLS without cuda transports on GPU hosts
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")
