@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kernels.attention import PagedBatch
+from pdserve.kernels import step_io
 from pdserve.kernels.step_io import mapped, stage_step, zero_copy
 
 from .kv_cache import PagedKVCache, cdiv
@@ -202,8 +203,12 @@ class DecodeGraphs:
             att.plan(pad_batch(batches[g], step.size, self.pad_block[g]))
         fed = device_ids is None
         if step.host_bytes is not None:  # one copy, ordered before the replay
-            if zero_copy(step.device_bytes.device):  # a kernel reads the pinned bytes, ids fed (row 0 first)
-                stage_step(step.host_mapped, step.device_bytes, device_ids)
+            if zero_copy(step.device_bytes.device):  # kernels read pinned memory (kernels/step_io.py)
+                n = step.host_bytes.numel() if step.host_bytes.numel() <= step_io.STAGE_MAX_BYTES else 0
+                if not n:  # a large buffer: the copy engine, then the kernel feeds the ids (row 0 first)
+                    step.device_bytes.copy_(step.host_bytes, non_blocking=True)
+                    n = 8 * step.size
+                stage_step(step.host_mapped[:n], step.device_bytes[:n], device_ids)
                 fed = True
             else:
                 step.device_bytes.copy_(step.host_bytes, non_blocking=True)

@@ -81,17 +81,21 @@ def test_graph_decode_over_the_largest_size_runs_eagerly(narrow_ckpt):
     assert out2.shape == (2, r.cfg.vocab_size) and torch.isfinite(out2).all()
 
 
-@pytest.mark.parametrize("zero_copy", ["1", "0"])
-def test_pipelined_decode_matches_step_by_step(narrow_ckpt, zero_copy, monkeypatch):
+@pytest.mark.parametrize("zero_copy,stage_max", [("1", None), ("1", 0), ("0", None)])
+def test_pipelined_decode_matches_step_by_step(narrow_ckpt, zero_copy, stage_max, monkeypatch):
     """LLMEngine's pipelined decode (the next step launched on the device-side tokens before the
     host reads them; one event wait per step) against the step-by-step engine on the same runner:
     the batches are composed the same way (length ends are known ahead; requests join at the same
-    step), so the replays and therefore the greedy tokens are identical. Both ways of moving the
-    step's inputs and ids: kernels on mapped pinned memory (kernels/step_io.py) and copies. Rows
-    that end leave gaps, so the next step gathers its fed ids from the in-flight ones."""
+    step), so the replays and therefore the greedy tokens are identical. Every way of moving the
+    step's inputs and ids: kernels on mapped pinned memory (kernels/step_io.py), the copy engine for
+    the staged bytes and a kernel for the fed ids (a staging buffer over STAGE_MAX_BYTES), copies
+    only. Rows that end leave gaps, so the next step gathers its fed ids from the in-flight ones."""
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kernels import step_io
 
     monkeypatch.setenv("PDSERVE_ZERO_COPY", zero_copy)
+    if stage_max is not None:
+        monkeypatch.setattr(step_io, "STAGE_MAX_BYTES", stage_max)
 
     r = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=8)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
