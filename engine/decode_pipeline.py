@@ -87,8 +87,10 @@ def launch(runner, seqs: list[Sequence], prev: InFlight | None,
         tokens = torch.argmax(logits, dim=-1)
         return InFlight(seqs, tokens, tokens, None)
     host = torch.empty(logits.shape[0], dtype=torch.long, pin_memory=True)
-    if zero_copy(logits.device):  # the argmax writes the pinned ids; the next step reads them there
-        tokens = mapped(host)
+    # the argmax writes the ids into pinned memory, where the next step reads them (kernels/step_io.py);
+    # a pinned buffer takes the device that was current at its allocation: on another one, copies
+    tokens = mapped(host) if zero_copy(logits.device) else None
+    if tokens is not None and tokens.device == logits.device:
         torch.argmax(logits, dim=-1, out=tokens)
     else:
         tokens = torch.argmax(logits, dim=-1)
