@@ -118,6 +118,10 @@ SETTINGS = {
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
+    # grouped MXFP4 launches with each group's sum rescaled in float32 (2 pairs an mma), not with the
+    # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
+    # kernels: as before the folded launches
+    "mxfp4 unfolded": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): None}),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 four groups")  # settings that capture with FP8 projection weights

@@ -81,6 +81,16 @@ MMA = {
                    # 1440 gate/up CTAs of one token are resident at once (11 a SM, 22 warps)
                    ((2, 2, 1), (2, 2, 1)), ((2, 2, 1), (4, 2, 2)), ((4, 2, 1), (4, 4, 1)), ((2, 2, 1), (4, 4, 1)))
 }
+# Grouped with the scales folded into the decoded weights (MX_FOLD): one mma a word serves 8 pairs;
+# `slots` pairs a CTA (the routing layout's block).
+# Shapes as (warps, K split, K steps a batch[, CTAs an SM must hold]).
+MMA.update({
+    f"mma fold{slots} gu{','.join(map(str, gu))} dn{','.join(map(str, dn))}": (MmaConfig(gu, dn, slots=slots, fold=True), True)
+    for slots, gu, dn in ((8, (4, 1, 2), (4, 2, 2)), (16, (4, 1, 2), (4, 2, 2)), (16, (4, 1, 3), (4, 2, 3)),
+                          (16, (4, 1, 3), (4, 2, 2)), (16, (4, 2, 2), (4, 4, 2)), (16, (2, 1, 2), (2, 2, 2)),
+                          (16, (4, 1, 2), (4, 1, 2)), (16, (4, 1, 2), (4, 4, 2)), (16, (4, 1, 2, 5), (4, 2, 2, 5)),
+                          (16, (8, 2, 2), (8, 4, 2)), (32, (4, 1, 2), (4, 2, 2)))
+})
 
 
 def main() -> int:

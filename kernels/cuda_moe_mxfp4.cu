@@ -36,6 +36,14 @@
 // K steps, double-buffered in registers: one batch loads while the other feeds the mmas. The token
 // rows are staged in shared memory once per CTA; the K shares are added in a fixed order
 // (deterministic).
+//
+// MX_FOLD (grouped launches, SLOTS a multiple of 8): each decoded pair is multiplied by its group's
+// factor 2^(s - 1) in bf16 before the mma (exact while the factor is a bf16 and every product a
+// normal one: scale bytes 2 .. 128, MxExperts.fold_exact), so the mma's N = 8 columns are 8 pairs of
+// the item instead of (token pair, group slot): one mma per packed word serves 8 pairs, not 2, no
+// per-K-step float32 rescale is left, and the activations need no 2^64: each thread reads its
+// pair's values straight from global memory (L1), nothing is staged, and no shared memory bounds
+// how many CTAs an SM holds.
 
 #include "cuda_common.cuh"
 
@@ -154,6 +162,7 @@ __device__ __forceinline__ void trace_mark(unsigned long long* trace, int w) {
 #define TRACE_END()
 #endif
 
+static_assert(SLOTS <= 32, "an item's pairs are read by the first warp");
 struct Item {
   int expert;
   int n;             // pairs in the item
@@ -183,7 +192,7 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
     if (route_weight != nullptr) it.weight[threadIdx.x] = slot < 0 ? (u16)0 : __ldcg(route_weight + slot);
     it.row[threadIdx.x] = reinterpret_cast<const U4*>(in + (i64)(slot < 0 ? 0 : slot / row_div) * stride_in);
     // pairs come first in a block: the count is the number of non-negative slots
-    const unsigned live = __ballot_sync((1u << SLOTS) - 1u, slot >= 0);
+    const unsigned live = __ballot_sync(SLOTS == 32 ? 0xFFFFFFFFu : (1u << SLOTS) - 1u, slot >= 0);
     if (threadIdx.x == 0) it.n = __popc(live);
   }
   __syncthreads();
@@ -273,6 +282,66 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
   }
 }
 
+#ifndef MX_FOLD
+#define MX_FOLD 0
+#endif
+static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs in mma columns of 8");
+#define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
+
+// Scale byte s -> bf16x2 of 2^(s - 1) in both halves (the decode's 2^-126 undone): a bf16 for s <= 128
+__device__ __forceinline__ u32 fold_factor(u32 s) {
+  const u32 h = ((s & 0xFFu) + 126u) << 7;
+  return h | (h << 16);
+}
+
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// MX_FOLD's mmas of one batch: acc[n][chain] += rows row0 / row0 + 8 x pairs 8n .. 8n + 7 of the
+// item (the thread's columns 2 tig, 2 tig + 1); the thread's A values are its own group's, so it
+// scales them by its own scale byte and supplies B for pair 8n + g over the same k, read from the
+// pair's activation row (written before this kernel's PDL wait, which the caller has passed).
+__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const Item& it, int g, int tig,
+                                               float acc[NT][2][4]) {
+#pragma unroll
+  for (int j = 0; j < D; j++) {
+    const int c = first + j * KSPLIT;
+    if (c >= CHUNKS) break;
+    const int grp = 4 * c + tig;
+    const u32 fa = fold_factor(b.sa[j] >> (8 * tig)), fb = fold_factor(b.sb[j] >> (8 * tig));
+    u32 pa[4][4], pb[4][4];
+    decode_word(b.wa[j].x, pa[0]); decode_word(b.wa[j].y, pa[1]); decode_word(b.wa[j].z, pa[2]); decode_word(b.wa[j].w, pa[3]);
+    decode_word(b.wb[j].x, pb[0]); decode_word(b.wb[j].y, pb[1]); decode_word(b.wb[j].z, pb[2]); decode_word(b.wb[j].w, pb[3]);
+#pragma unroll
+    for (int v = 0; v < 4; v++) {
+#pragma unroll
+      for (int q = 0; q < 4; q++) pa[v][q] = mul_bf16x2(pa[v][q], fa), pb[v][q] = mul_bf16x2(pb[v][q], fb);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+      if (8 * n >= it.n) break;
+      const int xi = 8 * n + g;
+      // past the row's last group the weights are zero, but the staged row may not be: B zero too
+      const bool live = xi < it.n && grp < KG;
+      U4 xv[4];
+#pragma unroll
+      for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(it.row[xi] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
+      // the same k order as use_batch; two accumulator chains (words 0-1, words 2-3)
+      mma(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+      mma(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+      mma(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+      mma(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+      mma(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+      mma(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+      mma(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+      mma(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+    }
+  }
+}
+
 // sum over K of W[row] * x[slot] for the CTA's ROWS rows and the item's pairs: warp w takes rows
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
@@ -293,6 +362,36 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   Batch b0, b1;
   load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
+#if MX_FOLD
+  static_assert(!STAGED, "folded launches stage no rows");
+  float acc[NT][2][4];
+#pragma unroll
+  for (int n = 0; n < NT; n++)
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[n][i / 4][i % 4] = 0.f;
+  constexpr int STEP = D * KSPLIT;
+#pragma unroll 1
+  for (int first = ks; first < CHUNKS; first += 2 * STEP) {
+    if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
+    use_batch_fold(b0, first, it, g, tig, acc);
+    if (first + STEP >= CHUNKS) break;
+    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
+    use_batch_fold(b1, first + STEP, it, g, tig, acc);
+  }
+  // c0, c1: row g, pairs 8n + 2 tig (+1); c2, c3: row g + 8
+#pragma unroll
+  for (int n = 0; n < NT; n++) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int xi = 8 * n + 2 * tig + h;
+      if (xi < it.n) {
+        red[(warp * SLOTS + xi) * 16 + g] = acc[n][0][h] + acc[n][1][h];
+        red[(warp * SLOTS + xi) * 16 + g + 8] = acc[n][0][2 + h] + acc[n][1][2 + h];
+      }
+    }
+  }
+  __syncthreads();
+#else
   if (!STAGED) stage_rows(xs, it);
   const int ntp = (it.n + 1) / 2;
   float acc[TP][2];
@@ -319,6 +418,7 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
     }
   }
   __syncthreads();
+#endif
 }
 
 // Row r (0 .. ROWS) of the CTA for pair i: its K shares added in order.

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .arrival import arrival_counters
-from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
+from .mxfp4 import FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
 from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
@@ -42,10 +42,19 @@ _LAYOUT_MACROS = ([f"-DMX_MAG_ROT{q}={r}" for q, r in enumerate(PACKED_MAG_ROT)]
 class MmaConfig:
     """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
     per register batch, two batches in flight[, CTAs an SM must hold at once: ptxas bounds the
-    registers to fit them; 0 or left out: no bound])."""
+    registers to fit them; 0 or left out: no bound]). Grouped launches only: `slots` pairs a CTA
+    serves (the routing layout's block) and `fold`, the scales folded into the decoded weights so
+    that an mma's 8 columns are 8 pairs (the .cu file's MX_FOLD; slots a multiple of 8, experts
+    with `MxExperts.fold_exact`)."""
 
     gate_up: tuple[int, ...] = (4, 1, 2)
     down: tuple[int, ...] = (4, 2, 2)
+    slots: int = 8
+    fold: bool = False
+
+    def __post_init__(self):
+        if not 1 <= self.slots <= 32 or (self.fold and self.slots % 8):
+            raise ValueError(f"grouped launches take 1-32 slots, a multiple of 8 when folded: {self}")
 
     def rows(self, which: str) -> int:
         nw, ksplit = getattr(self, which)[:2]
@@ -53,6 +62,13 @@ class MmaConfig:
 
 
 CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
+# Grouped launches of batches from FOLD_FROM_TOKENS tokens whose experts allow it (fold_exact):
+# FOLD_CONFIG; None: never. H200, 20b layer, uniform random routing (bench/moe_mxfp4.py,
+# 2026-12-03), us against CONFIG: 16 tokens 173 vs 192, 32: 199 vs 243, 64: 249 vs 382, 128: 403 vs
+# 661 (with down's shape of CONFIG: 8 tokens 132 vs 127); 16 slots against 8: level to 32 tokens,
+# 265 vs 304 at 64; down's K in one warp (4, 1, 2) against split over two: 6-8 % faster.
+FOLD_CONFIG: MmaConfig | None = MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)
+FOLD_FROM_TOKENS = 16
 # Per-pair launches (1-3 tokens): both kernels split their K over 4 warps in batches of 3 K steps, so
 # down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights; down
 # keeps to 80 registers so that one token's 720 CTAs fit in one wave (6 a SM; at 96 registers, 5 a
@@ -62,7 +78,7 @@ CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
 # 2923 -> 2914 us. Per-pair and grouped launches sum K shares in different orders: the same tokens
 # in a batch of 3 and of 4 may differ in the last bit.
 PAIR_CONFIG = MmaConfig(gate_up=(4, 4, 3), down=(4, 4, 3, 6))
-GROUP_SLOTS = 8  # pairs one CTA serves in grouped launches (the routing layout's block)
+GROUP_SLOTS = CONFIG.slots  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
 # (the .cu file's MX_EARLY_DOWN)
@@ -90,34 +106,44 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False) -> dict:
+             cluster_sum: bool = False, fold: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)); callers pass the same flags for
-    both kernels, so a shape that serves both compiles once."""
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only); callers pass the
+    same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
-                        compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum),
+                        compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
+                                        fold),
                         device_index,
-                        _shared_bytes(k_groups, slots))
+                        _shared_bytes(k_groups, slots, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
-                    early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
+                    early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
+                    fold: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
-def _shared_bytes(k_groups: int, slots: int) -> int:
-    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each)."""
-    return slots * (k_groups * 16 + 4) * 4
+def _shared_bytes(k_groups: int, slots: int, fold: bool = False) -> int:
+    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each); folded
+    launches read them from global memory."""
+    return 0 if fold else slots * (k_groups * 16 + 4) * 4
+
+
+def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
+    """FOLD_CONFIG where it serves a grouped launch of `tokens` tokens on these experts, else None."""
+    if FOLD_CONFIG is None or tokens < FOLD_FROM_TOKENS or not w.fold_exact:
+        return None
+    return FOLD_CONFIG
 
 
 def experts_forward_mxfp4_mma(
@@ -134,9 +160,14 @@ def experts_forward_mxfp4_mma(
     (%globaltimer ns) and SM (bench/moe_trace.py). x_before_routing: the caller vouches that x was
     written before the launch that computed the routing (the model routes x on the GPU), so a
     per-pair gate/up may read it ahead of its PDL wait (EARLY_X; kernels/pdl.py)."""
-    config = config or (CONFIG if grouped else PAIR_CONFIG)
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
+    if config is None:
+        config = PAIR_CONFIG if not grouped else fold_config(w, x.shape[0]) or CONFIG
+    fold = grouped and config.fold
+    if fold and not w.fold_exact:
+        raise ValueError("these experts have scale bytes outside the folded decode's exact range "
+                         f"({FOLD_MIN_SCALE}..{FOLD_MAX_SCALE}): launch them unfolded")
     t, h = x.shape
     k = topk_ids.shape[1]
     e, n2, hg, _ = w.gate_up_blocks.shape
@@ -157,8 +188,8 @@ def experts_forward_mxfp4_mma(
     if grouped:
         from .triton_moe import align_routing
 
-        routing = align_routing(topk_ids, 0, e, GROUP_SLOTS)
-        items, item_expert, item_slots, slots = routing.max_blocks, routing.block_expert, routing.sorted_slot, GROUP_SLOTS
+        routing = align_routing(topk_ids, 0, e, config.slots)
+        items, item_expert, item_slots, slots = routing.max_blocks, routing.block_expert, routing.sorted_slot, config.slots
     else:
         items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
     grid_gu, grid_dn = (n2 // rows_gu, items, 1), (h // rows_dn, items, 1)
@@ -171,13 +202,13 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum)
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     pdl = pdl_enabled(x.device)
-    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots), pdl=pdl, args=[
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, fold), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
@@ -186,7 +217,7 @@ def experts_forward_mxfp4_mma(
         part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots), pdl=pdl,
+    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])

@@ -33,6 +33,13 @@ MXFP4_CUDA_LAYOUT = "packed"
 # tokens (33 vs 37, 134 vs 154, 186 vs 284 / 303, 241 vs 372, 300 vs 374 us), within 3 % at 2-4,
 # and level at 64 (377 vs 371 us).
 MXFP4_MMA_MAX_TOKENS: int | None = 63
+# ... and up to this many where the grouped launches fold the scales into the weights
+# (cuda_moe_mxfp4.fold_config). H200, 20b (2026-12-03): a layer with uniform random routing, 249 /
+# 403 us at 64 / 128 tokens against the Triton grouped kernels' 378 / 525, 740 against 531 at 256;
+# in the step (a random checkpoint, whose routing crowds a few experts) 8.3 against 10.9 ms at 64
+# tokens, but 10.4 against 5.7 ms at 128: a folded launch reads an expert once per 16 of its pairs,
+# the Triton kernels once per 64.
+MXFP4_MMA_FOLDED_MAX_TOKENS = 64
 # ... from this many tokens with the pairs grouped by expert (an expert read once for all its
 # tokens; per pair below: 33 vs 39 us at one token, level at 2-4).
 MXFP4_MMA_GROUPED_FROM = 4
@@ -178,6 +185,17 @@ def experts_forward_mxfp4_ref(
     return experts_forward_ref(x, topk_weights, local[topk_ids], sub, limit, alpha, add_down_bias)
 
 
+def _mma_serves(w: MxExperts, tokens: int) -> bool:
+    """Whether the CUDA mma kernels take a batch of `tokens` on these (packed) experts."""
+    if MXFP4_MMA_MAX_TOKENS is None:
+        return False
+    if tokens <= MXFP4_MMA_MAX_TOKENS:
+        return True
+    from .cuda_moe_mxfp4 import fold_config
+
+    return tokens <= MXFP4_MMA_FOLDED_MAX_TOKENS and fold_config(w, tokens) is not None
+
+
 def experts_forward(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -193,7 +211,7 @@ def experts_forward(
     wait may then read it early; cuda_moe_mxfp4.EARLY_X)."""
     if isinstance(w, MxExperts):
         t = x.shape[0]
-        if x.is_cuda and w.layout == "packed" and MXFP4_MMA_MAX_TOKENS is not None and t <= MXFP4_MMA_MAX_TOKENS:
+        if x.is_cuda and w.layout == "packed" and _mma_serves(w, t):
             from . import cuda_moe_mxfp4
 
             if cuda_moe_mxfp4.available(x.device):

@@ -25,6 +25,12 @@ PACKED_MAX_SCALE = 192
 # = 90 -> 96), so the kernel reads them as aligned 32-bit words it can prefetch with the blocks
 # (single bytes at a 90-byte row stride cannot be).
 PACKED_SCALE_PAD = 16
+# A decode that multiplies each e2m1 * 2^-126 pair by its group's 2^(s - 1) in bf16 (the folded mma
+# kernels, kernels/cuda_moe_mxfp4.cu MX_FOLD) is exact while that factor is a bf16 (s <= 128) and
+# the smallest product, 0.5 * 2^(s - 128), a normal one (s >= 2): weights up to 12 in magnitude.
+# Trained weights sit well inside (group factors 2^-9 .. 2^-4: s 118-123).
+FOLD_MIN_SCALE = 2
+FOLD_MAX_SCALE = 128
 
 
 def unpack_fp4_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -152,7 +158,8 @@ class MxExperts:
     gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
     down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H].
     layout: "published" (as the checkpoint stores them) or "packed" (blocks through `pack_words`,
-    scale rows zero-padded to a multiple of PACKED_SCALE_PAD groups)."""
+    scale rows zero-padded to a multiple of PACKED_SCALE_PAD groups). fold_exact (set by `to_packed`):
+    every group with a nonzero code has its scale byte in FOLD_MIN_SCALE .. FOLD_MAX_SCALE."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -161,6 +168,7 @@ class MxExperts:
     down_scales: torch.Tensor
     down_bias: torch.Tensor
     layout: str = "published"
+    fold_exact: bool = False
 
     def __post_init__(self):
         if self.layout not in ("published", "packed"):
@@ -178,8 +186,14 @@ class MxExperts:
             g = scales.shape[-1]
             return torch.nn.functional.pad(scales, (0, -g % PACKED_SCALE_PAD)).contiguous()
 
+        def fold_exact(blocks, scales):
+            out = (scales < FOLD_MIN_SCALE) | (scales > FOLD_MAX_SCALE)
+            return not bool(out.any()) or not bool(blocks[out].any())
+
         return replace(self, gate_up_blocks=pack_words(self.gate_up_blocks), down_blocks=pack_words(self.down_blocks),
-                       gate_up_scales=pad(self.gate_up_scales), down_scales=pad(self.down_scales), layout="packed")
+                       gate_up_scales=pad(self.gate_up_scales), down_scales=pad(self.down_scales), layout="packed",
+                       fold_exact=fold_exact(self.gate_up_blocks, self.gate_up_scales)
+                       and fold_exact(self.down_blocks, self.down_scales))
 
     def published(self, which: str, index=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """`which` ("gate_up" or "down") (blocks, scales) [index] in the published layout."""

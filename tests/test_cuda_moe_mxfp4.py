@@ -38,6 +38,38 @@ def test_bad_inputs_are_refused_before_any_launch():
         experts_forward_mxfp4_mma(x, wts, ids, wp, config=MmaConfig((16, 1, 2), (4, 1, 2)))
 
 
+def test_folded_launches_need_exact_scales_and_blocks_of_eight():
+    """MX_FOLD multiplies each decoded pair by 2^(s - 1) in bf16: exact only for scale bytes in
+    FOLD_MIN_SCALE .. FOLD_MAX_SCALE, so `to_packed` records whether every group with a nonzero code
+    is there (fold_exact), a folded
+    launch of other experts is refused before anything is compiled, a folded shape needs slots in
+    mma columns of 8, and the dispatch picks it only for exact experts from FOLD_FROM_TOKENS."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+    from pdserve.kernels.mxfp4 import FOLD_MAX_SCALE, FOLD_MIN_SCALE
+
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cm.MmaConfig(slots=12, fold=True)
+    w, x, ids, wts = _problem()
+    assert w.to_packed().fold_exact  # random_layer's scale bytes: 118-123
+    w.gate_up_scales[1, 5, 0] = FOLD_MIN_SCALE - 1
+    w.gate_up_blocks[1, 5, 0] = 0  # a low scale on a group of zeros changes nothing
+    assert w.to_packed().fold_exact
+    w.gate_up_blocks[1, 5, 0, 3] = 0x10  # one nonzero code there: not exact
+    wp = w.to_packed()
+    assert not wp.fold_exact
+    w.gate_up_scales[1, 5, 0] = FOLD_MAX_SCALE
+    assert w.to_packed().fold_exact
+    w.gate_up_scales[1, 5, 0] = FOLD_MAX_SCALE + 1
+    assert not w.to_packed().fold_exact
+    with pytest.raises(ValueError, match="unfolded"):
+        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, grouped=True, config=cm.MmaConfig((4, 1, 2), (4, 2, 2),
+                                                                                        slots=8, fold=True))
+    assert cm.fold_config(wp, 10**6) is None
+    exact = random_layer(4, torch.Generator().manual_seed(1), h=64, i=64).to_packed()
+    assert cm.fold_config(exact, cm.FOLD_FROM_TOKENS) is cm.FOLD_CONFIG
+    assert cm.fold_config(exact, cm.FOLD_FROM_TOKENS - 1) is None
+
+
 def test_not_available_without_a_gpu(monkeypatch):
     from pdserve.kernels import cuda_moe_mxfp4, moe
 

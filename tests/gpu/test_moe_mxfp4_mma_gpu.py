@@ -164,6 +164,23 @@ def _scale_cases():
     return cases
 
 
+def _every_code_expert(h, s_gate_up, s_down, g):
+    """One expert (published layout), H = I = h: every code 4 times in each row, in a different order
+    per row; every group of gate/up at scale byte s_gate_up, of down at s_down; no biases."""
+    from pdserve.kernels.mxfp4 import MxExperts
+
+    def blocks(rows):
+        codes = torch.arange(16, device=DEV).repeat(rows, h // 16)
+        codes = torch.gather(codes, 1, torch.argsort(torch.rand(rows, h, device=DEV, generator=g), dim=1))
+        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(1, rows, h // 32, 16)
+
+    def scales(rows, s):
+        return torch.full((1, rows, h // 32), s, dtype=torch.uint8, device=DEV)
+
+    return MxExperts(blocks(2 * h), scales(2 * h, s_gate_up), torch.zeros(1, 2 * h, device=DEV),
+                     blocks(h), scales(h, s_down), torch.zeros(1, h, device=DEV))
+
+
 @pytest.mark.parametrize("s_gate_up,x_scale,s_down", _scale_cases())
 def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down):
     """Every e2m1 code in every row (+-0.5: bf16 subnormals in the mma's A operand), gate/up and
@@ -174,22 +191,11 @@ def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down):
     import functools
 
     from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
-    from pdserve.kernels.mxfp4 import MxExperts
 
     fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3)))
-    h = i = 64
+    h = 64
     g = _seeded()
-
-    def blocks(rows):  # every code 4 times in each row, in a different order per row
-        codes = torch.arange(16, device=DEV).repeat(rows, h // 16)
-        codes = torch.gather(codes, 1, torch.argsort(torch.rand(rows, h, device=DEV, generator=g), dim=1))
-        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(1, rows, h // 32, 16)
-
-    def scales(rows, s):
-        return torch.full((1, rows, h // 32), s, dtype=torch.uint8, device=DEV)
-
-    w = MxExperts(blocks(2 * i), scales(2 * i, s_gate_up), torch.zeros(1, 2 * i, device=DEV),
-                  blocks(h), scales(h, s_down), torch.zeros(1, h, device=DEV))
+    w = _every_code_expert(h, s_gate_up, s_down, g)
     x = (torch.randn(1, h, device=DEV, generator=g) * x_scale).to(torch.bfloat16)
     ids = torch.zeros(1, 1, dtype=torch.long, device=DEV)
     ones = torch.ones(1, 1, dtype=torch.bfloat16, device=DEV)
@@ -202,13 +208,14 @@ def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down):
 
 def test_dispatch_takes_the_mma_kernels_for_decode_batches():
     """kernels.moe.experts_forward: packed MXFP4 experts at decode sizes run the mma kernels (the
-    same bits as calling them), per pair below MXFP4_MMA_GROUPED_FROM tokens, grouped from there."""
+    same bits as calling them), per pair below MXFP4_MMA_GROUPED_FROM tokens, grouped from there,
+    folded from cuda_moe_mxfp4.FOLD_FROM_TOKENS, up to MXFP4_MMA_FOLDED_MAX_TOKENS."""
     from pdserve.kernels import moe
 
     fwd = _mma()
     g = _seeded()
     wp = random_layer(8, g, DEV).to_packed()
-    for t in (1, moe.MXFP4_MMA_GROUPED_FROM, moe.MXFP4_MMA_MAX_TOKENS):
+    for t in (1, moe.MXFP4_MMA_GROUPED_FROM, moe.MXFP4_MMA_MAX_TOKENS, moe.MXFP4_MMA_FOLDED_MAX_TOKENS):
         x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
         weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
@@ -238,3 +245,111 @@ def test_trace_build_records_every_cta_and_computes_the_same():
         rec = buf.view(-1, 4).cpu()
         assert (rec[:, 0] > 0).all() and (rec[:, 0] <= rec[:, 1]).all() and (rec[:, 1] <= rec[:, 2]).all()
         assert ((rec[:, 3] >= 0) & (rec[:, 3] < sms)).all()
+
+
+def _fold_configs():
+    from pdserve.kernels.cuda_moe_mxfp4 import FOLD_CONFIG, MmaConfig
+
+    return [FOLD_CONFIG, MmaConfig((4, 1, 2), (4, 2, 2), slots=8, fold=True),
+            MmaConfig((8, 2, 2), (8, 4, 2), slots=16, fold=True), MmaConfig((4, 2, 3), (4, 4, 1), slots=32, fold=True)]
+
+
+@pytest.mark.parametrize("t,e", [(4, 8), (32, 32), (64, 8), (64, 32), (200, 32)])
+@pytest.mark.parametrize("config", range(4))
+def test_folded_launches_against_reference(t, e, config):
+    """Scales folded into the decoded weights (MX_FOLD): against the float32 reference as the other
+    launches, close to the unfolded grouped launch (both within rounding of the same sums; the
+    products are the same, their float32 order is not), deterministic, with and without down's
+    bias. e = 8 at 64 and 200 tokens: several full blocks per expert."""
+    import functools
+
+    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG
+
+    fwd = _mma()
+    folded = functools.partial(fwd, config=_fold_configs()[config], grouped=True)
+    g = _seeded()
+    w = random_layer(e, g, DEV)
+    wp = w.to_packed()
+    assert wp.fold_exact
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    ref = reference(x, weights, ids, w)
+    out = folded(x, weights, ids, wp)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert rel_l2(out, ref) < 4e-3, rel_l2(out, ref)
+    assert rel_l2(out, fwd(x, weights, ids, wp, grouped=True, config=CONFIG)) < 4e-3
+    assert torch.equal(out, folded(x, weights, ids, wp))
+    nobias = folded(x, weights, ids, wp, add_down_bias=False)
+    assert rel_l2(nobias, reference(x, weights, ids, w, bias=False)) < 4e-3
+
+
+def test_folded_launch_replays_from_a_cuda_graph():
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(8, g, DEV)
+    wp = w.to_packed()
+    t = 40
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    cfg = _fold_configs()[0]
+    fwd(x, weights, ids, wp, grouped=True, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fwd(x, weights, ids, wp, grouped=True, config=cfg)
+    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
+    ids.copy_(torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)]))
+    weights.copy_(torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1))
+    graph.replay()
+    assert torch.equal(out, fwd(x, weights, ids, wp, grouped=True, config=cfg))
+    assert rel_l2(out, reference(x, weights, ids, w)) < 4e-3
+
+
+@pytest.mark.parametrize("s_gate_up,x_scale,s_down", [c for c in _scale_cases() if 2 <= min(c[0], c[2])
+                                                       and max(c[0], c[2]) <= 128])
+def test_folded_every_code_and_scale(s_gate_up, x_scale, s_down):
+    """Every e2m1 code at the scale bytes the folded decode takes (2 .. 128: the factor 2^(s - 1) a
+    bf16, the smallest product 0.5 * 2^(s - 128) a normal one), against float64, as
+    test_mma_moe_every_code_and_scale; 8 tokens on one expert fill an mma's columns."""
+    import functools
+
+    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
+
+    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3), slots=8, fold=True), grouped=True)
+    h = 64
+    g = _seeded()
+    w = _every_code_expert(h, s_gate_up, s_down, g)
+    t = 8
+    x = (torch.randn(t, h, device=DEV, generator=g) * x_scale).to(torch.bfloat16)
+    ids = torch.zeros(t, 1, dtype=torch.long, device=DEV)
+    ones = torch.ones(t, 1, dtype=torch.bfloat16, device=DEV)
+    got = fwd(x, ones, ids, w.to_packed(), add_down_bias=False)
+    want = _reference_f64(x, ones, ids, w)
+    assert torch.isfinite(got).all()
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < 1e-2, (s_gate_up, s_down, err)
+
+
+def test_experts_with_small_scales_are_not_folded():
+    """A group with a nonzero code above FOLD_MAX_SCALE: fold_exact is off, an explicit folded
+    launch is refused before any launch, and the dispatch keeps them on the unfolded kernels."""
+    from pdserve.kernels import cuda_moe_mxfp4, moe
+    from pdserve.kernels.mxfp4 import FOLD_MAX_SCALE
+
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(8, g, DEV)
+    w.down_scales[3, 17, 5] = FOLD_MAX_SCALE + 1
+    w.down_blocks[3, 17, 5, 0] = 0x21
+    wp = w.to_packed()
+    assert not wp.fold_exact
+    t = max(cuda_moe_mxfp4.FOLD_FROM_TOKENS, moe.MXFP4_MMA_GROUPED_FROM)
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="unfolded"):
+        fwd(x, weights, ids, wp, grouped=True, config=_fold_configs()[0])
+    assert cuda_moe_mxfp4.fold_config(wp, t) is None
+    out = fwd(x, weights, ids, wp, grouped=True)
+    assert torch.equal(out, fwd(x, weights, ids, wp, grouped=True, config=cuda_moe_mxfp4.CONFIG))
