@@ -324,7 +324,7 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     for (int n = 0; n < NT; n++) {
       if (8 * n >= it.n) break;
       const int xi = 8 * n + g;
-      // past the row's last group the weights are zero, but the staged row may not be: B zero too
+      // past the row's last group the weights are zero and the row ends: B zero, nothing read
       const bool live = xi < it.n && grp < KG;
       U4 xv[4];
 #pragma unroll
@@ -369,15 +369,26 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   for (int n = 0; n < NT; n++)
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[n][i / 4][i % 4] = 0.f;
-  constexpr int STEP = D * KSPLIT;
+#define USE_BATCH(b, first) use_batch_fold(b, first, it, g, tig, acc)
+#else
+  if (!STAGED) stage_rows(xs, it);
+  const int ntp = (it.n + 1) / 2;
+  float acc[TP][2];
+#pragma unroll
+  for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
+#define USE_BATCH(b, first) use_batch(b, first, xs, it, ntp, g, tig, acc)
+#endif
+  constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
     if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
-    use_batch_fold(b0, first, it, g, tig, acc);
+    USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
     if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
-    use_batch_fold(b1, first + STEP, it, g, tig, acc);
+    USE_BATCH(b1, first + STEP);
   }
+#undef USE_BATCH
+#if MX_FOLD
   // c0, c1: row g, pairs 8n + 2 tig (+1); c2, c3: row g + 8
 #pragma unroll
   for (int n = 0; n < NT; n++) {
@@ -390,22 +401,7 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
       }
     }
   }
-  __syncthreads();
 #else
-  if (!STAGED) stage_rows(xs, it);
-  const int ntp = (it.n + 1) / 2;
-  float acc[TP][2];
-#pragma unroll
-  for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
-  constexpr int STEP = D * KSPLIT;  // K steps a batch advances
-#pragma unroll 1
-  for (int first = ks; first < CHUNKS; first += 2 * STEP) {
-    if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
-    use_batch(b0, first, xs, it, ntp, g, tig, acc);
-    if (first + STEP >= CHUNKS) break;
-    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
-    use_batch(b1, first + STEP, xs, it, ntp, g, tig, acc);
-  }
 #pragma unroll
   for (int p = 0; p < TP; p++) {
     if (p >= ntp) break;
@@ -417,8 +413,8 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
       red[(warp * SLOTS + xi) * 16 + g + 8] = v1;
     }
   }
-  __syncthreads();
 #endif
+  __syncthreads();
 }
 
 // Row r (0 .. ROWS) of the CTA for pair i: its K shares added in order.

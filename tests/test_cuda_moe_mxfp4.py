@@ -41,9 +41,9 @@ def test_bad_inputs_are_refused_before_any_launch():
 def test_folded_launches_need_exact_scales_and_blocks_of_eight():
     """MX_FOLD multiplies each decoded pair by 2^(s - 1) in bf16: exact only for scale bytes in
     FOLD_MIN_SCALE .. FOLD_MAX_SCALE, so `to_packed` records whether every group with a nonzero code
-    is there (fold_exact), a folded
-    launch of other experts is refused before anything is compiled, a folded shape needs slots in
-    mma columns of 8, and the dispatch picks it only for exact experts from FOLD_FROM_TOKENS."""
+    is there (fold_exact), a folded launch of other experts is refused before anything is compiled,
+    a folded shape needs slots in mma columns of 8, and the dispatch picks it only for exact experts
+    from FOLD_FROM_TOKENS."""
     from pdserve.kernels import cuda_moe_mxfp4 as cm
     from pdserve.kernels.mxfp4 import FOLD_MAX_SCALE, FOLD_MIN_SCALE
 

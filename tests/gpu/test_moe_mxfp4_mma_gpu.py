@@ -331,7 +331,7 @@ def test_folded_every_code_and_scale(s_gate_up, x_scale, s_down):
     assert err < 1e-2, (s_gate_up, s_down, err)
 
 
-def test_experts_with_small_scales_are_not_folded():
+def test_experts_with_scales_out_of_the_folded_range_are_not_folded():
     """A group with a nonzero code above FOLD_MAX_SCALE: fold_exact is off, an explicit folded
     launch is refused before any launch, and the dispatch keeps them on the unfolded kernels."""
     from pdserve.kernels import cuda_moe_mxfp4, moe
