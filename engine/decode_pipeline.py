@@ -4,22 +4,29 @@ Shared by `LLMEngine` and the decode worker's scheduler so both run the one way.
 pipelined when its next token is the argmax of the logits (`sampled_on_device`): the GPU picks
 it, it feeds the next step without a host round trip, and the host reads it one step late through
 one event wait, issued after the next step is launched (on CUDA the argmax writes the ids into pinned
-memory that the next step's input staging reads: kernels/step_io.py). Stop tokens are
+memory that the next step's input staging reads: kernels/step_io.py; the argmax is split over many
+programs, kernels/triton_argmax.py). Stop tokens are
 therefore seen one step late (a row that stops computes one discarded token); length ends are
 known ahead and never overrun.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
 
 from pdserve.kernels.step_io import mapped, zero_copy
+from pdserve.kernels.triton_argmax import argmax_rows
 
 from .sampling import SamplingParams
 from .sequence import Sequence
+
+# The next ids through the split argmax (kernels/triton_argmax.py) rather than torch.argmax's one
+# block a row; `PDSERVE_SPLIT_ARGMAX=0` keeps torch's (the benchmark's A/B).
+SPLIT_ARGMAX = os.environ.get("PDSERVE_SPLIT_ARGMAX", "1") != "0"
 
 
 def sampled_on_device(params: SamplingParams) -> bool:
@@ -90,10 +97,11 @@ def launch(runner, seqs: list[Sequence], prev: InFlight | None,
     # the argmax writes the ids into pinned memory, where the next step reads them (kernels/step_io.py);
     # a pinned buffer takes the device that was current at its allocation: on another one, copies
     tokens = mapped(host) if zero_copy(logits.device) else None
+    argmax = argmax_rows if SPLIT_ARGMAX else (lambda x, out=None: torch.argmax(x, dim=-1, out=out))
     if tokens is not None and tokens.device == logits.device:
-        torch.argmax(logits, dim=-1, out=tokens)
+        argmax(logits, out=tokens)
     else:
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = argmax(logits)
         host.copy_(tokens, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
