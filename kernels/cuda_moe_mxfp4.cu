@@ -303,8 +303,9 @@ __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
 // MX_FOLD's mmas of one batch: acc[n][chain] += rows row0 / row0 + 8 x pairs 8n .. 8n + 7 of the
 // item (the thread's columns 2 tig, 2 tig + 1); the thread's A values are its own group's, so it
 // scales them by its own scale byte and supplies B for pair 8n + g over the same k, read from the
-// pair's activation row (written before this kernel's PDL wait, which the caller has passed).
-__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const Item& it, int g, int tig,
+// pair's activation row xrow[n] (null past the item's pairs; written before this kernel's PDL wait,
+// which the caller has passed). nt: the column groups that hold pairs.
+__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const U4* const xrow[NT], int nt, int tig,
                                                float acc[NT][2][4]) {
 #pragma unroll
   for (int j = 0; j < D; j++) {
@@ -322,13 +323,12 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     }
 #pragma unroll
     for (int n = 0; n < NT; n++) {
-      if (8 * n >= it.n) break;
-      const int xi = 8 * n + g;
+      if (n >= nt) break;
       // past the row's last group the weights are zero and the row ends: B zero, nothing read
-      const bool live = xi < it.n && grp < KG;
+      const bool live = xrow[n] != nullptr && grp < KG;
       U4 xv[4];
 #pragma unroll
-      for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(it.row[xi] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
+      for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(xrow[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
       // the same k order as use_batch; two accumulator chains (words 0-1, words 2-3)
       mma(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
       mma(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
@@ -365,11 +365,15 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
 #if MX_FOLD
   static_assert(!STAGED, "folded launches stage no rows");
   float acc[NT][2][4];
+  const U4* xrow[NT];  // the thread's B rows, pair 8n + g, in registers for the whole K loop
 #pragma unroll
-  for (int n = 0; n < NT; n++)
+  for (int n = 0; n < NT; n++) {
+    xrow[n] = 8 * n + g < it.n ? it.row[8 * n + g] : nullptr;
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[n][i / 4][i % 4] = 0.f;
-#define USE_BATCH(b, first) use_batch_fold(b, first, it, g, tig, acc)
+  }
+  const int nt = (it.n + 7) / 8;
+#define USE_BATCH(b, first) use_batch_fold(b, first, xrow, nt, tig, acc)
 #else
   if (!STAGED) stage_rows(xs, it);
   const int ntp = (it.n + 1) / 2;
