@@ -60,10 +60,13 @@ def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, count_ptr, n, stride_
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1) for a [rows, V] tensor (V < 2^30) on the GPU, into `out`
-    (int64 [rows], any CUDA-addressable memory) when given. No host synchronisation."""
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be [rows, V] with contiguous rows, got {tuple(logits.shape)}")
+    """torch.argmax(logits, dim=-1) for a [rows, V] tensor (V < 2^30; rows may be strided, a
+    strided row is copied first) on the GPU, into `out` (int64 [rows], any CUDA-addressable memory)
+    when given. No host synchronisation."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, V], got {tuple(logits.shape)}")
+    if logits.stride(1) != 1:  # the kernel steps along a row by one element
+        logits = logits.contiguous()
     rows, n = logits.shape
     if not 0 < n < 1 << 30:
         raise ValueError(f"argmax_rows takes 1 to 2^30 - 1 columns, got {n}")

@@ -1,7 +1,8 @@
 """The split argmax (kernels/triton_argmax.py) in Triton's CPU interpreter, against torch.argmax on
 fresh random rows: the gpt-oss vocabulary (201088, not a multiple of the chunk) and small widths,
 ties inside one chunk and across chunks (the first index wins), NaN before and after the maximum
-and in several chunks (the first NaN wins), rows of -inf only, +inf beside NaN, one column. The
+and in several chunks (the first NaN wins), rows of -inf only, +inf beside NaN, one column, views
+with strided columns and strided rows. The
 ids must be torch's exactly; a second launch gives the same and the arrival counters are back to
 zero. The kernel runs in a child process with TRITON_INTERPRET=1 (tests/interp.py)."""
 
@@ -43,7 +44,8 @@ def _rows(n: int, g: torch.Generator) -> torch.Tensor:
 def _cases(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [_rows(VOCAB, g), _rows(1, g), _rows(2047, g), _rows(2049, g), _rows(5000, g)[:3],
-            _rows(4096, g).to(torch.bfloat16)]
+            _rows(4096, g).to(torch.bfloat16),
+            _rows(3000, g)[:, ::2], _rows(3000, g)[::2, 1000:]]  # strided columns; strided rows
 
 
 def _child(in_path: str, out_path: str) -> None:
@@ -95,7 +97,7 @@ def test_second_launch_same_and_counters_reset(run):
 def test_rejects_bad_shapes():
     from pdserve.kernels.triton_argmax import argmax_rows
 
-    with pytest.raises(ValueError, match="rows, V"):
+    with pytest.raises(ValueError, match=r"\[rows, V\]"):
         argmax_rows(torch.zeros(4))
     with pytest.raises(ValueError, match="columns"):
         argmax_rows(torch.zeros(2, 0))
