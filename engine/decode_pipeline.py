@@ -29,6 +29,10 @@ from .sequence import Sequence
 SPLIT_ARGMAX = os.environ.get("PDSERVE_SPLIT_ARGMAX", "1") != "0"
 
 
+def _argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return argmax_rows(logits, out=out) if SPLIT_ARGMAX else torch.argmax(logits, dim=-1, out=out)
+
+
 def sampled_on_device(params: SamplingParams) -> bool:
     """Rows whose token is the plain argmax of the logits (no penalties, bias, min_tokens,
     logprobs or grammar): the pipelined decode picks these on the GPU without the host."""
@@ -97,11 +101,10 @@ def launch(runner, seqs: list[Sequence], prev: InFlight | None,
     # the argmax writes the ids into pinned memory, where the next step reads them (kernels/step_io.py);
     # a pinned buffer takes the device that was current at its allocation: on another one, copies
     tokens = mapped(host) if zero_copy(logits.device) else None
-    argmax = argmax_rows if SPLIT_ARGMAX else (lambda x, out=None: torch.argmax(x, dim=-1, out=out))
     if tokens is not None and tokens.device == logits.device:
-        argmax(logits, out=tokens)
+        _argmax(logits, out=tokens)
     else:
-        tokens = argmax(logits)
+        tokens = _argmax(logits)
         host.copy_(tokens, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()

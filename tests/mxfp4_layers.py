@@ -21,6 +21,26 @@ def scale_extremes_expert(g: torch.Generator, scales: list[int], groups: int = 6
     return MxExperts(blocks, s, z, blocks, s, z)
 
 
+def every_code_expert(h: int, s_gate_up: int, s_down: int, g: torch.Generator):
+    """One expert (published layout, on g's device), H = I = h: every code 4 times in each row, in a
+    different order per row (identical rows would cancel to 0); every group of gate/up at scale byte
+    s_gate_up, of down at s_down; no biases."""
+    from pdserve.kernels.mxfp4 import MxExperts
+
+    dev = g.device
+
+    def blocks(rows):
+        codes = torch.arange(16, device=dev).repeat(rows, h // 16)
+        codes = torch.gather(codes, 1, torch.argsort(torch.rand(rows, h, device=dev, generator=g), dim=1))
+        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(1, rows, h // 32, 16)
+
+    def scales(rows, s):
+        return torch.full((1, rows, h // 32), s, dtype=torch.uint8, device=dev)
+
+    return MxExperts(blocks(2 * h), scales(2 * h, s_gate_up), torch.zeros(1, 2 * h, device=dev),
+                     blocks(h), scales(h, s_down), torch.zeros(1, h, device=dev))
+
+
 # scale bytes for the decode tests: the ends of the range the packed layout allows (0..PACKED_MAX_SCALE = 192)
 # and around 2^(s - 1) leaving bf16 (s = 129)
 DECODE_SCALES = [0, 1, 2, 3, 66, 110, 127, 128, 129, 130, 190, 191, 192, 192]

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from mxfp4_layers import random_layer, reference
+from mxfp4_layers import every_code_expert, random_layer, reference
 from numerics import rel_l2
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
@@ -164,21 +164,19 @@ def _scale_cases():
     return cases
 
 
-def _every_code_expert(h, s_gate_up, s_down, g):
-    """One expert (published layout), H = I = h: every code 4 times in each row, in a different order
-    per row; every group of gate/up at scale byte s_gate_up, of down at s_down; no biases."""
-    from pdserve.kernels.mxfp4 import MxExperts
-
-    def blocks(rows):
-        codes = torch.arange(16, device=DEV).repeat(rows, h // 16)
-        codes = torch.gather(codes, 1, torch.argsort(torch.rand(rows, h, device=DEV, generator=g), dim=1))
-        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(1, rows, h // 32, 16)
-
-    def scales(rows, s):
-        return torch.full((1, rows, h // 32), s, dtype=torch.uint8, device=DEV)
-
-    return MxExperts(blocks(2 * h), scales(2 * h, s_gate_up), torch.zeros(1, 2 * h, device=DEV),
-                     blocks(h), scales(h, s_down), torch.zeros(1, h, device=DEV))
+def _every_code_error(fwd, tokens, s_gate_up, x_scale, s_down) -> float:
+    """rel L2 against float64 of `fwd` on `every_code_expert` (H = I = 64) for `tokens` tokens routed
+    to it with weight 1, no bias; the output must be finite."""
+    h = 64
+    g = _seeded()
+    w = every_code_expert(h, s_gate_up, s_down, g)
+    x = (torch.randn(tokens, h, device=DEV, generator=g) * x_scale).to(torch.bfloat16)
+    ids = torch.zeros(tokens, 1, dtype=torch.long, device=DEV)
+    ones = torch.ones(tokens, 1, dtype=torch.bfloat16, device=DEV)
+    got = fwd(x, ones, ids, w.to_packed(), add_down_bias=False)
+    want = _reference_f64(x, ones, ids, w)
+    assert torch.isfinite(got).all()
+    return float((got.double() - want).norm() / want.norm())
 
 
 @pytest.mark.parametrize("s_gate_up,x_scale,s_down", _scale_cases())
@@ -193,16 +191,7 @@ def test_mma_moe_every_code_and_scale(s_gate_up, x_scale, s_down):
     from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
 
     fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3)))
-    h = 64
-    g = _seeded()
-    w = _every_code_expert(h, s_gate_up, s_down, g)
-    x = (torch.randn(1, h, device=DEV, generator=g) * x_scale).to(torch.bfloat16)
-    ids = torch.zeros(1, 1, dtype=torch.long, device=DEV)
-    ones = torch.ones(1, 1, dtype=torch.bfloat16, device=DEV)
-    got = fwd(x, ones, ids, w.to_packed(), add_down_bias=False)
-    want = _reference_f64(x, ones, ids, w)
-    assert torch.isfinite(got).all()
-    err = float((got.double() - want).norm() / want.norm())
+    err = _every_code_error(fwd, 1, s_gate_up, x_scale, s_down)
     assert err < 1e-2, (s_gate_up, s_down, err)
 
 
@@ -317,17 +306,7 @@ def test_folded_every_code_and_scale(s_gate_up, x_scale, s_down):
     from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
 
     fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3), slots=8, fold=True), grouped=True)
-    h = 64
-    g = _seeded()
-    w = _every_code_expert(h, s_gate_up, s_down, g)
-    t = 8
-    x = (torch.randn(t, h, device=DEV, generator=g) * x_scale).to(torch.bfloat16)
-    ids = torch.zeros(t, 1, dtype=torch.long, device=DEV)
-    ones = torch.ones(t, 1, dtype=torch.bfloat16, device=DEV)
-    got = fwd(x, ones, ids, w.to_packed(), add_down_bias=False)
-    want = _reference_f64(x, ones, ids, w)
-    assert torch.isfinite(got).all()
-    err = float((got.double() - want).norm() / want.norm())
+    err = _every_code_error(fwd, 8, s_gate_up, x_scale, s_down)
     assert err < 1e-2, (s_gate_up, s_down, err)
 
 
