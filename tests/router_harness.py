@@ -397,10 +397,20 @@ class Cluster:
         return self.router.base_url
 
     def reset(self, script: list[int] | None = None) -> None:
+        """The workers back to their defaults, and the router's view of them too: it sees a worker
+        through its load reports, so a decode worker that a test left full would otherwise stay full
+        to the router (skipped by placement) until its next report came in."""
         for worker in self.prefill + self.decode:
             worker.reset()
         if script is not None:
             self.script.token_ids = list(script)
+
+        def settled() -> bool:
+            return all(w.free_kv_blocks == w.load.kv_blocks_total
+                       for w in self.router.router.registry.routable("decode"))
+
+        if not wait_for(lambda: self.router.call(settled)):
+            raise RuntimeError("the router still sees decode KV blocks in use after the reset")
 
     def close(self) -> None:
         for worker in self.decode:
