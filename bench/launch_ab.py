@@ -14,7 +14,8 @@ one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through gl
 than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
-four groups"); the engine's defaults; with --mma-config, the defaults with another launch
+four groups"); one to three tokens' MXFP4 gate/up without the persistent ring ("gate/up ring off")
+or with the ring in other shapes; the engine's defaults; with --mma-config, the defaults with another launch
 shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
 token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
 piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
@@ -122,6 +123,14 @@ SETTINGS = {
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches
     "mxfp4 unfolded": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): None}),
+    # one to three tokens' MXFP4 gate/up as mx_gate_up's 1440 CTAs a token, not the persistent ring fed
+    # by tensor-map copies; or the ring in other shapes (consumer groups x slots)
+    "gate/up ring off": _setting({(cuda_moe_mxfp4, "RING"): None}),
+    "gate/up ring 4x4": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(4, 4)}),
+    "gate/up ring 4x8": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(4, 8)}),
+    "gate/up ring 5x5": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(5, 5)}),
+    "gate/up ring 6x6": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(6, 6)}),
+    "gate/up ring 7x7": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(7, 7)}),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 four groups")  # settings that capture with FP8 projection weights
@@ -153,7 +162,10 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         def launch_unless_skipped(kernel, *a, **k):
             return None if kernel is _SKIPPED else launch(kernel, *a, **k)
 
-        return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
+        patches = [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
+        if piece == "gate_up":  # the persistent gate/up too, where it serves
+            patches.append((cuda_moe_mxfp4, "_ring_kernel", lambda *a, **k: _SKIPPED))
+        return patches
 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim

@@ -562,3 +562,198 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
 #endif
   TRACE_END();
 }
+
+#ifdef MX_RING_SLOTS
+// ---- gate/up of 1-3 tokens as one persistent CTA a SM fed by tensor-map copies (mx_gate_up_ring) ----
+//
+// Why: the per-pair gate/up above runs one token's 1440 CTAs in 2.2 waves, and each CTA requests its
+// weights, waits, then decodes, adds its warps' K shares and stores: the CTAs of a wave do this in
+// step, so DRAM idles while a wave computes. Here CTA b of a grid of one CTA a SM owns the tiles b, b
+// + grid, ... (a tile: 16 rows of one pair's expert over the whole K), and one producer thread keeps
+// MX_RING_SLOTS of them in flight in shared memory from the moment the routing is known, each as ONE
+// tensor-map copy of its 16 rows (the blocks seen as a [experts x rows, KG * 2] array of 8-byte
+// elements; cuda_moe_mxfp4.tensor_map) plus one bulk copy of their scale words, completing on the
+// slot's mbarrier; MX_RING_GROUPS groups of 4 consumer warps take the tiles in turn. An earlier ring
+// that asked for every 1440-byte row by its own bulk copy streamed at 2.4 TB/s; one tensor-map copy a
+// tile streams as fast as the best plain loads (bench/read_tma.py).
+//
+// A slot's rows land densely (KG * 16 bytes apart, = 32 mod 128), so a consumer thread of row slot g
+// reads weight row RING_ROW(g): rows 0, 2, 1, 3, 4, 6, 5, 7 (+8), which puts the two rows of each
+// 8-thread phase of an LDS.128 64 bytes apart mod 128, on disjoint banks. A consumer warp of a group
+// takes the K steps of its index mod 4, as the per-pair kernel with K split 4 does, and the same float
+// operations in the same order: the activations equal mx_gate_up's with the per-pair shape (4, 4, D)
+// bit for bit (tests/gpu/test_moe_mxfp4_mma_gpu.py).
+#define RG MX_RING_GROUPS
+#define RS MX_RING_SLOTS
+#define RTOK MX_RING_TOKENS
+#define RPITCH (KG * 16)                                  // a tile row in shared memory, bytes
+#define SLOT_BYTES (16 * RPITCH + 16 * SCALE_WORDS * 4)    // 16 rows, then their scale words
+#define RING_X_BYTES ((RTOK * XROW * 4 + 127) / 128 * 128)  // the staged token rows, then the slots
+#define RING_THREADS ((1 + 4 * RG) * 32)                  // warp 0 produces
+#define RING_ROW(g) (((g) & 4) | (((g) & 1) << 1) | (((g) >> 1) & 1))
+// A slot's fills are waited on by one consumer group, in order: so no wait on an mbarrier's phase
+// parity is two phases ahead of it (where the parity would alias).
+static_assert(RS % RG == 0, "the slots must split evenly over the consumer groups");
+static_assert(SLOT_BYTES % 128 == 0, "tensor-map copies land on 128-byte boundaries");
+
+struct __align__(64) TensorMap { unsigned long long words[16]; };
+
+__device__ __forceinline__ void bar_init(unsigned long long* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "RING_POLL:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t@!done bra RING_POLL;\n}"
+      ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// The CTA's j-th tile: (pair, 16-row tile); the pairs interleave, so neighbouring CTAs read different experts.
+__device__ __forceinline__ void ring_tile(int j, int n_pairs, int& pair, int& rt) {
+  const int u = blockIdx.x + j * gridDim.x;
+  pair = u % n_pairs;
+  rt = u / n_pairs;
+}
+
+// map: the tensor map of `words` (cuda_moe_mxfp4.tensor_map); x [T, K] bf16 (row stride stride_x),
+// pair_expert [T * top_k] int64 (pair = token * top_k + k) -> act [T * top_k, n_rows / 2] bf16:
+// bias + clamped SwiGLU, as mx_gate_up.
+extern "C" __global__ void __launch_bounds__(RING_THREADS, 1)
+mx_gate_up_ring(const __grid_constant__ TensorMap map, const u32* __restrict__ scales, const float* __restrict__ bias,
+                const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert, int n_pairs, int top_k,
+                int n_rows, u16* __restrict__ act, double limit_d, double alpha_d) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u32* xs = reinterpret_cast<u32*>(smem);  // RTOK staged token rows, XROW words apart
+  // then RS slots of SLOT_BYTES from the next 128-byte boundary (cuda_moe_mxfp4.ring_shared_bytes)
+  const u32 base = smem_addr(smem);
+  unsigned char* ring = smem + (((base + RING_X_BYTES + 127u) & ~127u) - base);
+  __shared__ float red[RG][2][4][16];                     // a group's K shares, by tile parity
+  __shared__ __align__(8) unsigned long long full[RS], empty[RS];
+  __shared__ int expert[RTOK * 8];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n_tokens = n_pairs / top_k;
+  const int tiles = n_pairs * (n_rows / 16);
+  const int n_local = blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < RS; s++) bar_init(full + s, 1u), bar_init(empty + s, 1u);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+  }
+  // the token rows: read ahead of the wait where the caller vouches they predate the routing
+  const int per_row = KG * 4;  // 16-byte vectors
+  if (MX_EARLY_X)
+    for (int c = threadIdx.x; c < n_tokens * per_row; c += RING_THREADS)
+      *reinterpret_cast<U4*>(xs + (c / per_row) * XROW + 4 * (c % per_row)) =
+          stage_scale(load_early(reinterpret_cast<const U4*>(x + (i64)(c / per_row) * stride_x) + c % per_row));
+  enter_pdl();
+  if (!MX_EARLY_X)
+    for (int c = threadIdx.x; c < n_tokens * per_row; c += RING_THREADS)
+      *reinterpret_cast<U4*>(xs + (c / per_row) * XROW + 4 * (c % per_row)) =
+          stage_scale(load_cached(reinterpret_cast<const U4*>(x + (i64)(c / per_row) * stride_x) + c % per_row));
+  if (threadIdx.x < n_pairs) expert[threadIdx.x] = (int)__ldcg(pair_expert + threadIdx.x);
+  __syncthreads();
+
+  if (warp == 0) {  // the producer
+    if (lane == 0) {
+      const unsigned long long m = reinterpret_cast<unsigned long long>(&map);
+      for (int j = 0; j < n_local; j++) {
+        const int s = j % RS;
+        if (j >= RS) bar_wait(empty + s, ((j / RS) - 1) & 1);
+        int pair, rt;
+        ring_tile(j, n_pairs, pair, rt);
+        if (expert[pair] < 0) {  // no expert here (another rank's): nothing to copy, the slot's consumers skip it
+          bar_arrive(full + s);
+          continue;
+        }
+        const i64 row = (i64)expert[pair] * n_rows + rt * 16;
+        unsigned char* slot = ring + s * SLOT_BYTES;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the consumers' reads of the slot first
+        bar_expect(full + s, SLOT_BYTES);
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+            ::"r"(smem_addr(slot)), "l"(m), "r"(0), "r"((int)row), "r"(smem_addr(full + s)) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_addr(slot + 16 * RPITCH)), "l"(scales + row * SCALE_WORDS), "r"(16 * SCALE_WORDS * 4),
+                     "r"(smem_addr(full + s)) : "memory");
+      }
+    }
+    return;
+  }
+
+  // a consumer: group q, K share ks of each tile
+  const int cw = warp - 1, q = cw >> 2, ks = cw & 3;
+  const int g = lane >> 2, tig = lane & 3, rg = RING_ROW(g);
+  const bool diag = (g & 3) == tig;  // the B operand is nonzero where the column's group slot is the thread's
+  const bool live = diag && g < 4;   // and in the first token column: a tile is one pair
+  const float limit = (float)limit_d, alpha = (float)alpha_d;
+  int parity = 0;
+  for (int j = q; j < n_local; j += RG, parity ^= 1) {
+    const int s = j % RS;
+    int pair, rt;
+    ring_tile(j, n_pairs, pair, rt);
+    const i64 e = expert[pair];
+    const bool here = e >= 0;  // else the pair's expert is another rank's: its rows are left unwritten, as mx_gate_up does
+    float bias_glu = 0.f, bias_lin = 0.f;
+    if (here && ks == 0 && lane < 8) bias_glu = bias[e * n_rows + rt * 16 + 2 * lane], bias_lin = bias[e * n_rows + rt * 16 + 2 * lane + 1];
+    const u32* xrow = xs + (pair / top_k) * XROW;
+    bar_wait(full + s, (j / RS) & 1);
+    const unsigned char* slot = ring + s * SLOT_BYTES;
+    const u32* sw = reinterpret_cast<const u32*>(slot + 16 * RPITCH);
+    float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll 2
+    for (int c = ks; c < (here ? CHUNKS : 0); c += 4) {
+      const int grp = 4 * c + tig;
+      U4 wa = U4{0u, 0u, 0u, 0u}, wb = U4{0u, 0u, 0u, 0u};
+      if (grp < KG) {
+        wa = *reinterpret_cast<const U4*>(slot + rg * RPITCH + 16 * grp);
+        wb = *reinterpret_cast<const U4*>(slot + (rg + 8) * RPITCH + 16 * grp);
+      }
+      const u32 ha = sw[rg * SCALE_WORDS + c] >> (16 * (tig & 1)), hb = sw[(rg + 8) * SCALE_WORDS + c] >> (16 * (tig & 1));
+      const float fa0 = group_scale(ha), fa1 = group_scale(ha >> 8);
+      const float fb0 = group_scale(hb), fb1 = group_scale(hb >> 8);
+      u32 pa[4][4], pb[4][4];
+      decode_word(wa.x, pa[0]); decode_word(wa.y, pa[1]); decode_word(wa.z, pa[2]); decode_word(wa.w, pa[3]);
+      decode_word(wb.x, pb[0]); decode_word(wb.y, pb[1]); decode_word(wb.z, pb[2]); decode_word(wb.w, pb[3]);
+      U4 xv[4];
+#pragma unroll
+      for (int v = 0; v < 4; v++)
+        xv[v] = live && grp < KG ? *reinterpret_cast<const U4*>(xrow + grp * 16 + 4 * v) : U4{0u, 0u, 0u, 0u};
+      float da[4] = {0.f, 0.f, 0.f, 0.f}, db[4] = {0.f, 0.f, 0.f, 0.f};
+      mma(da, pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+      mma(db, pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+      mma(da, pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+      mma(db, pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+      mma(da, pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+      mma(db, pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+      mma(da, pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+      mma(db, pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+      acc0 = fmaf(da[1] + db[1], fa1, fmaf(da[0] + db[0], fa0, acc0));
+      acc1 = fmaf(da[3] + db[3], fb1, fmaf(da[2] + db[2], fb0, acc1));
+    }
+    const float v0 = acc0 + __shfl_xor_sync(0xFFFFFFFFu, acc0, 1);
+    const float v1 = acc1 + __shfl_xor_sync(0xFFFFFFFFu, acc1, 1);
+    if (tig == 0) red[q][parity][ks][rg] = v0, red[q][parity][ks][rg + 8] = v1;
+    // the group's four warps are done with the slot and their shares are in red
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + q) : "memory");
+    if (ks == 0) {
+      if (lane == 0) bar_arrive(empty + s);
+      if (here && lane < 8) {
+        float glu = bias_glu, lin = bias_lin, sg = 0.f, sl = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) sg += red[q][parity][k][2 * lane], sl += red[q][parity][k][2 * lane + 1];
+        glu = fminf(sg + glu, limit);
+        lin = fminf(fmaxf(sl + lin, -limit), limit);
+        const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
+        act[(i64)pair * (n_rows / 2) + rt * 8 + lane] = to_bf16(out);
+      }
+    }
+  }
+}
+#endif

@@ -161,3 +161,51 @@ def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
 
     with pytest.raises(ValueError, match="whole number of clusters"):
         launch_cuda(None, (180, 6, 1), (128, 1, 1), 0, [], pdl=True, cluster=(1, 4, 1))
+
+
+def test_ring_gate_up_takes_per_pair_launches_of_one_to_three_tokens_that_fit(monkeypatch):
+    """cuda_moe_mxfp4.ring_fits: 1 to RING_TOKENS tokens of up to 8 pairs, 16-row tiles, rows the
+    tensor map can box (at most 256 8-byte elements), shared memory within one CTA's 227 KB; the
+    launch takes it only for CUDA per-pair launches whose gate/up splits K in four (its order of
+    sums), with the tensor map of the layer's gate/up blocks as its first argument; never for
+    grouped, traced or other-shaped launches."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    ring = cm.RingConfig(4, 8)
+    rows = (3 * (1440 + 4) * 4 + 127) // 128 * 128
+    assert cm.ring_shared_bytes(90, ring) == rows + 8 * (16 * 1440 + 16 * 24 * 4) + 128
+    assert all(cm.ring_fits(t, 4, 5760, 90, ring) for t in (1, 2, 3))
+    assert not cm.ring_fits(4, 4, 5760, 90, ring)  # past RING_TOKENS: mx_gate_up
+    assert not cm.ring_fits(1, 9, 5760, 90, ring)  # more pairs a token than the staged experts hold
+    assert not cm.ring_fits(1, 4, 5768, 90, ring)  # rows not in 16-row tiles
+    assert not cm.ring_fits(1, 4, 5760, 130, ring)  # a row past 256 of the tensor map's elements
+    assert not cm.ring_fits(1, 4, 5760, 90, None)
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(4, 9))  # past one CTA's shared memory
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(3, 4))  # slots shared across groups
+    assert not cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(8, 8))  # past 1024 threads
+    assert cm.ring_fits(1, 4, 5760, 90, cm.RingConfig(7, 7))
+
+    launched = []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_ring_kernel", lambda *a: "ring")
+    monkeypatch.setattr(cm, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(cm, "tensor_map", lambda blocks: ("map", blocks.data_ptr()))
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, block, smem, pdl, args, **k: launched.append(
+        (kernel, grid, block, smem, args[0])))
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w, x, ids, wts = _problem(t=1, h=128, i=128)
+    wp = w.to_packed()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cm.experts_forward_mxfp4_mma(x, wts, ids, wp)
+    ring = cm.RING
+    assert launched[0] == ("ring", (min(132, 4 * 256 // 16), 1, 1), (32 * (1 + 4 * ring.groups), 1, 1),
+                           cm.ring_shared_bytes(4, ring), ("map", wp.gate_up_blocks.data_ptr()))
+    assert launched[1][0] == "dn"
+    for kwargs in ({"grouped": True}, {"config": cm.MmaConfig((4, 2, 3), (4, 4, 3))}):
+        launched.clear()
+        if kwargs.get("grouped"):
+            monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing", lambda *a: type(
+                "R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
+        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, **kwargs)
+        assert launched[0][0] == "gu"

@@ -332,3 +332,59 @@ def test_experts_with_scales_out_of_the_folded_range_are_not_folded():
     assert cuda_moe_mxfp4.fold_config(wp, t) is None
     out = fwd(x, weights, ids, wp, grouped=True)
     assert torch.equal(out, fwd(x, weights, ids, wp, grouped=True, config=cuda_moe_mxfp4.CONFIG))
+
+
+def _rings():
+    from pdserve.kernels.cuda_moe_mxfp4 import RING, RingConfig
+
+    return [RING, RingConfig(4, 8), RingConfig(1, 1), RingConfig(7, 7), RingConfig(2, 4)]
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+@pytest.mark.parametrize("ring", range(5))
+def test_ring_gate_up_equals_the_per_pair_kernel(t, ring, monkeypatch):
+    """The persistent gate/up (mx_gate_up_ring: a CTA a SM, 16-row tiles through a ring of shared
+    memory filled by tensor-map copies) does mx_gate_up's float operations in its order for the
+    per-pair shape: the layer's output is bit-identical with the ring and without it, for every ring
+    shape (one slot, so the producer waits on every tile; seven consumer groups), with the token rows
+    staged before or after the PDL wait, eager and replayed from a CUDA graph on new inputs."""
+    from pdserve.kernels import cuda_moe_mxfp4
+
+    fwd = _mma()
+    shape = _rings()[ring]
+    g = _seeded()
+    w = random_layer(32, g, DEV)
+    wp = w.to_packed()
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(32, device=DEV, generator=g)[:4] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    monkeypatch.setattr(cuda_moe_mxfp4, "RING", None)
+    plain = fwd(x, weights, ids, wp)
+    monkeypatch.setattr(cuda_moe_mxfp4, "RING", shape)
+    assert cuda_moe_mxfp4.ring_fits(t, 4, 5760, 90, cuda_moe_mxfp4.RING)
+    assert torch.equal(fwd(x, weights, ids, wp), plain)
+    assert torch.equal(fwd(x, weights, ids, wp, x_before_routing=True), plain)
+    assert rel_l2(plain, reference(x, weights, ids, w)) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fwd(x, weights, ids, wp, x_before_routing=True)
+    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
+    ids.copy_(torch.stack([torch.randperm(32, device=DEV, generator=g)[:4] for _ in range(t)]))
+    graph.replay()
+    monkeypatch.setattr(cuda_moe_mxfp4, "RING", None)
+    assert torch.equal(replayed, fwd(x, weights, ids, wp))
+
+
+@pytest.mark.parametrize("s_gate_up,x_scale,s_down", [(2, 2.0**60, 127), (127, 1.0, 127), (190, 2.0**-66, 192)])
+def test_ring_gate_up_every_code_and_scale(s_gate_up, x_scale, s_down, monkeypatch):
+    """The ring decodes the words it reads from shared memory, rows in its bank-conflict-free order,
+    as mx_gate_up does from global memory: every code at the ends of the scale range, two tokens on
+    the every-code expert (K = 64: one K step, two group slots empty), against float64 within the
+    per-pair kernel's 1e-2."""
+    from pdserve.kernels import cuda_moe_mxfp4
+
+    fwd = _mma()
+    monkeypatch.setattr(cuda_moe_mxfp4, "RING", cuda_moe_mxfp4.RingConfig(6, 6))
+    assert cuda_moe_mxfp4.ring_fits(2, 1, 128, 2, cuda_moe_mxfp4.RING)
+    err = _every_code_error(fwd, 2, s_gate_up, x_scale, s_down)
+    assert err < 1e-2, (s_gate_up, s_down, err)
