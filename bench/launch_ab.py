@@ -14,8 +14,7 @@ one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through gl
 than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
-four groups"); one to three tokens' MXFP4 gate/up without the persistent ring ("gate/up ring off")
-or with the ring in other shapes; the engine's defaults; with --mma-config, the defaults with another launch
+four groups"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another launch
 shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
 token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
 piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
@@ -111,6 +110,11 @@ SETTINGS = {
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),
     "full 128-key splits x64": _setting(_full_layers(128, 64)),
+    # windowed layers (128 keys) in 2 or 4 splits of 64 / 32 keys, 4 warps, not one 128-key block of 8 warps
+    "windowed 2 splits": _setting({(triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(
+        block_n=64, min_keys=64, num_warps=4)}),
+    "windowed 4 splits": _setting({(triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(
+        block_n=32, min_keys=32, num_warps=4)}),
     # the attention projections' weights in FP8 (128x128 block scales, as --attention-precision fp8
     # loads them): through the FP8 GEMVs that stage their weights (QKV with its RoPE epilogue), or
     # through the Triton FP8 linear
@@ -123,14 +127,6 @@ SETTINGS = {
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches
     "mxfp4 unfolded": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): None}),
-    # one to three tokens' MXFP4 gate/up as mx_gate_up's 1440 CTAs a token, not the persistent ring fed
-    # by tensor-map copies; or the ring in other shapes (consumer groups x slots)
-    "gate/up ring off": _setting({(cuda_moe_mxfp4, "RING"): None}),
-    "gate/up ring 4x4": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(4, 4)}),
-    "gate/up ring 4x8": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(4, 8)}),
-    "gate/up ring 5x5": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(5, 5)}),
-    "gate/up ring 6x6": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(6, 6)}),
-    "gate/up ring 7x7": _setting({(cuda_moe_mxfp4, "RING"): cuda_moe_mxfp4.RingConfig(7, 7)}),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 four groups")  # settings that capture with FP8 projection weights
@@ -162,10 +158,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         def launch_unless_skipped(kernel, *a, **k):
             return None if kernel is _SKIPPED else launch(kernel, *a, **k)
 
-        patches = [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
-        if piece == "gate_up":  # the persistent gate/up too, where it serves
-            patches.append((cuda_moe_mxfp4, "_ring_kernel", lambda *a, **k: _SKIPPED))
-        return patches
+        return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim

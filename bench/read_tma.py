@@ -74,6 +74,7 @@ stream(const __grid_constant__ TensorMap map, const long long* __restrict__ ids,
   u64* empty = full + S;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int tiles = rows_per_expert / R;
+  (void)tiles;  // unused when the tiles interleave
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; s++) bar_init(full + s, 1u), bar_init(empty + s, (u32)C);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -89,7 +90,11 @@ stream(const __grid_constant__ TensorMap map, const long long* __restrict__ ids,
         const int s = j % S;
         if (j >= S) bar_wait(empty + s, ((j / S) & 1) ^ 1);
         bar_expect(full + s, R * 1440u);
+#if INTERLEAVE  // the tiles of the 4 experts in turn (pair t % 4, row tile t / 4), as mx_gate_up_ring took them
+        const int y = (int)(ids[t % 4] * rows_per_expert + (long long)(t / 4) * R);
+#else  // each expert's row tiles in order: at any time the CTAs read one expert's contiguous rows
         const int y = (int)(ids[t / tiles] * rows_per_expert + (long long)(t % tiles) * R);
+#endif
         asm volatile(
             "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
             ::"r"(smem(ring + s * R * 1440)), "l"(m), "r"(0), "r"(y), "r"(smem(full + s)) : "memory");
@@ -117,11 +122,12 @@ stream(const __grid_constant__ TensorMap map, const long long* __restrict__ ids,
 
 
 @functools.cache
-def _kernel(rows: int, slots: int, consumers: int, touch: bool):
+def _kernel(rows: int, slots: int, consumers: int, touch: bool, interleave: bool = False):
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     cubin, _ = _nvrtc_compile(SOURCE, "stream", nvcc_options=[
-        f"-DR={rows}", f"-DS={slots}", f"-DC={consumers}", f"-DTOUCH={int(touch)}", "-std=c++17"])
+        f"-DR={rows}", f"-DS={slots}", f"-DC={consumers}", f"-DTOUCH={int(touch)}", f"-DINTERLEAVE={int(interleave)}",
+        "-std=c++17"])
     k = _cuda_load_module(cubin, ["stream"])["stream"]
     smem = slots * rows * ROW_BYTES + 2 * slots * 8
     _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(k.func, 8, smem))  # MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -159,6 +165,8 @@ def launch(kernel, smem: int, grid: int, threads: int, tmap, ids: torch.Tensor, 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=None, help="rows x slots x consumer warps, comma-separated (e.g. 16x6x24)")
+    ap.add_argument("--interleave", action="store_true", help="also the 4 experts' tiles in turn (mx_gate_up_ring's order)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -170,6 +178,8 @@ def main() -> int:
               (48, 4, 8), (24, 8, 8)]
     if a.quick:
         shapes = [(16, 8, 8), (32, 4, 8), (64, 3, 8)]
+    if a.shapes:
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in a.shapes.split(",")]
     rows_out = []
     for name, n_rows in (("gate/up", 2 * h), ("down", h)):
         words = torch.randint(-2**31, 2**31 - 1, (experts * n_rows * ROW_BYTES // 4,), dtype=torch.int32, device=dev)
@@ -177,11 +187,12 @@ def main() -> int:
         id_sets = [torch.arange(r * top_k, (r + 1) * top_k, device=dev) for r in range(experts // top_k)]
         host = words.view(experts, -1).cpu().numpy()
         want = np.bitwise_xor.reduce(host[id_sets[0].cpu().numpy()].ravel())
-        for (rows, slots, consumers), touch, per_sm in itertools.product(shapes, (False, True), (1, 2)):
+        orders = (False, True) if a.interleave else (False,)
+        for (rows, slots, consumers), touch, per_sm, inter in itertools.product(shapes, (False, True), (1, 2), orders):
             smem_total = slots * rows * ROW_BYTES
-            if smem_total * per_sm > 220_000 or n_rows % rows:
+            if smem_total * per_sm > 220_000 or n_rows % rows or (consumers + 1) * 32 * per_sm > 2048:
                 continue
-            kernel, smem = _kernel(rows, slots, consumers, touch)
+            kernel, smem = _kernel(rows, slots, consumers, touch, inter)
             tmap = tensor_map(words, experts * n_rows, rows)
             grid, threads, n_tiles = sms * per_sm, (consumers + 1) * 32, top_k * n_rows // rows
             out = torch.zeros(grid * threads, dtype=torch.int32, device=dev)
@@ -195,10 +206,11 @@ def main() -> int:
                                       for ids in id_sets])
             us = time_it(replay, reps=20, flush=False) * 1e6 / len(id_sets)
             r = dict(matrix=name, rows=rows, slots=slots, consumers=consumers, ctas_per_sm=per_sm,
+                     order="experts in turn" if inter else "expert-major",
                      reads="one word a tile" if touch else "whole tile", us=us, tb_s=nbytes / us / 1e6,
                      copy_floor_us=nbytes / bw * 1e6)
             rows_out.append(r)
-            print(f"{name:8s} R{rows:3d} S{slots:2d} C{consumers} x{per_sm} {r['reads']:16s}: {us:6.2f} us "
+            print(f"{name:8s} R{rows:3d} S{slots:2d} C{consumers} x{per_sm} {r['order']:15s} {r['reads']:16s}: {us:6.2f} us "
                   f"{r['tb_s']:5.2f} TB/s (floor {r['copy_floor_us']:5.2f})", flush=True)
         # the plain-load peers of the same run
         from pdserve.bench.read_pattern import _kernel as rp_kernel

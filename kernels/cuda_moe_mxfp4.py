@@ -19,7 +19,6 @@ of kernels/triton_moe.py (pairs sorted by expert, blocks of 8).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,80 +94,6 @@ MAX_CLUSTER = 8  # the portable cluster size: larger top_k take the arrival coun
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
-
-
-@dataclass(frozen=True)
-class RingConfig:
-    """Shape of the persistent gate/up (the .cu file's mx_gate_up_ring): consumer groups of 4 warps
-    and tiles in flight a CTA (shared-memory slots of 16 rows); the slots split evenly over the
-    groups."""
-
-    groups: int = 6
-    slots: int = 6
-
-
-# 1 to RING_TOKENS tokens' per-pair gate/up as one persistent CTA a SM fed by tensor-map copies of
-# whole 16-row tiles (mx_gate_up_ring), in place of mx_gate_up's 1440 CTAs a token; None: mx_gate_up
-RING: RingConfig | None = RingConfig(6, 6)
-RING_TOKENS = 3
-_MAX_SHARED = 227 * 1024  # what one CTA may ask for on Hopper
-_TENSOR_MAPS: dict[tuple, ctypes.Array] = {}
-
-
-def ring_shared_bytes(k_groups: int, ring: RingConfig, tokens: int = RING_TOKENS) -> int:
-    """mx_gate_up_ring's dynamic shared memory: the staged token rows (rounded up to 128 bytes), the
-    ring's slots (16 rows, then their scale words: the .cu file's SLOT_BYTES), and 128 bytes to align
-    the slots."""
-    rows = (tokens * (k_groups * 16 + 4) * 4 + 127) // 128 * 128
-    scale_words = (k_groups + 15) // 16 * 4
-    return rows + ring.slots * (16 * k_groups * 16 + 16 * scale_words * 4) + 128
-
-
-def ring_fits(t: int, top_k: int, n_rows: int, k_groups: int, ring: RingConfig | None) -> bool:
-    """Whether mx_gate_up_ring takes this per-pair gate/up: up to RING_TOKENS tokens of up to 8 pairs,
-    16-row tiles, a row of at most 256 of the tensor map's 8-byte elements, the slots 128-byte
-    multiples, the slots and staged rows within one CTA's shared memory (a static 4 KB spare)."""
-    scale_words = (k_groups + 15) // 16 * 4
-    return (ring is not None and 1 <= t <= RING_TOKENS and top_k <= 8 and n_rows % 16 == 0
-            and 2 * k_groups <= 256 and (16 * k_groups * 16 + 16 * scale_words * 4) % 128 == 0
-            and 1 <= ring.groups <= 7 and ring.slots % ring.groups == 0
-            and ring_shared_bytes(k_groups, ring) + 4096 <= _MAX_SHARED)
-
-
-def tensor_map(blocks: torch.Tensor) -> ctypes.Array:
-    """The TMA descriptor of packed blocks [E, rows, KG, 16] seen as [E * rows, 2 KG] 8-byte elements,
-    in boxes of 16 whole rows (one a ring slot): 128 bytes that mx_gate_up_ring takes by value.
-    Cached by address and shape (the descriptor holds nothing else)."""
-    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
-
-    e, rows, kg, _ = blocks.shape
-    key = (blocks.data_ptr(), e, rows, kg, blocks.device.index)
-    if key not in _TENSOR_MAPS:
-        if not blocks.is_contiguous() or blocks.data_ptr() % 16:
-            raise ValueError("a tensor map needs contiguous blocks at a 16-byte aligned address")
-        desc = (ctypes.c_ubyte * 128)()
-        dims = (ctypes.c_uint64 * 2)(2 * kg, e * rows)
-        strides = (ctypes.c_uint64 * 1)(16 * kg)
-        box = (ctypes.c_uint32 * 2)(2 * kg, 16)
-        unit = (ctypes.c_uint32 * 2)(1, 1)
-        # CU_TENSOR_MAP_DATA_TYPE_UINT64, no interleave, no swizzle, L2 promotion 256 B, no OOB fill
-        _check_cuda(_get_gpu_runtime_library().cuTensorMapEncodeTiled(
-            desc, 4, 2, ctypes.c_void_p(blocks.data_ptr()), dims, strides, box, unit, 0, 0, 3, 0))
-        _TENSOR_MAPS[key] = desc
-    return _TENSOR_MAPS[key]
-
-
-@functools.cache
-def _ring_kernel(device_index: int, k_groups: int, ring: RingConfig, early_x: bool):
-    options = compile_options(k_groups, 1, PAIR_CONFIG.gate_up, early_x=early_x) + [
-        f"-DMX_RING_GROUPS={ring.groups}", f"-DMX_RING_SLOTS={ring.slots}", f"-DMX_RING_TOKENS={RING_TOKENS}"]
-    return load_kernels(SOURCE, ["mx_gate_up_ring"], options, device_index,
-                        ring_shared_bytes(k_groups, ring))["mx_gate_up_ring"]
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -283,16 +208,9 @@ def experts_forward_mxfp4_mma(
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
     pdl = pdl_enabled(x.device)
-    # the ring adds each tile's K in the per-pair shape's four shares: it stands in for that shape only
-    if not grouped and trace is None and x.is_cuda and config.gate_up[1] == 4 and ring_fits(t, k, n2, hg, RING):
-        launch_cuda(_ring_kernel(dev, hg, RING, early_x), (min(t * k * (n2 // 16), _sm_count(dev)), 1, 1),
-                    (32 * (1 + 4 * RING.groups), 1, 1), ring_shared_bytes(hg, RING), pdl=pdl, args=[
-                        tensor_map(w.gate_up_blocks), w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0),
-                        ids, t * k, k, n2, act, float(limit), float(alpha)])
-    else:
-        launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, fold), pdl=pdl, args=[
-                    w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids,
-                    item_expert, item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, fold), pdl=pdl, args=[
+                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:

@@ -263,35 +263,3 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
     assert "HMMA.16816.F32.BF16" in late
     if entry == "gemv_fp8_rope":
         assert "LDG.E.64.STRONG.GPU" in late, "positions / slots not read after the wait through L2"
-
-
-def test_mxfp4_ring_gate_up_reads_only_token_rows_ahead_of_the_wait(tmp_path):
-    """kernels/cuda_moe_mxfp4.cu's mx_gate_up_ring: with MX_EARLY_X its token rows (through L2) are
-    all it loads before the wait, without it nothing; after the wait the weights come through the
-    ring, one tensor-map copy (UTMALDG) and one bulk copy of the scales (UBLKCP) a tile, never by
-    plain loads; no spills; its static shared memory fits the spare that ring_fits leaves beside
-    the dynamic part."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
-    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG, RING, RING_TOKENS, SOURCE, compile_options
-
-    ops = {}
-    for early_x in (1, 0):
-        cubin = tmp_path / f"ring{early_x}.cubin"
-        out = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v",
-                              *compile_options(90, 1, PAIR_CONFIG.gate_up, early_x=bool(early_x)),
-                              f"-DMX_RING_GROUPS={RING.groups}", f"-DMX_RING_SLOTS={RING.slots}",
-                              f"-DMX_RING_TOKENS={RING_TOKENS}",
-                              "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
-        report = out.stderr[out.stderr.index("mx_gate_up_ring"):]
-        assert re.search(r"0 bytes spill stores", report), report
-        assert int(re.search(r"(\d+) bytes smem", report).group(1)) <= 4096, report
-        ops[early_x] = _sass(cubin.read_bytes(), tmp_path, "mx_gate_up_ring")
-    early = _loads_before_wait(ops[1])
-    assert early and set(early) == {"LDG.E.128.STRONG.GPU"}, f"loads before the wait besides the rows: {early}"
-    assert not _loads_before_wait(ops[0])
-    late = ops[1][ops[1].index("ACQBULK"):]
-    assert any(op.startswith("UTMALDG") for op in late) and any(op.startswith("UBLKCP") for op in late), sorted(set(late))
-    assert not [op for op in late if op.startswith("LDG.E.128")], "weights read by plain loads"
-    assert "HMMA.16816.F32.BF16" in late
