@@ -14,11 +14,11 @@ one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through gl
 than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
-four groups"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another launch
-shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape of one
-token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting) with one
-piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the marginal
-cost of each.
+four groups"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with
+--mma-config, the defaults with another launch shape of the MXFP4 mma kernels; with --gemv-configs,
+the defaults with another launch shape of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the
+defaults (or --ablate-on's setting) with one piece of every layer (norms, QKV, attention, O
+projection, router, MoE) taken out: the marginal cost of each.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
