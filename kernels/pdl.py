@@ -87,7 +87,7 @@ def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
     `pdl` (its source must then keep the contract above with `griddepcontrol.wait`), in thread-block
     clusters of `cluster` CTAs when given (each grid dimension a multiple of the cluster's). Arguments
     as torch's launcher takes them: tensors as pointers (None: a null one), ints as int, floats as
-    double."""
+    double; a ctypes array is passed by value (a struct parameter, such as a TMA descriptor)."""
     if cluster is not None and any(g % c for g, c in zip(grid, cluster)):
         raise ValueError(f"grid {tuple(grid)} is not a whole number of clusters {tuple(cluster)}")
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
@@ -102,6 +102,8 @@ def launch_cuda(kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
             keep.append(ctypes.c_int(a))
         elif isinstance(a, float):
             keep.append(ctypes.c_double(a))
+        elif isinstance(a, ctypes.Array):  # a struct parameter by value (a TMA descriptor)
+            keep.append(a)
         else:
             raise TypeError(f"unsupported kernel argument {type(a).__name__}")
     params = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])

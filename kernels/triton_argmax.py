@@ -60,9 +60,9 @@ def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, count_ptr, n, stride_
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1) for a [rows, V] tensor (V < 2^30; rows may be strided, a
-    strided row is copied first) on the GPU, into `out` (int64 [rows], any CUDA-addressable memory)
-    when given. No host synchronisation."""
+    """torch.argmax(logits, dim=-1) for a [rows, V] tensor (V < 2^30; any row stride is taken as it
+    is, columns that are not contiguous are copied first) on the GPU, into `out` (int64 [rows], any
+    CUDA-addressable memory) when given. No host synchronisation."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, V], got {tuple(logits.shape)}")
     if logits.stride(1) != 1:  # the kernel steps along a row by one element
