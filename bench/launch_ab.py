@@ -14,7 +14,8 @@ one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through gl
 than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
-four groups"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with
+four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or launched after the norm's PDL wait
+rather than at its start ("attention fp8 qkv launch late"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with
 --mma-config, the defaults with another launch shape of the MXFP4 mma kernels; with --gemv-configs,
 the defaults with another launch shape of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the
 defaults (or --ablate-on's setting) with one piece of every layer (norms, QKV, attention, O
@@ -67,10 +68,10 @@ def _early(*kernels: str) -> dict:
     return {key: name in kernels for name, key in EARLY.items()}
 
 
-def _setting(constants: dict | None = None, pdl: bool = True, fuse_qkv_rope: bool = True) -> tuple:
+def _setting(constants: dict | None = None, pdl: bool = True, fuse_qkv_rope: bool = True, attrs: dict | None = None) -> tuple:
     """(environment, GptOssModel attributes, {(module, constant): value}) at capture; what a
     setting does not name keeps the engine's value (every change is undone after its capture)."""
-    return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": fuse_qkv_rope}, constants or {}
+    return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": fuse_qkv_rope, **(attrs or {})}, constants or {}
 
 
 def _full_layers(min_keys: int, max_splits: int) -> dict:
@@ -106,6 +107,9 @@ SETTINGS = {
     "down counters": _setting({(cuda_moe_mxfp4, "CLUSTER_SUM"): False}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
+    # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
+    # other kernel, not at the norm's start (kernels/pdl.py)
+    "attention fp8 qkv launch late": _setting(attrs={"early_qkv_launch": False}),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),
@@ -120,6 +124,8 @@ SETTINGS = {
     # through the Triton FP8 linear
     "attention fp8": _setting(),
     "attention fp8 triton": _setting({(cuda_gemv_fp8, "MAX_TOKENS"): 0}),
+    # the FP8 GEMVs up to their 8 tokens, not up to cuda_gemv_fp8.MAX_TOKENS
+    "attention fp8 gemv to 8": _setting({(cuda_gemv_fp8, "MAX_TOKENS"): cuda_gemv_fp8.MAX_M}),
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
@@ -129,7 +135,8 @@ SETTINGS = {
     "mxfp4 unfolded": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): None}),
     "default": _setting(),
 }
-FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 four groups")  # settings that capture with FP8 projection weights
+FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",
+                 "attention fp8 qkv launch late")  # settings that capture with FP8 projection weights
 
 
 ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")
@@ -262,10 +269,12 @@ def main() -> int:
         name = f"skip {piece}" + ("" if a.ablate_on == "default" else f" ({a.ablate_on})")
         settings[name] = SETTINGS[a.ablate_on]
         ablated[name] = _ablation(runner, piece, max(a.batches))
-    fp8 = _fp8_attention(runner) if any(n in FP8_ATTENTION for n in settings) else []
+    # settings that capture with FP8 projection weights: those named so, and ablations of one of them
+    fp8_named = {n for n in settings if n in FP8_ATTENTION or (n in ablated and a.ablate_on in FP8_ATTENTION)}
+    fp8 = _fp8_attention(runner) if fp8_named else []
     # per setting, the (object, attribute, value) set for its capture and undone after it
     patches = {name: [*((runner.model, k, v) for k, v in attrs.items()), *((mod, k, v) for (mod, k), v in consts.items()),
-                      *ablated.get(name, []), *(fp8 if name in FP8_ATTENTION else [])]
+                      *ablated.get(name, []), *(fp8 if name in fp8_named else [])]
                for name, (_, attrs, consts) in settings.items()}
     g = torch.Generator().manual_seed(1)
     results = {}

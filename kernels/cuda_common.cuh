@@ -1,6 +1,6 @@
 // What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
 // on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the L2 load and entry
-// of a PDL kernel, a shared-memory address, the bf16 mma with A's upper rows zero, and
+// of a PDL kernel, a shared-memory address, the bf16 / f16 mma with A's upper rows zero, and
 // the thread-block cluster's sync and distributed shared memory reads.
 #pragma once
 
@@ -29,14 +29,20 @@ __device__ __forceinline__ U4 load_early(const void* p) {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-// d += A B (mma.sync m16n8k16, bf16 in, float32 accumulate) with A's rows 8-15 zero: a0, a2 the
-// lane's two registers of rows 0-7, b0, b1 its two of B
+// d += A B (mma.sync m16n8k16, bf16 in (F16: f16 in), float32 accumulate) with A's rows 8-15 zero:
+// a0, a2 the lane's two registers of rows 0-7, b0, b1 its two of B
+template <bool F16 = false>
 __device__ __forceinline__ void mma_rows0_7(float d[4], u32 a0, u32 a2, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  if (F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
 
 // A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract)

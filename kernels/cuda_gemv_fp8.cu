@@ -4,28 +4,28 @@
 //
 // Why: at decode the attention projections are pure weight streaming, and FP8 halves their bytes
 // (gpt-oss' QKV 29.5 -> 14.7 MB, O 23.6 -> 11.8 MB a layer). A Triton GEMV of the same weights was
-// bound by instruction issue (7-9 SASS instructions a byte, docs/kernels.md); here an e4m3 weight
-// becomes a bf16 tensor-core operand in two integer instructions. (Measured, this kernel is still
-// bound by its instructions rather than its bytes at one token: docs/kernels.md, "The CUDA FP8 GEMV".)
+// bound by instruction issue (7-9 SASS instructions a byte, docs/kernels.md); here Hopper's
+// conversion turns two e4m3 weights into an f16 tensor-core operand in one instruction (a first version
+// built bf16 operands in three integer instructions a pair and was bound by them: docs/kernels.md).
 //
 // Shape: a CTA owns ROWS = 8 weight rows (the 8 columns of B of mma.sync m16n8k16) and its 4 warps
 // split K in steps of 64. In a step, lane (g, tig) reads 16 weight bytes of row g (16 K) and the same
-// 16 K of token g (A's rows 0-7), and feeds four mmas; the K order inside an mma is permuted alike for
-// A and B. Each warp copies its share of the 8 rows into shared memory (16-byte cp.async, consecutive
+// 16 K of token g (A's rows 0-7), and feeds four mmas (f16 in, float32 accumulate); the K order inside
+// an mma is permuted alike for A and B. Each warp copies its share of the 8 rows into shared memory (16-byte cp.async, consecutive
 // lanes on consecutive bytes of a row), all of it ahead of the PDL wait (weights never change:
 // kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream while the kernel before
 // runs (the RMSNorm before QKV, the attention before O), and after the wait the warp sums each group
 // as soon as its copies have landed (a warp sync, no CTA barrier), the last bytes followed only by
 // one group's mmas, the CTA's reduction and the epilogue. A warp stages its share of the token rows
-// itself (plain loads after the wait, through L2: the kernel before wrote them); the block scales
-// and biases come with the first group.
+// itself (plain loads after the wait, through L2: the kernel before wrote them), in f16 at a power of
+// two per 64-K step; the block scales and biases come with the first group.
 //
-// Exactness: the e4m3 byte s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000 (value * 2^-120, exact,
-// subnormals too) and the token rows are staged times 2^64 (exact), so every product is exact in
-// float32 (|x w| 2^-56, far from float32's subnormals); each 64-K step's sum times its block's scale
-// is added to the row's sum, and the total is multiplied by 2^56 (powers of two: the roundings are
-// those of the unscaled sums). So the result is the float32 dot product with the dequantised
-// weights, in this kernel's order.
+// Exactness: e4m3 -> f16 is exact (subnormals too). Each 64-K step of a token row is staged times
+// 2^-e, e chosen so that the step's largest |x| lands in [2^14, 2^15): a bf16 has 8 significant bits
+// and an f16 11, so the staged values are exact down to 2^-32 of the step's largest (smaller ones
+// round at f16's subnormal spacing, 2^-24 times 2^e). Every product then has at most 15 significant
+// bits and is exact in float32; each step's sum times its block's scale and 2^e is added to the row's
+// sum. So the result is the float32 dot product with the dequantised weights, in this kernel's order.
 //
 // Two entry points: `gemv_fp8` writes out [M, N]; `gemv_fp8_rope` is gpt-oss' QKV projection with
 // its epilogue (kernels/triton_rope.py): a CTA takes 4 rotation pairs of one head, rounds its sums to
@@ -46,6 +46,7 @@
 #define GROUPS GF_GROUPS  // commit groups of a warp's weight copies (1-4)
 #define MAX_WARP_KB 17   // 128-wide K blocks a warp's share touches (K <= 8192: 32 steps)
 #define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
+#define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
 
 __device__ __forceinline__ void copy16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
@@ -68,24 +69,26 @@ __device__ __forceinline__ void wait_groups(int pending) {
   }
 }
 
-// Two e4m3 bytes of w (at byte positions the selector puts in bytes 1 and 3) as bf16x2, times 2^-120:
-// sign to bit 15, exponent and mantissa (7 bits) to bits 4-10
-__device__ __forceinline__ u32 e4m3x2_bf16x2(u32 w, u32 selector) {
-  const u32 u = __byte_perm(w, 0u, selector);  // the two bytes in bytes 1 and 3, zeros in 0 and 2
-  return ((u >> 4) & 0x07F007F0u) | (u & 0x80008000u);
+// Bytes 0-1 (lo) and 2-3 (hi) of w (e4m3) as f16x2 each, exactly: one instruction a pair (F2FP, which
+// takes either half of its register)
+__device__ __forceinline__ void e4m3x4_f16x2(u32 w, u32& lo, u32& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
 }
+
+// (a, b) as f16x2 (a in the low half), rounded to nearest even
+__device__ __forceinline__ u32 f16x2(float a, float b) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+
 
 // a step input (written before this kernel, anew for every step) through L2 only, as load_early
 __device__ __forceinline__ i64 load_input(const i64* p) {
   i64 v;
   asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ u32 times_2_64(u32 bf16x2) {
-  const float lo = __int_as_float(bf16x2 << 16) * 18446744073709551616.f;
-  const float hi = __int_as_float(bf16x2 & 0xFFFF0000u) * 18446744073709551616.f;
-  return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16);
 }
 
 // The CTA's rows: row r is base + (r & 3) + (r >> 2) * upper (upper 4: 8 consecutive rows; D / 2:
@@ -97,8 +100,8 @@ struct Rows {
 };
 
 // One CTA's dot products, each warp over its share of K. Shared memory: the staged weight rows at
-// ws (row r at r * w_stride), the token rows at xs (x_stride apart), the warps' block scales, the
-// raw bf16 biases, the warps' sums.
+// ws (row r at r * w_stride), the token rows at xs (x_stride apart) with their powers of two, the
+// warps' block scales, the raw bf16 biases, the warps' sums.
 struct Cta {
   const unsigned char* __restrict__ w;
   int K, w_stride, x_stride;
@@ -106,14 +109,16 @@ struct Cta {
   unsigned char* ws;
   unsigned char* xs;
   float (*sc)[MAX_WARP_KB];
+  float (*xsc)[MAX_STEPS];
   u16* bs;
   float (*red)[MAX_M][ROWS];
   int lane, warp, g, tig, s_lo, s_hi, per_group;
 
   __device__ __forceinline__ Cta(const unsigned char* w_, int K_, int w_stride_, int x_stride_, Rows rows_,
-                                 unsigned char* smem, float (*sc_)[MAX_WARP_KB], u16* bs_, float (*red_)[MAX_M][ROWS])
+                                 unsigned char* smem, float (*sc_)[MAX_WARP_KB], float (*xsc_)[MAX_STEPS], u16* bs_,
+                                 float (*red_)[MAX_M][ROWS])
       : w(w_), K(K_), w_stride(w_stride_), x_stride(x_stride_), rows(rows_), ws(smem), xs(smem + ROWS * w_stride_),
-        sc(sc_), bs(bs_), red(red_) {
+        sc(sc_), xsc(xsc_), bs(bs_), red(red_) {
     lane = threadIdx.x & 31;
     warp = threadIdx.x >> 5;
     g = lane >> 2;  // A row (token) g, B column (weight row) g
@@ -134,89 +139,141 @@ struct Cta {
       if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
       if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
     }
-    // consecutive lanes on consecutive 16 bytes of a row's share of the group
+    // consecutive lanes on consecutive 16 bytes of a row's share of the group (c: the lane's chunk of
+    // row r, carried over from row to row: no divisions)
 #pragma unroll 1
     for (int q = 0; q < GROUPS; q++) {
       const int a = s_lo + q * per_group, b = min(a + per_group, s_hi), per_row = max(b - a, 0) * (STEP_K / 16);
-      for (int c = lane; c < ROWS * per_row; c += 32) {
-        const int r = c / per_row, o = a * STEP_K + (c % per_row) * 16;
-        copy16(ws + r * w_stride + o, w + rows(r) * K + o);
+      for (int r = 0, c = lane; r < ROWS;) {
+        if (c < per_row) {
+          const int o = a * STEP_K + c * 16;
+          copy16(ws + r * w_stride + o, w + rows(r) * K + o);
+          c += 32;
+        } else {
+          c -= per_row;
+          r++;
+        }
       }
       commit();
     }
   }
 
-  // After the wait: the warp's share of the M token rows, times 2^64, X_BATCH 16-byte chunks a lane in
-  // flight (a lane's chunks: c over the token's share, then the next token m; no divisions)
+  // After the wait: the warp's share of the M token rows in f16, each 64-K step times its own 2^-e
+  // (xsc[m][step] = 2^e), X_BATCH 16-byte chunks a lane in flight (a lane's chunks: c over the token's
+  // share, then the next token m; no divisions). A step is 8 chunks and 8 consecutive lanes always
+  // hold one step's (a token's share is whole steps, lanes advance by 32), so its largest |x| is three
+  // shuffles away; every lane runs the same rounds for them.
   __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
     const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
+    const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
     int m = 0, c = lane;
-    while (c >= chunks && m < M) c -= chunks, m++;
-    while (m < M) {
+    while (c >= chunks) c -= chunks, m++;
+    for (int round = 0; round < rounds; round++) {
       U4 v[X_BATCH];
       int mb[X_BATCH], cb[X_BATCH];
 #pragma unroll
       for (int b = 0; b < X_BATCH; b++) {
         mb[b] = m;
         cb[b] = c;
-        if (m < M) v[b] = load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8);
-        for (c += 32; c >= chunks && m < M;) c -= chunks, m++;
+        v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
+        for (c += 32; c >= chunks;) c -= chunks, m++;
       }
 #pragma unroll
       for (int b = 0; b < X_BATCH; b++) {
+        const u32 pairs[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+        float f[8], big = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          f[2 * i] = __int_as_float(pairs[i] << 16);
+          f[2 * i + 1] = __int_as_float(pairs[i] & 0xFFFF0000u);
+          big = fmaxf(big, fmaxf(fabsf(f[2 * i]), fabsf(f[2 * i + 1])));
+        }
+        big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, 1));
+        big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, 2));
+        big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, 4));
+        // big in [2^(E-127), 2^(E-126)): times 2^(141-E) in [2^14, 2^15); E >= 15 keeps both powers
+        // normal (an infinite x stays infinite)
+        const int E = max(__float_as_int(big) >> 23, 15);
+        const float up = __int_as_float((268 - E) << 23);
         if (mb[b] < M) {
-          const U4 e = v[b];
           *reinterpret_cast<U4*>(xs + mb[b] * x_stride + s_lo * STEP_K * 2 + cb[b] * 16) =
-              U4{times_2_64(e.x), times_2_64(e.y), times_2_64(e.z), times_2_64(e.w)};
+              U4{f16x2(f[0] * up, f[1] * up), f16x2(f[2] * up, f[3] * up), f16x2(f[4] * up, f[5] * up),
+                 f16x2(f[6] * up, f[7] * up)};
+          if ((cb[b] & 7) == 0) xsc[mb[b]][s_lo + cb[b] / 8] = __int_as_float((E - 14) << 23);
         }
       }
     }
     __syncwarp();
   }
 
-  // Each group's steps once the warp's copies of it have landed; the warp's sums into red
+  // Step s of token row xr against weight row wr: four mmas in two chains (K 4i .. 4i + 3 of the lane's
+  // 16: x pairs (4i, 4i+1), (4i+2, 4i+3) and the same bytes), times the step's scales. d0, d1: token g
+  // against weight rows 2 tig, 2 tig + 1 (the mmas' d[2], d[3] are A's zero rows 8-15).
+  __device__ __forceinline__ void step(const unsigned char* wr, const unsigned char* xr, int s, float scale,
+                                       float& d0, float& d1) const {
+    const U4 wv = *reinterpret_cast<const U4*>(wr + s * STEP_K);
+    const U4 xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
+    const U4 xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
+    u32 b[8];
+    e4m3x4_f16x2(wv.x, b[0], b[1]);
+    e4m3x4_f16x2(wv.y, b[2], b[3]);
+    e4m3x4_f16x2(wv.z, b[4], b[5]);
+    e4m3x4_f16x2(wv.w, b[6], b[7]);
+    float p[4] = {0.f, 0.f, 0.f, 0.f}, q[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_rows0_7<true>(p, xa.x, xa.y, b[0], b[1]);
+    mma_rows0_7<true>(q, xa.z, xa.w, b[2], b[3]);
+    mma_rows0_7<true>(p, xb.x, xb.y, b[4], b[5]);
+    mma_rows0_7<true>(q, xb.z, xb.w, b[6], b[7]);
+    d0 = (p[0] + q[0]) * scale;
+    d1 = (p[1] + q[1]) * scale;
+  }
+
+  // The warp's steps, two at a time (four independent mma chains), each group's once the warp's copies
+  // of it have landed; the warp's sums into red
   __device__ __forceinline__ void sum(int M) {
-    const bool token = g < M;
+    const int m = g < M ? g : 0;  // A's rows of tokens past M: token 0's (their sums are not kept)
     const unsigned char* wr = ws + g * w_stride + tig * 16;
-    const unsigned char* xr = xs + (token ? g : 0) * x_stride + tig * 32;
+    const unsigned char* xr = xs + m * x_stride + tig * 32;
     const int kb0 = s_lo / 2;
     float acc0 = 0.f, acc1 = 0.f;  // token g, weight rows 2 tig and 2 tig + 1
-    for (int s = s_lo, q = 0; s < s_hi; s++) {
-      if (s == s_lo + q * per_group) {  // the first step of group q: wait for it
+    int q = 0;                     // groups waited for
+    auto landed = [&](int s) {     // the groups holding steps up to s
+      while (q < GROUPS && s >= s_lo + q * per_group) {
         wait_groups(GROUPS - 1 - q);
         __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
         q++;
       }
-      const U4 wv = *reinterpret_cast<const U4*>(wr + s * STEP_K);
-      U4 xa = U4{0u, 0u, 0u, 0u}, xb = U4{0u, 0u, 0u, 0u};
-      if (token) {
-        xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
-        xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
-      }
-      // four mmas, K 4i .. 4i + 3 of the lane's 16: x pairs (4i, 4i+1), (4i+2, 4i+3) and the same bytes
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_rows0_7(d, xa.x, xa.y, e4m3x2_bf16x2(wv.x, 0x1404u), e4m3x2_bf16x2(wv.x, 0x3424u));
-      mma_rows0_7(d, xa.z, xa.w, e4m3x2_bf16x2(wv.y, 0x1404u), e4m3x2_bf16x2(wv.y, 0x3424u));
-      mma_rows0_7(d, xb.x, xb.y, e4m3x2_bf16x2(wv.z, 0x1404u), e4m3x2_bf16x2(wv.z, 0x3424u));
-      mma_rows0_7(d, xb.z, xb.w, e4m3x2_bf16x2(wv.w, 0x1404u), e4m3x2_bf16x2(wv.w, 0x3424u));
-      const float scale = sc[warp][(s >> 1) - kb0];  // 2 steps a 128-wide block
-      acc0 = fmaf(d[0], scale, acc0);
-      acc1 = fmaf(d[1], scale, acc1);
+    };
+    // 2 steps a 128-wide scale block
+    auto scale = [&](int s) { return sc[warp][(s >> 1) - kb0] * xsc[m][s]; };
+    int s = s_lo;
+    for (; s + 1 < s_hi; s += 2) {
+      landed(s + 1);
+      float a0, a1, b0, b1;
+      step(wr, xr, s, scale(s), a0, a1);
+      step(wr, xr, s + 1, scale(s + 1), b0, b1);
+      acc0 += a0 + b0;
+      acc1 += a1 + b1;
     }
-    // d[0], d[1]: token g, weight rows 2 tig, 2 tig + 1 (d[2], d[3]: the zero rows 8-15 of A)
-    if (token) {
+    if (s < s_hi) {
+      landed(s);
+      float a0, a1;
+      step(wr, xr, s, scale(s), a0, a1);
+      acc0 += a0;
+      acc1 += a1;
+    }
+    if (g < M) {
       red[warp][g][2 * tig] = acc0;
       red[warp][g][2 * tig + 1] = acc1;
     }
     __syncthreads();
   }
 
-  // token m's total for row r: the warps' sums in order, times 2^56, then the bias (float32)
+  // token m's total for row r: the warps' sums in order, then the bias (float32)
   __device__ __forceinline__ float total(int m, int r, bool has_bias) const {
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < WARPS; k++) v += red[k][m][r];
-    v *= 72057594037927936.f;  // 2^56
     return has_bias ? v + from_bf16(bs[r]) : v;
   }
 };
@@ -225,6 +282,7 @@ struct Cta {
   extern __shared__ __align__(16) unsigned char smem[];     \
   __shared__ float red[WARPS][MAX_M][ROWS];                 \
   __shared__ float sc[WARPS][MAX_WARP_KB];                  \
+  __shared__ float xsc[MAX_M][MAX_STEPS];                   \
   __shared__ __align__(16) u16 bs[ROWS];
 
 // out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
@@ -234,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride) {
   CTA_SHARED
-  Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4}, smem, sc, bs, red);
+  Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4}, smem, sc, xsc, bs, red);
   cta.request(scale, bias, false);
   enter_pdl();  // x is written by the kernel before this one
   cta.stage_x(x, stride_x, M);
@@ -262,7 +320,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   constexpr int D = GF_ROPE_D, HALF = D / 2;
   CTA_SHARED
   const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
-  Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, bs, red);
+  Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, xsc, bs, red);
   cta.request(scale, bias, true);
   enter_pdl();  // x, positions and slots are written before this kernel
   // the epilogue thread's (token m, pair i) position, table entries and slot, in flight during the sums

@@ -1,11 +1,12 @@
 """FP8-weight GEMV for decode batches (up to MAX_M tokens): e4m3 weights with 128x128 block scales
-(kernels/fp8.py), bf16 activations as they are, the bias in float32, one rounding to bf16; and
-gpt-oss' QKV projection with its RoPE + KV-write epilogue in the same launch.
+(kernels/fp8.py), bf16 activations, the bias in float32, one rounding to bf16; and gpt-oss' QKV
+projection with its RoPE + KV-write epilogue in the same launch.
 
 At decode the attention projections only stream weights, and FP8 halves their bytes. Each CTA
 requests its 8 weight rows into shared memory ahead of its PDL wait (kernels/pdl.py), so they stream
-while the kernel before it runs; e4m3 bytes become bf16 tensor-core operands in two integer
-instructions each (cuda_gemv_fp8.cu says how, and why the sums are exact products in float32).
+while the kernel before it runs. Two e4m3 weights become an f16 tensor-core operand in one
+instruction; the token rows are staged in f16 at a power of two per 64 K, exact to 2^-32 of each
+step's largest |x|, so the sums are exact products in float32 (cuda_gemv_fp8.cu says why).
 Compiled at first use by NVRTC (kernels/nvrtc.py); CUDA-graph capturable.
 """
 
@@ -37,8 +38,9 @@ GROUPS = 1
 MAX_TOKENS = 4
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
 MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_K)
-# the kernels' static buffers: the warps' sums, their block scales, the bf16 biases
-STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 2 * ROWS
+# the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
+# two (a token and 64-K step), the bf16 biases
+STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
 MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
 
 
@@ -49,7 +51,7 @@ def w_stride(k: int) -> int:
 
 
 def x_stride(k: int) -> int:
-    """Bytes between staged token rows (bf16): 16 past a multiple of 128, for the same reason."""
+    """Bytes between staged token rows (f16): 16 past a multiple of 128, for the same reason."""
     return 2 * k + 16
 
 

@@ -23,6 +23,18 @@ before it stands in for them.
 Kernels launched without PDL (cuBLAS, torch) keep plain stream order on both sides. CUDA graphs
 capture the programmatic edges, so replays keep them.
 
+One exception to "wait, then launch": a kernel whose dependent reads nothing but weights ahead of
+its wait may let it launch at its start (`launch_then_wait`): the residual + RMSNorm before the
+attention block, one short CTA a token, where the QKV projection after it is the FP8 GEMV
+(`cuda_gemv_fp8`), which requests all of its weights ahead of the wait (`GptOssModel`'s
+`early_qkv_launch`). Its CTAs are then placed while the kernel two back (the MoE's down
+projection) still runs, wherever that leaves room, and its weights stream during that kernel's
+tail instead of after it. It is safe: the GEMV reads nothing else before its wait, which the norm's
+completion releases, and that follows the kernel two back; and it cannot starve that kernel of SMs,
+because the norm launches only once every CTA of the kernel before it has started. Measured
+(docs/performance.md, twentieth round), it pays there only: before the bf16 QKV kernels (which read
+one weight tile ahead) and before the router it made the step slower.
+
 `PDSERVE_PDL=0` turns it off (the benchmark's A/B); it is off on the CPU, under Triton's
 interpreter and before Hopper.
 """
@@ -64,6 +76,15 @@ def enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def launch_then_wait(PDL: tl.constexpr):
+    """The next kernel's launch, then the wait for the kernel before: only where every dependent reads
+    nothing but weights ahead of its own wait (the exception above)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 # The driver's launch structures (cuda.h, CUDA >= 12.0).

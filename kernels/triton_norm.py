@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, launch_options
+from .pdl import enter, launch_options, launch_then_wait
 from .triton_math import INTERPRET, rsqrt_f32
 
 
@@ -28,9 +28,12 @@ def _add_rms_norm_kernel(
     x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, H, inv_h, eps,
     stride_x, stride_d, stride_r, stride_o,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    enter(PDL)
+    if EARLY_LAUNCH:
+        launch_then_wait(PDL)
+    else:
+        enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < H
@@ -47,10 +50,12 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, early_launch: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta [T, H] -> (x + delta, rms_norm(x + delta) * weight), both in x.dtype.
-    With delta None: (x, rms_norm(x) * weight)."""
+    With delta None: (x, rms_norm(x) * weight). `early_launch`: the next kernel may launch at this
+    one's start, before its PDL wait (kernels/pdl.py's exception: the caller vouches that it reads
+    nothing but weights ahead of its own wait)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with unit column stride, got {tuple(x.shape)}")
     t, h = x.shape
@@ -69,7 +74,8 @@ def add_rms_norm(
         _add_rms_norm_kernel[(t,)](
             x, d, weight, res, out, h, float(np.float32(1) / np.float32(h)), eps,
             x.stride(0), sd, res.stride(0), out.stride(0),
-            HAS_DELTA=delta is not None, BLOCK=block, ACCURATE=not INTERPRET, num_warps=max(1, min(16, block // 256)),
+            HAS_DELTA=delta is not None, BLOCK=block, ACCURATE=not INTERPRET, EARLY_LAUNCH=early_launch,
+            num_warps=max(1, min(16, block // 256)),
             **launch_options(x.device),
         )
     return res, out

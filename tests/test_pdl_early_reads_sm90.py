@@ -125,6 +125,21 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
     assert not late, f"{name}: loads before the wait with early reads off: {late}"
 
 
+@pytest.mark.parametrize("early_launch", [True, False])
+def test_norm_lets_the_next_kernel_launch_before_its_wait_only_when_asked(early_launch, tmp_path):
+    """kernels/triton_norm.py: with EARLY_LAUNCH the launch of the next kernel (PREEXIT) comes before
+    the wait (ACQBULK), else after it; no load either way before the wait."""
+    from pdserve.kernels import triton_norm as tn
+
+    types = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+             "inv_h": "fp32", "eps": "fp32"}
+    consts = dict(HAS_DELTA=True, BLOCK=4096, ACCURATE=True, EARLY_LAUNCH=early_launch, PDL=True)
+    ops = _sass(_compile(tn._add_rms_norm_kernel, types, consts, 16), tmp_path)
+    assert not _loads_before_wait(ops)
+    assert "PREEXIT" in ops
+    assert (ops.index("PREEXIT") < ops.index("ACQBULK")) == early_launch
+
+
 def _mx_sass(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int, early_x: int,
             early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
     """One MXFP4 kernel's SASS, compiled by nvcc for sm_90 with the engine's NVRTC options
@@ -240,7 +255,8 @@ def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it
 def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_after_it(entry, tmp_path):
     """kernels/cuda_gemv_fp8.cu: the async copies of the CTA's e4m3 rows, its block scales and its
     biases (LDGSTS) are all it reads before the wait; x, the positions and the slots (written by the
-    step) come after it, through L2; the K loop feeds bf16 mmas without spills."""
+    step) come after it, through L2; the K loop feeds f16 mmas from Hopper's e4m3 conversion, without
+    spills."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc on this host")
@@ -260,6 +276,6 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
     assert not others, f"loads ahead of the wait besides the async copies: {others}"
     late = ops[ops.index("ACQBULK"):]
     assert "LDG.E.128.STRONG.GPU" in late, "x not read after the wait through L2"
-    assert "HMMA.16816.F32.BF16" in late
+    assert "HMMA.16816.F32" in late and "F2FP.F16.E4M3.UNPACK_B" in late
     if entry == "gemv_fp8_rope":
         assert "LDG.E.64.STRONG.GPU" in late, "positions / slots not read after the wait through L2"

@@ -27,9 +27,15 @@ def _start(runner: ModelRunner, prompts: list[list[int]], steps: list[int]) -> l
     return seqs
 
 
-def test_graph_decode_matches_eager(narrow_ckpt):
-    eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512)
-    graphs = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16)
+@pytest.mark.parametrize("attention_precision", ["bf16", "fp8"])
+def test_graph_decode_matches_eager(narrow_ckpt, attention_precision):
+    """FP8 attention projections too: up to cuda_gemv_fp8.MAX_TOKENS tokens their QKV GEMV launches at
+    the start of the norm before it (kernels/pdl.py's exception), in the replay as in the eager step."""
+    eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, attention_precision=attention_precision)
+    graphs = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16,
+                         attention_precision=attention_precision)
+    one = torch.zeros(1, graphs.cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    assert graphs.model._qkv_launches_early(0, one) == (attention_precision == "fp8")
     assert graphs.decode_graphs is not None and eager.decode_graphs is None
     assert graphs.decode_graphs.sizes == [1, 2, 4, 8, 16]
     free_before = {g: a.num_free for g, a in graphs.cache.allocators.items()}

@@ -4,7 +4,7 @@ projection shapes (QKV [5120, 2880], O [2880, 4096], their TP-2 shares), fresh r
 Reference: x @ (the dequantised e4m3 weights)^T + bias in float32 (kernels.fp8.fp8_weight_linear_ref's
 numbers); tolerance: one bf16 rounding of the output plus 1e-5 of the element's magnitude sum
 (tests/numerics.py), which only the float32 summation order may use: the kernel's products are exact.
-Every e4m3 code (subnormals, both zeros, +-448) goes through it. The RoPE entry equals the GEMV
+Every e4m3 code (subnormals, both zeros, +-448) goes through it, and token rows over bf16's range. The RoPE entry equals the GEMV
 followed by the Triton epilogue bit for bit; results are bit-identical from call to call and when
 replayed from a CUDA graph behind a kernel that writes x.
 """
@@ -63,6 +63,20 @@ def test_every_e4m3_code_exactly(seed):
     b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
     x = (torch.randn(3, k, device="cuda", generator=g) * torch.exp2(torch.randint(
         -30, 10, (3, k), device="cuda", generator=g).float())).to(torch.bfloat16)
+    _check(gemv_fp8(x, wq, ws, b), x, wq, ws, b)
+
+
+def test_token_steps_over_the_whole_bf16_range(seed):
+    """Each 64-K step of a token row is staged in f16 at its own power of two: steps whose largest
+    |x| lies anywhere from bf16's subnormals to 2^60, and steps of zeros, keep the reference's bound,
+    and every token takes its own powers (8 tokens, one launch)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k, m = 512, 2880, 8
+    wq, ws = quantize_weight_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    b = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    powers = torch.randint(-140, 61, (m, k // 64), device="cuda", generator=g).float()
+    powers[torch.rand(m, k // 64, device="cuda", generator=g) < 0.1] = float("-inf")  # all-zero steps
+    x = (torch.randn(m, k, device="cuda", generator=g) * torch.exp2(powers).repeat_interleave(64, 1)).to(torch.bfloat16)
     _check(gemv_fp8(x, wq, ws, b), x, wq, ws, b)
 
 
