@@ -1,6 +1,6 @@
 // FP8-weight GEMV for a decode batch (M <= 8 tokens): e4m3 weights with one float32 scale per 128x128
-// block (kernels/fp8.py), bf16 activations kept as they are, float32 sums, the bias in float32, one
-// rounding to bf16. Compiled at run time by NVRTC (kernels/cuda_gemv_fp8.py).
+// block (kernels/fp8.py), bf16 activations (staged exactly in f16, below), float32 sums, the bias in
+// float32, one rounding to bf16. Compiled at run time by NVRTC (kernels/cuda_gemv_fp8.py).
 //
 // Why: at decode the attention projections are pure weight streaming, and FP8 halves their bytes
 // (gpt-oss' QKV 29.5 -> 14.7 MB, O 23.6 -> 11.8 MB a layer). A Triton GEMV of the same weights was
@@ -11,10 +11,11 @@
 // Shape: a CTA owns ROWS = 8 weight rows (the 8 columns of B of mma.sync m16n8k16) and its 4 warps
 // split K in steps of 64. In a step, lane (g, tig) reads 16 weight bytes of row g (16 K) and the same
 // 16 K of token g (A's rows 0-7), and feeds four mmas (f16 in, float32 accumulate); the K order inside
-// an mma is permuted alike for A and B. Each warp copies its share of the 8 rows into shared memory (16-byte cp.async, consecutive
-// lanes on consecutive bytes of a row), all of it ahead of the PDL wait (weights never change:
-// kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream while the kernel before
-// runs (the RMSNorm before QKV, the attention before O), and after the wait the warp sums each group
+// an mma is permuted alike for A and B. Each warp copies its share of the 8 rows into shared memory
+// (16-byte cp.async, consecutive lanes on consecutive bytes of a row), all of it ahead of the PDL wait
+// (weights never change: kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream
+// while the kernels before run (the QKV launches at the start of the RMSNorm before it, so during the
+// MoE's tail too; the O projection during the attention), and after the wait the warp sums each group
 // as soon as its copies have landed (a warp sync, no CTA barrier), the last bytes followed only by
 // one group's mmas, the CTA's reduction and the epilogue. A warp stages its share of the token rows
 // itself (plain loads after the wait, through L2: the kernel before wrote them), in f16 at a power of
