@@ -166,6 +166,7 @@ struct Cta {
   // shuffles away; every lane runs the same rounds for them.
   __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
     const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
+    if (chunks == 0) return;                           // K < 256: some warps have no steps
     const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
     int m = 0, c = lane;
     while (c >= chunks) c -= chunks, m++;

@@ -66,6 +66,13 @@ def test_every_e4m3_code_exactly(seed):
     _check(gemv_fp8(x, wq, ws, b), x, wq, ws, b)
 
 
+@pytest.mark.parametrize("k", [64, 128, 192])
+def test_k_shorter_than_a_step_a_warp(k, seed):
+    """K below 4 steps of 64: some warps have no share of K (and stage and sum nothing)."""
+    x, wq, ws, b = _problem(256, k, 3, seed)
+    _check(gemv_fp8(x, wq, ws, b), x, wq, ws, b)
+
+
 def test_token_steps_over_the_whole_bf16_range(seed):
     """Each 64-K step of a token row is staged in f16 at its own power of two: steps whose largest
     |x| lies anywhere from bf16's subnormals to 2^60, and steps of zeros, keep the reference's bound,
