@@ -7,19 +7,20 @@ fall on every setting alike. Reports the median replay per setting and its ratio
 Settings: programmatic dependent launch (kernels/pdl.py) off, then on; then also one token's QKV
 GEMV + RoPE + KV write in one launch (`GptOssModel.fuse_qkv_rope`); the decode attention of
 2026-12-01 (XQA for full layers, the default Triton tiling for windowed ones), then with the Triton
-kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of
-the kernels that have them (the per-pair MXFP4 gate/up's token rows last); the MXFP4 kernels' bias
-read after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged
-one ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through global memory rather
-than a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
+kernel for full layers too; reads ahead of the PDL wait (kernels/pdl.py) in none, some or all of the
+kernels that have them (the per-pair MXFP4 gate/up's token rows last); the MXFP4 kernels' bias read
+after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged one
+("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through global memory rather than
+a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
-four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or launched after the norm's PDL wait
-rather than at its start ("attention fp8 qkv launch late"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with
---mma-config, the defaults with another launch shape of the MXFP4 mma kernels; with --gemv-configs,
-the defaults with another launch shape of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the
-defaults (or --ablate-on's setting) with one piece of every layer (norms, QKV, attention, O
-projection, router, MoE) taken out: the marginal cost of each.
+four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or with the QKV launched after the norm's
+PDL wait rather than at its start ("attention fp8 qkv launch late"); windowed layers' decode
+attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
+launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape
+of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting)
+with one piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the
+marginal cost of each.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
