@@ -69,10 +69,11 @@ def _early(*kernels: str) -> dict:
     return {key: name in kernels for name, key in EARLY.items()}
 
 
-def _setting(constants: dict | None = None, pdl: bool = True, fuse_qkv_rope: bool = True, attrs: dict | None = None) -> tuple:
+def _setting(constants: dict | None = None, pdl: bool = True, **attrs) -> tuple:
     """(environment, GptOssModel attributes, {(module, constant): value}) at capture; what a
-    setting does not name keeps the engine's value (every change is undone after its capture)."""
-    return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": fuse_qkv_rope, **(attrs or {})}, constants or {}
+    setting does not name keeps the engine's value (every change is undone after its capture), except
+    that one token's QKV + RoPE is fused unless `fuse_qkv_rope=False`."""
+    return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": True, **attrs}, constants or {}
 
 
 def _full_layers(min_keys: int, max_splits: int) -> dict:
@@ -110,7 +111,7 @@ SETTINGS = {
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
-    "attention fp8 qkv launch late": _setting(attrs={"early_qkv_launch": False}),
+    "attention fp8 qkv launch late": _setting(early_qkv_launch=False),
     # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
     # 32 or 64 splits
     "full 128-key splits": _setting(_full_layers(128, 32)),

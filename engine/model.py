@@ -54,7 +54,7 @@ def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale:
     the attention), or e4m3 weights with 128x128 block scales (attention precision fp8) through
     kernels.fp8.linear_fp8 (with `gemv`, up to cuda_gemv_fp8.MAX_TOKENS tokens through the FP8 GEMV
     that stages its weights in shared memory ahead of its PDL wait)."""
-    if scale is not None and gemv and _fp8_gemv_fits(x, w, bias):
+    if _fp8_gemv_takes(x, w, bias, scale, gemv):
         from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8
 
         return gemv_fp8(x, w, scale, bias)
@@ -79,7 +79,12 @@ def _staged_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
             and (bias is None or bias.dtype == torch.bfloat16) and gs.available(x.device))
 
 
-def _fp8_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _fp8_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                    gemv: bool) -> bool:
+    """Whether `_project` (with `gemv`) sends this projection to the FP8 GEMV (kernels.cuda_gemv_fp8):
+    FP8 weights (a scale), a decode batch it takes, on a GPU where it builds."""
+    if scale is None or not gemv:
+        return False
     from pdserve.kernels import cuda_gemv_fp8 as gf
 
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= gf.MAX_TOKENS and gf.fits(x.shape[0], *w.shape)
@@ -196,7 +201,7 @@ class GptOssModel:
         token where the bf16 GEMV serves; else the projection then the fused epilogue, else the plain
         torch path)."""
         a, _ = self.w.layers[layer]
-        if (self.fused and self.fuse_qkv_rope and a.qkv_scale is not None and _fp8_gemv_fits(t, a.qkv_weight, a.qkv_bias)
+        if (self.fuse_qkv_rope and _fp8_gemv_takes(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
                 and self._fp8_rope_fits(t, cache, positions, step.slots[group])):
             from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8
 
@@ -237,8 +242,7 @@ class GptOssModel:
         weights ahead of its PDL wait, so that the norm before it lets it launch at the norm's start
         (kernels/pdl.py; measured a gain only there)."""
         a, _ = self.w.layers[layer]
-        return self.early_qkv_launch and self.fused and a.qkv_scale is not None and _fp8_gemv_fits(
-            x, a.qkv_weight, a.qkv_bias)
+        return self.early_qkv_launch and _fp8_gemv_takes(x, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
 
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.cfg.experts_per_token
