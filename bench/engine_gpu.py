@@ -17,6 +17,8 @@ same run).
                             kernels/cuda_gemv_fp8.py; else kernels/triton_fp8_linear.py)
         [--compare-attention-precision]   prefill and decode with bf16, then FP8 projections (same
                             run, same weights: the FP8 ones quantised from the loaded bf16 ones)
+        [--unembedding-precision fp8]   the vocabulary projection's weights in FP8 (decode batches up to
+                            4 tokens: kernels/cuda_gemv_fp8.py's streaming entry)
 """
 
 from __future__ import annotations
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
     ap.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
                     help="QKV and O projection weights: bf16 (cuBLAS) or FP8 128x128 blocks (Triton)")
+    ap.add_argument("--unembedding-precision", default="bf16", choices=["bf16", "fp8"],
+                    help="vocabulary projection weights: bf16 or FP8 128x128 blocks")
     ap.add_argument("--compare-attention-precision", action="store_true",
                     help="prefill and decode with bf16, then FP8 attention projections (same run)")
     ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot", "packed"],
@@ -298,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
     runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192,
-                                                attention_precision=a.attention_precision))
+                                                attention_precision=a.attention_precision,
+                                                unembedding_precision=a.unembedding_precision))
     runner.prefill_chunk_tokens = a.prefill_chunk_tokens
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
     g = torch.Generator().manual_seed(1)
@@ -489,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             "", "<!-- engine-gpu:begin -->", "## Engine end to end (GPU)", "",
             f"Measured {result['date']} on {result['device']}, command: `{result['command']}`. "
             f"Random {a.preset}-shaped weights (all {cfg.num_hidden_layers} layers), {a.precision} experts, "
-            f"{'bf16 and FP8' if attn_forms else a.attention_precision} attention projections; decode "
+            f"{'bf16 and FP8' if attn_forms else a.attention_precision} attention projections, "
+            f"{a.unembedding_precision} vocabulary projection; decode "
             "eager and replayed from CUDA graphs (engine.cuda_graphs) on the same requests; kernels: "
             "plain = the torch per-layer ops, fused = kernels/triton_norm, _rope, _router; pipelined = "
             "each step launched before the host reads the previous step's tokens (engine.llm_engine). Floors: bytes a "

@@ -15,7 +15,9 @@ a thread-block cluster ("down counters"); the Triton router rather than the clus
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
 four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or with the QKV launched after the norm's
-PDL wait rather than at its start ("attention fp8 qkv launch late"); windowed layers' decode
+PDL wait rather than at its start ("attention fp8 qkv launch late"); the vocabulary projection in FP8
+through the streaming FP8 GEMV ("unembedding fp8", "attention+unembedding fp8") or in bf16 through
+cuBLAS rather than the bf16 GEMV ("unembedding cublas"); windowed layers' decode
 attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
 launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape
 of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting)
@@ -135,10 +137,17 @@ SETTINGS = {
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches
     "mxfp4 unfolded": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): None}),
+    # the vocabulary projection's weights in FP8 (as --unembedding-precision fp8 loads them), alone and
+    # with FP8 attention projections; its bf16 weights through cuBLAS at every batch (before 2026-12-04)
+    "unembedding fp8": _setting(),
+    "attention+unembedding fp8": _setting(),
+    "unembedding cublas": _setting({(triton_bf16_gemv, "FASTER_THAN_CUBLAS_UP_TO"): {
+        k: v for k, v in triton_bf16_gemv.FASTER_THAN_CUBLAS_UP_TO.items() if k != (201088, 2880)}}),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",
-                 "attention fp8 qkv launch late")  # settings that capture with FP8 projection weights
+                 "attention fp8 qkv launch late", "attention+unembedding fp8")  # capture with FP8 QKV and O
+FP8_UNEMBEDDING = ("unembedding fp8", "attention+unembedding fp8")  # capture with an FP8 vocabulary projection
 
 
 ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")
@@ -213,6 +222,14 @@ def _fp8_attention(runner: ModelRunner) -> list[tuple[object, str, object]]:
     return patches
 
 
+def _fp8_unembedding(runner: ModelRunner) -> list[tuple[object, str, object]]:
+    """Patches that give the model an FP8 vocabulary projection (the bf16 one stays loaded beside it)."""
+    from pdserve.kernels.fp8 import quantize_weight_fp8
+
+    w, scale = quantize_weight_fp8(runner.model.w.unembedding)
+    return [(runner.model.w, "unembedding", w), (runner.model.w, "unembedding_scale", scale)]
+
+
 def _gemv(spec: str) -> dict:
     """'NxK:block_n,block_k,warps,stages[,programs per SM]' -> triton_bf16_gemv.CONFIGS with that
     shape for one token of an N x K projection (QKV + RoPE takes its shape from there too)."""
@@ -274,9 +291,12 @@ def main() -> int:
     # settings that capture with FP8 projection weights: those named so, and ablations of one of them
     fp8_named = {n for n in settings if n in FP8_ATTENTION or (n in ablated and a.ablate_on in FP8_ATTENTION)}
     fp8 = _fp8_attention(runner) if fp8_named else []
+    fp8_vocab = {n for n in settings if n in FP8_UNEMBEDDING or (n in ablated and a.ablate_on in FP8_UNEMBEDDING)}
+    fp8_unembedding = _fp8_unembedding(runner) if fp8_vocab else []
     # per setting, the (object, attribute, value) set for its capture and undone after it
     patches = {name: [*((runner.model, k, v) for k, v in attrs.items()), *((mod, k, v) for (mod, k), v in consts.items()),
-                      *ablated.get(name, []), *(fp8 if name in fp8_named else [])]
+                      *ablated.get(name, []), *(fp8 if name in fp8_named else []),
+                      *(fp8_unembedding if name in fp8_vocab else [])]
                for name, (_, attrs, consts) in settings.items()}
     g = torch.Generator().manual_seed(1)
     results = {}

@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 
-from pdserve.launch.cli import CLIError, add_attention_precision_arg
+from pdserve.launch.cli import CLIError, add_projection_precision_args
 from pdserve.proto.lifecycle import add_worker_process_args
 
 log = logging.getLogger("decode_worker")
@@ -30,7 +30,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA); mxfp4: as published, "
                         "--tp 1 only, the fastest single-stream decode on an H200 but slower than fp8 from a "
                         "few concurrent requests (docs/performance.md)")
-    add_attention_precision_arg(p)
+    add_projection_precision_args(p)
     p.add_argument("--tp", type=int, default=1, help="ranks of this worker (attention TP)")
     p.add_argument("--ep", type=int, default=None,
                    help="expert-parallel groups, dividing --tp (none: --tp, i.e. EP4 TP4 on 4 GPUs)")

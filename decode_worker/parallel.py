@@ -45,10 +45,11 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
     """This rank's share of the worker: its model runner and its NIXL agent (every rank alike)."""
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.launch.cli import projection_precisions
 
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
                          num_kv_blocks=a.kv_blocks, kv_memory_fraction=a.kv_memory_fraction, shard=group.shard,
-                         cuda_graph_max_batch=a.cuda_graph_max_batch, attention_precision=a.attention_precision)
+                         cuda_graph_max_batch=a.cuda_graph_max_batch, **projection_precisions(a))
     agent = KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(runner.cfg.num_key_value_heads),
                             listen_host=a.kv_host or a.host, unpack_on_arrival=False)

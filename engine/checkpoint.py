@@ -122,10 +122,12 @@ class ModelWeights:
     vocab_start: int
     layers: list[tuple[AttentionWeights, MoEWeights]]
     norm: torch.Tensor
-    unembedding: torch.Tensor  # [V local, H]
+    unembedding: torch.Tensor  # [V local, H]: bf16, or e4m3 with unembedding_scale (unembedding precision fp8)
+    unembedding_scale: torch.Tensor | None = None  # float32 128x128 block scales of an e4m3 unembedding
 
 
 ATTENTION_PRECISIONS = ("bf16", "fp8")
+UNEMBEDDING_PRECISIONS = ("bf16", "fp8")
 
 
 def _rows(a: int, b: int) -> tuple[slice]:
@@ -141,11 +143,13 @@ def load_weights(
     device: torch.device | str = "cpu",
     progress: bool | None = None,
     attention_precision: str = "bf16",
+    unembedding_precision: str = "bf16",
 ) -> ModelWeights:
     """Read the weights rank `shard` owns, converting experts to `precision` (bf16 | fp8), or
     keeping MXFP4 experts as published (mxfp4: single rank, decode pools; see kernels.moe).
     `attention_precision` fp8 quantises this rank's QKV and O projection weights to e4m3 with
-    128x128 block scales (amax / 448) on the target device; biases stay bf16.
+    128x128 block scales (amax / 448) on the target device; biases stay bf16. `unembedding_precision`
+    fp8 does the same to this rank's vocabulary projection (lm_head).
 
     `progress`: a bar per layer on stderr (None: when stderr is a terminal, on rank 0 only).
     """
@@ -153,6 +157,9 @@ def load_weights(
         raise ValueError(f"precision must be bf16, fp8 or mxfp4, not {precision!r}")
     if attention_precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"attention_precision must be one of {ATTENTION_PRECISIONS}, not {attention_precision!r}")
+    if unembedding_precision not in UNEMBEDDING_PRECISIONS:
+        raise ValueError(f"unembedding_precision must be one of {UNEMBEDDING_PRECISIONS}, "
+                         f"not {unembedding_precision!r}")
     if precision == "mxfp4" and (cfg.experts_format != "mxfp4" or shard.world_size > 1):
         raise ValueError("precision mxfp4 keeps a checkpoint's MXFP4 experts on a single rank; this is "
                          f"a {cfg.experts_format} checkpoint on {shard.world_size} ranks")
@@ -169,6 +176,9 @@ def load_weights(
     embedding = put(_pad_rows(r.get("model.embed_tokens.weight", shape=(cfg.vocab_size, H),
                                     slices=_rows(v0, v1)), vrows))
     unembedding = put(_pad_rows(r.get("lm_head.weight", shape=(cfg.vocab_size, H), slices=_rows(v0, v1)), vrows))
+    unembedding_scale = None
+    if unembedding_precision == "fp8":
+        unembedding, unembedding_scale = quantize_weight_fp8(unembedding)
     norm = put(r.get("model.norm.weight", shape=(H,)), torch.float32)
 
     q0, q1 = shard.q_head_range(cfg.num_attention_heads)
@@ -209,7 +219,7 @@ def load_weights(
             attn.qkv_weight, attn.qkv_scale = quantize_weight_fp8(attn.qkv_weight)
             attn.o_weight, attn.o_scale = quantize_weight_fp8(attn.o_weight)
         layers.append((attn, moe))
-    return ModelWeights(embedding, v0, layers, norm, unembedding)
+    return ModelWeights(embedding, v0, layers, norm, unembedding, unembedding_scale)
 
 
 def _load_experts(

@@ -96,9 +96,11 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
         attention_precision: str = "bf16",
+        unembedding_precision: str = "bf16",
     ):
         """attention_precision: the QKV and O projection weights in bf16 or FP8 (e4m3, 128x128 block
-        scales, quantised at load; kernels.triton_fp8_linear on CUDA).
+        scales, quantised at load; kernels.triton_fp8_linear on CUDA); unembedding_precision: the
+        vocabulary projection's (lm_head) likewise.
         cuda_graph_max_batch > 0 (CUDA with FlashInfer only): decode batches up to that size
         replay CUDA graphs captured here (engine.cuda_graphs); larger ones and prefills run eagerly.
         prefill_chunk_tokens: a prompt longer than this is prefilled in forward passes of at most
@@ -110,9 +112,10 @@ class ModelRunner:
         self.cfg = ModelConfig.load(model_dir)
         self.precision = precision or default_precision(self.device)
         self.attention_precision = attention_precision
+        self.unembedding_precision = unembedding_precision
         self.shard = shard
         weights = load_weights(model_dir, self.cfg, shard=shard, precision=self.precision, device=self.device,
-                               attention_precision=attention_precision)
+                               attention_precision=attention_precision, unembedding_precision=unembedding_precision)
         self.model = GptOssModel(
             self.cfg, weights, shard=shard, device=self.device, page_size=page_size,
             attention_backend=attention_backend,

@@ -36,6 +36,16 @@ GROUPS = 1
 # linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
 # are 110-250 us a 20b step faster: docs/performance.md, fourteenth round)
 MAX_TOKENS = 4
+# The streaming entry (`gemv_fp8_stream`, projections of many rows: the vocabulary's): 64-K steps a
+# warp requests ahead of its sums (registers: 8 words and a scale a step; 166 registers at 8, so 3
+# CTAs of 4 warps an SM; 8 / 3 measured fastest of 3 / 6, 4 / 5, 6 / 4 and 8 / 3 at 1-4 tokens)
+STREAM_ROWS = 16  # rows a warp streams at a time (the mma's 16 rows of A)
+STREAM_DEPTH = 8
+STREAM_CTAS_PER_SM = 3
+# Up to how many tokens the engine takes the streaming entry for an FP8 vocabulary projection
+# (all it takes; measured on an H200 at 1-8 tokens: 155-161 us for gpt-oss' 201088 rows, against
+# 245-247 us through the Triton FP8 linear and 260-357 us for the bf16 weights; docs/performance.md)
+STREAM_MAX_TOKENS = 8
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
 MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_K)
 # the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
@@ -72,21 +82,24 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS) -> list[str]:
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH) -> list[str]:
     """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too)."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
-    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}", "-std=c++17"]
+    if not 1 <= stream_depth <= 32:
+        raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
+    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
+            f"-DGF_STREAM_D={stream_depth}", "-std=c++17"]
 
 
 def _kernels(device_index: int) -> dict:
-    return _build(device_index, GROUPS)
+    return _build(device_index, GROUPS, STREAM_DEPTH)
 
 
 @functools.cache
-def _build(device_index: int, groups: int) -> dict:
-    return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope"], compile_options(groups), device_index,
-                        MAX_DYNAMIC_SHARED)
+def _build(device_index: int, groups: int, stream_depth: int) -> dict:
+    return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
+                        compile_options(groups, stream_depth), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -118,6 +131,30 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     launch_cuda(_kernels(_index(x))["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k)])
+    return out
+
+
+def stream_fits(m: int, n: int, k: int) -> bool:
+    """Whether `gemv_fp8_stream` takes an [m, k] x [n, k]^T projection: as `fits`, rows in groups of
+    STREAM_ROWS."""
+    return fits(m, n, k) and n % STREAM_ROWS == 0
+
+
+def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    depth: int = STREAM_DEPTH, ctas_per_sm: int = STREAM_CTAS_PER_SM) -> torch.Tensor:
+    """`gemv_fp8` for projections of many rows (the vocabulary projection): each warp streams whole
+    groups of STREAM_ROWS rows through a ring of `depth` 64-K steps, the token rows staged once a CTA,
+    on `ctas_per_sm` CTAs an SM. Same contract and numerics as `gemv_fp8` (the steps summed in K
+    order, so the last bit may differ from it)."""
+    m, n, k = _check(x, w, scale, bias)
+    if n % STREAM_ROWS:
+        raise ValueError(f"the streaming FP8 GEMV takes N a multiple of {STREAM_ROWS}, got {n}")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = max(1, min(cdiv(n // STREAM_ROWS, WARPS), sms * ctas_per_sm))
+    launch_cuda(_build(_index(x), GROUPS, depth)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
+                m * x_stride(k), pdl=pdl_enabled(x.device),
+                args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, n, k, x_stride(k)])
     return out
 
 

@@ -103,8 +103,10 @@ CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
     (5120, 2880, 1): GemvConfig(block_n=8, block_k=512, num_warps=2, num_stages=3),  # 9.79 us, cuBLAS 10.42
 }
 # Up to how many tokens the GEMV beat cuBLAS per (N, K) in that sweep (QKV ties it at 2 and loses
-# from 4: cuBLAS streams QKV's 5120 rows at 2.7-2.8 TB/s already); other shapes: one token only.
-FASTER_THAN_CUBLAS_UP_TO: dict[tuple[int, int], int] = {(2880, 4096): 4, (5120, 2880): 1}
+# from 4: cuBLAS streams QKV's 5120 rows at 2.7-2.8 TB/s already; the vocabulary projection
+# [201088, 2880], bench/projections.py 2026-12-04: 260 / 262 / 281 us at 1 / 2 / 4 tokens against
+# cuBLAS' 317 / 279 / 280); other shapes: one token only.
+FASTER_THAN_CUBLAS_UP_TO: dict[tuple[int, int], int] = {(2880, 4096): 4, (5120, 2880): 1, (201088, 2880): 2}
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:

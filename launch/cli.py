@@ -63,7 +63,7 @@ def _runner(a: argparse.Namespace):
     from pdserve.engine.model_runner import ModelRunner
 
     return ModelRunner(a.model, device=a.device, precision=a.precision, prefill_chunk_tokens=a.prefill_chunk_tokens,
-                       attention_precision=a.attention_precision)
+                       **projection_precisions(a))
 
 
 def cmd_logits(a: argparse.Namespace) -> int:
@@ -75,8 +75,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
         if a.precision == "mxfp4":
             raise CLIError("--precision mxfp4 runs on one rank: drop --tp/--ep")
         logits = parallel_prompt_logits(a.model, _parse_ids(a.prompt_ids), tp=a.tp, ep=a.ep, precision=a.precision,
-                                        prefill_chunk_tokens=a.prefill_chunk_tokens,
-                                        attention_precision=a.attention_precision)
+                                        prefill_chunk_tokens=a.prefill_chunk_tokens, **projection_precisions(a))
     else:
         runner = _runner(a)
         # on the host, in float32, whatever device and dtype the model computed in
@@ -149,14 +148,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="expert weights in compute: bf16 (the default on CPU), FP8 128x128 (the default on "
                         "CUDA) or mxfp4 (as published, one rank: the fastest single-stream decode on an H200, "
                         "slower than FP8 from a few concurrent requests)")
-    add_attention_precision_arg(p)
+    add_projection_precision_args(p)
     add_prefill_chunk_arg(p)
 
 
-def add_attention_precision_arg(p: argparse.ArgumentParser) -> None:
+def add_projection_precision_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
                    help="QKV and O projection weights: bf16, or FP8 with 128x128 block scales "
                         "(quantised at load; half the bytes a decode step reads for them)")
+    p.add_argument("--unembedding-precision", default="bf16", choices=["bf16", "fp8"],
+                   help="vocabulary projection (lm_head) weights: bf16, or FP8 with 128x128 block scales "
+                        "(quantised at load; half of the 1.16 GB every decode step reads for them)")
+
+
+def projection_precisions(a: argparse.Namespace) -> dict[str, str]:
+    """add_projection_precision_args' flags as ModelRunner's keywords."""
+    return {"attention_precision": a.attention_precision, "unembedding_precision": a.unembedding_precision}
+
+
+def projection_precision_argv(a: argparse.Namespace) -> list[str]:
+    """add_projection_precision_args' flags as a worker's command line takes them."""
+    return ["--attention-precision", a.attention_precision, "--unembedding-precision", a.unembedding_precision]
 
 
 def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:

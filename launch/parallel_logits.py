@@ -23,7 +23,7 @@ def _threads_per_rank(world: int) -> int:
 
 def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: list[int], eps: list[int],
                precision: str | None, device: str, out_dir: str, prefill_chunk_tokens: int,
-               attention_precision: str) -> None:
+               attention_precision: str, unembedding_precision: str) -> None:
     import torch
 
     from pdserve.engine.model_runner import ModelRunner
@@ -36,7 +36,8 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
             shard = ShardSpec(rank, world, ep)
             runner = ModelRunner(model_dir, device=group.device, precision=precision, shard=shard,
                                  num_kv_blocks=-(-len(ids) // 16) + 1, prefill_chunk_tokens=prefill_chunk_tokens,
-                                 attention_precision=attention_precision)
+                                 attention_precision=attention_precision,
+                                 unembedding_precision=unembedding_precision)
             logits = runner.prompt_logits(ids)
             if rank == 0:
                 np.save(Path(out_dir) / f"ep{ep}.npy", logits.float().cpu().numpy())
@@ -48,7 +49,8 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
 def parallel_prompt_logits_layouts(model_dir: str, ids: list[int], *, world: int, eps: list[int],
                                    precision: str | None = None, device: str = "cpu",
                                    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
-                                   attention_precision: str = "bf16") -> dict[int, np.ndarray]:
+                                   attention_precision: str = "bf16",
+                                   unembedding_precision: str = "bf16") -> dict[int, np.ndarray]:
     """Logits of `ids` for several EP sizes of one world size, from one set of `world` processes:
     ep -> float32 [L, V]. Prompts longer than `prefill_chunk_tokens` run in chunks."""
     import torch.multiprocessing as tmp
@@ -68,7 +70,7 @@ def parallel_prompt_logits_layouts(model_dir: str, ids: list[int], *, world: int
     with tempfile.TemporaryDirectory(prefix="pdserve-logits-") as d:
         init = f"file://{Path(d) / 'rendezvous'}"
         tmp.spawn(_rank_main, args=(world, init, str(model_dir), list(ids), list(eps), precision, device, d,
-                                             prefill_chunk_tokens, attention_precision),
+                                             prefill_chunk_tokens, attention_precision, unembedding_precision),
                   nprocs=world, join=True)
         return {ep: np.load(Path(d) / f"ep{ep}.npy") for ep in eps}
 
@@ -76,8 +78,9 @@ def parallel_prompt_logits_layouts(model_dir: str, ids: list[int], *, world: int
 def parallel_prompt_logits(model_dir: str, ids: list[int], *, tp: int, ep: int = 1,
                            precision: str | None = None, device: str = "cpu",
                            prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
-                           attention_precision: str = "bf16") -> np.ndarray:
+                           attention_precision: str = "bf16", unembedding_precision: str = "bf16") -> np.ndarray:
     """Float32 logits [L, V] of every prompt position on a worker of `tp` ranks, `ep` expert groups."""
     return parallel_prompt_logits_layouts(model_dir, ids, world=tp, eps=[ep], precision=precision,
                                           device=device, prefill_chunk_tokens=prefill_chunk_tokens,
-                                          attention_precision=attention_precision)[ep]
+                                          attention_precision=attention_precision,
+                                          unembedding_precision=unembedding_precision)[ep]

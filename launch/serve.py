@@ -402,7 +402,7 @@ def _fraction(text: str) -> float:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.launch.cli import add_attention_precision_arg, add_prefill_chunk_arg
+    from pdserve.launch.cli import add_prefill_chunk_arg, add_projection_precision_args
 
     p.add_argument("--model", default="tiny", help="checkpoint directory, or `tiny` (built-in random model)")
     p.add_argument("--served-model-name", default="gpt-oss", help="the model name clients send")
@@ -412,7 +412,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes")
     p.add_argument("--decode-workers", type=int, default=1, help="decode worker processes")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
-    add_attention_precision_arg(p)
+    add_projection_precision_args(p)
     p.add_argument("--prefill-tp", type=int, default=1, help="GPUs (tensor-parallel ranks) per prefill worker")
     p.add_argument("--decode-tp", type=int, default=1, help="GPUs (tensor-parallel ranks) per decode worker")
     p.add_argument("--decode-ep", type=int, default=None,
@@ -446,6 +446,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    from pdserve.launch.cli import projection_precision_argv
+
     if a.decode_ep is None:
         a.decode_ep = a.decode_tp
     for flag in ("prefill_workers", "decode_workers", "prefill_tp", "decode_tp", "decode_ep", "max_batch_size"):
@@ -469,9 +471,9 @@ def run(a: argparse.Namespace) -> int:
                        kv_memory_fraction=a.kv_memory_fraction, extra_router_args=serving_argv(a),
                        extra_prefill_args=["--prefix-cache-tokens", str(a.prefix_cache_tokens),
                                            "--prefill-chunk-tokens", str(a.prefill_chunk_tokens),
-                                           "--attention-precision", a.attention_precision],
+                                           *projection_precision_argv(a)],
                        extra_decode_args=["--reservation-ttl", str(a.reservation_ttl),
-                                          "--attention-precision", a.attention_precision,
+                                          *projection_precision_argv(a),
                                           *(["--precision", a.decode_precision] if a.decode_precision else [])])
     from pdserve.proto.rpc import ensure_port_free
 

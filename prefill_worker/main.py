@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 
-from pdserve.launch.cli import add_attention_precision_arg, add_prefill_chunk_arg
+from pdserve.launch.cli import add_prefill_chunk_arg, add_projection_precision_args
 from pdserve.proto.lifecycle import add_worker_process_args
 
 log = logging.getLogger("prefill_worker")
@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     p.add_argument("--precision", default=None, choices=["bf16", "fp8"],
                    help="expert weights in compute (none: bf16 on CPU, fp8 on CUDA)")
-    add_attention_precision_arg(p)
+    add_projection_precision_args(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-queue", type=int, default=256, help="queued prompts before RESOURCE_EXHAUSTED")

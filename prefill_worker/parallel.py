@@ -55,6 +55,7 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.launch.cli import projection_precisions
 
     from .executor import prefill_kv_blocks
 
@@ -62,7 +63,7 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
     blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
                          num_kv_blocks=blocks, shard=group.shard, prefill_chunk_tokens=a.prefill_chunk_tokens,
-                         attention_precision=a.attention_precision)
+                         **projection_precisions(a))
     staging = kv_staging_bytes(runner.cache, min(cfg.max_context, a.kv_staging_tokens))
     agent = KVTransferAgent(f"{worker_id}-r{group.rank}-{uuid.uuid4().hex[:6]}", runner.cache.pools,
                             head_range=group.shard.kv_head_range(cfg.num_key_value_heads),

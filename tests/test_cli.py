@@ -64,6 +64,32 @@ def test_logits_with_fp8_attention_projections(tiny_mxfp4, tiny_runner, tmp_path
     assert 0 < err < 8e-2
 
 
+@pytest.mark.parametrize("flag", ["--attention-precision", "--unembedding-precision"])
+def test_serve_passes_projection_precisions_to_the_workers(flag):
+    """serve's precision flags reach both worker pools' command lines (workers parse them alike)."""
+    from pdserve.launch.cli import projection_precision_argv, projection_precisions
+    from pdserve.launch.serve import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    a = p.parse_args([flag, "fp8"])
+    argv = projection_precision_argv(a)
+    assert argv[argv.index(flag) + 1] == "fp8"
+    assert projection_precisions(a)[flag[2:].replace("-", "_")] == "fp8"
+
+
+def test_logits_with_fp8_unembedding(tiny_mxfp4, tiny_runner, tmp_path, capsys):
+    """--unembedding-precision fp8 reaches the model: an e4m3 vocabulary projection, different logits
+    within the engine's bound."""
+    out = tmp_path / "l.npy"
+    code, _, err = run_cli(capsys, "logits", "--model", tiny_mxfp4, "--prompt-ids", "5,6,7,8", "--out", out,
+                           "--precision", "bf16", "--unembedding-precision", "fp8")
+    assert code == 0, err
+    got, bf16 = torch.from_numpy(np.load(out)), tiny_runner.prompt_logits([5, 6, 7, 8])
+    err = float((got.double() - bf16.double()).norm() / bf16.double().norm())
+    assert 0 < err < 4e-2
+
+
 def test_logits_with_mxfp4_experts_as_published(tiny_mxfp4, tiny_runner, tmp_path, capsys):
     """--precision mxfp4 keeps the published experts: on the CPU the same logits as bf16 (the
     routed experts decode exactly); on several ranks it is one line of error."""

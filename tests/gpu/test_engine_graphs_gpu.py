@@ -27,15 +27,25 @@ def _start(runner: ModelRunner, prompts: list[list[int]], steps: list[int]) -> l
     return seqs
 
 
-@pytest.mark.parametrize("attention_precision", ["bf16", "fp8"])
-def test_graph_decode_matches_eager(narrow_ckpt, attention_precision):
+@pytest.mark.parametrize("attention_precision,unembedding_precision", [("bf16", "bf16"), ("fp8", "bf16"),
+                                                                    ("fp8", "fp8")])
+def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembedding_precision, monkeypatch):
     """FP8 attention projections too: up to cuda_gemv_fp8.MAX_TOKENS tokens their QKV GEMV launches at
-    the start of the norm before it (kernels/pdl.py's exception), in the replay as in the eager step."""
-    eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, attention_precision=attention_precision)
-    graphs = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16,
-                         attention_precision=attention_precision)
+    the start of the norm before it (kernels/pdl.py's exception), in the replay as in the eager step;
+    and an FP8 vocabulary projection, through the streaming FP8 GEMV up to STREAM_MAX_TOKENS tokens."""
+    from pdserve.kernels import cuda_gemv_fp8
+
+    precisions = {"attention_precision": attention_precision, "unembedding_precision": unembedding_precision}
+    eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, **precisions)
+    graphs = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16, **precisions)
     one = torch.zeros(1, graphs.cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
     assert graphs.model._qkv_launches_early(0, one) == (attention_precision == "fp8")
+    streamed = []
+    real = cuda_gemv_fp8.gemv_fp8_stream
+    monkeypatch.setattr(cuda_gemv_fp8, "gemv_fp8_stream", lambda x, *a, **k: streamed.append(x.shape[0]) or real(x, *a, **k))
+    eager.model.logits(one.expand(cuda_gemv_fp8.STREAM_MAX_TOKENS + 1, -1).contiguous())
+    eager.model.logits(one.expand(cuda_gemv_fp8.STREAM_MAX_TOKENS, -1).contiguous())
+    assert streamed == ([cuda_gemv_fp8.STREAM_MAX_TOKENS] if unembedding_precision == "fp8" else [])
     assert graphs.decode_graphs is not None and eager.decode_graphs is None
     assert graphs.decode_graphs.sizes == [1, 2, 4, 8, 16]
     free_before = {g: a.num_free for g, a in graphs.cache.allocators.items()}

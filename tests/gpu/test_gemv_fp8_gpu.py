@@ -1,5 +1,6 @@
-"""The FP8-weight GEMV and its QKV + RoPE entry (kernels/cuda_gemv_fp8.py) on the GPU, at gpt-oss'
-projection shapes (QKV [5120, 2880], O [2880, 4096], their TP-2 shares), fresh random inputs each run.
+"""The FP8-weight GEMV, its QKV + RoPE entry and its streaming entry (kernels/cuda_gemv_fp8.py) on the
+GPU, at gpt-oss' projection shapes (QKV [5120, 2880], O [2880, 4096], the vocabulary [201088, 2880],
+their TP-2 shares), fresh random inputs each run.
 
 Reference: x @ (the dequantised e4m3 weights)^T + bias in float32 (kernels.fp8.fp8_weight_linear_ref's
 numbers); tolerance: one bf16 rounding of the output plus 1e-5 of the element's magnitude sum
@@ -19,10 +20,13 @@ from numerics import assert_one_bf16_rounding
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 
 from pdserve.kernels import cuda_gemv_fp8  # noqa: E402
-from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8, qkv_rope_fp8  # noqa: E402
+from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8, gemv_fp8_stream, qkv_rope_fp8  # noqa: E402
 from pdserve.kernels.fp8 import FP8, dequantize_weight_fp8, quantize_weight_fp8  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "qkv tp2": (2560, 2880), "o tp2": (2880, 2048)}
+# the streaming entry's: the vocabulary projection (201088 rows) and its TP-2 share; a group count
+# that gives some warps one group more than the rest (2120 groups of 16 rows on 2112 warps of an H200)
+STREAM_SHAPES = {"vocab": (201088, 2880), "vocab tp2": (100544, 2880), "ragged": (16 * 2113 + 16 * 7, 4096)}
 
 
 @pytest.fixture(autouse=True)
@@ -106,24 +110,29 @@ def test_commit_groups_change_no_bit(groups, seed, monkeypatch):
             assert torch.equal(gemv_fp8(x, wq, ws, b), want)
 
 
-def test_graph_replay_behind_a_writer_is_bit_identical(seed):
+@pytest.mark.parametrize("entry", ["staged", "stream"])
+def test_graph_replay_behind_a_writer_is_bit_identical(entry, seed):
     """Captured behind a kernel that writes x (the attention's place in the step): each replay reads
-    that replay's x (the kernel waits for it), and equals the eager call bit for bit."""
-    src, wq, ws, b = _problem(*SHAPES["o"], 2, seed)
+    that replay's x (the kernel waits for it), and equals the eager call bit for bit. The streaming
+    entry at the vocabulary's TP-2 share, without bias, token rows strided."""
+    if entry == "staged":
+        gemv, (src, wq, ws, b) = gemv_fp8, _problem(*SHAPES["o"], 2, seed)
+    else:
+        gemv, (src, wq, ws, b) = gemv_fp8_stream, _problem(*STREAM_SHAPES["vocab tp2"], 2, seed, bias=False, row_pad=64)
     x = torch.empty_like(src)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         x.copy_(src)
-        gemv_fp8(x, wq, ws, b)  # compile and load outside the capture
+        gemv(x, wq, ws, b)  # compile and load outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             torch.mul(src, 1.0, out=x)
-            out = gemv_fp8(x, wq, ws, b)
+            out = gemv(x, wq, ws, b)
     for scale in (1.0, -2.0):
         src.mul_(scale)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, gemv_fp8(src, wq, ws, b))
+        assert torch.equal(out, gemv(src, wq, ws, b))
 
 
 def _rope_case(m: int, seed: int, hq: int = 64, hkv: int = 8, d: int = 64, page: int = 16):
@@ -153,6 +162,29 @@ def test_rope_entry_equals_the_gemv_then_the_epilogue(m, heads, seed):
     q = qkv_rope_fp8(x, wq, ws, b, positions, rope.cos, rope.sin, slots, cache, hq, hkv)
     assert torch.equal(q, want_q)
     assert torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("shape", list(STREAM_SHAPES))
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_stream_matches_reference(shape, m, seed):
+    x, wq, ws, b = _problem(*STREAM_SHAPES[shape], m, seed, bias=shape == "ragged")
+    _check(gemv_fp8_stream(x, wq, ws, b), x, wq, ws, b)
+
+
+@pytest.mark.parametrize("depth,ctas_per_sm", [(1, 1), (3, 2), (6, 4)])
+def test_stream_every_code_and_token_steps_over_the_bf16_range(depth, ctas_per_sm, seed):
+    """The streaming entry on all finite e4m3 codes, block scales off powers of two, and token rows
+    whose 64-K steps span bf16's range (zero steps included), at ring depths and grids that move the
+    group boundaries through the ring; 301 groups of 16 rows, so the last CTA has warps without one."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, k, m = 16 * 301, 2880, 4
+    codes = torch.randint(0, 256, (n, k), device="cuda", generator=g, dtype=torch.int32)
+    wq = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes).to(torch.uint8).view(FP8)
+    ws = torch.exp2(torch.rand(-(-n // 128), 23, device="cuda", generator=g) * 24 - 20)
+    powers = torch.randint(-140, 61, (m, k // 64), device="cuda", generator=g).float()
+    powers[torch.rand(m, k // 64, device="cuda", generator=g) < 0.1] = float("-inf")
+    x = (torch.randn(m, k, device="cuda", generator=g) * torch.exp2(powers).repeat_interleave(64, 1)).to(torch.bfloat16)
+    _check(gemv_fp8_stream(x, wq, ws, None, depth=depth, ctas_per_sm=ctas_per_sm), x, wq, ws, None)
 
 
 def test_engine_decode_takes_the_fp8_gemvs(tmp_path, monkeypatch):
