@@ -386,6 +386,14 @@ __device__ __forceinline__ U4 load_once(const void* p) {
   return v;
 }
 
+// A block scale ahead of the PDL wait. There, ptxas keeps coherent (.cg) loads, while it may place
+// non-coherent (.nc) ones after the wait; so the ring's first steps read through load_early and this.
+__device__ __forceinline__ float load_scale_early(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
 // d += A (16 x 16 f16: a0 / a2 row g, a1 / a3 row g + 8) x B (16 x 8 f16, column g), float32
 __device__ __forceinline__ void mma_f16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile(
@@ -415,12 +423,13 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
   const float* sp = scale + (((i64)lg * STREAM_ROWS) >> 7) * kb_total;
   const i64 group_jump = (i64)stride_groups * STREAM_ROWS * K - (i64)steps * STEP_K, upper = 8 * (i64)K;
   StreamStep ring[STREAM_D];
-  auto request = [&](StreamStep& r) {  // past the warp's last group: step 0 of group 0 again (unused)
+  auto request = [&](StreamStep& r, bool early) {  // past the warp's last group: step 0 of group 0 (unused)
     const bool mine = lg < groups;
     const unsigned char* p = mine ? wp : w;
-    r.lo = load_once(p);
-    r.hi = load_once(p + upper);
-    r.scale = __ldg(mine ? sp + (ls >> 1) : scale);
+    const float* q = mine ? sp + (ls >> 1) : scale;
+    r.lo = early ? load_early(p) : load_once(p);
+    r.hi = early ? load_early(p + upper) : load_once(p + upper);
+    r.scale = early ? load_scale_early(q) : __ldg(q);
     wp += STEP_K;
     if (++ls == steps) {
       ls = 0;
@@ -430,7 +439,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
     }
   };
 #pragma unroll
-  for (int i = 0; i < STREAM_D; i++) request(ring[i]);
+  for (int i = 0; i < STREAM_D; i++) request(ring[i], true);
   enter_pdl();  // x is written by the kernel before this one
   cta.stage_x(x, stride_x, M);
   __syncthreads();  // every warp reads all of K of the token rows
@@ -445,7 +454,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
 #pragma unroll
     for (int i = 0; i < STREAM_D; i++) {
       const StreamStep r = ring[i];
-      request(ring[i]);
+      request(ring[i], false);
       const U4 xa = *reinterpret_cast<const U4*>(xr + cs * 2 * STEP_K);
       const U4 xb = *reinterpret_cast<const U4*>(xr + cs * 2 * STEP_K + 16);
       const float f0 = r.scale * xsc0[cs], f1 = r.scale * xsc1[cs];

@@ -158,7 +158,8 @@ def add_projection_precision_args(p: argparse.ArgumentParser) -> None:
                         "(quantised at load; half the bytes a decode step reads for them)")
     p.add_argument("--unembedding-precision", default="bf16", choices=["bf16", "fp8"],
                    help="vocabulary projection (lm_head) weights: bf16, or FP8 with 128x128 block scales "
-                        "(quantised at load; half of the 1.16 GB every decode step reads for them)")
+                        "(quantised at load; half of the 1.16 GB every decode step reads for them: faster "
+                        "decode steps up to 8 requests, level at 16, 2%% slower at 64)")
 
 
 def projection_precisions(a: argparse.Namespace) -> dict[str, str]:
