@@ -38,6 +38,16 @@ def _sass(cubin: bytes, tmp: Path, function: str | None = None) -> list[str]:
     return ops
 
 
+def _nvcc_cubin(source: Path, options: list[str], out: Path) -> str:
+    """source compiled by nvcc for sm_90 with these options into `out`; ptxas' report (-v). Skips
+    the test where no nvcc is installed."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this host")
+    return subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", *options, "-x", "cu", str(source),
+                           "-o", str(out)], check=True, capture_output=True, text=True).stderr
+
+
 def _loads_before_wait(ops: list[str]) -> list[str]:
     assert "ACQBULK" in ops, "no griddepcontrol.wait in the kernel"
     return [op for op in ops[: ops.index("ACQBULK")] if op.startswith("LDG")]
@@ -144,15 +154,10 @@ def _mx_sass(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early
             early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
     """One MXFP4 kernel's SASS, compiled by nvcc for sm_90 with the engine's NVRTC options
     (cuda_moe_mxfp4.compile_options)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
     cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{int(cluster_sum)}{slots}.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3",
-                    *compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum),
-                    "-x", "cu", str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    _nvcc_cubin(SOURCE, compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum), cubin)
     return _sass(cubin.read_bytes(), tmp, function)
 
 
@@ -213,15 +218,11 @@ def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(exper
     """kernels/cuda_router.cu: every weight load of a lane (and CTA 0's bias) comes before the
     wait, its token columns' loads after it; CTA 0 reads its peers' partial logits through the
     cluster."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_router import SOURCE, compile_options, shape
 
     cluster, warps = shape(experts, 2880)
     cubin = tmp_path / "router.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(experts, 2880, cluster, warps), "-x", "cu",
-                    str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
+    _nvcc_cubin(SOURCE, compile_options(experts, 2880, cluster, warps), cubin)
     ops = _sass(cubin.read_bytes(), tmp_path)
     vectors = -(-2880 // cluster // 8 // 32)  # 16-byte vectors a lane reads of one row's share
     early = _loads_before_wait(ops)
@@ -236,14 +237,10 @@ def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(exper
 def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it(tmp_path):
     """kernels/cuda_gemv_staged.cu: the async copies of the CTA's weight rows (LDGSTS) come before
     the wait, those of x (written by the kernel ahead) after it, and no other global load before it."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_gemv_staged import SOURCE, compile_options
 
     cubin = tmp_path / "gs.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(), "-x", "cu", str(SOURCE), "-o", str(cubin)],
-                   check=True, capture_output=True, text=True)
+    _nvcc_cubin(SOURCE, compile_options(), cubin)
     ops = _sass(cubin.read_bytes(), tmp_path)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
@@ -257,20 +254,16 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
     biases (LDGSTS) are all it reads before the wait; x, the positions and the slots (written by the
     step) come after it, through L2; the K loop feeds f16 mmas from Hopper's e4m3 conversion, without
     spills."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STATIC_SHARED, compile_options
 
     cubin = tmp_path / "gf.cubin"
-    out = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", *compile_options(), "-x", "cu",
-                          str(SOURCE), "-o", str(cubin)], check=True, capture_output=True, text=True)
-    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)
-    assert spills and set(spills) == {"0"}, out.stderr
+    report = _nvcc_cubin(SOURCE, compile_options(), cubin)
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert spills and set(spills) == {"0"}, report
     # the module sizes its dynamic shared memory by the staged entries' static buffers (the streaming
     # entry keeps only the token rows' powers of two of them)
-    smem = {int(v) for v in re.findall(r"(\d+) bytes smem", out.stderr)}
-    assert STATIC_SHARED in smem and max(smem) == STATIC_SHARED, out.stderr
+    smem = {int(v) for v in re.findall(r"(\d+) bytes smem", report)}
+    assert STATIC_SHARED in smem and max(smem) == STATIC_SHARED, report
     ops = _sass(cubin.read_bytes(), tmp_path, entry)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
@@ -288,14 +281,10 @@ def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_afte
     and their block scales (through L2: ptxas may place non-coherent loads after the wait); the token
     rows come after it, through L2, and the ring's later steps skip L1; the ring feeds f16 mmas from
     Hopper's e4m3 conversion."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STREAM_DEPTH, compile_options
 
     cubin = tmp_path / "gf.cubin"
-    subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", *compile_options(), "-x", "cu", str(SOURCE), "-o", str(cubin)],
-                   check=True, capture_output=True, text=True)
+    _nvcc_cubin(SOURCE, compile_options(), cubin)
     ops = _sass(cubin.read_bytes(), tmp_path, "gemv_fp8_stream")
     early = _loads_before_wait(ops)
     # rows g and g + 8 and the block scale, each ring step
