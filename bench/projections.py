@@ -1,8 +1,9 @@
 """gpt-oss' projections at decode, alone, by path: QKV [5120, 2880] and O [2880, 4096] with bias and the
-vocabulary projection [201088, 2880] without, bf16 weights (cuBLAS, the Triton bf16 GEMV of kernels/triton_bf16_gemv.py, for O the GEMV that
-stages its weights in shared memory, kernels/cuda_gemv_staged.py) and FP8 weights with 128x128 block
-scales (the Triton FP8 linear of kernels/triton_fp8_linear.py, the staged FP8 GEMV of
-kernels/cuda_gemv_fp8.py, and its streaming entry for many rows).
+vocabulary projection [201088, 2880] without, bf16 weights (cuBLAS, the Triton bf16 GEMV of
+kernels/triton_bf16_gemv.py, for O the GEMV that stages its weights in shared memory,
+kernels/cuda_gemv_staged.py) and FP8 weights with 128x128 block scales (the Triton FP8 linear of
+kernels/triton_fp8_linear.py, the staged FP8 GEMV of kernels/cuda_gemv_fp8.py, and its streaming
+entry for many rows).
 
     python bench/projections.py [--m 1,2,4,8] [--shapes qkv,o,vocab] [--stream-configs 6/4,8/3]
 

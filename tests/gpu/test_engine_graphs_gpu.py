@@ -42,7 +42,8 @@ def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembeddin
     assert graphs.model._qkv_launches_early(0, one) == (attention_precision == "fp8")
     streamed = []
     real = cuda_gemv_fp8.gemv_fp8_stream
-    monkeypatch.setattr(cuda_gemv_fp8, "gemv_fp8_stream", lambda x, *a, **k: streamed.append(x.shape[0]) or real(x, *a, **k))
+    monkeypatch.setattr(cuda_gemv_fp8, "gemv_fp8_stream",
+                        lambda x, *a, **k: streamed.append(x.shape[0]) or real(x, *a, **k))
     eager.model.logits(one.expand(cuda_gemv_fp8.STREAM_MAX_TOKENS + 1, -1).contiguous())
     eager.model.logits(one.expand(cuda_gemv_fp8.STREAM_MAX_TOKENS, -1).contiguous())
     assert streamed == ([cuda_gemv_fp8.STREAM_MAX_TOKENS] if unembedding_precision == "fp8" else [])
