@@ -288,10 +288,12 @@ def main() -> int:
         name = f"skip {piece}" + ("" if a.ablate_on == "default" else f" ({a.ablate_on})")
         settings[name] = SETTINGS[a.ablate_on]
         ablated[name] = _ablation(runner, piece, max(a.batches))
-    # settings that capture with FP8 projection weights: those named so, and ablations of one of them
-    fp8_named = {n for n in settings if n in FP8_ATTENTION or (n in ablated and a.ablate_on in FP8_ATTENTION)}
+    def capturing_with(group: tuple[str, ...]) -> set[str]:  # settings named in group, and ablations of one
+        return {n for n in settings if n in group or (n in ablated and a.ablate_on in group)}
+
+    # settings that capture with FP8 projection weights
+    fp8_named, fp8_vocab = capturing_with(FP8_ATTENTION), capturing_with(FP8_UNEMBEDDING)
     fp8 = _fp8_attention(runner) if fp8_named else []
-    fp8_vocab = {n for n in settings if n in FP8_UNEMBEDDING or (n in ablated and a.ablate_on in FP8_UNEMBEDDING)}
     fp8_unembedding = _fp8_unembedding(runner) if fp8_vocab else []
     # per setting, the (object, attribute, value) set for its capture and undone after it
     patches = {name: [*((runner.model, k, v) for k, v in attrs.items()), *((mod, k, v) for (mod, k), v in consts.items()),

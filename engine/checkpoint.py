@@ -24,7 +24,7 @@ from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantiz
 from pdserve.kernels.moe import ExpertWeights
 from pdserve.kernels.mxfp4 import MxExperts, dequantize_mxfp4
 
-from .config import ModelConfig
+from .config import PROJECTION_PRECISIONS, ModelConfig
 from .parallel import ShardSpec
 
 
@@ -126,10 +126,6 @@ class ModelWeights:
     unembedding_scale: torch.Tensor | None = None  # float32 128x128 block scales of an e4m3 unembedding
 
 
-ATTENTION_PRECISIONS = ("bf16", "fp8")
-UNEMBEDDING_PRECISIONS = ("bf16", "fp8")
-
-
 def _rows(a: int, b: int) -> tuple[slice]:
     return (slice(a, b),)
 
@@ -155,11 +151,9 @@ def load_weights(
     """
     if precision not in ("bf16", "fp8", "mxfp4"):
         raise ValueError(f"precision must be bf16, fp8 or mxfp4, not {precision!r}")
-    if attention_precision not in ATTENTION_PRECISIONS:
-        raise ValueError(f"attention_precision must be one of {ATTENTION_PRECISIONS}, not {attention_precision!r}")
-    if unembedding_precision not in UNEMBEDDING_PRECISIONS:
-        raise ValueError(f"unembedding_precision must be one of {UNEMBEDDING_PRECISIONS}, "
-                         f"not {unembedding_precision!r}")
+    for name, value in (("attention_precision", attention_precision), ("unembedding_precision", unembedding_precision)):
+        if value not in PROJECTION_PRECISIONS:
+            raise ValueError(f"{name} must be one of {PROJECTION_PRECISIONS}, not {value!r}")
     if precision == "mxfp4" and (cfg.experts_format != "mxfp4" or shard.world_size > 1):
         raise ValueError("precision mxfp4 keeps a checkpoint's MXFP4 experts on a single rank; this is "
                          f"a {cfg.experts_format} checkpoint on {shard.world_size} ranks")

@@ -22,6 +22,9 @@ class ConfigError(ValueError):
 # copies and expert intermediates, attention's per-chunk buffers) stay a few GiB on an H200, and
 # the GEMMs already run at their large-M rate (docs/engine.md, chunked prefill)
 DEFAULT_PREFILL_CHUNK = 8192
+# what the dense projections' weights may be held in (--attention-precision, --unembedding-precision):
+# as loaded, or FP8 with 128x128 block scales quantised at load
+PROJECTION_PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)

@@ -417,7 +417,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
             stride_groups = gridDim.x * WARPS;
   const int g = cta.g, tig = cta.tig;
   // the ring: the next step to request is step ls of group lg, at wp (this lane's 16 bytes of row g;
-  // row g + 8 is 8 K further) with its block scale at sp[ls / 2]; pointers advance, no index products
+  // row g + 8's are 8 rows further) with its block scale at sp[ls / 2]; pointers advance, no index products
   int lg = blockIdx.x * WARPS + cta.warp, ls = 0;
   const unsigned char* wp = w + ((i64)lg * STREAM_ROWS + g) * K + tig * 16;
   const float* sp = scale + (((i64)lg * STREAM_ROWS) >> 7) * kb_total;

@@ -153,10 +153,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_projection_precision_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
+    from pdserve.engine.config import PROJECTION_PRECISIONS
+
+    p.add_argument("--attention-precision", default="bf16", choices=PROJECTION_PRECISIONS,
                    help="QKV and O projection weights: bf16, or FP8 with 128x128 block scales "
                         "(quantised at load; half the bytes a decode step reads for them)")
-    p.add_argument("--unembedding-precision", default="bf16", choices=["bf16", "fp8"],
+    p.add_argument("--unembedding-precision", default="bf16", choices=PROJECTION_PRECISIONS,
                    help="vocabulary projection (lm_head) weights: bf16, or FP8 with 128x128 block scales "
                         "(quantised at load; half of the 1.16 GB every decode step reads for them: faster "
                         "decode steps up to 8 requests, level at 16, 2%% slower at 64)")
