@@ -27,7 +27,7 @@ marginal cost of each.
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
-        [--rounds 15] [--replays 20] [--out FILE.json]
+        [--rounds 15] [--replays 20] [--timeline] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench import step_timeline  # noqa: E402
 from pdserve.bench.kernels import time_it  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -181,7 +182,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim
     if piece == "norms":
-        return [(m, "_add_norm", lambda x, delta, weight: (x, x))]
+        return [(m, "_add_norm", lambda x, delta, weight, *a: (x, x))]
     if piece == "qkv":
         q = torch.randn(rows, hq, d, device=dev).to(torch.bfloat16)
         return [(m, "_rotated_q", lambda layer, t, *a: q[: t.shape[0]])]
@@ -269,6 +270,8 @@ def main() -> int:
     ap.add_argument("--ablate-on", default="default", help="the setting the ablations take out of (a name of SETTINGS)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--timeline", action="store_true",
+                    help="after the timing, each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     names = [n.strip() for n in a.settings.split(",")]
@@ -342,6 +345,9 @@ def main() -> int:
             results[batch][name] = {"replay_us": med, "min_us": min(ts), "ratio": med / base}
             print(f"batch {batch:3d} {a.precision:5s} {name:20s} replay {med:8.1f} us (min {min(ts):8.1f}) "
                   f"x{med / base:.3f}", flush=True)
+        for name, step in steps.items() if a.timeline else ():
+            step_timeline.print_table(f"batch {batch} {name!r}",
+                                      step_timeline.layer_table(step_timeline.kernel_events(step.graph.replay)))
         if ablated:  # the ablated steps left garbage in these requests' KV: drop them
             torch.cuda.synchronize()
             for seq in eng.running:
