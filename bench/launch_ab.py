@@ -142,18 +142,13 @@ SETTINGS = {
     # with FP8 attention projections; its bf16 weights through cuBLAS at every batch (before 2026-12-04)
     "unembedding fp8": _setting(),
     "attention+unembedding fp8": _setting(),
-    # both FP8, the residual add + RMSNorm before each QKV in its own kernel rather than in the FP8 QKV
-    # launch
-    "attention+unembedding fp8 norm kernel": _setting(norm_in_qkv=False),
     "unembedding cublas": _setting({(triton_bf16_gemv, "FASTER_THAN_CUBLAS_UP_TO"): {
         k: v for k, v in triton_bf16_gemv.FASTER_THAN_CUBLAS_UP_TO.items() if k != (201088, 2880)}}),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",
-                 "attention fp8 qkv launch late", "attention+unembedding fp8",
-                 "attention+unembedding fp8 norm kernel")  # capture with FP8 QKV and O
-FP8_UNEMBEDDING = ("unembedding fp8", "attention+unembedding fp8",
-                   "attention+unembedding fp8 norm kernel")  # capture with an FP8 vocabulary projection
+                 "attention fp8 qkv launch late", "attention+unembedding fp8")  # capture with FP8 QKV and O
+FP8_UNEMBEDDING = ("unembedding fp8", "attention+unembedding fp8")  # capture with an FP8 vocabulary projection
 
 
 ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")

@@ -108,11 +108,6 @@ def _fp8_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
             and gf.available(x.device))
 
 
-def _bf16_if_exact(w: torch.Tensor) -> torch.Tensor | None:
-    b = w.to(torch.bfloat16)
-    return b if torch.equal(b.float(), w.float()) else None
-
-
 def _qkv_rope_fused(t: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether one token's QKV projection, RoPE and KV write run as one kernel
     (kernels.triton_rope.qkv_rope_write): where `_project` would take the bf16 GEMV."""
@@ -163,12 +158,6 @@ class GptOssModel:
         # with `fused`: the norm before an FP8 QKV GEMV lets it launch at the norm's start
         # (`_qkv_launches_early`; False: after the norm's wait, as every other kernel; the benchmark's A/B)
         self.early_qkv_launch = True
-        # with `fused`: the residual add + RMSNorm before an FP8 QKV GEMV with its RoPE epilogue runs in
-        # that launch (`_norm_in_qkv`; False: its own kernel; the benchmark's A/B)
-        self.norm_in_qkv = True
-        # the attention norms' weights in bf16 for that launch (None where bf16 does not hold a layer's
-        # float32 weights exactly; gpt-oss' checkpoints store them in bf16)
-        self.qkv_norms = [_bf16_if_exact(a.norm) for a, _ in weights.layers]
 
     def make_attention(
         self,
@@ -211,31 +200,15 @@ class GptOssModel:
             x = x + delta
         return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
 
-    def _attention(self, layer: int, x: torch.Tensor, t: torch.Tensor | None, delta: torch.Tensor | None,
-                   positions: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual, attention output) of the normed input t; with delta (t None), the QKV launch
-        itself adds delta to the residual x and norms the sum (`_norm_in_qkv`)."""
+    def _attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         a, _ = self.w.layers[layer]
         group, _ = step.cache.layer_group[layer]
         cache = step.cache.layer_cache(layer)
-        if delta is None:
-            q = self._rotated_q(layer, t, positions, step, group, cache)
-        else:
-            x, q = self._normed_rotated_q(layer, x, delta, positions, step, group, cache)
+        q = self._rotated_q(layer, t, positions, step, group, cache)
         o = step.attention[group].run(q, cache, a.sinks)
         o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
                      self.fused, staged=True)
-        return x, all_reduce(o, self.shard)
-
-    def _normed_rotated_q(self, layer: int, x: torch.Tensor, delta: torch.Tensor, positions: torch.Tensor,
-                          step: StepContext, group: str, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_rotated_q` of rms_norm(x + delta), the add and norm in the FP8 QKV launch: (x + delta, q)."""
-        from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8_norm
-
-        a, _ = self.w.layers[layer]
-        return qkv_rope_fp8_norm(x, delta, self.qkv_norms[layer], self.cfg.rms_norm_eps, a.qkv_weight, a.qkv_scale, a.qkv_bias,
-                                 positions, self.rope.cos, self.rope.sin, step.slots[group], cache,
-                                 self.num_q_heads, self.num_kv_heads)
+        return all_reduce(o, self.shard)
 
     def _rotated_q(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext, group: str,
                    cache: torch.Tensor) -> torch.Tensor:
@@ -280,15 +253,6 @@ class GptOssModel:
                 and all(v.dtype == torch.int64 and v.is_contiguous() for v in (positions, slots))
                 and fits_rope(t.shape[0], t.shape[1], self.num_q_heads, self.num_kv_heads, self.cfg.head_dim))
 
-    def _norm_in_qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor, step: StepContext) -> bool:
-        """Whether the layer's residual add + RMSNorm runs in its QKV launch (`_normed_rotated_q`): the
-        FP8 QKV GEMV with its RoPE epilogue takes these tokens, and the norm's weights are bf16 values."""
-        a, _ = self.w.layers[layer]
-        group, _ = step.cache.layer_group[layer]
-        return (self.norm_in_qkv and self.fuse_qkv_rope and self.qkv_norms[layer] is not None
-                and _fp8_gemv_takes(x, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
-                and self._fp8_rope_fits(x, step.cache.layer_cache(layer), positions, step.slots[group]))
-
     def _qkv_launches_early(self, layer: int, x: torch.Tensor) -> bool:
         """Whether the layer's QKV projection of these tokens is the FP8 GEMV, which requests all of its
         weights ahead of its PDL wait, so that the norm before it lets it launch at the norm's start
@@ -330,16 +294,13 @@ class GptOssModel:
         x = self._embed(input_ids)
         layers = self.w.layers
         x, t = self._add_norm(x, None, layers[0][0].norm, self._qkv_launches_early(0, x))
-        y = None  # the MoE output that the next layer's QKV launch adds and norms itself, else None
         for i in range(self.cfg.num_hidden_layers):
-            x, o = self._attention(i, x, t, y, positions, step)
-            x, t = self._add_norm(x, o, layers[i][1].norm)
+            x, t = self._add_norm(x, self._attention(i, t, positions, step), layers[i][1].norm)
             y = self._moe(i, t)
-            if i + 1 == len(layers):
-                x = x + y
-            elif not self._norm_in_qkv(i + 1, x, positions, step):
+            if i + 1 < len(layers):
                 x, t = self._add_norm(x, y, layers[i + 1][0].norm, self._qkv_launches_early(i + 1, x))
-                y = None
+            else:
+                x = x + y
         return x
 
     @torch.inference_mode()

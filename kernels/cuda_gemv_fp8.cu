@@ -66,8 +66,7 @@ __device__ __forceinline__ void wait_groups(int pending) {
     case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
     case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
     case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
   }
 }
 
@@ -160,21 +159,12 @@ struct Cta {
     }
   }
 
-  // Before the PDL wait, for stage_norm: the warp's share of the bf16 norm weights nw [K] into L1
-  // (a 128-byte line a lane), where stage_norm reads them
-  __device__ __forceinline__ void prefetch_norm(const u16* __restrict__ nw) const {
-    if (lane < (s_hi - s_lo) * STEP_K * 2 / 128)
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(nw + s_lo * STEP_K + 64 * lane));
-  }
-
   // After the wait: the warp's share of the M token rows in f16, each 64-K step times its own 2^-e
   // (xsc[m][step] = 2^e), X_BATCH 16-byte chunks a lane in flight (a lane's chunks: c over the token's
   // share, then the next token m; no divisions). A step is 8 chunks and 8 consecutive lanes always
   // hold one step's (a token's share is whole steps, lanes advance by 32), so its largest |x| is three
-  // shuffles away; every lane runs the same rounds for them. `row(m, c)`: chunk c of token m's share,
-  // 8 bf16 values (the stage_norm pass writes and reads a lane's own chunks in this same order).
-  template <class Chunk>
-  __device__ __forceinline__ void stage_rows(Chunk row, int M) {
+  // shuffles away; every lane runs the same rounds for them.
+  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
     const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
     if (chunks == 0) return;                           // K < 256: some warps have no steps
     const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
@@ -187,7 +177,7 @@ struct Cta {
       for (int b = 0; b < X_BATCH; b++) {
         mb[b] = m;
         cb[b] = c;
-        v[b] = m < M ? row(m, c) : U4{0u, 0u, 0u, 0u};
+        v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
         for (c += 32; c >= chunks;) c -= chunks, m++;
       }
 #pragma unroll
@@ -216,97 +206,6 @@ struct Cta {
       }
     }
     __syncwarp();
-  }
-
-  // the token rows x [M, K] (written by the kernel before this one: through L2)
-  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
-    stage_rows([&](int m, int c) { return load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8); }, M);
-  }
-
-  // The token rows as the residual add + RMSNorm before them makes them (kernels/triton_norm.py's
-  // arithmetic): r = x + d rounded to bf16, written to res [M, K] where res is not null (one CTA's
-  // job), then rms_norm(r) * nw rounded to bf16 and staged as stage_x stages x. Each warp adds its
-  // share of K and keeps r in its token rows' shared memory (bf16 where the f16 will go); the CTA's
-  // warps meet once for each token's sum of squares (ssq; the warps' parts added in warp order), then
-  // each lane normalises the chunks it wrote, with the norm weights nw (bf16: the model's float32
-  // weights where bf16 holds them exactly, as gpt-oss' checkpoints store them) that prefetch_norm
-  // brought into L1 ahead of the wait.
-  __device__ __forceinline__ void stage_norm(const u16* __restrict__ x, int stride_x, const u16* __restrict__ d,
-                                             int stride_d, const u16* __restrict__ nw, u16* __restrict__ res,
-                                             int stride_res, int M, float inv_h, float eps, float (*ssq)[MAX_M]) {
-    const int chunks = (s_hi - s_lo) * (STEP_K / 8);
-    const int k0 = s_lo * STEP_K;
-    float part[MAX_M];
-#pragma unroll
-    for (int mm = 0; mm < MAX_M; mm++) part[mm] = 0.f;
-    if (chunks > 0) {
-      const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
-      int m = 0, c = lane;
-      while (c >= chunks) c -= chunks, m++;
-      for (int round = 0; round < rounds; round++) {
-        U4 a[X_BATCH], b[X_BATCH];
-        int mb[X_BATCH], cb[X_BATCH];
-#pragma unroll
-        for (int j = 0; j < X_BATCH; j++) {
-          mb[j] = m;
-          cb[j] = c;
-          if (m < M) {
-            a[j] = load_early(x + (i64)m * stride_x + k0 + c * 8);
-            b[j] = load_early(d + (i64)m * stride_d + k0 + c * 8);
-          }
-          for (c += 32; c >= chunks;) c -= chunks, m++;
-        }
-#pragma unroll
-        for (int j = 0; j < X_BATCH; j++) {
-          if (mb[j] >= M) break;  // (a lane's chunks run in token order)
-          const u32 xa[4] = {a[j].x, a[j].y, a[j].z, a[j].w}, da[4] = {b[j].x, b[j].y, b[j].z, b[j].w};
-          u32 r[4];
-          float sq = 0.f;
-#pragma unroll
-          for (int i = 0; i < 4; i++) {
-            const u16 lo = to_bf16(__fadd_rn(__int_as_float(xa[i] << 16), __int_as_float(da[i] << 16)));
-            const u16 hi = to_bf16(__fadd_rn(__int_as_float(xa[i] & 0xFFFF0000u), __int_as_float(da[i] & 0xFFFF0000u)));
-            const float fl = from_bf16(lo), fh = from_bf16(hi);
-            sq = __fmaf_rn(fl, fl, sq);
-            sq = __fmaf_rn(fh, fh, sq);
-            r[i] = (u32)lo | ((u32)hi << 16);
-          }
-          const U4 rv{r[0], r[1], r[2], r[3]};
-          *reinterpret_cast<U4*>(xs + mb[j] * x_stride + k0 * 2 + cb[j] * 16) = rv;
-          if (res != nullptr) *reinterpret_cast<U4*>(res + (i64)mb[j] * stride_res + k0 + cb[j] * 8) = rv;
-#pragma unroll
-          for (int mm = 0; mm < MAX_M; mm++) part[mm] += mm == mb[j] ? sq : 0.f;
-        }
-      }
-    }
-#pragma unroll
-    for (int mm = 0; mm < MAX_M; mm++) {
-      float v = part[mm];
-      if (mm < M) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-        if (lane == 0) ssq[warp][mm] = v;
-      }
-    }
-    __syncthreads();  // every warp's sums of squares
-    stage_rows([&](int m, int c) {
-      float ss = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; w++) ss += ssq[w][m];
-      const float inv = rsqrtf(__fadd_rn(__fmul_rn(ss, inv_h), eps));
-      const U4 rv = *reinterpret_cast<const U4*>(xs + m * x_stride + k0 * 2 + c * 16);
-      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(nw + k0 + c * 8));  // L1 (prefetch_norm)
-      const u32 ra[4] = {rv.x, rv.y, rv.z, rv.w}, wa[4] = {wv.x, wv.y, wv.z, wv.w};
-      u32 t[4];
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const u16 lo = to_bf16(__fmul_rn(__fmul_rn(__int_as_float(ra[i] << 16), inv), __int_as_float(wa[i] << 16)));
-        const u16 hi = to_bf16(__fmul_rn(__fmul_rn(__int_as_float(ra[i] & 0xFFFF0000u), inv),
-                                         __int_as_float(wa[i] & 0xFFFF0000u)));
-        t[i] = (u32)lo | ((u32)hi << 16);
-      }
-      return U4{t[0], t[1], t[2], t[3]};
-    }, M);
   }
 
   // Step s of token row xr against weight row wr: four mmas in two chains (K 4i .. 4i + 3 of the lane's
@@ -414,24 +313,17 @@ __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(
 // projection's output), then q and k heads rotated (half-split, cos / sin [positions, D/2] float32
 // tables rounded to bf16, each product and each sum rounded to bf16): q heads to q [M, HQ, D], k and
 // v heads into the KV slot slots[m] of layer_cache [blocks, 2, page, HKV, D] (K at 0, V at 1).
-// With nw (bf16 [K]) not null the residual add + RMSNorm before the projection comes along
-// (Cta::stage_norm): the projection takes rms_norm(x + d) * nw, and CTA 0 writes x + d to res.
-// inv_h (float32 1 / K) and eps come as doubles (kernels/pdl.launch_cuda passes floats so).
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w,
               const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
               const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
-              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV,
-              const u16* __restrict__ d, int stride_d, const u16* __restrict__ nw, double inv_h, double eps,
-              u16* __restrict__ res, int stride_res) {
+              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV) {
   constexpr int D = GF_ROPE_D, HALF = D / 2;
   CTA_SHARED
-  __shared__ float ssq[WARPS][MAX_M];  // stage_norm's sums of squares, a warp's part of each token's
   const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
   Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, xsc, bs, red);
   cta.request(scale, bias, true);
-  if (nw != nullptr) cta.prefetch_norm(nw);
   enter_pdl();  // x, positions and slots are written before this kernel
   // the epilogue thread's (token m, pair i) position, table entries and slot, in flight during the sums
   const int m = threadIdx.x / 4, i = threadIdx.x % 4;
@@ -446,11 +338,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
     }
     if (h >= HQ) slot = load_input(slots + m);
   }
-  if (nw != nullptr)
-    cta.stage_norm(x, stride_x, d, stride_d, nw, blockIdx.x == 0 ? res : nullptr, stride_res, M, (float)inv_h,
-                   (float)eps, ssq);
-  else
-    cta.stage_x(x, stride_x, M);
+  cta.stage_x(x, stride_x, M);
   cta.sum(M);
   if (!epilogue) return;
   const float x1 = bf16_round(cta.total(m, i, bias != nullptr)), x2 = bf16_round(cta.total(m, i + 4, bias != nullptr));

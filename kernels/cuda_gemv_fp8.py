@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .fp8 import BLOCK, FP8, cdiv
@@ -50,10 +49,8 @@ STREAM_MAX_TOKENS = 8
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
 MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_K)
 # the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
-# two (a token and 64-K step), the bf16 biases; and the QKV entry's sums of squares of the norm it
-# carries (a warp and token)
-STATIC_SHARED = (4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
-                 + 4 * WARPS * MAX_M)
+# two (a token and 64-K step), the bf16 biases
+STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
 MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
 
 
@@ -162,8 +159,7 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
 
 
 def fits_rope(m: int, k: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether `qkv_rope_fp8` and `qkv_rope_fp8_norm` take this QKV projection (a head's rows within
-    one 128-row block)."""
+    """Whether `qkv_rope_fp8` takes this QKV projection (a head's rows within one 128-row block)."""
     return head_dim == ROPE_D and BLOCK % head_dim == 0 and fits(m, (num_q_heads + 2 * num_kv_heads) * head_dim, k)
 
 
@@ -177,34 +173,6 @@ def qkv_rope_fp8(
     None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
     [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
     [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
-    return _qkv_rope(x, None, w, scale, bias, positions, cos, sin, slots, layer_cache, num_q_heads, num_kv_heads)
-
-
-def qkv_rope_fp8_norm(
-    x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-    scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`qkv_rope_fp8` of rms_norm(x + delta) * norm_weight, the residual add + RMSNorm before the
-    projection in the same launch (kernels.triton_norm.add_rms_norm's arithmetic; only the order of
-    the float32 sum of squares differs, so a normed value may differ from that kernel's by one bf16
-    rounding step): x, delta [M, K] bf16, norm_weight [K] bf16 (the model's float32 weights where
-    bf16 holds them exactly). Returns (x + delta, q); at decode this takes a launch, and the wait for
-    it, off every layer's path to its attention."""
-    if delta.shape != x.shape or delta.dtype != x.dtype or delta.stride(1) != 1 or delta.stride(0) % 8 or (
-            delta.data_ptr() % 16):
-        raise ValueError(f"delta {tuple(delta.shape)} must match x {tuple(x.shape)} with 16-byte aligned rows")
-    if (norm_weight.dtype != torch.bfloat16 or tuple(norm_weight.shape) != (x.shape[1],)
-            or not norm_weight.is_contiguous() or norm_weight.data_ptr() % 16):
-        raise ValueError(f"norm_weight must be a contiguous bf16 [{x.shape[1]}], got {norm_weight.dtype} "
-                         f"{tuple(norm_weight.shape)}")
-    residual = torch.empty_like(x)
-    q = _qkv_rope(x, (delta, norm_weight, eps, residual), w, scale, bias, positions, cos, sin, slots, layer_cache,
-                  num_q_heads, num_kv_heads)
-    return residual, q
-
-
-def _qkv_rope(x, norm, w, scale, bias, positions, cos, sin, slots, layer_cache, num_q_heads, num_kv_heads):
     m, n, k = _check(x, w, scale, bias)
     blocks, two, page_size, hkv, d = layer_cache.shape
     if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
@@ -221,17 +189,11 @@ def _qkv_rope(x, norm, w, scale, bias, positions, cos, sin, slots, layer_cache, 
         raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
                          f"int64 [{m}]")
     q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
-    if norm is None:
-        norm_args = [None, 0, None, 0.0, 0.0, None, 0]
-    else:
-        delta, norm_weight, eps, residual = norm
-        norm_args = [delta, delta.stride(0), norm_weight, float(np.float32(1) / np.float32(k)), float(eps), residual,
-                     residual.stride(0)]
-    launch_cuda(_kernels(_index(x))["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1),
-                shared_bytes(k, m), pdl=pdl_enabled(x.device),
+    launch_cuda(_kernels(_index(x))["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
+                pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
-                      num_kv_heads, *norm_args])
+                      num_kv_heads])
     return q
 
 
