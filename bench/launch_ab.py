@@ -142,21 +142,13 @@ SETTINGS = {
     # with FP8 attention projections; its bf16 weights through cuBLAS at every batch (before 2026-12-04)
     "unembedding fp8": _setting(),
     "attention+unembedding fp8": _setting(),
-    # both FP8, the QKV GEMV pulling into L2 ahead of its wait neither its own weights nor the O
-    # projection's (before 2026-12-04), only its own, only the O projection's
-    "attention+unembedding fp8 no l2 prefetch": _setting({(cuda_gemv_fp8, "L2_PREFETCH_OWN"): False,
-                                                          (cuda_gemv_fp8, "L2_PREFETCH_NEXT"): False}),
-    "attention+unembedding fp8 l2 prefetch own": _setting({(cuda_gemv_fp8, "L2_PREFETCH_NEXT"): False}),
-    "attention+unembedding fp8 l2 prefetch next": _setting({(cuda_gemv_fp8, "L2_PREFETCH_OWN"): False}),
     "unembedding cublas": _setting({(triton_bf16_gemv, "FASTER_THAN_CUBLAS_UP_TO"): {
         k: v for k, v in triton_bf16_gemv.FASTER_THAN_CUBLAS_UP_TO.items() if k != (201088, 2880)}}),
     "default": _setting(),
 }
-_L2_PREFETCH = ("attention+unembedding fp8 no l2 prefetch", "attention+unembedding fp8 l2 prefetch own",
-                "attention+unembedding fp8 l2 prefetch next")
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",
-                 "attention fp8 qkv launch late", "attention+unembedding fp8", *_L2_PREFETCH)  # FP8 QKV and O
-FP8_UNEMBEDDING = ("unembedding fp8", "attention+unembedding fp8", *_L2_PREFETCH)  # an FP8 vocabulary projection
+                 "attention fp8 qkv launch late", "attention+unembedding fp8")  # capture with FP8 QKV and O
+FP8_UNEMBEDDING = ("unembedding fp8", "attention+unembedding fp8")  # capture with an FP8 vocabulary projection
 
 
 ABLATIONS = ("norms", "qkv", "attention", "o", "router", "moe", "gate_up", "down")

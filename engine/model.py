@@ -221,10 +221,8 @@ class GptOssModel:
                 and self._fp8_rope_fits(t, cache, positions, step.slots[group])):
             from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8
 
-            # the O projection's FP8 weights, pulled into L2 for the GEMV after the attention
-            o_next = a.o_weight if _fp8_gemv_takes(t, a.o_weight, a.o_bias, a.o_scale, self.fused) else None
             return qkv_rope_fp8(t, a.qkv_weight, a.qkv_scale, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
-                                step.slots[group], cache, self.num_q_heads, self.num_kv_heads, next_weight=o_next)
+                                step.slots[group], cache, self.num_q_heads, self.num_kv_heads)
         if self.fused and self.fuse_qkv_rope and _qkv_rope_fused(t, a.qkv_weight, a.qkv_scale):
             from pdserve.kernels.triton_rope import qkv_rope_write
 

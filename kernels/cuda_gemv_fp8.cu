@@ -280,18 +280,6 @@ struct Cta {
   }
 };
 
-// Ahead of the PDL wait: bytes [0, bytes) of a weight matrix (other than the CTA's own rows) into L2,
-// marked to stay there ahead of other lines (evict_last), split over the launch's first `ctas` CTAs
-// in 128-byte lines a thread. Weights never change, so this keeps kernels/pdl.py's contract; the CTAs
-// placed while the kernels before still run (the first ones) thus pull in the weights of CTAs that
-// are placed later, or of the projection after this one, while DRAM has room.
-__device__ __forceinline__ void prefetch_l2(const unsigned char* __restrict__ p, int bytes, int ctas) {
-  if (p == nullptr || (int)blockIdx.x >= ctas) return;
-  const i64 share = ((i64)bytes + ctas - 1) / ctas, lo = share * blockIdx.x, hi = min(lo + share, (i64)bytes);
-  for (i64 o = lo + 128 * threadIdx.x; o < hi; o += 128 * THREADS)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p + o));
-}
-
 #define CTA_SHARED                                          \
   extern __shared__ __align__(16) unsigned char smem[];     \
   __shared__ float red[WARPS][MAX_M][ROWS];                 \
@@ -325,23 +313,17 @@ __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(
 // projection's output), then q and k heads rotated (half-split, cos / sin [positions, D/2] float32
 // tables rounded to bf16, each product and each sum rounded to bf16): q heads to q [M, HQ, D], k and
 // v heads into the KV slot slots[m] of layer_cache [blocks, 2, page, HKV, D] (K at 0, V at 1).
-// pf, pf2 (or null): pf_bytes of a matrix that the first pf_ctas CTAs pull into L2 (prefetch_l2), and
-// pf2's alike: this projection's own weights for the CTAs placed later, the next projection's.
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w,
               const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
               const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
-              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV,
-              const unsigned char* __restrict__ pf, int pf_bytes, int pf_ctas,
-              const unsigned char* __restrict__ pf2, int pf2_bytes, int pf2_ctas) {
+              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV) {
   constexpr int D = GF_ROPE_D, HALF = D / 2;
   CTA_SHARED
   const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
   Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, xsc, bs, red);
   cta.request(scale, bias, true);
-  prefetch_l2(pf, pf_bytes, pf_ctas);
-  prefetch_l2(pf2, pf2_bytes, pf2_ctas);
   enter_pdl();  // x, positions and slots are written before this kernel
   // the epilogue thread's (token m, pair i) position, table entries and slot, in flight during the sums
   const int m = threadIdx.x / 4, i = threadIdx.x % 4;

@@ -36,11 +36,6 @@ GROUPS = 1
 # linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
 # are 110-250 us a 20b step faster: docs/performance.md, fourteenth round)
 MAX_TOKENS = 4
-# What the QKV entry pulls into L2 ahead of its PDL wait (prefetch_l2 in the .cu): its own weights,
-# split over its first CTAs (one an SM: those placed while the MoE before it still runs, for the CTAs
-# placed after it), and the next projection's weights (the O projection's, split over all its CTAs)
-L2_PREFETCH_OWN = True
-L2_PREFETCH_NEXT = True
 # The streaming entry (`gemv_fp8_stream`, projections of many rows: the vocabulary's): 64-K steps a
 # warp requests ahead of its sums (registers: 8 words and a scale a step; 166 registers at 8, so 3
 # CTAs of 4 warps an SM; 8 / 3 measured fastest of 3 / 6, 4 / 5, 6 / 4 and 8 / 3 at 1-4 tokens)
@@ -171,15 +166,13 @@ def fits_rope(m: int, k: int, num_q_heads: int, num_kv_heads: int, head_dim: int
 def qkv_rope_fp8(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int,
-    num_kv_heads: int, next_weight: torch.Tensor | None = None,
+    num_kv_heads: int,
 ) -> torch.Tensor:
     """The QKV projection of M tokens (as `gemv_fp8`) with kernels.triton_rope.rope_qkv_write's
     epilogue in the same launch: x [M, K], w [(Hq + 2 Hkv) D, K] e4m3 with its scales, bias [N] or
     None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
     [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
-    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit. Ahead of its PDL wait it pulls
-    into L2 its own weights (L2_PREFETCH_OWN) and next_weight (a contiguous matrix the step reads
-    next: the O projection's; L2_PREFETCH_NEXT)."""
+    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
     m, n, k = _check(x, w, scale, bias)
     blocks, two, page_size, hkv, d = layer_cache.shape
     if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
@@ -195,18 +188,12 @@ def qkv_rope_fp8(
             or positions.stride(0) != 1 or slots.stride(0) != 1):
         raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
                          f"int64 [{m}]")
-    if next_weight is not None and not next_weight.is_contiguous():
-        raise ValueError("next_weight must be contiguous")
     q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    own = [w, w.numel() * w.element_size(), sms] if L2_PREFETCH_OWN else [None, 0, 0]
-    after = ([next_weight, next_weight.numel() * next_weight.element_size(), n // ROWS]
-             if next_weight is not None and L2_PREFETCH_NEXT else [None, 0, 0])
     launch_cuda(_kernels(_index(x))["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
-                      num_kv_heads, *own, *after])
+                      num_kv_heads])
     return q
 
 
