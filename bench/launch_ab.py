@@ -22,12 +22,13 @@ attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaul
 launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape
 of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting)
 with one piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the
-marginal cost of each.
+marginal cost of each. --fp8: every setting with FP8 attention and vocabulary projections;
+--timeline: each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py).
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
-        [--rounds 15] [--replays 20] [--timeline] [--out FILE.json]
+        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ SETTINGS = {
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),
-    # full layers in splits of one 128-key block (all of a split's keys read ahead of the wait), up to
-    # 32 or 64 splits
-    "full 128-key splits": _setting(_full_layers(128, 32)),
+    # full layers in splits of at least 256 keys (the tiling until 2026-12-04; the engine's now: splits of
+    # one 128-key block, all of a split's keys read ahead of the wait), or of one block up to 64 splits
+    "full 256-key splits": _setting(_full_layers(256, 32)),
     "full 128-key splits x64": _setting(_full_layers(128, 64)),
     # windowed layers (128 keys) in 2 or 4 splits of 64 / 32 keys, 4 warps, not one 128-key block of 8 warps
     "windowed 2 splits": _setting({(triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(
@@ -270,6 +271,8 @@ def main() -> int:
     ap.add_argument("--ablate-on", default="default", help="the setting the ablations take out of (a name of SETTINGS)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--fp8", action="store_true",
+                    help="every setting captures with FP8 attention and vocabulary projections")
     ap.add_argument("--timeline", action="store_true",
                     help="after the timing, each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py)")
     ap.add_argument("--out", default=None)
@@ -292,6 +295,8 @@ def main() -> int:
         settings[name] = SETTINGS[a.ablate_on]
         ablated[name] = _ablation(runner, piece, max(a.batches))
     def capturing_with(group: tuple[str, ...]) -> set[str]:  # settings named in group, and ablations of one
+        if a.fp8:
+            return set(settings)
         return {n for n in settings if n in group or (n in ablated and a.ablate_on in group)}
 
     # settings that capture with FP8 projection weights

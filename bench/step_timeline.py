@@ -47,20 +47,20 @@ def layer_table(steps: list[list[tuple[str, float, float]]], marker: str = "rout
     """Per position in a layer window (from one kernel whose name contains `marker` to the next), the
     kernel's name and, averaged over the middle windows of every replay: its duration, how long before
     the previous kernel's end it started (lead), and what it added to the span (its end minus the
-    latest end so far). Windows of the same sequence of names are averaged together; the most common
-    sequence is reported (windowed and full attention layers may differ; both if equally common)."""
+    latest end so far). Windows of the same sequence of names and the same parity are averaged
+    together (gpt-oss alternates windowed and full attention layers); the common ones are reported."""
     windows = collections.defaultdict(list)
     for step in steps:
         marks = [i for i, (n, _, _) in enumerate(step) if marker in n]
-        for a, b in zip(marks[1:-2], marks[2:-1]):  # skip the first and last windows
+        for i, (a, b) in enumerate(zip(marks[1:-2], marks[2:-1])):  # skip the first and last windows
             w = step[a:b + 1]
-            windows[tuple(_short(n) for n, _, _ in w[1:])].append(w)
+            windows[(tuple(_short(n) for n, _, _ in w[1:]), i % 2)].append(w)
     if not windows:
         raise RuntimeError(f"no kernel named like {marker!r} in the step")
     most = max(len(v) for v in windows.values())
     rows = []
-    kept = [(names, ws) for names, ws in windows.items() if len(ws) == most]
-    for wi, (names, ws) in enumerate(kept):
+    kept = [(key, ws) for key, ws in windows.items() if 2 * len(ws) >= most]  # (one odd window count apart)
+    for wi, ((names, _), ws) in enumerate(kept):
         for pos, name in enumerate(names, start=1):
             durs, leads, adds = [], [], []
             for w in ws:
@@ -75,13 +75,11 @@ def layer_table(steps: list[list[tuple[str, float, float]]], marker: str = "rout
 
 
 def print_table(title: str, rows: list[dict]) -> None:
-    print(f"timeline {title}: per kernel of a layer (median over {rows[0]['windows']} windows)", flush=True)
-    print(f"  {'kernel':40s} {'us':>7s} {'lead':>7s} {'adds':>7s}")
-    window, total = rows[0]["window"], 0.0
-    for r in rows:
-        if r["window"] != window:
-            print(f"  {'layer span':40s} {'':7s} {'':7s} {total:7.2f}")
-            window, total = r["window"], 0.0
-        total += r["adds_us"]
-        print(f"  {r['kernel']:40s} {r['us']:7.2f} {r['lead_us']:7.2f} {r['adds_us']:7.2f}")
-    print(f"  {'layer span':40s} {'':7s} {'':7s} {total:7.2f}", flush=True)
+    print(f"timeline {title}: per kernel of a layer window, median over the windows of each kind", flush=True)
+    for window in sorted({r["window"] for r in rows}):
+        mine = [r for r in rows if r["window"] == window]
+        print(f"  {'kernel':40s} {'us':>7s} {'lead':>7s} {'adds':>7s}")
+        for r in mine:
+            print(f"  {r['kernel']:40s} {r['us']:7.2f} {r['lead_us']:7.2f} {r['adds_us']:7.2f}")
+        print(f"  {'layer span (' + str(mine[0]['windows']) + ' windows)':40s} {'':7s} {'':7s} "
+              f"{sum(r['adds_us'] for r in mine):7.2f}", flush=True)

@@ -54,13 +54,17 @@ class DecodeConfig:
 
 
 # The tilings the engine runs, by layer type (H200, `python -m pdserve.bench.decode_attention
-# --tilings ...`, docs/performance.md, 2026-12-02). Full layers: 128-key blocks, splits of at least
-# 256 keys, up to 32 splits folded in one combine step: at or below XQA's time at batches 1-16 and
-# 1k-32k keys (batch 1: 10.9 / 17.2 / 31.6 us at 1k / 8k / 32k against XQA's 15.4 / 19.4 / 32.7),
-# where the same blocks in up to 16 splits folded 8 at a time took 3-15 us more at 8k-32k keys.
+# --tilings ...`, docs/performance.md, 2026-12-02). Full layers: 128-key blocks, up to 32 splits folded
+# in one combine step: at or below XQA's time at batches 1-16 and 1k-32k keys (batch 1: 10.9 / 17.2 /
+# 31.6 us at 1k / 8k / 32k against XQA's 15.4 / 19.4 / 32.7), where the same blocks in up to 16 splits
+# folded 8 at a time took 3-15 us more at 8k-32k keys. Splits of one 128-key block (so all of a split's
+# cached keys are read ahead of the PDL wait) since 2026-12-04: in the decode step 1.2-1.3 % faster
+# than splits of at least 256 keys at 1-2 requests of 1k keys, 0.8-1.5 % at 4, level at 16
+# (`bench/launch_ab.py --settings "default,full 128-key splits"`, docs/performance.md, twenty-second
+# round); with 8k keys or more a request takes the same splits either way (32 at one request).
 # Windowed layers (128 keys): one 128-key block of 8 warps, no split (about 0.5 us under the
 # default tiling).
-FULL_LAYERS = DecodeConfig(block_n=128, min_keys=256, max_splits=32, combine_splits=32)
+FULL_LAYERS = DecodeConfig(block_n=128, min_keys=128, max_splits=32, combine_splits=32)
 WINDOWED_LAYERS = DecodeConfig(block_n=128, min_keys=256, num_warps=8)
 
 # Read each split's first block of keys before the PDL wait (kernels/pdl.py), while the kernel ahead

@@ -39,3 +39,14 @@ def test_adds_sum_to_the_span_and_layer_types_stay_apart():
 def test_no_marker_is_an_error():
     with pytest.raises(RuntimeError, match="route"):
         step_timeline.layer_table([[("a", 0.0, 1.0)]])
+
+
+def test_windows_of_the_same_names_stay_apart_by_parity():
+    """gpt-oss' windowed and full layers may run the same kernels for different times."""
+    step, t = [], 0.0
+    for i in range(9):
+        for name, dur in [("route", 2.0), ("attention", 3.0 + 2 * (i % 2))]:
+            step.append((name, t, t + dur))
+            t += dur
+    rows = step_timeline.layer_table([step])
+    assert sorted(r["adds_us"] for r in rows if r["kernel"] == "attention") == [3.0, 5.0]
