@@ -274,7 +274,8 @@ def main() -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="every setting captures with FP8 attention and vocabulary projections")
     ap.add_argument("--timeline", action="store_true",
-                    help="after the timing, each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py)")
+                    help="after the timing, each setting's step as a per-kernel timeline of a layer "
+                         "(bench/step_timeline.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     names = [n.strip() for n in a.settings.split(",")]

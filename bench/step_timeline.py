@@ -1,6 +1,6 @@
 """The replayed decode step as a timeline: per kernel of a layer, when it started against the end of
 the kernel before it (launched early under PDL: how far ahead) and what it added to the step's span
-(its end minus the latest end before it), averaged over the middle layers.
+(its end minus the latest end before it), medians over the middle layers.
 
 The category table of bench/step_profile.py sums kernel durations; with programmatic dependent
 launch the kernels overlap, so durations no longer add up to the step. This table does: the
@@ -45,10 +45,10 @@ def _short(name: str) -> str:
 
 def layer_table(steps: list[list[tuple[str, float, float]]], marker: str = "route") -> list[dict]:
     """Per position in a layer window (from one kernel whose name contains `marker` to the next), the
-    kernel's name and, averaged over the middle windows of every replay: its duration, how long before
+    kernel's name and, as medians over the middle windows of every replay: its duration, how long before
     the previous kernel's end it started (lead), and what it added to the span (its end minus the
-    latest end so far). Windows of the same sequence of names and the same parity are averaged
-    together (gpt-oss alternates windowed and full attention layers); the common ones are reported."""
+    latest end so far). Windows of the same sequence of names and the same parity go together (gpt-oss
+    alternates windowed and full attention layers); the common ones are reported."""
     windows = collections.defaultdict(list)
     for step in steps:
         marks = [i for i, (n, _, _) in enumerate(step) if marker in n]
@@ -69,8 +69,8 @@ def layer_table(steps: list[list[tuple[str, float, float]]], marker: str = "rout
                 durs.append(e - s)
                 leads.append(max(0.0, w[pos - 1][2] - s))
                 adds.append(max(0.0, e - prev_end))
-            rows.append({"window": wi, "kernel": name, "us": statistics.median(durs), "lead_us": statistics.median(leads),
-                         "adds_us": statistics.median(adds), "windows": len(ws)})
+            rows.append({"window": wi, "kernel": name, "us": statistics.median(durs),
+                         "lead_us": statistics.median(leads), "adds_us": statistics.median(adds), "windows": len(ws)})
     return rows
 
 
