@@ -206,16 +206,18 @@ def run_chat_bench(a, argv: list[str]) -> dict:
     import datetime
     import shlex
 
-    from pdserve.bench.serving import _free_port, describe_device, git_commit, update_doc
+    from pdserve.bench.serving import describe_device, git_commit, update_doc
 
     w = ChatWorkload(a.conversations, a.turns, a.system_len, a.user_len, a.output_len, a.rate, a.seed)
     runs = []
     if a.spawn:
+        from pdserve.launch.ports import free_ports
         from pdserve.launch.serve import ClusterSpec, LocalCluster
 
         for label, prefill_args, router_args in (
                 ("off", ["--prefix-cache-tokens", "0"], ["--routing-policy", "load"]), ("on", [], [])):
-            spec = ClusterSpec(model=a.model, port=_free_port(), grpc_port=_free_port(),
+            port, grpc_port = free_ports(2)
+            spec = ClusterSpec(model=a.model, port=port, grpc_port=grpc_port,
                                prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                                max_batch_size=a.max_batch_size, device=a.device,
                                extra_prefill_args=prefill_args, extra_router_args=router_args)

@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -914,12 +913,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _max_context(url: str, model: str) -> int | None:
     import httpx
 
@@ -969,10 +962,12 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     warmup = a.workload.warmup(a.warmup)  # before the first rate only: the servers stay warm
     cluster = None
     if a.spawn:
+        from pdserve.launch.ports import free_ports
         from pdserve.launch.serve import ClusterSpec, LocalCluster
 
-        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=_free_port(),
-                           grpc_port=_free_port(), prefill_workers=a.prefill_workers,
+        port, grpc_port = free_ports(2)
+        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=port,
+                           grpc_port=grpc_port, prefill_workers=a.prefill_workers,
                            decode_workers=a.decode_workers, max_batch_size=a.max_batch_size, device=a.device)
         if a.torch_threads:
             os.environ["OMP_NUM_THREADS"] = str(a.torch_threads)  # inherited by the workers

@@ -123,7 +123,7 @@ def render(runs: list[Run]) -> str:
 
 def run_structured_bench(a, argv: list[str]) -> dict:
     """Free vs json_schema at each batch size, against --url or a --spawn'ed cluster."""
-    from pdserve.bench.serving import _free_port, describe_device, git_commit, update_doc
+    from pdserve.bench.serving import describe_device, git_commit, update_doc
 
     max_tokens = a.workload.output.mean
     requests = lambda batch: max(8, 2 * batch)  # noqa: E731 - two rounds of the batch, at least 8
@@ -138,10 +138,12 @@ def run_structured_bench(a, argv: list[str]) -> dict:
         return runs
 
     if a.spawn:
+        from pdserve.launch.ports import free_ports
         from pdserve.launch.serve import ClusterSpec, LocalCluster
 
-        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=_free_port(),
-                           grpc_port=_free_port(), prefill_workers=a.prefill_workers,
+        port, grpc_port = free_ports(2)
+        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=port,
+                           grpc_port=grpc_port, prefill_workers=a.prefill_workers,
                            decode_workers=a.decode_workers, max_batch_size=max(BATCHES), device=a.device)
         with LocalCluster(spec, a.log_dir) as cluster:
             runs = all_runs(cluster.url)

@@ -1,14 +1,15 @@
-"""tests/ports.py: ports for servers the tests start, out of the kernel's reach for port-0 binds."""
+"""pdserve.launch.ports: ports for servers a local cluster starts, out of the kernel's reach for
+port-0 binds."""
 
 from __future__ import annotations
 
 import socket
 
-from ports import _ephemeral_range, free_ports
+from pdserve.launch.ports import ephemeral_range, free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
-    lo, _ = _ephemeral_range()
+    lo, _ = ephemeral_range()
     ports = free_ports(6)
     assert len(set(ports)) == 6 and all(p < lo for p in ports)
     for p in ports:
