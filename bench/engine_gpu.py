@@ -13,12 +13,12 @@ same run).
         [--peer-triton]     then OpenAI's Triton implementation (gpt_oss.triton) on the same weights:
                             its decode step per batch size, and pdserve's throughput over its
                             (bench/peer_triton.py; needs gpt-oss and triton_kernels)
-        [--attention-precision fp8]   QKV / O projection weights in FP8 (decode batches up to 8 tokens:
+        [--attention-precision fp8]   QKV / O projection weights in FP8 (decode batches up to 4 tokens:
                             kernels/cuda_gemv_fp8.py; else kernels/triton_fp8_linear.py)
         [--compare-attention-precision]   prefill and decode with bf16, then FP8 projections (same
                             run, same weights: the FP8 ones quantised from the loaded bf16 ones)
         [--unembedding-precision fp8]   the vocabulary projection's weights in FP8 (decode batches up to
-                            4 tokens: kernels/cuda_gemv_fp8.py's streaming entry)
+                            8 tokens: kernels/cuda_gemv_fp8.py's streaming entry)
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.sequence import Sequence  # noqa: E402
+from pdserve.launch.cli import add_projection_precision_args, projection_precisions  # noqa: E402
 from pdserve.kernels.mxfp4 import MxExperts  # noqa: E402
 
 
@@ -231,10 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the prefill with the Triton MoE kernels, then with DeepGEMM's (same run)")
     ap.add_argument("--precision", default="fp8", choices=["fp8", "bf16", "mxfp4"],
                     help="expert format in memory (mxfp4: as published, MXFP4 decode kernel)")
-    ap.add_argument("--attention-precision", default="bf16", choices=["bf16", "fp8"],
-                    help="QKV and O projection weights: bf16 (cuBLAS) or FP8 128x128 blocks (Triton)")
-    ap.add_argument("--unembedding-precision", default="bf16", choices=["bf16", "fp8"],
-                    help="vocabulary projection weights: bf16 or FP8 128x128 blocks")
+    add_projection_precision_args(ap)
     ap.add_argument("--compare-attention-precision", action="store_true",
                     help="prefill and decode with bf16, then FP8 attention projections (same run)")
     ap.add_argument("--mxfp4-decode", default=None, choices=["bits", "dot", "packed"],
@@ -302,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         _, t = timed(lambda: make_random_checkpoint(ckpt, cfg, seed=0, workers=min(16, os.cpu_count() or 1)), sync=lambda: None)
         print(f"wrote {a.preset} checkpoint in {t:.0f} s", flush=True)
     runner, t_load = timed(lambda: ModelRunner(str(ckpt), device=a.device, precision=a.precision, num_kv_blocks=8192,
-                                                attention_precision=a.attention_precision,
-                                                unembedding_precision=a.unembedding_precision))
+                                                **projection_precisions(a)))
     runner.prefill_chunk_tokens = a.prefill_chunk_tokens
     print(f"loaded in {t_load:.0f} s; attention backend {type(runner.attention['full']).__name__}", flush=True)
     g = torch.Generator().manual_seed(1)

@@ -211,13 +211,12 @@ def run_chat_bench(a, argv: list[str]) -> dict:
     w = ChatWorkload(a.conversations, a.turns, a.system_len, a.user_len, a.output_len, a.rate, a.seed)
     runs = []
     if a.spawn:
-        from pdserve.launch.ports import free_ports
+        from pdserve.launch.ports import server_ports
         from pdserve.launch.serve import ClusterSpec, LocalCluster
 
         for label, prefill_args, router_args in (
                 ("off", ["--prefix-cache-tokens", "0"], ["--routing-policy", "load"]), ("on", [], [])):
-            port, grpc_port = free_ports(2)
-            spec = ClusterSpec(model=a.model, port=port, grpc_port=grpc_port,
+            spec = ClusterSpec(model=a.model, **server_ports(),
                                prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
                                max_batch_size=a.max_batch_size, device=a.device,
                                extra_prefill_args=prefill_args, extra_router_args=router_args)

@@ -962,13 +962,12 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict:
     warmup = a.workload.warmup(a.warmup)  # before the first rate only: the servers stay warm
     cluster = None
     if a.spawn:
-        from pdserve.launch.ports import free_ports
+        from pdserve.launch.ports import server_ports
         from pdserve.launch.serve import ClusterSpec, LocalCluster
 
-        port, grpc_port = free_ports(2)
-        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=port,
-                           grpc_port=grpc_port, prefill_workers=a.prefill_workers,
-                           decode_workers=a.decode_workers, max_batch_size=a.max_batch_size, device=a.device)
+        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, **server_ports(),
+                           prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
+                           max_batch_size=a.max_batch_size, device=a.device)
         if a.torch_threads:
             os.environ["OMP_NUM_THREADS"] = str(a.torch_threads)  # inherited by the workers
         cluster = LocalCluster(spec, a.log_dir)

@@ -138,13 +138,12 @@ def run_structured_bench(a, argv: list[str]) -> dict:
         return runs
 
     if a.spawn:
-        from pdserve.launch.ports import free_ports
+        from pdserve.launch.ports import server_ports
         from pdserve.launch.serve import ClusterSpec, LocalCluster
 
-        port, grpc_port = free_ports(2)
-        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, port=port,
-                           grpc_port=grpc_port, prefill_workers=a.prefill_workers,
-                           decode_workers=a.decode_workers, max_batch_size=max(BATCHES), device=a.device)
+        spec = ClusterSpec(model=a.model, served_model_name=a.served_model_name, **server_ports(),
+                           prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
+                           max_batch_size=max(BATCHES), device=a.device)
         with LocalCluster(spec, a.log_dir) as cluster:
             runs = all_runs(cluster.url)
     else:

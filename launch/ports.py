@@ -46,3 +46,9 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.close()
     raise RuntimeError(f"no {n} free ports in [{LOWEST}, {lo}) on 127.0.0.1")
+
+
+def server_ports() -> dict[str, int]:
+    """`port` and `grpc_port` for a ClusterSpec (two distinct free ports)."""
+    port, grpc_port = free_ports(2)
+    return {"port": port, "grpc_port": grpc_port}

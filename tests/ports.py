@@ -3,12 +3,6 @@
 
 from __future__ import annotations
 
-from pdserve.launch.ports import free_ports
+from pdserve.launch.ports import free_ports, server_ports
 
 __all__ = ["free_ports", "server_ports"]
-
-
-def server_ports() -> dict[str, int]:
-    """`port` and `grpc_port` for a ClusterSpec (two distinct free ports)."""
-    port, grpc_port = free_ports(2)
-    return {"port": port, "grpc_port": grpc_port}
