@@ -30,6 +30,7 @@ from pdserve.bench.kernels import (
 )
 
 BACKENDS = ("triton", "xqa", "fa2")
+COLUMNS = ("cluster",) + BACKENDS  # "cluster": kernels/cuda_decode_attention.py, where it applies
 WINDOW_LEFT = 127
 
 
@@ -58,7 +59,17 @@ def _case(b: int, ctx: int, window_left: int, tilings: list[str], gen: torch.Gen
             a.plan(batch)
             out = outs[backend] = torch.empty_like(q)
             t = time_graph(lambda: a.run(q, kv, sinks, out=out))
-            if backend == "triton":
+            if backend == "triton":  # the object's "triton" mode takes the cluster kernel where it applies
+                from pdserve.kernels import cuda_decode_attention as cda
+
+                if cda.applies(q, kv, window_left):
+                    res["cluster"], outs["cluster"] = t, out
+                    cda.ENABLED = False
+                    try:
+                        out = outs[backend] = torch.empty_like(q)
+                        t = time_graph(lambda: a.run(q, kv, sinks, out=out))
+                    finally:
+                        cda.ENABLED = True
                 res["splits"] = a._scratch.shape[2]
                 for spec in tilings:
                     cfg = _tiling(spec)
@@ -73,6 +84,9 @@ def _case(b: int, ctx: int, window_left: int, tilings: list[str], gen: torch.Gen
     if res.get("triton") and res.get("xqa"):
         ref = outs["xqa"].float()
         res["diff"] = ((outs["triton"].float() - ref).norm() / ref.norm()).item()
+    if "cluster" in outs and "triton" in outs:
+        ref = outs["triton"].float()
+        res["cluster_diff"] = ((outs["cluster"].float() - ref).norm() / ref.norm()).item()
     res["kv_bytes"] = _kv_bytes(lens, window_left)
     return res
 
@@ -99,18 +113,20 @@ def main(argv: list[str] | None = None) -> int:
                 best_fi = min((r[k] for k in ("xqa", "fa2") if r.get(k)), default=None)
                 rows.append([
                     b, ctx, "full" if window_left < 0 else "window", r.get("splits", "-"),
-                    *(fmt_us(r.get(k)) for k in BACKENDS), *(fmt_us(r.get(f"triton {s}")) for s in tilings),
+                    *(fmt_us(r.get(k)) for k in COLUMNS), *(fmt_us(r.get(f"triton {s}")) for s in tilings),
                     fmt_us(r["kv_bytes"] / bw),
                     f"{r['triton'] / best_fi:.2f}" if r.get("triton") and best_fi else "-",
+                    f"{r['cluster'] / r['triton']:.2f}" if r.get("cluster") and r.get("triton") else "-",
                     f"{r['diff']:.1e}" if "diff" in r else "-",
+                    f"{r['cluster_diff']:.1e}" if "cluster_diff" in r else "-",
                 ])
                 torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
     title = (f"Decode sink attention per layer call (us, CUDA graphs, L2 flushed; {props.name}, "
              f"{props.multi_processor_count} SMs)")
-    text = table(title, ["batch", "context", "layer", "triton splits", "triton", "XQA", "FA2 sink",
+    text = table(title, ["batch", "context", "layer", "triton splits", "cluster", "triton", "XQA", "FA2 sink",
                          *(f"triton {s}" for s in tilings), "KV floor", "triton / best FlashInfer",
-                         "triton vs XQA (rel L2)"], rows)
+                         "cluster / triton", "triton vs XQA (rel L2)", "cluster vs triton (rel L2)"], rows)
     print(f"bench: {time.time() - t0:.0f}s", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -54,7 +54,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv,
+    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv,
     triton_decode_attention, triton_router,
 )
 
@@ -116,6 +116,19 @@ SETTINGS = {
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),
+    # the decode attention through the Triton split-KV kernel (partials folded through global memory and
+    # an arrival counter), not the cluster kernel that folds them in distributed shared memory; or the
+    # cluster kernel for full layers only, or windowed ones only; or with spare clusters for long
+    # requests (4 at one request, 2 at two), or with 4 blocks of shared memory a CTA, not 2
+    "attention triton": _setting({(cuda_decode_attention, "ENABLED"): False}),
+    "cluster attention full only": _setting({(cuda_decode_attention, "WINDOWED_LAYERS"):
+                                             cuda_decode_attention.ClusterConfig(cluster=1, stages=1, max_rows=0)}),
+    "cluster attention windowed only": _setting({(cuda_decode_attention, "FULL_LAYERS"):
+                                                 cuda_decode_attention.ClusterConfig(cluster=8, stages=2, max_rows=0)}),
+    "cluster attention spare clusters": _setting({(cuda_decode_attention, "FULL_LAYERS"):
+                                                  cuda_decode_attention.ClusterConfig(8, 2, 4, max_groups=4)}),
+    "cluster attention 4 stages": _setting({(cuda_decode_attention, "FULL_LAYERS"):
+                                            cuda_decode_attention.ClusterConfig(cluster=8, stages=4, max_rows=4)}),
     # full layers in splits of at least 256 keys (the tiling until 2026-12-04; the engine's now: splits of
     # one 128-key block, all of a split's keys read ahead of the wait), or of one block up to 64 splits
     "full 256-key splits": _setting(_full_layers(256, 32)),

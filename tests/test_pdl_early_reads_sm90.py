@@ -294,3 +294,25 @@ def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_afte
     assert "LDG.E.128.STRONG.GPU" in late, "x not read after the wait through L2"
     assert "LDG.E.NA.128.CONSTANT" in late, "the ring's later steps not read past L1"
     assert "HMMA.16816.F32" in late and "F2FP.F16.E4M3.UNPACK_B" in late
+
+
+@pytest.mark.parametrize("layers", ["full", "windowed"])
+def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(layers, tmp_path):
+    """kernels/cuda_decode_attention.cu: the request's length and page-table entries (strong L2
+    loads) and the async copies of its first blocks' keys and values come before the wait; q and the
+    step's own key row are read after it; full layers fold through the cluster, with one atomic (the
+    arrival counter of requests that span several clusters), windowed ones without either."""
+    from pdserve.kernels.cuda_decode_attention import FULL_LAYERS, SOURCE, WINDOWED_LAYERS, compile_options
+
+    cfg = FULL_LAYERS if layers == "full" else WINDOWED_LAYERS
+    cubin = tmp_path / "da.cubin"
+    report = _nvcc_cubin(SOURCE, compile_options(8, 16, cfg), cubin)
+    assert "spill" not in report or " 0 bytes spill stores" in report, report
+    ops = _sass(cubin.read_bytes(), tmp_path)
+    early = _loads_before_wait(ops)
+    assert any(op.startswith("LDGSTS") for op in early), f"no key copy ahead of the wait: {early}"
+    assert all(op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.STRONG.GPU")) for op in early), early
+    late = [op for op in ops[ops.index("ACQBULK"):] if op.startswith("LDG")]
+    assert any(op.startswith("LDG.E.STRONG.GPU") for op in late), f"q is not read after the wait: {late}"
+    assert len([op for op in ops if op.startswith(("ATOM", "RED"))]) == (cfg.cluster > 1)
+    assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
