@@ -13,7 +13,9 @@ Paths (chosen per batch kind, measured on an H200: docs/kernels.md):
   for bigger ones and for page sizes XQA has no kernel for. `decode_backend="triton"`: the
   Triton split-KV kernel instead (same page-table buffers as XQA, the tiling of its layer type:
   `triton_decode_attention.FULL_LAYERS` / `WINDOWED_LAYERS`; "auto" takes it up to
-  `_TRITON_MAX_BATCH` requests: windowed layers up to 64, full layers up to 16, as measured).
+  `_TRITON_MAX_BATCH` requests: windowed layers up to 64, full layers up to 16, as measured). On
+  Hopper that mode runs the cluster kernel of `kernels.cuda_decode_attention` where it applies (up
+  to 4 requests: a request's splits fold in distributed shared memory), the Triton kernel otherwise.
   A CUDA-graph object with the Triton decode kernel needs no FlashInfer at all.
 
 CUDA graphs (decode): construct with `cuda_graph_batch_size=B, max_pages_per_request=P`. The
