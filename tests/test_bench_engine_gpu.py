@@ -144,3 +144,17 @@ def test_gpu_timeline_splits_pipelined_steps_into_busy_idle_and_work_outside_the
     assert t["outside_graph"]["copy in"] == {"us": 1.5, "ops": 1.0}
     assert t["gaps"][0] == {"us": 3.0, "after": "k2", "before": "argmax"}
     assert gpu_timeline([], steps=3)["busy_us"] == 0.0
+
+
+def test_decode_reports_the_steady_state_step_on_cpu(tmp_path, capsys):
+    """Decode steps are timed twice: from an idle device (the window's first step plans with nothing
+    in flight) and in the pipeline's steady state; both land in the JSON result, per mode."""
+    args = ["--preset", "tiny", "--device", "cpu", "--precision", "bf16", "--ckpt", str(tmp_path / "ckpt"),
+            "--out", str(tmp_path), "--check-tokens", "16", "--batches", "1", "--decode-steps", "3",
+            "--decode-context", "40", "--prefill-tokens", "40"]
+    assert engine_gpu.main(args) == 0
+    assert "steady state" in capsys.readouterr().out
+    decode = json.loads((tmp_path / "engine_gpu.json").read_text())["decode"]
+    assert {r["mode"] for r in decode.values()} == {"eager", "graphs"}
+    for r in decode.values():
+        assert r["step_ms"] > 0 and r["steady_step_ms"] > 0
