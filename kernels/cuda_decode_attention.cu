@@ -6,11 +6,12 @@
 // positions >= len - 1 - window_left (all for full layers), scores x sm_scale, a float32 softmax
 // whose denominator also holds the head's sink logit (its value vector is zero), output in bf16.
 //
-// Grid (C, requests, KV heads), clusters of (C, 1, 1): CTA s of the cluster of (request b, KV head g)
-// takes the request's 128-key blocks s, s + C, s + 2C, ... Each of its 4 warps owns 32 keys of a
-// block (the rows its own lanes copy, so the warps pipeline their copies and sums independently,
-// without CTA barriers) and keeps its own online softmax (max, sum, unnormalised output) over them for the GROUP
-// query heads that share the KV head: S = q K^T and O += P V as mma.sync m16n8k16 (bf16 in, float32
+// Grid (C, requests, KV heads x G), clusters of (C, 1, 1): up to G clusters a (request b, KV head g),
+// of which a request busies as many as its 128-key blocks fill (the engine launches G = 1). Among the
+// request's busy CTAs, CTA k takes the blocks k, k + busy CTAs, ... Each of its 4 warps owns 32 keys
+// of a block (the rows its own lanes copy, so the warps pipeline their copies and sums independently,
+// without CTA barriers) and keeps its own online softmax (max, sum, unnormalised output) over them for
+// the GROUP query heads that share the KV head: S = q K^T and O += P V as mma.sync m16n8k16 (bf16 in, float32
 // accumulate) with the heads as A's rows 0-7, K and V read from shared memory by ldmatrix (K as is,
 // V transposed). The block's key rows are copied in by cp.async, 16 bytes a lane, each warp its own
 // 32 rows; the 16-byte chunks of row r are stored at chunk c ^ (r & 7) so that the ldmatrix reads of
@@ -25,7 +26,9 @@
 // Folding, in a fixed order whatever the timing (so a replayed graph equals the eager step bit for
 // bit): the 4 warps' partials in the CTA's shared memory, then, with C > 1, the cluster's C partials
 // read through distributed shared memory by the thread that owns each (head, dim) output, with the
-// sink; with C = 1 (windowed layers: one block) the CTA writes its output directly.
+// sink; with C = 1 (windowed layers: one block) the CTA writes its output directly. A request that
+// busies several clusters folds their partials as the Triton kernel folds its splits: stored to the
+// scratch, an arrival counter, and the last CTA to arrive adds them in cluster order with the sink.
 //
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once).
@@ -101,7 +104,9 @@ struct Shared {
 // out[b, g * GROUP + h, :] for the grid's (b, g). q [T, Hq, D] (strides in elements), kv_cache
 // [pages, 2, PAGE, Hkv, D] bf16 (strides of page, K/V and token in elements), block_tables int32
 // [T, stride_table], seq_lens int32 [T], sinks float32 [Hq] (raw logits), out [T, Hq, D] bf16.
-// qk_scale = sm_scale * log2(e); window_left < 0: every key.
+// qk_scale = sm_scale * log2(e); window_left < 0: every key. Used only by requests that busy several
+// clusters: part_o [T, Hkv, part_splits, part_rows, D], part_m / part_l [T, Hkv, part_splits,
+// part_rows] float32 (the Triton kernel's DecodeScratch) and count int32 [T * Hkv], zero between launches.
 extern "C" __global__ void __launch_bounds__(THREADS, 3)  // 3 a SM: as many as the shared memory of 2 stages allows
 decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const u16* __restrict__ kv,
                  int stride_page, int stride_kv, int stride_tok, const int* __restrict__ block_tables,
