@@ -2,7 +2,7 @@
 XQA and FA2 sink wrapper (gpt-oss: 64 q / 8 kv heads, d 64, 16-token pages, bf16).
 
     python -m pdserve.bench.decode_attention [--batches 1,4,16,64] [--contexts 1024,8192]
-                                            [--tilings 64/64/4,32/32/4] [--cluster 8/2/1] [--out results.json]
+                                            [--tilings 64/64/4,32/32/4] [--cluster 8/2/1/1] [--out results.json]
 
 Each backend runs as the engine runs it: a `FlashInferSinkAttention` graph-mode object (fixed
 page-table buffers sized for the batch, plan() outside, run() replayed from a CUDA graph), the
@@ -99,17 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--tilings", default="", help="extra Triton tilings, block_n/min_keys/num_warps[/max_splits[/num_stages[/combine_splits]]], comma-separated")
-    ap.add_argument("--cluster", default=None, metavar="C/S/G",
+    ap.add_argument("--cluster", default=None, metavar="C/S/G[/L]",
                     help="the cluster kernel's full-layer shape for this run: CTAs a cluster / blocks of shared "
-                         "memory a CTA / most clusters a request (default: the engine's, "
-                         "kernels.cuda_decode_attention.FULL_LAYERS)")
+                         "memory a CTA / most clusters a request [/ blocks ahead whose page-table entries are "
+                         "requested] (default: the engine's, kernels.cuda_decode_attention.FULL_LAYERS)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.cluster:
         from pdserve.kernels import cuda_decode_attention as cda
 
-        c, st, gr = (int(x) for x in args.cluster.split("/"))
-        cda.FULL_LAYERS = cda.ClusterConfig(cluster=c, stages=st, max_rows=64, max_groups=gr)
+        c, st, gr, *look = (int(x) for x in args.cluster.split("/"))
+        cda.FULL_LAYERS = cda.ClusterConfig(cluster=c, stages=st, max_rows=64, max_groups=gr,
+                                            lookahead=look[0] if look else 1)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     t0 = time.time()

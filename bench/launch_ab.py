@@ -129,6 +129,11 @@ SETTINGS = {
                                                   cuda_decode_attention.ClusterConfig(8, 2, 4, max_groups=4)}),
     "cluster attention 4 stages": _setting({(cuda_decode_attention, "FULL_LAYERS"):
                                             cuda_decode_attention.ClusterConfig(cluster=8, stages=4, max_rows=4)}),
+    # full layers' page-table entries requested 2 or 3 blocks ahead of their copies, not 1
+    "cluster attention entries 2 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS"):
+                                                   cuda_decode_attention.ClusterConfig(8, 2, 4, lookahead=2)}),
+    "cluster attention entries 3 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS"):
+                                                   cuda_decode_attention.ClusterConfig(8, 2, 4, lookahead=3)}),
     # full layers in splits of at least 256 keys (the tiling until 2026-12-04; the engine's now: splits of
     # one 128-key block, all of a split's keys read ahead of the wait), or of one block up to 64 splits
     "full 256-key splits": _setting(_full_layers(256, 32)),

@@ -31,7 +31,8 @@
 // scratch, an arrival counter, and the last CTA to arrive adds them in cluster order with the sink.
 //
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
-// DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once).
+// DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
+// ahead of the copies whose page-table entries are requested).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so), offsets taken in 64 bits.
 
 #include "cuda_common.cuh"
@@ -41,6 +42,7 @@
 #define PAGE DA_PAGE
 #define C DA_C
 #define STAGES DA_STAGES
+#define LOOK DA_LOOK                  // blocks ahead whose page-table entries a lane holds
 #define BLOCK 128                     // keys a block
 #define WARPS 4
 #define THREADS (WARPS * 32)          // a warp copies and sums 32 key rows of a block
@@ -50,6 +52,7 @@
 #define NEG_INF (-__int_as_float(0x7f800000u))  // (NVRTC has no math.h INFINITY)
 
 static_assert(GROUP >= 1 && GROUP <= 8, "the heads of a KV head are the mma's rows 0-7");
+static_assert(LOOK >= 1, "a block's page-table entries are requested before its copies");
 static_assert(BLOCK == THREADS, "each warp copies and sums its own 32 rows of a block");
 
 // byte offset of chunk c of key row r inside a slot
@@ -144,10 +147,12 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
     for (int i = 0; i < 8; ++i)
       pg[i] = j < my_blocks && key0 + 4 * i < seq_len ? load_early_s32(table + (key0 + 4 * i) / PAGE) : 0;
   };
-  int page_next[8];
-  pages_of(0, page_next);
+  // the entries of blocks j + 1 .. j + LOOK while block j's copies are issued: ahead[0] the next
+  int ahead[LOOK][8];
+#pragma unroll
+  for (int t = 0; t < LOOK; ++t) pages_of(t, ahead[t]);
   // copy (or zero, past the request's last key) the lane's chunks of block j into its slot, and
-  // request the next block's page-table entries (so that a refill waits on one round trip, not two);
+  // request the entries of block j + LOOK (so that a refill waits on no round trip of its own);
   // one commit group a block, empty ones included, so that group j is always the j-th committed
   auto issue = [&](int j) {
     if (j < my_blocks) {
@@ -155,8 +160,12 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
       unsigned char* kslot = smem + (j % STAGES) * 2 * SLOT_BYTES;
       int page[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) page[i] = page_next[i];
-      pages_of(j + 1, page_next);
+      for (int i = 0; i < 8; ++i) page[i] = ahead[0][i];
+#pragma unroll
+      for (int t = 0; t + 1 < LOOK; ++t)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ahead[t][i] = ahead[t + 1][i];
+      pages_of(j + LOOK, ahead[LOOK - 1]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int key = key0 + 4 * i, r = row0 + 4 * i;

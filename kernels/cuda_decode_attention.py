@@ -45,12 +45,16 @@ class ClusterConfig:
     read ahead of the PDL wait); max_rows: most requests a launch (0: never this kernel);
     max_groups: most clusters a (request, KV head), a power of two (the grid holds that many; a
     request busies only as many as its blocks need, and where that is more than one, the last of its
-    CTAs to arrive folds the clusters' partials through global memory and an arrival counter)."""
+    CTAs to arrive folds the clusters' partials through global memory and an arrival counter);
+    lookahead: blocks ahead of a CTA's copies whose page-table entries a lane has requested (1: the
+    next block's, requested one loop iteration before its copies; a block's sums take less time than
+    a load's round trip, so larger values are for long requests, docs/kernels.md)."""
 
     cluster: int
     stages: int
     max_rows: int
     max_groups: int = 1
+    lookahead: int = 1
 
 
 # By layer type (H200, docs/performance.md, twenty-third round). Full layers: clusters of 8 CTAs (the
@@ -112,7 +116,7 @@ def available(device: torch.device) -> bool:
 def compile_options(group: int, page: int, cfg: ClusterConfig) -> list[str]:
     """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too)."""
     return [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
-            "-std=c++17"]
+            f"-DDA_LOOK={cfg.lookahead}", "-std=c++17"]
 
 
 @functools.cache
