@@ -31,7 +31,7 @@ from .pdl import enabled as pdl_enabled, launch_cuda
 
 SOURCE = Path(__file__).with_name("cuda_decode_attention.cu")
 HEAD_DIM = 64
-BLOCK = 128  # keys a block (one key row a thread of a CTA)
+BLOCK = 128  # keys a block (32 rows a warp of a CTA)
 THREADS = 128
 LOG2E = 1.4426950408889634
 # the attention object takes these kernels where they apply (False: the Triton kernel always)
