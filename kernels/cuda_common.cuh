@@ -1,7 +1,7 @@
 // What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
-// on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the L2 load and entry
-// of a PDL kernel, a shared-memory address, the bf16 / f16 mma with A's upper rows zero, and
-// the thread-block cluster's sync and distributed shared memory reads.
+// on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the L2 loads (16 bytes
+// or one 32-bit value) and entry of a PDL kernel, a shared-memory address, the bf16 / f16 mma with A's
+// upper rows zero, and the thread-block cluster's sync and distributed shared memory reads.
 #pragma once
 
 typedef unsigned int u32;
@@ -24,6 +24,25 @@ __device__ __forceinline__ u16 to_bf16(float f) {
 __device__ __forceinline__ U4 load_early(const void* p) {
   U4 v;
   asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// The same for one 32-bit value
+__device__ __forceinline__ int load_early_s32(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 load_early_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float load_early_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
 

@@ -58,24 +58,6 @@ static_assert(BLOCK == THREADS, "each warp copies and sums its own 32 rows of a 
 // byte offset of chunk c of key row r inside a slot
 __device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + ((c ^ (r & 7)) << 4); }
 
-__device__ __forceinline__ int load_early_s32(const int* p) {
-  int v;
-  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ u32 load_cg_u32(const void* p) {
-  u32 v;
-  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float load_cg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32 r[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -194,8 +176,8 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
     const u16* qrow = q + (i64)b * stride_qt + (i64)(g * GROUP + gq) * stride_qh;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      qa0[ks] = gq < GROUP ? load_cg_u32(qrow + 16 * ks + 2 * tig) : 0u;
-      qa2[ks] = gq < GROUP ? load_cg_u32(qrow + 16 * ks + 8 + 2 * tig) : 0u;
+      qa0[ks] = gq < GROUP ? load_early_u32(qrow + 16 * ks + 2 * tig) : 0u;
+      qa2[ks] = gq < GROUP ? load_early_u32(qrow + 16 * ks + 8 + 2 * tig) : 0u;
     }
   }
 
@@ -373,13 +355,13 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
           const int oh = o / D, od = o % D;
           const float sk = sinks[g * GROUP + oh] * 1.4426950408889634f;
           float mf = sk;
-          for (int r = 0; r < groups; ++r) mf = fmaxf(mf, load_cg_f32(part_m + first + r * part_rows + oh));
+          for (int r = 0; r < groups; ++r) mf = fmaxf(mf, load_early_f32(part_m + first + r * part_rows + oh));
           float den = exp2_approx(sk - mf), val = 0.f;
           for (int r = 0; r < groups; ++r) {  // in cluster order: the same sums whatever the arrival order
             const i64 at = first + r * part_rows + oh;
-            const float f = exp2_approx(load_cg_f32(part_m + at) - mf);
-            den += load_cg_f32(part_l + at) * f;
-            val += load_cg_f32(part_o + at * D + od) * f;
+            const float f = exp2_approx(load_early_f32(part_m + at) - mf);
+            den += load_early_f32(part_l + at) * f;
+            val += load_early_f32(part_o + at * D + od) * f;
           }
           out[(i64)b * stride_ot + (i64)(g * GROUP + oh) * stride_oh + od] = to_bf16(val / den);
         }

@@ -126,16 +126,18 @@ def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig):
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     sinks: torch.Tensor, sm_scale: float, window_left: int, out: torch.Tensor, scratch,
-                     cfg: ClusterConfig | None = None) -> torch.Tensor:
-    """`triton_decode_attention.paged_decode_attention`'s result (same arguments) into `out` [T, Hq,
-    D] bf16; the caller checked `applies` (and the shapes, as that function does). `scratch` (the
-    Triton kernel's `DecodeScratch` for these rows) holds the partials of requests that span more
-    than one cluster. No host synchronisation: capturable in a CUDA graph."""
+                     sinks: torch.Tensor, sm_scale: float, window_left: int, scratch,
+                     out: torch.Tensor | None = None, cfg: ClusterConfig | None = None) -> torch.Tensor:
+    """`triton_decode_attention.paged_decode_attention`'s result (same arguments) [T, Hq, D] bf16,
+    into `out` where given; the caller checked `applies` (and the shapes, as that function does).
+    `scratch` (the Triton kernel's `DecodeScratch` for these rows) holds the partials of requests
+    that span more than one cluster. No host synchronisation: capturable in a CUDA graph."""
     t, hq, _ = q.shape
     cfg = cfg or config_for(window_left)
     page, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.stride(1) % 2:
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.stride(1) % 2:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with contiguous heads")
     if t == 0:
         return out

@@ -386,13 +386,6 @@ __device__ __forceinline__ U4 load_once(const void* p) {
   return v;
 }
 
-// A block scale ahead of the PDL wait. There, ptxas keeps coherent (.cg) loads, while it may place
-// non-coherent (.nc) ones after the wait; so the ring's first steps read through load_early and this.
-__device__ __forceinline__ float load_scale_early(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
 
 // d += A (16 x 16 f16: a0 / a2 row g, a1 / a3 row g + 8) x B (16 x 8 f16, column g), float32
 __device__ __forceinline__ void mma_f16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -429,7 +422,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
     const float* q = mine ? sp + (ls >> 1) : scale;
     r.lo = early ? load_early(p) : load_once(p);
     r.hi = early ? load_early(p + upper) : load_once(p + upper);
-    r.scale = early ? load_scale_early(q) : __ldg(q);
+    r.scale = early ? load_early_f32(q) : __ldg(q);  // .cg: ptxas keeps it ahead of the wait, not .nc
     wp += STEP_K;
     if (++ls == steps) {
       ls = 0;

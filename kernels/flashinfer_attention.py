@@ -351,10 +351,8 @@ class FlashInferSinkAttention:
             from .triton_decode_attention import paged_decode_attention
 
             if cda.ENABLED and cda.applies(q, kv_cache, self.window_left):
-                if out is None:
-                    out = torch.empty_like(q)
                 return cda.decode_attention(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
-                                            self.window_left, out, self._scratch)
+                                            self.window_left, self._scratch, out=out)
 
             return paged_decode_attention(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
                                           self.window_left, self._scratch, out=out, cfg=self._triton_config)

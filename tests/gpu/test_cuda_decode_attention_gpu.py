@@ -23,8 +23,8 @@ from pdserve.kernels import cuda_decode_attention as cda  # noqa: E402
 from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
 from pdserve.kernels.triton_decode_attention import DecodeScratch  # noqa: E402
 
-if not cda.available(DEV):
-    pytest.skip("the cluster decode attention needs Hopper and NVRTC", allow_module_level=True)
+if torch.cuda.is_available() and torch.cuda.get_device_capability(DEV) < (9, 0):  # on Hopper a failed build fails
+    pytest.skip("the cluster decode attention needs Hopper (thread-block clusters)", allow_module_level=True)
 
 SHAPES = {
     "engine": None,
@@ -41,7 +41,7 @@ def run_cuda(batch, q, kv, sinks, window_left, cfg=None, scratch=None):
     scratch = scratch or DecodeScratch(q.shape[0], HKV, HQ // HKV, D, 32, DEV)
     assert cda.applies(q[:1], kv, window_left)  # device, dtypes and shapes (the batch bound is the engine's)
     return cda.decode_attention(q, kv, table.to(DEV), batch.kv_lens.to(DEV, torch.int32), sinks, SM_SCALE, window_left,
-                                out, scratch, cfg)
+                                scratch, out=out, cfg=cfg)
 
 
 def lens_for(b, ctx, gen):
