@@ -196,19 +196,37 @@ def timed(fn, sync=_sync):
     return out, time.perf_counter() - t
 
 
-def steady_step_s(eng, steps: int, sync=_sync) -> float:
-    """Seconds a decode step in the engine's steady state. `timed` starts its window from an idle GPU
-    (it synchronises first), so the window's first step plans on the host with nothing in flight;
-    here two steps refill the pipeline first and the window starts without a sync: every step's
-    planning overlaps the step before it on the GPU, as in a long generation. The window ends with
-    a sync, so the step launched ahead of it (one step's GPU time at most) counts against it."""
+def steady_step_s(eng, steps: int) -> tuple[float, float]:
+    """(seconds a decode step in the engine's steady state, seconds of it the host spent waiting
+    for the GPU). `timed` starts its window from an idle GPU (it synchronises first), so the
+    window's first step plans on the host with nothing in flight. Here two steps refill the
+    pipeline first, and the window runs from the return of one step call to the return of the
+    `steps`-th call after it, without a sync at either end: the engine keeps at most one step in
+    flight and each call waits for the ids of the step before, so both ends sit at the same phase
+    of the pipeline and the window holds exactly `steps` steps, each planned while the one before
+    it ran, as in a long generation. The wait is the time spent in `InFlight.wait` (the step's one
+    synchronisation): near zero, the host and not the GPU sets the step's pace."""
+    from pdserve.engine import decode_pipeline
+
     for _ in range(2):
         eng.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    sync()
-    return (time.perf_counter() - t) / steps
+    waited = [0.0]
+    wait = decode_pipeline.InFlight.wait
+
+    def timed_wait(self):
+        t0 = time.perf_counter()
+        wait(self)
+        waited[0] += time.perf_counter() - t0
+
+    decode_pipeline.InFlight.wait = timed_wait
+    try:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        elapsed = time.perf_counter() - t
+    finally:
+        decode_pipeline.InFlight.wait = wait
+    return elapsed / steps, waited[0] / steps
 
 
 def _logits_rc(err: float, bound: float | None) -> int:
@@ -450,16 +468,16 @@ def main(argv: list[str] | None = None) -> int:
                     eng.step()
                 _, t = timed(lambda: [eng.step() for _ in range(a.decode_steps)])
                 per_step = t / a.decode_steps
-                steady = steady_step_s(eng, a.decode_steps)
+                steady, waited = steady_step_s(eng, a.decode_steps)
                 decode[f"{variant} {mode} {batch}"] = {
                     "batch": batch, "mode": mode, "kernels": variant, "step_ms": per_step * 1e3,
-                    "steady_step_ms": steady * 1e3,
+                    "steady_step_ms": steady * 1e3, "steady_host_wait_ms": waited * 1e3,
                     "tok_s_total": batch / per_step, "tok_s_per_req": 1 / per_step,
                     "floor_ms": floor_s * 1e3, "floor_mxfp4_ms": floor4_s * 1e3}
                 print(f"decode ({variant}, {mode}) batch {batch} @ {a.decode_context}: {per_step * 1e3:.2f} "
                       f"ms/step, {batch / per_step:.0f} tok/s total; floor {floor_s * 1e3:.3f} ms "
                       f"({floor_s / per_step:.0%}), MXFP4-expert floor {floor4_s * 1e3:.3f} ms; steady state "
-                      f"{steady * 1e3:.2f} ms/step", flush=True)
+                      f"{steady * 1e3:.3f} ms/step, of which the host waited {waited * 1e3:.3f} ms for the GPU", flush=True)
             if a.profile and a.device == "cuda" and (kernels, pipeline, attn) in (variants[0], variants[-1]):
                 from pdserve.bench.step_profile import profile_decode
 

@@ -157,4 +157,4 @@ def test_decode_reports_the_steady_state_step_on_cpu(tmp_path, capsys):
     decode = json.loads((tmp_path / "engine_gpu.json").read_text())["decode"]
     assert {r["mode"] for r in decode.values()} == {"eager", "graphs"}
     for r in decode.values():
-        assert r["step_ms"] > 0 and r["steady_step_ms"] > 0
+        assert r["step_ms"] > 0 and r["steady_step_ms"] > 0 and 0 <= r["steady_host_wait_ms"] <= r["steady_step_ms"]
