@@ -1,5 +1,5 @@
 // What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
-// on NVRTC's include path): integer types, a 16-byte vector, bf16 conversions, the L2 loads (16 bytes
+// on NVRTC's include path): integer types, a 16-byte vector, bf16 / f16 / e4m3 conversions, the L2 loads (16 bytes
 // or one 32-bit value) and entry of a PDL kernel, a shared-memory address, the bf16 / f16 mma with A's
 // upper rows zero, and the thread-block cluster's sync and distributed shared memory reads.
 #pragma once
@@ -44,6 +44,20 @@ __device__ __forceinline__ float load_early_f32(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
+}
+
+// Bytes 0-1 (lo) and 2-3 (hi) of w (e4m3) as f16x2 each, exactly: one instruction a pair (F2FP, which
+// takes either half of its register)
+__device__ __forceinline__ void e4m3x4_f16x2(u32 w, u32& lo, u32& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+}
+
+// (a, b) as f16x2 (a in the low half), rounded to nearest even
+__device__ __forceinline__ u32 f16x2(float a, float b) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }

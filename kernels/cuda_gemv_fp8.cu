@@ -70,19 +70,6 @@ __device__ __forceinline__ void wait_groups(int pending) {
   }
 }
 
-// Bytes 0-1 (lo) and 2-3 (hi) of w (e4m3) as f16x2 each, exactly: one instruction a pair (F2FP, which
-// takes either half of its register)
-__device__ __forceinline__ void e4m3x4_f16x2(u32 w, u32& lo, u32& hi) {
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-}
-
-// (a, b) as f16x2 (a in the low half), rounded to nearest even
-__device__ __forceinline__ u32 f16x2(float a, float b) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-}
 
 
 // a step input (written before this kernel, anew for every step) through L2 only, as load_early

@@ -1,5 +1,5 @@
-// MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, bf16 in, float32
-// accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py).
+// MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, f16 in (bf16 in folded
+// launches), float32 accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py).
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_MIN_CTAS (0, or CTAs an SM
@@ -7,7 +7,7 @@
 // one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
 // buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
 // bench/moe_trace.py, never in the engine), and the packed word layout of kernels/mxfp4.py (one source
-// for every decode): MX_MAG_ROT0..3, MX_SIGN_ROT0..3, MX_MAG_MASK, MX_SIGN_MASK.
+// for every decode): MX_LOW_MASK, MX_HIGH_SHL_MASK, MX_HIGH_SHR_MASK.
 //
 // A CTA computes ROWS weight rows [ROWS * blockIdx.x, +ROWS) of one expert for the up-to-MX_SLOTS pairs of
 // its item (blockIdx.y): a pair (per-pair launches) or a block of the routing layout (pairs grouped
@@ -16,11 +16,14 @@
 // q (each thread of a quad loads one whole 16-byte group of two rows), so column (t, q) sees only
 // group G + q of token t (the B operand is zero elsewhere) and the mma keeps every group's sum apart
 // in float32: each is multiplied by its own scale afterwards, and the quad's columns are added at
-// the end. Weights decode from the packed word layout (kernels/mxfp4.py: a rotate and a masked merge
-// give a bf16x2 of e2m1 * 2^-126) straight into the mma's A registers: the tensor cores take the
-// bf16 subnormals of the +-0.5 codes exactly (tests/gpu/test_moe_mxfp4_mma_gpu.py checks every code
-// at the scale extremes); the activations are staged times 2^64, so a group's sum times 2^(s - 65)
-// is its value.
+// the end. Weights decode from the packed word layout (kernels/mxfp4.py: a mask, or two shifts and
+// masks, give four e4m3 bytes, which Hopper's `cvt.rn.f16x2.e4m3x2` turns into f16 pairs of e2m1 *
+// 2^-6, exactly) straight into the mma's A registers: 9 instructions a word of 8 values, where the
+// bf16 pairs of the earlier layout took 13 integer ones (tests/gpu/test_moe_mxfp4_mma_gpu.py checks
+// every code at the scale extremes). The activations are staged in f16, each group of 32 times the
+// power of two that takes its largest |x| into [2^14, 2^15) (stage_rows), so every product is exact in
+// float32 and a group's sum times 2^(e - 141) (the activations' factor undone) times 2^(s - 121) is
+// its value.
 //
 // Both kernels take `enter_pdl()`: launched with programmatic dependent launch (kernels/pdl.py), a
 // CTA may be placed while the kernel before it still runs; it waits there until that kernel is done,
@@ -41,9 +44,10 @@
 // factor 2^(s - 1) in bf16 before the mma (exact while the factor is a bf16 and every product a
 // normal one: scale bytes 2 .. 128, MxExperts.fold_exact), so the mma's N = 8 columns are 8 pairs of
 // the item instead of (token pair, group slot): one mma per packed word serves 8 pairs, not 2, no
-// per-K-step float32 rescale is left, and the activations need no 2^64: each thread reads its
-// pair's values straight from global memory (L1), nothing is staged, and no shared memory bounds
-// how many CTAs an SM holds.
+// per-K-step float32 rescale is left, and the activations need no scaling: each thread reads its
+// pair's bf16 values straight from global memory (L1) as the mma's B, nothing is staged, and no shared
+// memory bounds how many CTAs an SM holds. So these launches take the weights as bf16 pairs of e2m1 *
+// 2^-126 (the e4m3 bytes spread into bf16 halves: 21 instructions a word) and mma in bf16.
 
 #include "cuda_common.cuh"
 
@@ -57,6 +61,7 @@
 #define ROWS (16 * NW / KSPLIT)         // weight rows per CTA
 #define SCALE_WORDS (((KG + 15) / 16) * 4)  // a row's scale bytes, padded to 16 groups, as words
 #define XROW (KG * 16 + 4)            // a staged token row in words (+4: fewer bank conflicts)
+#define XF_WORDS (((KG + 1) / 2) * 2)   // the staged groups' factors (floats; even: read two at a time)
 
 __device__ __forceinline__ U4 load_stream(const U4* p) {
   U4 v;
@@ -71,39 +76,70 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
   return v;
 }
 
-__device__ __forceinline__ u32 rotl(u32 w, int r) { return __funnelshift_l(w, w, r); }
-
-// The four bf16x2 pairs of a packed word: values 2q, 2q + 1 of the word in pair q, as e2m1 * 2^-126
-// (rotations and masks of kernels/mxfp4.py; a rotation by 0 compiles to nothing, shared ones once).
-__device__ __forceinline__ u32 pair_of(u32 w, int mag_rot, int sign_rot) {
-  return (rotl(w, mag_rot) & MX_MAG_MASK) | (rotl(w, sign_rot) & MX_SIGN_MASK);
+// A packed word's e4m3 bytes (kernels/mxfp4.py): values 0..3 in `low`, 4..7 in `high`.
+__device__ __forceinline__ void e4m3_words(u32 w, u32& low, u32& high) {
+  low = w & MX_LOW_MASK;
+  high = ((w << 2) & MX_HIGH_SHL_MASK) | ((w >> 2) & MX_HIGH_SHR_MASK);
 }
 
+// The four f16x2 pairs of a packed word: values 2q, 2q + 1 of the word in pair q, as e2m1 * 2^-6.
 __device__ __forceinline__ void decode_word(u32 w, u32 p[4]) {
-  p[0] = pair_of(w, MX_MAG_ROT0, MX_SIGN_ROT0);
-  p[1] = pair_of(w, MX_MAG_ROT1, MX_SIGN_ROT1);
-  p[2] = pair_of(w, MX_MAG_ROT2, MX_SIGN_ROT2);
-  p[3] = pair_of(w, MX_MAG_ROT3, MX_SIGN_ROT3);
+  u32 low, high;
+  e4m3_words(w, low, high);
+  e4m3x4_f16x2(low, p[0], p[1]);
+  e4m3x4_f16x2(high, p[2], p[3]);
 }
 
+// Bytes (sel) of an e4m3 word as a bf16x2 of e2m1 * 2^-126: the bytes into the high byte of each half
+// (sign at bit 15, magnitude at 12..10), the magnitude moved down to 8..6.
+__device__ __forceinline__ u32 bf16_pair(u32 e4m3, u32 sel) {
+  const u32 x = __byte_perm(e4m3, 0u, sel);
+  return (x & 0x80008000u) | ((x >> 4) & 0x01C001C0u);
+}
+
+// The same pairs as decode_word as bf16x2 of e2m1 * 2^-126 (the folded launches, which scale them in
+// bf16; +-0.5 are bf16 subnormals, which the tensor cores take exactly).
+__device__ __forceinline__ void decode_word_bf16(u32 w, u32 p[4]) {
+  u32 low, high;
+  e4m3_words(w, low, high);
+  p[0] = bf16_pair(low, 0x1404u);  // bytes 0, 1
+  p[1] = bf16_pair(low, 0x3424u);  // bytes 2, 3
+  p[2] = bf16_pair(high, 0x1404u);
+  p[3] = bf16_pair(high, 0x3424u);
+}
+
+// d += A B, m16n8k16, float32 accumulate; F16: f16 operands, else bf16
+template <bool F16>
 __device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  if constexpr (F16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
 }
 
-// Scale byte s -> its group's factor 2^(s - 65) (the decode's 2^-126 and the activations' 2^64
-// undone): float bits (s + 62) << 23, a normal float for every s <= 192 the packed layout allows.
-__device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + 62u) << 23); }
+// Scale byte s -> its group's factor 2^(s - 121) (the decode's 2^-6 undone): float bits
+// (s + 6) << 23, a normal float for every s <= 192 the packed layout allows.
+__device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + 6u) << 23); }
 
-// Staged activations times 2^64 (exact below 2^63), so every product e2m1 * 2^-126 * x * 2^64 is a
-// normal float32 inside the mma.
-__device__ __forceinline__ U4 stage_scale(U4 v) {
-  asm("mul.rn.bf16x2 %0, %0, %4;\n\tmul.rn.bf16x2 %1, %1, %4;\n\tmul.rn.bf16x2 %2, %2, %4;\n\t"
-      "mul.rn.bf16x2 %3, %3, %4;" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(0x5F805F80u));
-  return v;
+// f rounded to f16 (nearest even), as its bits
+__device__ __forceinline__ u16 to_f16(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// bf16x2 b times up (a power of two), as f16x2
+__device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
+  return f16x2(__int_as_float(b << 16) * up, __int_as_float(b & 0xFFFF0000u) * up);
 }
 
 #ifndef MX_TRACE
@@ -198,18 +234,62 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
   __syncthreads();
 }
 
-// One activation row (KG * 32 bf16) into shared memory, scaled for the mma; EARLY: read before the
-// CTA's PDL wait (load_early). The caller synchronises the CTA before the row is used.
-template <bool EARLY>
-__device__ __forceinline__ void stage_row(u32* dst, const U4* src) {
-  const int per_row = KG * 4;  // 16-byte vectors
-  for (int c = threadIdx.x; c < per_row; c += NW * 32)
-    *reinterpret_cast<U4*>(dst + 4 * c) = stage_scale(EARLY ? load_early(src + c) : load_cached(src + c));
+// Staged rows: SLOTS rows of XROW words (f16 pairs), then the groups' factors (XF_WORDS floats).
+__device__ __forceinline__ float* group_factors(u32* xs) { return reinterpret_cast<float*>(xs + SLOTS * XROW); }
+
+// The largest |value| of 16 bytes of bf16, as float bits (magnitudes compare as integers).
+__device__ __forceinline__ u32 max_bits(U4 v) {
+  const u32 m = __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu), __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu));
+  return max(m & 0xFFFFu, m >> 16) << 16;
 }
 
-// The item's activation rows into shared memory, XROW words apart.
-__device__ __forceinline__ void stage_rows(u32* xs, const Item& it) {
-  for (int i = 0; i < it.n; i++) stage_row<false>(xs + i * XROW, it.row[i]);
+// The item's activation rows (KG * 32 values each) into shared memory as f16, with the factor that
+// multiplies each group's sums (use_batch). bf16 rows (gate/up's tokens): each group of 32 values
+// times one power of two for all the rows, 2^(141 - e) with e the biased exponent of the group's
+// largest |x| over the rows (at least 15, so that the factor is a float): that |x| lands in
+// [2^14, 2^15), every bf16 of the group down to 2^-31 of it stays exact (8 significant bits; f16 is
+// normal from 2^-14), and every product with a weight is exact in float32; the group's factor is
+// 2^(e - 141). A group's 4 chunks of 16 bytes sit in 4 consecutive lanes (NW * 32 is a multiple of
+// 4), which share e by two shuffles; with several rows a second pass converts the chunks it reads
+// again (from L1). F16 rows (down's activations, which gate/up wrote as f16 times 2^act_shift) are
+// copied as they are, every group's factor 2^-act_shift. EARLY: read before the CTA's PDL wait
+// (load_early). Ends with the CTA synchronised.
+template <bool EARLY, bool F16>
+__device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n, int act_shift = 0) {
+  constexpr int per_row = KG * 4;  // 16-byte chunks
+  float* fx = group_factors(xs);
+  if constexpr (F16) {
+    for (int c = threadIdx.x; c < per_row; c += NW * 32)
+      for (int i = 0; i < n; i++)
+        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) = EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c);
+    const float f = __int_as_float((127 - act_shift) << 23);
+    for (int g = threadIdx.x; g < XF_WORDS; g += NW * 32) fx[g] = f;
+  } else {
+    for (int c0 = 0; c0 < per_row; c0 += NW * 32) {  // the same trip count in every lane: they shuffle
+      const int c = c0 + (int)threadIdx.x;
+      const bool in = c < per_row;
+      U4 first = U4{0u, 0u, 0u, 0u};
+      u32 m = 0u;
+      for (int i = 0; i < n; i++) {
+        if (!in) break;
+        const U4 v = EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c);
+        m = max(m, max_bits(v));
+        if (i == 0) first = v;
+      }
+      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+      const u32 e = max(m >> 23, 15u);
+      const float up = __int_as_float((268u - e) << 23);  // 2^(141 - e)
+      if (!in) continue;
+      if ((c & 3) == 0) fx[c >> 2] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
+      for (int i = 0; i < n; i++) {
+        const U4 v = i == 0 ? first : (EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c));
+        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
+            U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
+      }
+    }
+    if (KG % 2 && threadIdx.x == 0) fx[KG] = 0.f;  // read with group KG - 1, whose pair it completes
+  }
   __syncthreads();
 }
 
@@ -241,7 +321,7 @@ __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1,
 
 // The mmas of one batch: acc[p][0 / 1] += this thread's share of rows row0 / row0 + 8 for token
 // pair p (columns (t = tig / 2, q = 2 (tig % 2) + {0, 1}), each group times its scale).
-__device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* xs, const Item& it, int ntp,
+__device__ __forceinline__ void use_batch(const Batch& b, int first, u32* xs, const Item& it, int ntp,
                                           int g, int tig, float acc[TP][2]) {
   const bool diag = (g & 3) == tig;  // the B operand is nonzero where q == tig: k runs over the own group
 #pragma unroll
@@ -250,8 +330,12 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
     if (c >= CHUNKS) break;
     const int grp = 4 * c + tig;
     const u32 ha = b.sa[j] >> (16 * (tig & 1)), hb = b.sb[j] >> (16 * (tig & 1));
-    const float fa0 = group_scale(ha), fa1 = group_scale(ha >> 8);
-    const float fb0 = group_scale(hb), fb1 = group_scale(hb >> 8);
+    // this thread's columns are groups grp0, grp0 + 1: their scales times the activations' factors
+    const int grp0 = 4 * c + 2 * (tig & 1);
+    float2 fx = make_float2(0.f, 0.f);
+    if (grp0 < KG) fx = *reinterpret_cast<const float2*>(group_factors(xs) + grp0);
+    const float fa0 = group_scale(ha) * fx.x, fa1 = group_scale(ha >> 8) * fx.y;
+    const float fb0 = group_scale(hb) * fx.x, fb1 = group_scale(hb >> 8) * fx.y;
     u32 pa[4][4], pb[4][4];  // word w's pairs, decoded once for every token pair
     decode_word(b.wa[j].x, pa[0]); decode_word(b.wa[j].y, pa[1]); decode_word(b.wa[j].z, pa[2]); decode_word(b.wa[j].w, pa[3]);
     decode_word(b.wb[j].x, pb[0]); decode_word(b.wb[j].y, pb[1]); decode_word(b.wb[j].z, pb[2]); decode_word(b.wb[j].w, pb[3]);
@@ -268,14 +352,14 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
       // then pairs 2, 3; the activation words in the same order. Two accumulator chains (words 0-1,
       // words 2-3): each mma waits on the one before it in its chain, not on all eight.
       float da[4] = {0.f, 0.f, 0.f, 0.f}, db[4] = {0.f, 0.f, 0.f, 0.f};
-      mma(da, pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
-      mma(db, pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
-      mma(da, pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
-      mma(db, pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
-      mma(da, pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
-      mma(db, pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
-      mma(da, pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
-      mma(db, pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+      mma<true>(da, pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+      mma<true>(db, pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+      mma<true>(da, pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+      mma<true>(db, pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+      mma<true>(da, pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+      mma<true>(db, pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+      mma<true>(da, pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+      mma<true>(db, pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
       acc[p][0] = fmaf(da[1] + db[1], fa1, fmaf(da[0] + db[0], fa0, acc[p][0]));
       acc[p][1] = fmaf(da[3] + db[3], fb1, fmaf(da[2] + db[2], fb0, acc[p][1]));
     }
@@ -314,8 +398,10 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     const int grp = 4 * c + tig;
     const u32 fa = fold_factor(b.sa[j] >> (8 * tig)), fb = fold_factor(b.sb[j] >> (8 * tig));
     u32 pa[4][4], pb[4][4];
-    decode_word(b.wa[j].x, pa[0]); decode_word(b.wa[j].y, pa[1]); decode_word(b.wa[j].z, pa[2]); decode_word(b.wa[j].w, pa[3]);
-    decode_word(b.wb[j].x, pb[0]); decode_word(b.wb[j].y, pb[1]); decode_word(b.wb[j].z, pb[2]); decode_word(b.wb[j].w, pb[3]);
+    decode_word_bf16(b.wa[j].x, pa[0]); decode_word_bf16(b.wa[j].y, pa[1]); decode_word_bf16(b.wa[j].z, pa[2]);
+    decode_word_bf16(b.wa[j].w, pa[3]);
+    decode_word_bf16(b.wb[j].x, pb[0]); decode_word_bf16(b.wb[j].y, pb[1]); decode_word_bf16(b.wb[j].z, pb[2]);
+    decode_word_bf16(b.wb[j].w, pb[3]);
 #pragma unroll
     for (int v = 0; v < 4; v++) {
 #pragma unroll
@@ -330,14 +416,14 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
 #pragma unroll
       for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(xrow[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
       // the same k order as use_batch; two accumulator chains (words 0-1, words 2-3)
-      mma(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
-      mma(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
-      mma(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
-      mma(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
-      mma(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
-      mma(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
-      mma(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
-      mma(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+      mma<false>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+      mma<false>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+      mma<false>(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+      mma<false>(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+      mma<false>(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+      mma<false>(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+      mma<false>(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+      mma<false>(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
     }
   }
 }
@@ -347,9 +433,9 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
 // rows are staged (in flight together); with EARLY, the PDL wait comes between the two. STAGED: the
 // rows are in xs already (gate/up's MX_EARLY_X).
-template <bool EARLY, bool STAGED = false>
+template <bool EARLY, bool STAGED = false, bool F16_ROWS = false>
 __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
-                         const Item& it, float* red) {
+                         const Item& it, float* red, int act_shift = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int ks = warp % KSPLIT;
@@ -375,7 +461,7 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   const int nt = (it.n + 7) / 8;
 #define USE_BATCH(b, first) use_batch_fold(b, first, xrow, nt, tig, acc)
 #else
-  if (!STAGED) stage_rows(xs, it);
+  if (!STAGED) stage_rows<false, F16_ROWS>(xs, it.row, it.n, act_shift);
   const int ntp = (it.n + 1) / 2;
   float acc[TP][2];
 #pragma unroll
@@ -430,18 +516,23 @@ __device__ __forceinline__ float row_sum(const float* red, int i, int r) {
   return v;
 }
 
-// gate/up + bias + gpt-oss' clamped SwiGLU: act[pair, (ROWS bx + 2j) / 2] for the item's pairs.
+// gate/up + bias + gpt-oss' clamped SwiGLU: act[pair, (ROWS bx + 2j) / 2] for the item's pairs, as
+// f16 times 2^act_shift (down stages them as they are; the caller picks act_shift so that the clamped
+// SwiGLU's range stays below 2^15), or as bf16 in folded launches (down's B operand, read directly).
 // x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
-           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d TRACE_PARAM) {
+           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
   // a per-pair CTA serves pair blockIdx.y, of token blockIdx.y / top_k: its row needs no routing
-  if (GATE_UP_EARLY_X) stage_row<true>(xs, reinterpret_cast<const U4*>(x + (i64)(blockIdx.y / top_k) * stride_x));
+  if (GATE_UP_EARLY_X) {
+    const U4* row = reinterpret_cast<const U4*>(x + (i64)(blockIdx.y / top_k) * stride_x);
+    stage_rows<true, false>(xs, &row, 1);
+  }
   enter_pdl();
   TRACE(0);
   TRACE(3);
@@ -464,7 +555,8 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
     glu = fminf(glu, limit);
     lin = fminf(fmaxf(lin, -limit), limit);
     const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
-    act[(i64)it.slot[i] * (n_rows / 2) + row / 2] = to_bf16(out);
+    act[(i64)it.slot[i] * (n_rows / 2) + row / 2] =
+        MX_FOLD ? to_bf16(out) : to_f16(out * __int_as_float((127 + act_shift) << 23));
   }
   TRACE_END();
 }
@@ -495,7 +587,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
         const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,
         const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
-        u16* __restrict__ out, int stride_out TRACE_PARAM) {
+        u16* __restrict__ out, int stride_out, int act_shift TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
@@ -525,7 +617,8 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   const int row_r = tile * ROWS + threadIdx.x % ROWS;
   float bias_r = 0.f;
   if (MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
-  tile_dot<MX_EARLY_DOWN != 0>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  tile_dot<MX_EARLY_DOWN != 0, false, !MX_FOLD>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs,
+                                               it, red, act_shift);
   TRACE(1);
   if (!MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
 #if MX_CLUSTER_SUM

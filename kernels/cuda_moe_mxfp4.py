@@ -3,8 +3,9 @@ compiled at first use by NVRTC through torch, no build step.
 
 Why CUDA: the Triton packed GEMV (kernels/triton_moe_mxfp4.py) is bound by latency on ~5 warps per
 SM and by ~30 instructions per packed word. Here each warp streams the K of 16 rows through
-double-buffered register batches, and a word costs ~14 instructions: the packed decode (rotate,
-mask-merge) and one mma.sync that keeps the four groups of a K step apart in float32 (the .cu file
+double-buffered register batches, and a word costs ~10 instructions: the packed decode (a mask, or
+two shifts and masks, to e4m3 bytes, then Hopper's e4m3 -> f16 conversion, two values an
+instruction) and one mma.sync that keeps the four groups of a K step apart in float32 (the .cu file
 says how), so the scales apply afterwards.
 The same decode serves up to 8 tokens of one expert (grouped launches), so batches whose tokens
 share experts read each expert once.
@@ -20,22 +21,23 @@ of kernels/triton_moe.py (pairs sorted by expert, blocks of 8).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .arrival import arrival_counters
-from .mxfp4 import FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
+from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
+                    MxExperts)
 from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 
 SOURCE = Path(__file__).with_name("cuda_moe_mxfp4.cu")
 # the packed word layout (kernels/mxfp4.py), handed to the compiler so the decode has one source
-_LAYOUT_MACROS = ([f"-DMX_MAG_ROT{q}={r}" for q, r in enumerate(PACKED_MAG_ROT)]
-                  + [f"-DMX_SIGN_ROT{q}={r}" for q, r in enumerate(PACKED_SIGN_ROT)]
-                  + [f"-DMX_MAG_MASK={PACKED_MAG_MASK:#010x}u", f"-DMX_SIGN_MASK={PACKED_SIGN_MASK:#010x}u"])
+_LAYOUT_MACROS = [f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u", f"-DMX_HIGH_SHL_MASK={PACKED_HIGH_SHL_MASK:#010x}u",
+                  f"-DMX_HIGH_SHR_MASK={PACKED_HIGH_SHR_MASK:#010x}u"]
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,12 @@ CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
 # FOLD_CONFIG; None: never. H200, 20b layer, uniform random routing (bench/moe_mxfp4.py,
 # 2026-12-03), us against CONFIG: 16 tokens 173 vs 192, 32: 199 vs 243, 64: 249 vs 382, 128: 403 vs
 # 661 (with down's shape of CONFIG: 8 tokens 132 vs 127); 16 slots against 8: level to 32 tokens,
-# 265 vs 304 at 64; down's K in one warp (4, 1, 2) against split over two: 6-8 % faster.
+# 265 vs 304 at 64; down's K in one warp (4, 1, 2) against split over two: 6-8 % faster. Since the
+# unfolded launches decode through Hopper's e4m3 -> f16 conversion and the folded ones spread the same
+# bytes into bf16 pairs (2026-12-04, kernels.moe.experts_forward's layer): 16 tokens 199 folded vs
+# 185 unfolded, 32: 226 vs 250, 64: 264 vs 361, so folding starts at 32 tokens.
 FOLD_CONFIG: MmaConfig | None = MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)
-FOLD_FROM_TOKENS = 16
+FOLD_FROM_TOKENS = 32
 # Per-pair launches (1-3 tokens): both kernels split their K over 4 warps in batches of 3 K steps, so
 # down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights; down
 # keeps to 80 registers so that one token's 720 CTAs fit in one wave (6 a SM; at 96 registers, 5 a
@@ -134,9 +139,19 @@ def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bo
 
 
 def _shared_bytes(k_groups: int, slots: int, fold: bool = False) -> int:
-    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each); folded
-    launches read them from global memory."""
-    return 0 if fold else slots * (k_groups * 16 + 4) * 4
+    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each) and the
+    groups' factors (XF_WORDS floats); folded launches read the rows from global memory."""
+    return 0 if fold else (slots * (k_groups * 16 + 4) + (k_groups + 1) // 2 * 2) * 4
+
+
+def act_shift(limit: float) -> int:
+    """The power of two gate/up multiplies its f16 SwiGLU outputs by (down stages them as they are):
+    the largest that keeps them below 2^15, where |glu * sigmoid(alpha glu)| <= max(limit, 0.3) (glu is
+    clamped above at limit; below zero the product stays above -0.3) and |lin + 1| <= limit + 1. For
+    gpt-oss' limit 7: 2^9, outputs below 28672, exact in f16 down to 2^-23."""
+    if not 0 < limit <= 128:
+        raise ValueError(f"the MXFP4 mma kernels stage the SwiGLU outputs in f16: limit must be in (0, 128], not {limit}")
+    return math.floor(math.log2(2.0**15 / (max(limit, 0.3) * (limit + 1))))
 
 
 def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
@@ -206,11 +221,13 @@ def experts_forward_mxfp4_mma(
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
-    act = torch.empty(t * k, i, dtype=torch.bfloat16, device=x.device)
+    # SwiGLU activations: bf16 for folded launches, else f16 times 2^shift (`act_shift`)
+    shift = act_shift(limit)
+    act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
     launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, fold), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
-                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), *trace_args[0]])
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:
@@ -220,7 +237,7 @@ def experts_forward_mxfp4_mma(
     launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
-        int(add_down_bias), wts, part, counters, res, res.stride(0), *trace_args[1]])
+        int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *trace_args[1]])
     if res is not out:
         out.copy_(res)
     return out

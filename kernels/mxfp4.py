@@ -5,8 +5,9 @@ first. `*_scales` is uint8 [..., rows, cols/32]: the group's power-of-two expone
 
 The decode kernels may keep the blocks in a *packed* word layout (`pack_words`): the same 16 bytes
 per group (4.25 bits per weight as published), each 32-bit word's eight values with their bits
-moved so that two values become a bf16x2 register in two instructions (a rotate and a masked
-merge) instead of one byte at a time (kernels/triton_moe_mxfp4.py, decode "packed").
+moved so that four values become e4m3 bytes in one instruction and the other four in four, which
+Hopper's `cvt.rn.f16x2.e4m3x2` turns into f16 tensor-core operands two at a time
+(kernels/cuda_moe_mxfp4.cu); kernels that compute in bf16 spread those bytes into bf16x2 pairs.
 """
 
 from __future__ import annotations
@@ -80,28 +81,24 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, scales
 
 
-# Packed word layout. A word holds values 8w..8w+7 of its group (as the published word does); value
-# 2q + l (pair q, bf16 lane l) keeps its magnitude bits (m, e0, e1) at bits 6..8 + 16 l and its sign
-# at bit 15 + 16 l of rotl(word, PACKED_MAG_ROT[q]) and rotl(word, PACKED_SIGN_ROT[q]) respectively.
-# Then (rotl(w, a) & 0x01C001C0) | (rotl(w, b) & 0x80008000) is a bf16x2 of the pair's e2m1 values
-# times 2^-126 (codes +-0.5 land on the bf16 subnormal 2^-127, exactly). Four rotations of one
-# 8-bit pattern cannot tile 32 bits, so signs and magnitudes rotate apart; five distinct rotations
-# (3, 4, 5, 6, 9) serve the four pairs.
-PACKED_MAG_ROT = (0, 3, 6, 9)
-PACKED_SIGN_ROT = (3, 4, 5, 6)
-PACKED_MAG_MASK = 0x01C001C0
-PACKED_SIGN_MASK = 0x80008000
+# Packed word layout. A word holds values 8w..8w+7 of its group (as the published word does), each
+# as an "e4m3 byte": sign at bit 7, the code's magnitude bits (e1, e0, m) at bits 4..2, zeros
+# elsewhere, which read as e4m3 is the e2m1 value times 2^-6, exactly (the +-0.5 codes are e4m3
+# subnormals). Values 0..3 are bytes 0..3 of PACKED_LOW = word & 0x9C9C9C9C (their bits stay where
+# they are); values 4..7 are bytes 0..3 of PACKED_HIGH = ((word << 2) & 0x8C8C8C8C) | ((word >> 2) &
+# 0x10101010), whose bits fill the other four positions of each byte (m, e0 at 0, 1; sign at 5; e1
+# at 6). So a word is 5 integer instructions and 4 conversions from four f16x2 operands (values
+# 2q, 2q + 1 in pair q, the K order of the published word), where bf16 operands took 13.
+PACKED_LOW_MASK = 0x9C9C9C9C
+PACKED_HIGH_SHL_MASK = 0x8C8C8C8C  # (word << 2) & this
+PACKED_HIGH_SHR_MASK = 0x10101010  # | (word >> 2) & this
 
 
 def _packed_bit_map() -> list[tuple[int, int]]:
     """[(source bit in the published word, bit in the packed word)] for all 32 bits."""
-    pairs = []
-    for k in range(8):
-        q, lane = divmod(k, 2)
-        for j in range(4):  # e2m1 code bit j: m, e0, e1, sign
-            target = (15 if j == 3 else 6 + j) + 16 * lane
-            rot = PACKED_SIGN_ROT[q] if j == 3 else PACKED_MAG_ROT[q]
-            pairs.append((4 * k + j, (target - rot) % 32))
+    low = (2, 3, 4, 7)  # code bits m, e0, e1, sign of values 0..3: bits of byte v
+    high = (0, 1, 6, 5)  # of values 4..7: the same bits of byte v - 4, before the shifts
+    pairs = [(4 * v + j, 8 * (v % 4) + (low if v < 4 else high)[j]) for v in range(8) for j in range(4)]
     assert sorted(d for _, d in pairs) == list(range(32)), "packed layout must be a bit permutation"
     return pairs
 
@@ -135,21 +132,36 @@ def unpack_words(packed: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
                      ).view(packed.shape)
 
 
-def decode_packed_words(packed: torch.Tensor) -> torch.Tensor:
-    """The packed layout decoded the way the kernel does it (rotate, mask, merge, read as bf16
-    times 2^126) -> float32 [..., G, 32]: the e2m1 values, unscaled. For tests of the layout."""
-    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [..., G, 4]
-
-    def rotl(w, r):
-        return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF if r else w
-
-    lanes = []
+def bf16_pairs_ptx(word: str) -> list[str]:
+    """PTX (for Triton's inline asm) that decodes packed word `word` into the bf16x2 registers p0..p3
+    (declared here; values 2q, 2q + 1 in pq) of e2m1 * 2^-126: its e4m3 bytes (above), two at a time
+    into the high bytes of the two halves (sign at bit 15, magnitude at 12..10, by a byte permute),
+    the magnitude moved down to 8..6 (+-0.5 codes are bf16 subnormals). 21 instructions a word."""
+    lines = [".reg .b32 lo, hi, sa, sb, x, m, p0, p1, p2, p3;",
+             f"and.b32 lo, {word}, {PACKED_LOW_MASK:#010x};",
+             f"shl.b32 sa, {word}, 2;", f"shr.b32 sb, {word}, 2;", f"and.b32 sb, sb, {PACKED_HIGH_SHR_MASK:#010x};",
+             f"lop3.b32 hi, sa, {PACKED_HIGH_SHL_MASK:#010x}, sb, 0xEA;"]  # (a & b) | c
     for q in range(4):
-        pair = (rotl(words, PACKED_MAG_ROT[q]) & PACKED_MAG_MASK) | (rotl(words, PACKED_SIGN_ROT[q]) & PACKED_SIGN_MASK)
-        lanes += [pair & 0xFFFF, pair >> 16]
-    bits = torch.stack(lanes, dim=-1)  # [..., G, 4 words, 8 values]: value 8w + 2q + l
-    bf16 = torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.bfloat16)
-    return (bf16.float() * 2.0**126).flatten(-2)
+        lines += [f"prmt.b32 x, {'lo' if q < 2 else 'hi'}, 0, {0x1404 if q % 2 == 0 else 0x3424:#06x};",
+                  "shr.b32 m, x, 4;", "and.b32 m, m, 0x01C001C0;", f"lop3.b32 p{q}, x, 0x80008000, m, 0xEA;"]
+    return lines
+
+
+def packed_e4m3_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """The packed layout as the kernels read it: each word -> its PACKED_LOW and PACKED_HIGH words
+    -> uint8 [..., G, 32], the e4m3 byte of every value in K order. For tests of the layout."""
+    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [..., G, 4]
+    low = words & PACKED_LOW_MASK
+    high = ((words << 2) & PACKED_HIGH_SHL_MASK) | ((words >> 2) & PACKED_HIGH_SHR_MASK)
+    both = torch.stack([low, high], dim=-1)  # [..., G, 4 words, 2]
+    nbytes = torch.stack([(both >> (8 * b)) & 0xFF for b in range(4)], dim=-1)  # [..., G, 4, 2, 4]: value 4h + b
+    return nbytes.flatten(-3).to(torch.uint8)
+
+
+def decode_packed_words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed layout decoded the way the kernels do it (e4m3 bytes read as e4m3, times 2^6)
+    -> float32 [..., G, 32]: the e2m1 values, unscaled. For tests of the layout."""
+    return packed_e4m3_bytes(packed).view(torch.float8_e4m3fn).float() * 64.0
 
 
 @dataclass

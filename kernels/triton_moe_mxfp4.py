@@ -43,8 +43,8 @@ class MxConfig:
     bf16 on the tensor cores, the token in one of 16 columns; its second entry is BLOCK_K in
     values, not G_STEP). With G_STEP 16 or 32 the K step spans many threads, so each thread keeps
     several rows on the same activations (loaded once per row set). "packed" (experts in
-    `MxExperts.to_packed()` layout): two values per 32-bit register through inline PTX (rotate,
-    mask-merge, bf16x2 FMA), G_STEP groups of [rows, 4 words] per K step."""
+    `MxExperts.to_packed()` layout): two values per 32-bit register through inline PTX (e4m3 bytes
+    spread into bf16x2 pairs, kernels/mxfp4.py bf16_pairs_ptx; bf16x2 FMA), G_STEP groups of [rows, 4 words] per K step."""
 
     gate_up: tuple[int, int, int, int] = (64, 16, 4, 3)  # BLOCK_N, G_STEP (32-groups per K step), warps, stages
     down: tuple[int, int, int, int] = (16, 16, 2, 3)
@@ -264,23 +264,17 @@ def _mx_down_kernel(
 
 
 # ---------------------------------------------------------------- decode "packed"
-# One 32-bit word of packed blocks (kernels/mxfp4.py: PACKED_*) = 8 values = 4 bf16x2 pairs, times
-# the activation pairs $2..$5 (bf16x2, pre-scaled by 2^64): pair q's lanes are
-# (rotl(w, MAG_ROT[q]) & MAG_MASK) | (rotl(w, SIGN_ROT[q]) & SIGN_MASK) = e2m1 * 2^-126, so each
-# product is e2m1 * x * 2^-62, a normal bf16 for any |x| above 2^-65. Four bf16x2 FMAs (the first a
-# multiply) sum the word's values per lane; the two lanes are added in float32. 13 integer + 4
-# bf16x2 + 3 instructions per 8 weights (~2.5 per byte).
+# One 32-bit word of packed blocks (kernels/mxfp4.py) = 8 values = 4 bf16x2 pairs (bf16_pairs_ptx:
+# e2m1 * 2^-126), times the activation pairs $2..$5 (bf16x2, pre-scaled by 2^64), so each product is
+# e2m1 * x * 2^-62, a normal bf16 for any |x| above 2^-65. Four bf16x2 FMAs (the first a multiply)
+# sum the word's values per lane; the two lanes are added in float32. 21 integer + 4 bf16x2 + 3
+# instructions per 8 weights. (On Hopper the CUDA mma kernels serve these sizes: kernels/moe.py.)
 def _packed_word_asm() -> str:
-    from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT
+    from .mxfp4 import bf16_pairs_ptx
 
-    rots = sorted(set(PACKED_MAG_ROT + PACKED_SIGN_ROT) - {0})
-    reg = {0: "$1", **{r: f"r{r}" for r in rots}}
-    lines = ["{", ".reg .b32 " + ", ".join(reg[r] for r in rots) + ", m, l, acc;"]
-    lines += [f"shf.l.wrap.b32 r{r}, $1, $1, {r};" for r in rots]
+    lines = ["{", ".reg .b32 acc, l;", *bf16_pairs_ptx("$1")]
     for q in range(4):
-        lines.append(f"and.b32 m, {reg[PACKED_MAG_ROT[q]]}, {PACKED_MAG_MASK:#010x};")
-        lines.append(f"lop3.b32 l, {reg[PACKED_SIGN_ROT[q]]}, {PACKED_SIGN_MASK:#010x}, m, 0xEA;")  # (a & b) | c
-        lines.append(f"mul.rn.bf16x2 acc, l, ${q + 2};" if q == 0 else f"fma.rn.bf16x2 acc, l, ${q + 2}, acc;")
+        lines.append(f"mul.rn.bf16x2 acc, p{q}, ${q + 2};" if q == 0 else f"fma.rn.bf16x2 acc, p{q}, ${q + 2}, acc;")
     lines += ["shl.b32 m, acc, 16;", "and.b32 l, acc, 0xFFFF0000;", "add.f32 $0, m, l;", "}"]
     return "\n".join(lines)
 

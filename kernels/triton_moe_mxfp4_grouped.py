@@ -13,7 +13,7 @@ float32 per pair, `triton_moe.combine` (each token's pairs in slot order: determ
 
 Weights: `MxExperts` in the packed layout (kernels/mxfp4.py), loaded as [rows, groups, 4 words]
 with one scale byte per group. On the GPU (bf16 activations) inline PTX decodes a word into four
-bf16x2 registers, as the packed GEMV does (rotate, mask-merge: e2m1 x 2^-126), then times 2^64
+bf16x2 registers, as the packed GEMV does (kernels/mxfp4.py bf16_pairs_ptx: e2m1 x 2^-126), then times 2^64
 and times the group's 2^(s - 65) (bf16x2 multiplies; one 2^(s - 1) is no bf16 past s = 128): the
 exact weight in bf16 for every scale byte the packed layout allows (0..192; s = 0, 1 give bf16
 subnormals, exact where the multiply keeps them: tests/gpu checks), with no float32 step. Float32
@@ -40,13 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4 import PACKED_MAG_MASK, PACKED_MAG_ROT, PACKED_SIGN_MASK, PACKED_SIGN_ROT, MxExperts
+from .mxfp4 import PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, MxExperts, bf16_pairs_ptx
 from .triton_math import INTERPRET, swiglu_f32
 from .triton_moe import align_routing, combine
 
-# _decode_tile spells the packed layout's rotations out; it must follow kernels/mxfp4.py.
-assert PACKED_MAG_ROT == (0, 3, 6, 9) and PACKED_SIGN_ROT == (3, 4, 5, 6)
-assert (PACKED_MAG_MASK, PACKED_SIGN_MASK) == (0x01C001C0, 0x80008000)
+# _decode_tile spells the packed layout's masks out (as int32); it must follow kernels/mxfp4.py.
+assert (PACKED_LOW_MASK, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK) == (0x9C9C9C9C, 0x8C8C8C8C, 0x10101010)
 
 
 @dataclass(frozen=True)
@@ -66,17 +65,11 @@ class GroupedConfig:
 
 def _word_asm() -> str:
     """PTX: packed word $4 and bf16x2 scale $5 -> four bf16x2 (values 2q, 2q + 1 of the word in $q):
-    rotate, mask-merge (e2m1 x 2^-126, kernels/mxfp4.py), x 2^64, x the scale. Two multiplies:
-    2^(s - 1) in one is no bf16 past s = 128."""
-    rots = sorted(set(PACKED_MAG_ROT + PACKED_SIGN_ROT) - {0})
-    reg = {0: "$4", **{r: f"r{r}" for r in rots}}
-    lines = ["{", ".reg .b32 " + ", ".join(reg[r] for r in rots) + ", m, l, c;", "mov.b32 c, 0x5F805F80;"]  # 2^64
-    lines += [f"shf.l.wrap.b32 r{r}, $4, $4, {r};" for r in rots]
+    the bf16 pairs of kernels/mxfp4.py (e2m1 x 2^-126), x 2^64, x the scale. Two multiplies: 2^(s - 1)
+    in one is no bf16 past s = 128."""
+    lines = ["{", ".reg .b32 l, c;", "mov.b32 c, 0x5F805F80;", *bf16_pairs_ptx("$4")]  # c = 2^64
     for q in range(4):
-        lines.append(f"and.b32 m, {reg[PACKED_MAG_ROT[q]]}, {PACKED_MAG_MASK:#010x};")
-        lines.append(f"lop3.b32 l, {reg[PACKED_SIGN_ROT[q]]}, {PACKED_SIGN_MASK:#010x}, m, 0xEA;")  # (a & b) | c
-        lines.append("mul.rn.bf16x2 l, l, c;")
-        lines.append(f"mul.rn.bf16x2 ${q}, l, $5;")
+        lines += [f"mul.rn.bf16x2 l, p{q}, c;", f"mul.rn.bf16x2 ${q}, l, $5;"]
     return "\n".join(lines + ["}"])
 
 
@@ -85,23 +78,18 @@ _ASM = tl.constexpr(not INTERPRET)  # the interpreter runs no inline PTX
 
 
 @triton.jit
-def _rotl(u, R: tl.constexpr):
-    """uint32 u rotated left by 0 < R < 32."""
-    return (u << R) | (u >> (32 - R))
+def _e4m3_value(b):
+    """e4m3 byte b (int32, sign at bit 7, magnitude at 4..2) -> float32 e2m1 * 2^-126 (the asm's
+    bf16 pair lane, widened)."""
+    return (((b & 0x80) << 24) | ((b & 0x1C) << 20)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _pair(u, A: tl.constexpr, B: tl.constexpr, scale):
-    """Pair (A, B) of packed words u (uint32) -> its two values (float32), x 2^64 x scale: the
+def _pair(e4m3, H: tl.constexpr, scale):
+    """Bytes 2H, 2H + 1 of e4m3 words (int32) -> their two values (float32), x 2^64 x scale: the
     asm's numbers (every product exact)."""
-    if A == 0:
-        ra = u.to(tl.int32, bitcast=True)
-    else:
-        ra = _rotl(u, A).to(tl.int32, bitcast=True)
-    rb = _rotl(u, B).to(tl.int32, bitcast=True)
-    lane = (ra & 0x01C001C0) | (rb & -2147450880)  # magnitudes | signs (0x80008000)
-    lo = (lane << 16).to(tl.float32, bitcast=True)
-    hi = (lane & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+    lo = _e4m3_value((e4m3 >> (16 * H)) & 0xFF)
+    hi = _e4m3_value((e4m3 >> (16 * H + 8)) & 0xFF)
     return lo * 1.8446744073709552e19 * scale, hi * 1.8446744073709552e19 * scale  # 2^64
 
 
@@ -137,12 +125,14 @@ def _decode_tile(words_ptr, scales_ptr, rows, row_ok, k0, K_GROUPS: tl.constexpr
         hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     else:
-        u = u.to(tl.uint32, bitcast=True)
+        u = u.to(tl.int32, bitcast=True)
+        low = u & -1667457892  # PACKED_LOW_MASK 0x9C9C9C9C
+        high = ((u << 2) & -1936946036) | ((u >> 2) & 0x10101010)  # the SHL mask 0x8C8C8C8C, the SHR one
         scale = ((s + 62) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(s - 65)
-        l0, h0 = _pair(u, 0, 3, scale)
-        l1, h1 = _pair(u, 3, 4, scale)
-        l2, h2 = _pair(u, 6, 5, scale)
-        l3, h3 = _pair(u, 9, 6, scale)
+        l0, h0 = _pair(low, 0, scale)
+        l1, h1 = _pair(low, 1, scale)
+        l2, h2 = _pair(high, 0, scale)
+        l3, h3 = _pair(high, 1, scale)
         # value 2q + l of a word, q = 2 q1 + q0: join over q1 first (the slowest axis), then q0, then l
         b0 = tl.join(tl.join(l0, l2), tl.join(l1, l3))
         b1 = tl.join(tl.join(h0, h2), tl.join(h1, h3))

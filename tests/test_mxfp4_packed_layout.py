@@ -1,7 +1,8 @@
 """The packed MXFP4 word layout (kernels/mxfp4.py: pack_words) on the CPU: a bit permutation of
-each word (unpack_words inverts it), and the kernel's decode formula (rotate, mask, merge, read
-as bf16 times 2^126; emulated by decode_packed_words) gives back every published e2m1 value at
-every position. The GPU kernel that reads it: tests/gpu/test_moe_mxfp4_gpu.py."""
+each word (unpack_words inverts it), and the kernels' decode (a mask, or two shifts and masks, to
+e4m3 bytes read as e4m3 times 2^6; emulated by decode_packed_words) gives back every published
+e2m1 value at every position, with bytes that hold nothing but the value's bits. The GPU kernels
+that read it: tests/gpu/test_moe_mxfp4*_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from mxfp4_layers import random_layer
 from pdserve.kernels.moe import experts_forward_mxfp4_ref
 from pdserve.kernels.mxfp4 import (FP4_VALUES, PACKED_MAX_SCALE, MxExperts, decode_packed_words, pack_words,
-                                   unpack_fp4_codes, unpack_words)
+                                   packed_e4m3_bytes, unpack_fp4_codes, unpack_words)
 
 
 def test_pack_is_a_bit_permutation_and_decodes_every_code():
@@ -29,6 +30,10 @@ def test_pack_is_a_bit_permutation_and_decodes_every_code():
     got = decode_packed_words(packed)
     assert torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
+    # each e4m3 byte: sign at bit 7, magnitude at bits 4..2, nothing else (what the kernels convert)
+    e4m3 = packed_e4m3_bytes(packed)
+    assert not (e4m3 & 0x63).any()
+    assert torch.equal(e4m3 >> 7, unpack_fp4_codes(blocks) >> 3)
 
 
 def _experts(g):
