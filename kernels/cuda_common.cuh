@@ -1,7 +1,7 @@
 // What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
 // on NVRTC's include path): integer types, a 16-byte vector, bf16 / f16 / e4m3 conversions, the L2 loads (16 bytes
-// or one 32-bit value) and entry of a PDL kernel, a shared-memory address, the bf16 / f16 mma with A's
-// upper rows zero, and the thread-block cluster's sync and distributed shared memory reads.
+// or one 32-bit value) and entry of a PDL kernel, a shared-memory address, the bf16 / f16 mma (also with A's
+// upper rows zero), and the thread-block cluster's sync and distributed shared memory reads.
 #pragma once
 
 typedef unsigned int u32;
@@ -53,6 +53,13 @@ __device__ __forceinline__ void e4m3x4_f16x2(u32 w, u32& lo, u32& hi) {
       : "=r"(lo), "=r"(hi) : "r"(w));
 }
 
+// f rounded to f16 (nearest even), as its bits
+__device__ __forceinline__ u16 to_f16(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
 // (a, b) as f16x2 (a in the low half), rounded to nearest even
 __device__ __forceinline__ u32 f16x2(float a, float b) {
   u32 r;
@@ -62,20 +69,26 @@ __device__ __forceinline__ u32 f16x2(float a, float b) {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-// d += A B (mma.sync m16n8k16, bf16 in (F16: f16 in), float32 accumulate) with A's rows 8-15 zero:
-// a0, a2 the lane's two registers of rows 0-7, b0, b1 its two of B
+// d += A B (mma.sync m16n8k16, bf16 in (F16: f16 in), float32 accumulate): a0 / a2 the lane's
+// registers of A's row g, a1 / a3 of row g + 8, b0, b1 its two of B (column g)
 template <bool F16 = false>
-__device__ __forceinline__ void mma_rows0_7(float d[4], u32 a0, u32 a2, u32 b0, u32 b1) {
-  if (F16)
+__device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if constexpr (F16)
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The same with A's rows 8-15 zero
+template <bool F16 = false>
+__device__ __forceinline__ void mma_rows0_7(float d[4], u32 a0, u32 a2, u32 b0, u32 b1) {
+  mma<F16>(d, a0, 0u, a2, 0u, b0, b1);
 }
 
 // A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract)

@@ -374,14 +374,6 @@ __device__ __forceinline__ U4 load_once(const void* p) {
 }
 
 
-// d += A (16 x 16 f16: a0 / a2 row g, a1 / a3 row g + 8) x B (16 x 8 f16, column g), float32
-__device__ __forceinline__ void mma_f16(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 struct StreamStep {
   U4 lo, hi;  // 16 bytes of rows g and g + 8
   float scale;  // the step's 128x128 block scale
@@ -448,10 +440,10 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
       e4m3x4_f16x2(r.hi.z, b[4], b[5]);
       e4m3x4_f16x2(r.hi.w, b[6], b[7]);
       float p[4] = {0.f, 0.f, 0.f, 0.f}, q[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_f16(p, a[0], b[0], a[1], b[1], xa.x, xa.y);
-      mma_f16(q, a[2], b[2], a[3], b[3], xa.z, xa.w);
-      mma_f16(p, a[4], b[4], a[5], b[5], xb.x, xb.y);
-      mma_f16(q, a[6], b[6], a[7], b[7], xb.z, xb.w);
+      mma<true>(p, a[0], b[0], a[1], b[1], xa.x, xa.y);
+      mma<true>(q, a[2], b[2], a[3], b[3], xa.z, xa.w);
+      mma<true>(p, a[4], b[4], a[5], b[5], xb.x, xb.y);
+      mma<true>(q, a[6], b[6], a[7], b[7], xb.z, xb.w);
       acc[0] += (p[0] + q[0]) * f0;
       acc[1] += (p[1] + q[1]) * f1;
       acc[2] += (p[2] + q[2]) * f0;

@@ -108,34 +108,9 @@ __device__ __forceinline__ void decode_word_bf16(u32 w, u32 p[4]) {
   p[3] = bf16_pair(high, 0x3424u);
 }
 
-// d += A B, m16n8k16, float32 accumulate; F16: f16 operands, else bf16
-template <bool F16>
-__device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  if constexpr (F16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
 // Scale byte s -> its group's factor 2^(s - 121) (the decode's 2^-6 undone): float bits
 // (s + 6) << 23, a normal float for every s <= 192 the packed layout allows.
 __device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + 6u) << 23); }
-
-// f rounded to f16 (nearest even), as its bits
-__device__ __forceinline__ u16 to_f16(float f) {
-  u16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
 
 // bf16x2 b times up (a power of two), as f16x2
 __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
