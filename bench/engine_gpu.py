@@ -204,28 +204,28 @@ def steady_step_s(eng, steps: int) -> tuple[float, float]:
     `steps`-th call after it, without a sync at either end: the engine keeps at most one step in
     flight and each call waits for the ids of the step before, so both ends sit at the same phase
     of the pipeline and the window holds exactly `steps` steps, each planned while the one before
-    it ran, as in a long generation. The wait is the time spent in `InFlight.wait` (the step's one
-    synchronisation): near zero, the host and not the GPU sets the step's pace."""
-    from pdserve.engine import decode_pipeline
-
+    it ran, as in a long generation. The wait is the time spent in CUDA event synchronisations (the
+    in-flight step's ids, and the graph's staging buffer before it is refilled): near zero, the host
+    and not the GPU sets the step's pace."""
     for _ in range(2):
         eng.step()
     waited = [0.0]
-    wait = decode_pipeline.InFlight.wait
+    event = torch.cuda.Event
+    synchronize = event.synchronize
 
-    def timed_wait(self):
+    def timed_synchronize(self):
         t0 = time.perf_counter()
-        wait(self)
+        synchronize(self)
         waited[0] += time.perf_counter() - t0
 
-    decode_pipeline.InFlight.wait = timed_wait
+    event.synchronize = timed_synchronize
     try:
         t = time.perf_counter()
         for _ in range(steps):
             eng.step()
         elapsed = time.perf_counter() - t
     finally:
-        decode_pipeline.InFlight.wait = wait
+        event.synchronize = synchronize
     return elapsed / steps, waited[0] / steps
 
 
