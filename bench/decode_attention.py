@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default=None, metavar="C/S/G[/L]",
                     help="the cluster kernel's full-layer shape for this run: CTAs a cluster / blocks of shared "
                          "memory a CTA / most clusters a request [/ blocks ahead whose page-table entries are "
-                         "requested] (default: the engine's, kernels.cuda_decode_attention.FULL_LAYERS)")
+                         "requested], at every batch (default: the engine's, kernels.cuda_decode_attention."
+                         "FULL_LAYERS, and FULL_LAYERS_FEW up to its max_rows requests)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.cluster:
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         c, st, gr, *look = (int(x) for x in args.cluster.split("/"))
         cda.FULL_LAYERS = cda.ClusterConfig(cluster=c, stages=st, max_rows=64, max_groups=gr,
                                             lookahead=look[0] if look else 1)
+        cda.FULL_LAYERS_FEW = None
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     t0 = time.time()

@@ -85,6 +85,11 @@ def _full_layers(min_keys: int, max_splits: int) -> dict:
         block_n=128, min_keys=min_keys, max_splits=max_splits, combine_splits=max_splits)}
 
 
+def _full_cluster(cfg) -> dict:
+    """The cluster decode attention's full layers in this shape at every batch it serves."""
+    return {(cuda_decode_attention, "FULL_LAYERS"): cfg, (cuda_decode_attention, "FULL_LAYERS_FEW"): None}
+
+
 ATTENTION_12_01 = {
     (flashinfer_attention, "_TRITON_MAX_BATCH"): {"full": 0, "window": 64},
     (triton_decode_attention, "WINDOWED_LAYERS"): triton_decode_attention.DecodeConfig(),
@@ -103,6 +108,7 @@ SETTINGS = {
     "early attention+router": _setting(_early("attention", "router")),
     "early attention+router+down": _setting(_early("attention", "router", "down")),
     "no early gate/up x": _setting({EARLY["gate/up x"]: False}),
+    "no early down": _setting({EARLY["down"]: False}),
     # the MXFP4 kernels' bias (and down's routing weights) requested after the sums, not with the weights
     "late bias": _setting({(cuda_moe_mxfp4, "EARLY_BIAS"): False}),
     # the attention output projection through the Triton bf16 GEMV, not the one that stages its
@@ -123,17 +129,21 @@ SETTINGS = {
     "attention triton": _setting({(cuda_decode_attention, "ENABLED"): False}),
     "cluster attention full only": _setting({(cuda_decode_attention, "WINDOWED_LAYERS"):
                                              cuda_decode_attention.ClusterConfig(cluster=1, stages=1, max_rows=0)}),
-    "cluster attention windowed only": _setting({(cuda_decode_attention, "FULL_LAYERS"):
-                                                 cuda_decode_attention.ClusterConfig(cluster=8, stages=2, max_rows=0)}),
-    "cluster attention spare clusters": _setting({(cuda_decode_attention, "FULL_LAYERS"):
-                                                  cuda_decode_attention.ClusterConfig(8, 2, 4, max_groups=4)}),
-    "cluster attention 4 stages": _setting({(cuda_decode_attention, "FULL_LAYERS"):
-                                            cuda_decode_attention.ClusterConfig(cluster=8, stages=4, max_rows=4)}),
+    "cluster attention windowed only": _setting(_full_cluster(cuda_decode_attention.ClusterConfig(8, 2, max_rows=0))),
+    "cluster attention spare clusters": _setting(_full_cluster(cuda_decode_attention.ClusterConfig(8, 2, 4, max_groups=4))),
+    "cluster attention 4 stages": _setting(_full_cluster(cuda_decode_attention.ClusterConfig(8, 4, 4))),
     # full layers' page-table entries requested 2 or 3 blocks ahead of their copies, not 1
-    "cluster attention entries 2 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS"):
-                                                   cuda_decode_attention.ClusterConfig(8, 2, 4, lookahead=2)}),
-    "cluster attention entries 3 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS"):
-                                                   cuda_decode_attention.ClusterConfig(8, 2, 4, lookahead=3)}),
+    "cluster attention entries 2 ahead": _setting(_full_cluster(cuda_decode_attention.ClusterConfig(8, 2, 4, lookahead=2))),
+    "cluster attention entries 3 ahead": _setting(_full_cluster(cuda_decode_attention.ClusterConfig(8, 2, 4, lookahead=3))),
+    # full layers at one and two requests in clusters of 8 CTAs, as from three (not of 16); or in
+    # clusters of 16 at one request only; or with 3 or 4 blocks of shared memory a CTA (not 2)
+    "cluster attention 8 at every batch": _setting(_full_cluster(cuda_decode_attention.FULL_LAYERS)),
+    "cluster attention 16 at one request only": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
+                                                          cuda_decode_attention.ClusterConfig(16, 2, 1)}),
+    "cluster attention 16x3": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
+                                        cuda_decode_attention.ClusterConfig(16, 3, 2)}),
+    "cluster attention 16x4": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
+                                        cuda_decode_attention.ClusterConfig(16, 4, 2)}),
     # full layers in splits of at least 256 keys (the tiling until 2026-12-04; the engine's now: splits of
     # one 128-key block, all of a split's keys read ahead of the wait), or of one block up to 64 splits
     "full 256-key splits": _setting(_full_layers(256, 32)),

@@ -57,19 +57,30 @@ class ClusterConfig:
     lookahead: int = 1
 
 
-# By layer type (H200, docs/performance.md, twenty-third round). Full layers: clusters of 8 CTAs (the
-# portable size), so up to 1k keys are one block a CTA, all read ahead of the wait and folded in
-# distributed shared memory, and one cluster a request: spare clusters for long requests (a grid
-# holding 4 at one request) cost 4 us a full layer at 1k keys in the decode step, though idle, and
-# more blocks of shared memory a CTA (4, 6) did not speed long requests up. Windowed layers (128
-# keys): one CTA, one block. Both up to 4 requests, the batches measured in the step.
+# By layer type (H200, docs/performance.md, twenty-third round). Full layers from three requests:
+# clusters of 8 CTAs (the portable size), so up to 1k keys are one block a CTA, all read ahead of the
+# wait and folded in distributed shared memory, and one cluster a request: spare clusters for long
+# requests (a grid holding 4 at one request) cost 4 us a full layer at 1k keys in the decode step,
+# though idle, and more blocks of shared memory a CTA (4, 6) did not speed long requests up. Windowed
+# layers (128 keys): one CTA, one block. Both up to 4 requests, the batches measured in the step.
 FULL_LAYERS = ClusterConfig(cluster=8, stages=2, max_rows=4)
 WINDOWED_LAYERS = ClusterConfig(cluster=1, stages=1, max_rows=4)
+# Full layers up to its max_rows requests: clusters of 16 CTAs (past the portable size; Hopper allows
+# 16 on request), so that one request's 8 KV heads busy 128 SMs where clusters of 8 busy 64; None:
+# FULL_LAYERS at every batch. H200, docs/performance.md, twenty-fifth round: the kernel alone at one
+# request 16.3 / 33.8 us at 8k / 32k keys against 18.8 / 48.6 (8.9 against 9.2 at 1k); in the 120b
+# step at 8k keys x0.96 at one request, x0.98 at two; in the 20b step at 1k keys level
+FULL_LAYERS_FEW: ClusterConfig | None = ClusterConfig(cluster=16, stages=2, max_rows=2)
 
 
-def config_for(window_left: int) -> ClusterConfig:
-    """The launch shape for a layer of this type."""
-    return WINDOWED_LAYERS if window_left >= 0 else FULL_LAYERS
+def config_for(window_left: int, rows: int = 1) -> ClusterConfig:
+    """The launch shape for a layer of this type at `rows` requests (counted as the next power of two,
+    as groups_for counts them: an eager step launches what the graph of its padded size does)."""
+    if window_left >= 0:
+        return WINDOWED_LAYERS
+    if FULL_LAYERS_FEW is not None and 1 << max(rows - 1, 0).bit_length() <= FULL_LAYERS_FEW.max_rows:
+        return FULL_LAYERS_FEW
+    return FULL_LAYERS
 
 
 def shared_bytes(cfg: ClusterConfig) -> int:
@@ -98,7 +109,7 @@ def applies(q: torch.Tensor, kv_cache: torch.Tensor, window_left: int) -> bool:
     """Whether this kernel takes the decode attention of q [T, Hq, D] over kv_cache [pages, 2, page,
     Hkv, D] for a layer of this type (device, dtypes, shapes, batch bound)."""
     t, hq, d = q.shape
-    cfg = config_for(window_left)
+    cfg = config_for(window_left, t)
     _, two, page, hkv, d_kv = kv_cache.shape
     return (q.is_cuda and q.dtype == kv_cache.dtype == torch.bfloat16 and d == d_kv == HEAD_DIM and two == 2
             and hq % hkv == 0 and hq // hkv <= 8 and page & (page - 1) == 0 and 1 <= t <= cfg.max_rows
@@ -122,7 +133,7 @@ def compile_options(group: int, page: int, cfg: ClusterConfig) -> list[str]:
 @functools.cache
 def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig):
     return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg), device_index,
-                        shared_bytes(cfg))["decode_attention"]
+                        shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -133,7 +144,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     `scratch` (the Triton kernel's `DecodeScratch` for these rows) holds the partials of requests
     that span more than one cluster. No host synchronisation: capturable in a CUDA graph."""
     t, hq, _ = q.shape
-    cfg = cfg or config_for(window_left)
+    cfg = cfg or config_for(window_left, t)
     page, hkv = kv_cache.shape[2], kv_cache.shape[3]
     if out is None:
         out = torch.empty_like(q)

@@ -12,11 +12,15 @@ import torch
 log = logging.getLogger(__name__)
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_NON_PORTABLE_CLUSTER = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+PORTABLE_CLUSTER = 8  # the most CTAs a cluster may hold without asking (Hopper allows 16 on request)
 
 
-def load_kernels(source: Path, names: list[str], options: list[str], device_index: int, dynamic_smem: int) -> dict:
+def load_kernels(source: Path, names: list[str], options: list[str], device_index: int, dynamic_smem: int,
+                 cluster: int = 1) -> dict:
     """{name: kernel} of `source` compiled with `options` for the device, each allowed
-    `dynamic_smem` bytes of dynamic shared memory (past the 48 KB a launch gets without asking)."""
+    `dynamic_smem` bytes of dynamic shared memory (past the 48 KB a launch gets without asking) and,
+    where `cluster` passes PORTABLE_CLUSTER, clusters of that many CTAs."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     with torch.cuda.device(device_index):
@@ -27,6 +31,8 @@ def load_kernels(source: Path, names: list[str], options: list[str], device_inde
         for k in kernels.values():
             k.set_shared_memory_config(dynamic_smem)  # the launcher's own check, from 48 KB
             _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, dynamic_smem))
+            if cluster > PORTABLE_CLUSTER:
+                _check_cuda(libcuda.cuFuncSetAttribute(k.func, _NON_PORTABLE_CLUSTER, 1))
     return kernels
 
 

@@ -5,8 +5,8 @@ heads, d 64, 16-token pages, bf16), against the float32 reference `sink_attentio
 Tolerance: relative L2 < 1e-2 per batch, as the other decode kernels (bf16 inputs, probabilities and
 output: ~3e-3 expected). Outputs are poisoned with NaN first. Determinism: the same launch twice is
 bit-identical (the arrival counter of multi-cluster requests is reset for the next launch, or the
-second launch's output stays NaN). The shapes beside the engine's (other cluster sizes, up to 8
-clusters a request, more blocks a CTA than it holds at once, a single CTA walking every block) run
+second launch's output stays NaN). The shapes beside the engine's (other cluster sizes, 16 CTAs a cluster at
+every batch, up to 8 clusters a request, more blocks a CTA than it holds at once, a single CTA walking every block) run
 the ring and fold paths the engine's shapes reach only at long contexts, and page-table entries
 requested further ahead than the engine's one block.
 """
@@ -30,6 +30,7 @@ SHAPES = {
     "engine": None,
     "cluster 4, 1 stage, up to 8 clusters": cda.ClusterConfig(cluster=4, stages=1, max_rows=64, max_groups=8),
     "cluster 8, 3 stages, one cluster": cda.ClusterConfig(cluster=8, stages=3, max_rows=64),
+    "cluster 16, up to 2 clusters": cda.ClusterConfig(cluster=16, stages=2, max_rows=64, max_groups=2),
     "one CTA, 2 stages": cda.ClusterConfig(cluster=1, stages=2, max_rows=64),
     "page entries 3 blocks ahead": cda.ClusterConfig(cluster=8, stages=2, max_rows=64, lookahead=3),
 }
