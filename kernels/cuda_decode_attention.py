@@ -34,14 +34,15 @@ HEAD_DIM = 64
 BLOCK = 128  # keys a block (32 rows a warp of a CTA)
 THREADS = 128
 LOG2E = 1.4426950408889634
+MAX_CLUSTER = 16  # Hopper's largest thread-block cluster (non-portable past nvrtc.PORTABLE_CLUSTER)
 # the attention object takes these kernels where they apply (False: the Triton kernel always)
 ENABLED = True
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """cluster: CTAs a cluster, which take a request's 128-key blocks in turn (1: no cluster, one CTA
-    folds and writes); stages: blocks a CTA holds in shared memory at once (the first `stages` are
+    """cluster: CTAs a cluster (1-16; past 8, the portable size, the kernel asks Hopper for it), which
+    take a request's 128-key blocks in turn (1: no cluster, one CTA folds and writes); stages: blocks a CTA holds in shared memory at once (the first `stages` are
     read ahead of the PDL wait); max_rows: most requests a launch (0: never this kernel);
     max_groups: most clusters a (request, KV head), a power of two (the grid holds that many; a
     request busies only as many as its blocks need, and where that is more than one, the last of its
@@ -55,6 +56,10 @@ class ClusterConfig:
     max_rows: int
     max_groups: int = 1
     lookahead: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.cluster <= MAX_CLUSTER:
+            raise ValueError(f"a cluster holds 1-{MAX_CLUSTER} CTAs, not {self.cluster}")
 
 
 # By layer type (H200, docs/performance.md, twenty-third round). Full layers from three requests:

@@ -5,10 +5,11 @@ heads, d 64, 16-token pages, bf16), against the float32 reference `sink_attentio
 Tolerance: relative L2 < 1e-2 per batch, as the other decode kernels (bf16 inputs, probabilities and
 output: ~3e-3 expected). Outputs are poisoned with NaN first. Determinism: the same launch twice is
 bit-identical (the arrival counter of multi-cluster requests is reset for the next launch, or the
-second launch's output stays NaN). The shapes beside the engine's (other cluster sizes, 16 CTAs a cluster at
-every batch, up to 8 clusters a request, more blocks a CTA than it holds at once, a single CTA walking every block) run
-the ring and fold paths the engine's shapes reach only at long contexts, and page-table entries
-requested further ahead than the engine's one block.
+second launch's output stays NaN). The shapes beside the engine's (other cluster sizes, clusters of
+16 at every batch, up to 8 clusters a request, more blocks a CTA than it holds at once, a single CTA
+walking every block) run the ring and fold paths the engine's shapes reach only at long contexts,
+and page-table entries requested further ahead than the engine's one block. The engine's shape is
+clusters of 16 at one and two requests, of 8 from three.
 """
 
 from __future__ import annotations
