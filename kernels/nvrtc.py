@@ -42,7 +42,7 @@ def resident_ctas(kernel, threads: int, dynamic_smem: int, device_index: int) ->
     memory (CTAs an SM times the SMs): a larger launch runs in waves. A host query (capturable)."""
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
-    key = (id(kernel), threads, dynamic_smem, device_index)
+    key = (kernel.func.value, threads, dynamic_smem, device_index)  # the CUfunction handle
     if key not in _RESIDENT:
         per_sm = ctypes.c_int()
         _check_cuda(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
