@@ -78,12 +78,17 @@ WINDOWED_LAYERS = ClusterConfig(cluster=1, stages=1, max_rows=4)
 FULL_LAYERS_FEW: ClusterConfig | None = ClusterConfig(cluster=16, stages=2, max_rows=2)
 
 
+def _padded_rows(rows: int) -> int:
+    """Requests counted as the next power of two, as the Triton kernel counts its splits: an eager
+    step then launches what the graph of the size it is padded to launches."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 def config_for(window_left: int, rows: int = 1) -> ClusterConfig:
-    """The launch shape for a layer of this type at `rows` requests (counted as the next power of two,
-    as groups_for counts them: an eager step launches what the graph of its padded size does)."""
+    """The launch shape for a layer of this type at `rows` requests (`_padded_rows` of them)."""
     if window_left >= 0:
         return WINDOWED_LAYERS
-    if FULL_LAYERS_FEW is not None and 1 << max(rows - 1, 0).bit_length() <= FULL_LAYERS_FEW.max_rows:
+    if FULL_LAYERS_FEW is not None and _padded_rows(rows) <= FULL_LAYERS_FEW.max_rows:
         return FULL_LAYERS_FEW
     return FULL_LAYERS
 
@@ -105,8 +110,7 @@ def groups_for(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.d
     if cfg.cluster == 1:
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    rows_p2 = 1 << max(rows - 1, 0).bit_length()
-    want = max(1, min(2 * sms // (rows_p2 * num_kv_heads * cfg.cluster), cfg.max_groups, splits))
+    want = max(1, min(2 * sms // (_padded_rows(rows) * num_kv_heads * cfg.cluster), cfg.max_groups, splits))
     return 1 << (want.bit_length() - 1)
 
 

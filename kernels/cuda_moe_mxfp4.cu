@@ -231,16 +231,17 @@ __device__ __forceinline__ void prefetch_later_tiles(const u32* words, const u32
                                                      int n_rows, int resident) {
   if (resident <= 0) return;
   const int total = gridDim.x * gridDim.y, self = blockIdx.y * gridDim.x + blockIdx.x;
-  i64 e[MX_PREFETCH];
+  int t[MX_PREFETCH];  // the target CTAs in launch order
+  i64 e[MX_PREFETCH];  // their pairs' experts, all requested before any is used
 #pragma unroll
   for (int w = 0; w < MX_PREFETCH; w++) {
-    const int t = self + (w + 1) * resident;
-    e[w] = t < total ? __ldcg(pair_expert + t / gridDim.x) : -1;
+    t[w] = self + (w + 1) * resident;
+    e[w] = t[w] < total ? __ldcg(pair_expert + t[w] / gridDim.x) : -1;
   }
 #pragma unroll
   for (int w = 0; w < MX_PREFETCH; w++) {
     if (e[w] < 0) continue;  // past the launch, or another rank's expert
-    const i64 row = e[w] * n_rows + (i64)((self + (w + 1) * resident) % gridDim.x) * ROWS;
+    const i64 row = e[w] * n_rows + (i64)(t[w] % gridDim.x) * ROWS;
     prefetch_l2(words + row * (KG * 4), ROWS * KG * 16);
     prefetch_l2(scales + row * SCALE_WORDS, ROWS * SCALE_WORDS * 4);
   }

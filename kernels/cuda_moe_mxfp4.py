@@ -30,7 +30,7 @@ import torch
 from .arrival import arrival_counters
 from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
                     MxExperts)
-from .nvrtc import builds_on, load_kernels, resident_ctas
+from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels, resident_ctas
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 
@@ -95,7 +95,7 @@ EARLY_BIAS = True
 # distributed shared memory, instead of through float32 partials, a fence and an arrival counter in
 # global memory (the .cu file's MX_CLUSTER_SUM; same float operations in the same order)
 CLUSTER_SUM = True
-MAX_CLUSTER = 8  # the portable cluster size: larger top_k take the arrival counters
+MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
