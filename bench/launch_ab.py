@@ -111,9 +111,6 @@ SETTINGS = {
     "no early down": _setting({EARLY["down"]: False}),
     # the MXFP4 kernels' bias (and down's routing weights) requested after the sums, not with the weights
     "late bias": _setting({(cuda_moe_mxfp4, "EARLY_BIAS"): False}),
-    # per-pair MXFP4 CTAs request into L2 the tiles of the CTAs one (or two) waves after them
-    "mxfp4 prefetch 1 wave": _setting({(cuda_moe_mxfp4, "PREFETCH_WAVES"): 1}),
-    "mxfp4 prefetch 2 waves": _setting({(cuda_moe_mxfp4, "PREFETCH_WAVES"): 2}),
     # the attention output projection through the Triton bf16 GEMV, not the one that stages its
     # weights in shared memory during the attention
     "O triton gemv": _setting({(cuda_gemv_staged, "MAX_TOKENS"): 0}),

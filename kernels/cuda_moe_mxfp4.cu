@@ -136,15 +136,6 @@ __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
 #ifndef MX_MIN_CTAS
 #define MX_MIN_CTAS 0
 #endif
-// MX_PREFETCH = n > 0 (per-pair launches only): each CTA requests into L2 the weight rows and scale
-// words of the CTAs `resident`, 2 `resident`, ..., n `resident` after it in launch order (`resident`:
-// the CTAs the GPU holds at once, a kernel argument; 0: the launch fits in one wave, nothing is
-// requested), so that a later wave's copies find their bytes in L2 while the DRAM streams them during
-// the wave before's sums. A hint only: the sums do not change.
-#ifndef MX_PREFETCH
-#define MX_PREFETCH 0
-#endif
-static_assert(MX_PREFETCH == 0 || MX_SLOTS == 1, "the later waves' tiles are known from the launch order in per-pair launches");
 #if MX_MIN_CTAS > 0
 #define MX_BOUNDS __launch_bounds__(NW * 32, MX_MIN_CTAS)
 #else
@@ -217,44 +208,6 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
   }
   __syncthreads();
 }
-
-#if MX_PREFETCH
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// MX_PREFETCH: the tiles of the CTAs `resident` .. MX_PREFETCH `resident` after this one (pair
-// blockIdx.y, row tile blockIdx.x, in launch order x fastest) into L2: their pairs' experts read
-// through L2 (pair_expert: final at this point of the caller), then one bulk prefetch of the tile's
-// ROWS weight rows and one of their scale words (contiguous, 16-byte multiples). One thread.
-__device__ __forceinline__ void prefetch_later_tiles(const u32* words, const u32* scales, const i64* pair_expert,
-                                                     int n_rows, int resident) {
-  if (resident <= 0) return;
-  const int total = gridDim.x * gridDim.y, self = blockIdx.y * gridDim.x + blockIdx.x;
-  int t[MX_PREFETCH];  // the target CTAs in launch order
-  i64 e[MX_PREFETCH];  // their pairs' experts, all requested before any is used
-#pragma unroll
-  for (int w = 0; w < MX_PREFETCH; w++) {
-    t[w] = self + (w + 1) * resident;
-    e[w] = t[w] < total ? __ldcg(pair_expert + t[w] / gridDim.x) : -1;
-  }
-#pragma unroll
-  for (int w = 0; w < MX_PREFETCH; w++) {
-    if (e[w] < 0) continue;  // past the launch, or another rank's expert
-    const i64 row = e[w] * n_rows + (i64)(t[w] % gridDim.x) * ROWS;
-    prefetch_l2(words + row * (KG * 4), ROWS * KG * 16);
-    prefetch_l2(scales + row * SCALE_WORDS, ROWS * SCALE_WORDS * 4);
-  }
-}
-#define PREFETCH_LATER(words, scales, pair_expert, n_rows, resident) \
-  do {                                                                  \
-    if (threadIdx.x == 32) prefetch_later_tiles(words, scales, pair_expert, n_rows, resident); \
-  } while (0)
-#else
-#define PREFETCH_LATER(words, scales, pair_expert, n_rows, resident) \
-  do {                                                                  \
-  } while (0)
-#endif
 
 // Staged rows: SLOTS rows of XROW words (f16 pairs), then the groups' factors (XF_WORDS floats).
 __device__ __forceinline__ float* group_factors(u32* xs) { return reinterpret_cast<float*>(xs + SLOTS * XROW); }
@@ -546,8 +499,7 @@ extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
-           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift,
-           int resident TRACE_PARAM) {
+           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
@@ -559,7 +511,6 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   enter_pdl();
   TRACE(0);
   TRACE(3);
-  PREFETCH_LATER(words, scales, pair_expert, n_rows, resident);  // warp 1, beside warp 0's read of the item
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, x, stride_x, top_k);  // syncs the CTA
   if (it.expert < 0) return;
   const i64 e = it.expert;
@@ -611,7 +562,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
         const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,
         const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
-        u16* __restrict__ out, int stride_out, int act_shift, int resident TRACE_PARAM) {
+        u16* __restrict__ out, int stride_out, int act_shift TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
@@ -623,7 +574,6 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   if (!MX_EARLY_DOWN) enter_pdl();
   TRACE(0);
   TRACE(3);
-  PREFETCH_LATER(words, scales, pair_expert, n_rows, resident);  // the routing predates gate/up: final here
   read_item(it, pair_expert, has_items ? item_expert : nullptr, item_slots, act, KG * 32, 1,
             MX_EARLY_BIAS ? route_weight : nullptr);
 #if MX_CLUSTER_SUM

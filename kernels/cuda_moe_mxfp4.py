@@ -30,7 +30,7 @@ import torch
 from .arrival import arrival_counters
 from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
                     MxExperts)
-from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels, resident_ctas
+from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 
@@ -99,11 +99,6 @@ MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
-# Per-pair launches larger than the GPU holds at once: each CTA requests into L2 the tiles of the CTAs
-# 1 .. PREFETCH_WAVES waves after it (the .cu file's MX_PREFETCH), so that a later wave's copies find
-# their bytes there, streamed during the wave before's sums; 0: none. Built and tested on the CPU
-# (2026-12-04), not yet measured on a GPU (launch_ab settings "mxfp4 prefetch 1 wave" / "2 waves")
-PREFETCH_WAVES = 0
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -116,45 +111,37 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: bool = False, prefetch: int = 0) -> dict:
+             cluster_sum: bool = False, fold: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only), prefetch:
-    MX_PREFETCH (per-pair only: waves ahead whose tiles a CTA requests into L2); callers pass the
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only); callers pass the
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold, prefetch),
+                                        fold),
                         device_index,
                         _shared_bytes(k_groups, slots, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: bool = False, prefetch: int = 0) -> list[str]:
+                    fold: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_PREFETCH={prefetch}",
-            "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
 def _shared_bytes(k_groups: int, slots: int, fold: bool = False) -> int:
     """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each) and the
     groups' factors (XF_WORDS floats); folded launches read the rows from global memory."""
     return 0 if fold else (slots * (k_groups * 16 + 4) + (k_groups + 1) // 2 * 2) * 4
-
-
-def _waves_apart(kernel, grid: tuple[int, int, int], threads: int, smem: int, device_index: int) -> int:
-    """The CTAs the device holds at once of this launch where it runs in more than one wave, else 0."""
-    resident = resident_ctas(kernel, threads, smem, device_index)
-    return resident if grid[0] * grid[1] > resident else 0
 
 
 def act_shift(limit: float) -> int:
@@ -230,32 +217,27 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    prefetch = 0 if grouped else PREFETCH_WAVES
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, prefetch)
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
-    smem_gu, smem_dn = _shared_bytes(hg, slots, fold), _shared_bytes(ig, slots, fold)
-    # the CTAs a wave holds where a launch takes more than one (MX_PREFETCH's stride), else 0
-    resident_gu = _waves_apart(gate_up, grid_gu, 32 * config.gate_up[0], smem_gu, dev) if prefetch else 0
-    resident_dn = _waves_apart(down, grid_dn, 32 * config.down[0], smem_dn, dev) if prefetch else 0
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     # SwiGLU activations: bf16 for folded launches, else f16 times 2^shift (`act_shift`)
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), smem_gu, pdl=pdl, args=[
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, fold), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
-                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, resident_gu, *trace_args[0]])
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:
         part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), smem_dn, pdl=pdl,
+    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
-        int(add_down_bias), wts, part, counters, res, res.stride(0), shift, resident_dn, *trace_args[1]])
+        int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *trace_args[1]])
     if res is not out:
         out.copy_(res)
     return out

@@ -156,35 +156,6 @@ def test_per_pair_down_launches_in_clusters_of_a_tokens_pairs(monkeypatch, group
         assert dn_grid[1] == 2 * top_k  # one CTA row per pair: whole clusters
 
 
-@pytest.mark.parametrize("grouped,resident,expect", [
-    (False, 4, (2, 4, 4)),  # per pair, more CTAs than a wave: the builds prefetch, the launches get the stride
-    (False, 10**6, (2, 0, 0)),  # per pair, one wave each: nothing to prefetch for
-    (True, 4, (0, 0, 0)),  # grouped CTAs: no build prefetches
-])
-def test_per_pair_launches_prefetch_later_waves_where_they_have_them(monkeypatch, grouped, resident, expect):
-    """PREFETCH_WAVES: the build each launch gets (MX_PREFETCH) and the `resident` argument its launch
-    passes (the CTAs a wave holds where the grid takes more than one wave, else 0), with the compile,
-    the occupancy query and the launches stubbed out."""
-    from pdserve.kernels import cuda_moe_mxfp4 as cm
-
-    builds, launched = [], []
-    monkeypatch.setattr(cm, "PREFETCH_WAVES", 2)
-    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[10]) or {"mx_gate_up": "gu", "mx_down": "dn"})
-    monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: resident)
-    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, block, smem, pdl, args, cluster=None: launched.append(
-        args[-1]))  # the last argument (no trace buffers)
-    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    w, x, ids, wts = _problem(t=1, h=128, i=128)
-    if grouped:
-        monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing",
-                            lambda *a: type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
-    cm.experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cm.MmaConfig((4, 1, 2), (4, 2, 2)),
-                                 grouped=grouped)
-    assert (builds[0], *launched) == expect
-    assert builds == [expect[0]] * 2
-
-
 def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
     from pdserve.kernels.pdl import launch_cuda
 

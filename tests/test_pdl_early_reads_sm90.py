@@ -151,14 +151,13 @@ def test_norm_lets_the_next_kernel_launch_before_its_wait_only_when_asked(early_
 
 
 def _mx_sass(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int, early_x: int,
-            early_bias: bool = False, cluster_sum: bool = False, prefetch: int = 0) -> list[str]:
+            early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
     """One MXFP4 kernel's SASS, compiled by nvcc for sm_90 with the engine's NVRTC options
     (cuda_moe_mxfp4.compile_options)."""
     from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
-    cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{int(cluster_sum)}{slots}{prefetch}.cubin"
-    _nvcc_cubin(SOURCE, compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum,
-                                        prefetch=prefetch), cubin)
+    cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{int(cluster_sum)}{slots}.cubin"
+    _nvcc_cubin(SOURCE, compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum), cubin)
     return _sass(cubin.read_bytes(), tmp, function)
 
 
@@ -321,19 +320,3 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     assert any(op.startswith("LDG.E.STRONG.GPU") for op in late), f"q is not read after the wait: {late}"
     assert len([op for op in ops if op.startswith(("ATOM", "RED"))]) == (cfg.cluster > 1)
     assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
-
-
-@pytest.mark.parametrize("function", ["mx_gate_up", "mx_down"])
-def test_mxfp4_per_pair_builds_prefetch_later_waves_into_l2_only_where_asked(function, tmp_path):
-    """MX_PREFETCH = 2: a per-pair kernel requests two later waves' tiles, each its weight rows and
-    its scale words, with bulk L2 prefetches (UBLKPF.L2: 4, unrolled), gate/up after its wait (the
-    routing is the kernel before's); the engine's build has none."""
-    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG
-
-    shape = getattr(PAIR_CONFIG, function[3:])
-    ops = _mx_sass(tmp_path, function, shape, 1, 1, 1, True, function == "mx_down", prefetch=2)
-    assert ops.count("UBLKPF.L2") == 4, sorted(set(ops))
-    if function == "mx_gate_up":
-        assert ops.index("ACQBULK") < ops.index("UBLKPF.L2")
-    plain = _mx_sass(tmp_path, function, shape, 1, 1, 1, True, function == "mx_down")
-    assert "UBLKPF.L2" not in plain
