@@ -320,3 +320,18 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     assert any(op.startswith("LDG.E.STRONG.GPU") for op in late), f"q is not read after the wait: {late}"
     assert len([op for op in ops if op.startswith(("ATOM", "RED"))]) == (cfg.cluster > 1)
     assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
+
+
+def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
+    """bench/pdl_chain.py's link kernel (what a boundary costs): every load after `griddepcontrol.wait`,
+    the next kernel's launch right after it, no spills; so its chain measures dependent kernels."""
+    from pdserve.bench.pdl_chain import KERNELS, SOURCE
+
+    source, cubin = tmp_path / "chain.cu", tmp_path / "chain.cubin"
+    source.write_text(SOURCE)
+    report = _nvcc_cubin(source, [f"-I{KERNELS}"], cubin)
+    assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
+    ops = _sass(cubin.read_bytes(), tmp_path, "link")
+    wait = ops.index("ACQBULK")
+    assert not [op for op in ops[:wait] if op.startswith("LDG")], ops[:wait]
+    assert "PREEXIT" in ops[wait:] and any(op.startswith("LDG") for op in ops[wait:])
