@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-
 from pathlib import Path
 
 import torch
@@ -77,7 +75,7 @@ def _kernel():
 
 def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays: int = 20) -> float:
     """Median us a kernel of a graph-captured chain of `kernels` links."""
-    from pdserve.bench.kernels import graphed
+    from pdserve.bench.kernels import graphed, time_it
     from pdserve.kernels.pdl import launch_cuda
 
     n = 1 << 20  # 4 MB of ring: resident in the L2
@@ -91,16 +89,7 @@ def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays:
             launch_cuda(k, (ctas, 1, 1), (128, 1, 1), 0, pdl=pdl,
                         args=[vals[i % 2:], vals[(i + 1) % 2:], ring, n, hops, row, stage, int(pdl)])
 
-    replay = graphed(run)
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / kernels)
-    return statistics.median(times)
+    return time_it(graphed(run), reps=replays, warmup=1, flush=False) * 1e6 / kernels
 
 
 def main() -> None:
