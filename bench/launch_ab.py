@@ -122,9 +122,6 @@ SETTINGS = {
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),
-    # the norm before each attention block in its own kernel (the engine defers it into the MoE's down
-    # projection and the FP8 QKV GEMV where both take it: kernels/deferred_norm.py)
-    "norm kernel": _setting(defer_norm=False),
     # the decode attention through the Triton split-KV kernel (partials folded through global memory and
     # an arrival counter), not the cluster kernel that folds them in distributed shared memory; or the
     # cluster kernel for full layers only, or windowed ones only; or with spare clusters for long

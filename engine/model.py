@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.attention import PagedBatch, make_sink_attention
-from pdserve.kernels.deferred_norm import DeferredNorm
 from pdserve.kernels.fp8 import linear_fp8
-from pdserve.kernels.moe import defers_norm, experts_forward, route
+from pdserve.kernels.moe import experts_forward, route
 
 from .checkpoint import ModelWeights
 from .config import ModelConfig
@@ -159,10 +158,6 @@ class GptOssModel:
         # with `fused`: the norm before an FP8 QKV GEMV lets it launch at the norm's start
         # (`_qkv_launches_early`; False: after the norm's wait, as every other kernel; the benchmark's A/B)
         self.early_qkv_launch = True
-        # with `fused`: the norm before an attention block deferred into the MoE's down projection and
-        # the FP8 QKV GEMV where both can take it (`_defers_norm`, kernels/deferred_norm.py; False:
-        # the norm kernel, the benchmark's A/B)
-        self.defer_norm = True
 
     def make_attention(
         self,
@@ -222,15 +217,12 @@ class GptOssModel:
         token where the bf16 GEMV serves; else the projection then the fused epilogue, else the plain
         torch path)."""
         a, _ = self.w.layers[layer]
-        norm = t if isinstance(t, DeferredNorm) else None  # (`_defers_norm` checked this path takes it)
-        if norm is not None or (self.fuse_qkv_rope and _fp8_gemv_takes(t, a.qkv_weight, a.qkv_bias, a.qkv_scale,
-                                                                        self.fused)
-                                and self._fp8_rope_fits(t, cache, positions, step.slots[group])):
+        if (self.fuse_qkv_rope and _fp8_gemv_takes(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
+                and self._fp8_rope_fits(t, cache, positions, step.slots[group])):
             from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8
 
-            return qkv_rope_fp8(t if norm is None else norm.weighted, a.qkv_weight, a.qkv_scale, a.qkv_bias, positions,
-                                self.rope.cos, self.rope.sin, step.slots[group], cache, self.num_q_heads,
-                                self.num_kv_heads, norm=norm)
+            return qkv_rope_fp8(t, a.qkv_weight, a.qkv_scale, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
+                                step.slots[group], cache, self.num_q_heads, self.num_kv_heads)
         if self.fused and self.fuse_qkv_rope and _qkv_rope_fused(t, a.qkv_weight, a.qkv_scale):
             from pdserve.kernels.triton_rope import qkv_rope_write
 
@@ -268,22 +260,6 @@ class GptOssModel:
         a, _ = self.w.layers[layer]
         return self.early_qkv_launch and _fp8_gemv_takes(x, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
 
-    def _defers_norm(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext) -> bool:
-        """Whether the residual add + RMSNorm between this layer's MoE and the next layer's attention
-        can be deferred into the MoE's down projection and the next QKV projection (kernels/deferred_norm.py):
-        per-pair MXFP4 launches on one rank, and the FP8 QKV GEMV + RoPE launch after them."""
-        if not (self.fused and self.defer_norm and self.fuse_qkv_rope and self.shard.world_size == 1
-                and layer + 1 < self.cfg.num_hidden_layers):
-            return False
-        _, m = self.w.layers[layer]
-        a, _ = self.w.layers[layer + 1]
-        group, _ = step.cache.layer_group[layer + 1]
-        from pdserve.kernels.cuda_gemv_fp8 import WARPS
-
-        return (t.shape[0] <= WARPS and defers_norm(t, self.cfg.experts_per_token, m.experts)
-                and _fp8_gemv_takes(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
-                and self._fp8_rope_fits(t, step.cache.layer_cache(layer + 1), positions, step.slots[group]))
-
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.cfg.experts_per_token
         if self.fused and k == 4:
@@ -293,18 +269,15 @@ class GptOssModel:
                 return route_fused(t, m.router_weight, m.router_bias, k)
         return route(t, m.router_weight, m.router_bias, k)
 
-    def _moe(self, layer: int, t: torch.Tensor, defer_norm: DeferredNorm | None = None) -> torch.Tensor | None:
+    def _moe(self, layer: int, t: torch.Tensor) -> torch.Tensor:
         # TP dispatch/combine: x is replicated on every rank and routed with the full router;
         # each rank runs only its local experts (its slice of their channels) on the tokens routed
         # to them; one all-reduce sums the ranks' weighted partial outputs (engine/parallel.py).
-        # defer_norm (one rank): the norm after the MoE takes its output instead (None returned).
         _, m = self.w.layers[layer]
         cfg = self.cfg
         weights, ids = self._route(t, m)  # from t, on the GPU: t predates the routing's launch
-        deferred = {"defer_norm": defer_norm} if defer_norm is not None else {}
-        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha, x_before_routing=True,
-                            **deferred)
-        return y if defer_norm is not None else all_reduce(y, self.shard)
+        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha, x_before_routing=True)
+        return all_reduce(y, self.shard)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.world_size == 1:
@@ -323,11 +296,6 @@ class GptOssModel:
         x, t = self._add_norm(x, None, layers[0][0].norm, self._qkv_launches_early(0, x))
         for i in range(self.cfg.num_hidden_layers):
             x, t = self._add_norm(x, self._attention(i, t, positions, step), layers[i][1].norm)
-            if self._defers_norm(i, t, positions, step):  # x predates the routing: down reads it early
-                norm = DeferredNorm(x, layers[i + 1][0].norm, self.cfg.rms_norm_eps)
-                self._moe(i, t, defer_norm=norm)
-                x, t = norm.residual, norm
-                continue
             y = self._moe(i, t)
             if i + 1 < len(layers):
                 x, t = self._add_norm(x, y, layers[i + 1][0].norm, self._qkv_launches_early(i + 1, x))

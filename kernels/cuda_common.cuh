@@ -1,6 +1,6 @@
 // What the CUDA kernels of this folder share (each .cu includes it; kernels/nvrtc.py puts this folder
 // on NVRTC's include path): integer types, a 16-byte vector, bf16 / f16 / e4m3 conversions, the L2 loads (16 bytes
-// or one 16- or 32-bit value) and entry of a PDL kernel, a shared-memory address, the bf16 / f16 mma (also with A's
+// or one 32-bit value) and entry of a PDL kernel, a shared-memory address, the bf16 / f16 mma (also with A's
 // upper rows zero), and the thread-block cluster's sync and distributed shared memory reads.
 #pragma once
 
@@ -37,12 +37,6 @@ __device__ __forceinline__ int load_early_s32(const int* p) {
 __device__ __forceinline__ u32 load_early_u32(const void* p) {
   u32 v;
   asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ u16 load_early_u16(const u16* p) {
-  u16 v;
-  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
 

@@ -32,8 +32,6 @@
 // its epilogue (kernels/triton_rope.py): a CTA takes 4 rotation pairs of one head, rounds its sums to
 // bf16, rotates q and k heads by YaRN RoPE (each product and sum rounded to bf16, as the torch path
 // does) and writes q, and k and v into each token's paged KV slot.
-// `gemv_fp8_rope` can also finish a deferred RMSNorm (NormScale below): its sums times the token's
-// scale before the bias.
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
 // GF_GROUPS (commit groups a warp's weight copies are split into).
@@ -260,43 +258,12 @@ struct Cta {
     __syncthreads();
   }
 
-  // token m's total for row r: the warps' sums in order, times `f` (a deferred norm's scale, else 1:
-  // exact), then the bias (float32)
-  __device__ __forceinline__ float total(int m, int r, bool has_bias, float f = 1.f) const {
+  // token m's total for row r: the warps' sums in order, then the bias (float32)
+  __device__ __forceinline__ float total(int m, int r, bool has_bias) const {
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < WARPS; k++) v += red[k][m][r];
-    return has_bias ? __fmaf_rn(v, f, from_bf16(bs[r])) : v * f;
-  }
-};
-
-// A deferred RMSNorm's scale (kernels/deferred_norm.py): x holds the rows res * w of the norm, and
-// each token's sums are multiplied by rsqrt(sum(res^2) / K + eps) before the bias. Warp m (M <= WARPS)
-// adds token m's `parts` partial sums of squares (written by the kernel before this one) in a fixed
-// order: lane l those at l, l + 32, ... in turn, then the lanes by an xor tree, so every CTA gets the
-// same scale. request() loads a lane's partials (after the PDL wait), scale() adds them up.
-#define NORM_LANE 32  // partials a lane adds: parts <= 32 * NORM_LANE
-struct NormScale {
-  float part[NORM_LANE];
-
-  __device__ __forceinline__ void request(const float* __restrict__ sumsq, int parts, int m) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < NORM_LANE; i++) {
-      const int at = lane + 32 * i;
-      part[i] = at < parts ? __ldcg(sumsq + (i64)m * parts + at) : 0.f;
-    }
-  }
-
-  __device__ __forceinline__ float scale(float inv_k, float eps) const {
-    float v = 0.f;
-#pragma unroll
-    for (int i = 0; i < NORM_LANE; i++) v += part[i];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-    float r;
-    asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(v * inv_k + eps));  // libdevice's rsqrtf (the norm kernel's)
-    return r;
+    return has_bias ? v + from_bf16(bs[r]) : v;
   }
 };
 
@@ -338,11 +305,9 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
               const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
               const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
-              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV,
-              const float* __restrict__ norm_sumsq, int norm_parts, double norm_inv_k, double norm_eps) {
+              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV) {
   constexpr int D = GF_ROPE_D, HALF = D / 2;
   CTA_SHARED
-  __shared__ float nr[MAX_M];  // the tokens' deferred-norm scales
   const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
   Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, xsc, bs, red);
   cta.request(scale, bias, true);
@@ -360,21 +325,10 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
     }
     if (h >= HQ) slot = load_input(slots + m);
   }
-  // a deferred norm (M <= WARPS): warp t's partials of token t in flight with the token rows' loads
-  const int nt = threadIdx.x >> 5;
-  const bool norm = norm_sumsq != nullptr && nt < M;
-  NormScale ns;
-  if (norm) ns.request(norm_sumsq, norm_parts, nt);
   cta.stage_x(x, stride_x, M);
-  if (norm) {
-    const float r = ns.scale((float)norm_inv_k, (float)norm_eps);
-    if ((threadIdx.x & 31) == 0) nr[nt] = r;
-  }
-  cta.sum(M);  // (ends with a CTA barrier: nr is visible)
+  cta.sum(M);
   if (!epilogue) return;
-  const float f = norm_sumsq != nullptr ? nr[m] : 1.f;
-  const float x1 = bf16_round(cta.total(m, i, bias != nullptr, f)),
-              x2 = bf16_round(cta.total(m, i + 4, bias != nullptr, f));
+  const float x1 = bf16_round(cta.total(m, i, bias != nullptr)), x2 = bf16_round(cta.total(m, i + 4, bias != nullptr));
   float o1 = x1, o2 = x2;
   if (rotate) {  // q or k
     c = bf16_round(c);

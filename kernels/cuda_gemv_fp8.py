@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from .deferred_norm import DeferredNorm
 from .fp8 import BLOCK, FP8, cdiv
 from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
@@ -50,10 +49,8 @@ STREAM_MAX_TOKENS = 8
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
 MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_K)
 # the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
-# two (a token and 64-K step), the bf16 biases, the tokens' deferred-norm scales (the RoPE entry)
-STATIC_SHARED = (4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
-                 + 4 * MAX_M)
-NORM_PARTS = 32 * 32  # partial sums of squares a token of a deferred norm (the .cu file's 32 x NORM_LANE)
+# two (a token and 64-K step), the bf16 biases
+STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
 MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
 
 
@@ -169,20 +166,14 @@ def fits_rope(m: int, k: int, num_q_heads: int, num_kv_heads: int, head_dim: int
 def qkv_rope_fp8(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int,
-    num_kv_heads: int, norm: DeferredNorm | None = None,
+    num_kv_heads: int,
 ) -> torch.Tensor:
     """The QKV projection of M tokens (as `gemv_fp8`) with kernels.triton_rope.rope_qkv_write's
     epilogue in the same launch: x [M, K], w [(Hq + 2 Hkv) D, K] e4m3 with its scales, bias [N] or
     None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
     [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
-    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit. norm: x is the deferred norm's
-    weighted rows (kernels/deferred_norm.py; up to WARPS tokens), whose scale multiplies the sums
-    before the bias."""
+    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
     m, n, k = _check(x, w, scale, bias)
-    if norm is not None and (norm.weighted is not x or m > WARPS or norm.sumsq.shape[1] > NORM_PARTS
-                             or not norm.sumsq.is_contiguous()):
-        raise ValueError(f"a deferred norm takes its own weighted rows as x, up to {WARPS} tokens and "
-                         f"{NORM_PARTS} contiguous partials a token")
     blocks, two, page_size, hkv, d = layer_cache.shape
     if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"w {tuple(w.shape)} does not match cache {tuple(layer_cache.shape)} "
@@ -202,8 +193,7 @@ def qkv_rope_fp8(
                 pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
-                      num_kv_heads, *((norm.sumsq, norm.sumsq.shape[1], norm.inv_h, float(norm.eps)) if norm
-                                      else (None, 0, 0.0, 0.0))])
+                      num_kv_heads])
     return q
 
 

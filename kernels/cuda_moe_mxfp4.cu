@@ -40,9 +40,6 @@
 // rows are staged in shared memory once per CTA; the K shares are added in a fixed order
 // (deterministic).
 //
-// MX_DEFER_NORM (per-pair down with MX_CLUSTER_SUM): the residual add + RMSNorm after the MoE is split
-// between down's cluster sums and the next projection (DeferredNorm below).
-//
 // MX_FOLD (grouped launches, SLOTS a multiple of 8): each decoded pair is multiplied by its group's
 // factor 2^(s - 1) in bf16 before the mma (exact while the factor is a bf16 and every product a
 // normal one: scale bytes 2 .. 128, MxExperts.fold_exact), so the mma's N = 8 columns are 8 pairs of
@@ -539,110 +536,38 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   TRACE_END();
 }
 
-#ifndef MX_DEFER_NORM
-#define MX_DEFER_NORM 0
-#endif
-static_assert(!MX_DEFER_NORM || MX_CLUSTER_SUM, "the deferred norm is added up by the cluster's sum");
-
 #if MX_CLUSTER_SUM
-// The residual add + RMSNorm after the MoE, deferred (kernels/deferred_norm.py; MX_DEFER_NORM): the
-// cluster's sums are not stored as the MoE's output; each row becomes the new residual
-// res = bf16(x + bf16(y)) (as the norm kernel rounds it), the weighted row bf16(res * w), and each
-// CTA stores the sum of its rows' res^2 as one partial, which the next projection adds up in a fixed
-// order to scale its sums by rsqrt(mean + eps). The CTA's ROWS of x and w are copied into shared
-// memory ahead of the PDL wait (cp.async: no registers held across the sums; the residual was
-// written by the norm before the router, so it is final: kernels/pdl.py's contract).
-struct DeferredNorm {
-  const u16* __restrict__ residual;  // x [T, H] bf16 (row stride: the output's)
-  const float* __restrict__ weight;  // w [H] float32
-  u16* __restrict__ residual_out;    // res [T, H] bf16
-  u16* __restrict__ weighted;        // bf16(res * w) [T, H]
-  float* __restrict__ sumsq;         // [T, gridDim.x * top_k] partials: (row tile, rank)
-};
-
-struct DeferredRows {  // the CTA's rows of x (bf16) and w
-  u16 x[ROWS];
-  float w[ROWS];
-};
-static_assert(ROWS % 8 == 0, "x's rows are copied 16 bytes at a time");
-
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-// Thread i < ROWS / 8 copies 16 bytes of x, the next ROWS / 4 threads 16 bytes of w each; one commit group.
-__device__ __forceinline__ void request_rows(DeferredRows& rows, const u16* residual, const float* weight,
-                                             int stride_out, int top_k) {
-  const int i = threadIdx.x, row0 = blockIdx.x * ROWS;
-  if (i < ROWS / 8)
-    copy_async16(rows.x + 8 * i, residual + (i64)(blockIdx.y / top_k) * stride_out + row0 + 8 * i);
-  else if (i < ROWS / 8 + ROWS / 4)
-    copy_async16(rows.w + 4 * (i - ROWS / 8), weight + row0 + 4 * (i - ROWS / 8));
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
 // The cluster's top_k CTAs (one token's pairs, rank = the pair's k; the same row tile) each hold
 // their weighted rows in y, the same shared array in each; CTA `rank` adds rows rank, rank + top_k,
 // ... over the pairs in slot order (the counter path's order and float operations: bit-identical)
-// and stores them (or, deferring the norm, what DeferredNorm says; a thread holds at most one row).
-// The second sync keeps every CTA's y alive until its peers have read it.
-__device__ __forceinline__ void cluster_sum(const float* y, int top_k, u16* __restrict__ out, int stride_out,
-                                            const DeferredNorm& dn, DeferredRows& rows) {
-  if (MX_DEFER_NORM) asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies
-  cluster_sync();  // (and every thread's, since the barrier orders them for the CTA)
+// and stores them. The second sync keeps every CTA's y alive until its peers have read it.
+__device__ __forceinline__ void cluster_sum(const float* y, int top_k, u16* __restrict__ out, int stride_out) {
+  cluster_sync();
   const u32 rank = cluster_rank();
   const int token = blockIdx.y / top_k;
-  float sq = 0.f;
   for (int r = (int)rank + top_k * threadIdx.x; r < ROWS; r += top_k * NW * 32) {
     float v = 0.f;
     for (int k = 0; k < top_k; k++) v += load_peer(y + r, (u32)k);
-    const i64 at = (i64)token * stride_out + blockIdx.x * ROWS + r;
-    if (!MX_DEFER_NORM) {
-      out[at] = to_bf16(v);
-    } else {
-      const u16 res = to_bf16(from_bf16(rows.x[r]) + from_bf16(to_bf16(v)));
-      const float rf = from_bf16(res);
-      dn.residual_out[at] = res;
-      dn.weighted[at] = to_bf16(rf * rows.w[r]);
-      sq = rf * rf;
-    }
+    out[(i64)token * stride_out + blockIdx.x * ROWS + r] = to_bf16(v);
   }
   cluster_sync_relaxed();
-  if (MX_DEFER_NORM && threadIdx.x < 32) {  // a thread holds one row: warp 0 holds them all
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, o);
-    if (threadIdx.x == 0) dn.sumsq[((i64)token * gridDim.x + blockIdx.x) * top_k + rank] = sq;
-  }
 }
 #endif
 
 // down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
 // CTA writes its pairs' float32 partials; the last CTA of a (token, row tile) to arrive (a counter,
 // reset by it) sums the token's partials and stores the bf16 rows (deterministic, no float atomics).
-// With MX_CLUSTER_SUM the token's pairs are one cluster, which adds them in distributed shared memory
-// instead; there MX_DEFER_NORM defers the residual add + RMSNorm after the MoE to the next
-// projection (DeferredNorm: norm_residual [T, H] bf16 in, norm_weight [H] float32, the outputs; out
-// is not written); other builds take null norm arguments.
 extern "C" __global__ void MX_BOUNDS
 mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
         const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,
         const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
-        u16* __restrict__ out, int stride_out, int act_shift, const u16* __restrict__ norm_residual,
-        const float* __restrict__ norm_weight, u16* __restrict__ norm_residual_out, u16* __restrict__ norm_weighted,
-        float* __restrict__ norm_sumsq TRACE_PARAM) {
+        u16* __restrict__ out, int stride_out, int act_shift TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
 #if MX_CLUSTER_SUM
   __shared__ float y_sum[ROWS];  // this pair's weighted rows, read by the cluster (cluster_sum)
-#if MX_DEFER_NORM
-  __shared__ DeferredRows norm_rows;
-  request_rows(norm_rows, norm_residual, norm_weight, stride_out, top_k);  // ahead of the wait
-#else
-  DeferredRows& norm_rows = *reinterpret_cast<DeferredRows*>(y_sum);  // (not read)
-#endif
-#define DEFERRED_NORM DeferredNorm{norm_residual, norm_weight, norm_residual_out, norm_weighted, norm_sumsq}
 #else
   __shared__ int last[SLOTS];
 #endif
@@ -655,7 +580,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   if (it.expert < 0) {  // no expert here (another rank's): the pair adds zeros, the cluster still syncs
     if (MX_EARLY_DOWN) enter_pdl();  // the cluster's sum below stores rows: never ahead of the wait
     for (int r = threadIdx.x; r < ROWS; r += NW * 32) y_sum[r] = 0.f;
-    cluster_sum(y_sum, top_k, out, stride_out, DEFERRED_NORM, norm_rows);
+    cluster_sum(y_sum, top_k, out, stride_out);
     return;
   }
 #else
@@ -674,8 +599,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
 #if MX_CLUSTER_SUM
   for (int r = threadIdx.x; r < ROWS; r += NW * 32)
     y_sum[r] = (row_sum(red, 0, r) + bias_r) * from_bf16(MX_EARLY_BIAS ? it.weight[0] : route_weight[it.slot[0]]);
-  cluster_sum(y_sum, top_k, out, stride_out, DEFERRED_NORM, norm_rows);
-#undef DEFERRED_NORM
+  cluster_sum(y_sum, top_k, out, stride_out);
 #else
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
     const int i = t / ROWS, r = t % ROWS;

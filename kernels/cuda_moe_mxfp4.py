@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from .arrival import arrival_counters
-from .deferred_norm import DeferredNorm
 from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
                     MxExperts)
 from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels
@@ -112,33 +111,31 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: bool = False, defer_norm: bool = False) -> dict:
+             cluster_sum: bool = False, fold: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only), defer_norm:
-    MX_DEFER_NORM (with cluster_sum; down only); callers pass the same flags for both kernels, so a
-    shape that serves both compiles once."""
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only); callers pass the
+    same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold, defer_norm),
+                                        fold),
                         device_index,
                         _shared_bytes(k_groups, slots, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: bool = False, defer_norm: bool = False) -> list[str]:
+                    fold: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_DEFER_NORM={int(defer_norm)}",
-            "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
 def _shared_bytes(k_groups: int, slots: int, fold: bool = False) -> int:
@@ -168,8 +165,8 @@ def experts_forward_mxfp4_mma(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
     limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, grouped: bool = False,
     config: MmaConfig | None = None, trace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_before_routing: bool = False, defer_norm: DeferredNorm | None = None,
-) -> torch.Tensor | None:
+    x_before_routing: bool = False,
+) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
     experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
     are served together (routing layout first); else one CTA column per pair. config: CONFIG
@@ -177,10 +174,7 @@ def experts_forward_mxfp4_mma(
     (gate/up, down): the kernels' timing build records each CTA's start, sums done, end
     (%globaltimer ns) and SM (bench/moe_trace.py). x_before_routing: the caller vouches that x was
     written before the launch that computed the routing (the model routes x on the GPU), so a
-    per-pair gate/up may read it ahead of its PDL wait (EARLY_X; kernels/pdl.py). defer_norm: the
-    residual add + RMSNorm after the MoE, deferred (kernels/deferred_norm.py; `defers_norm` says
-    where): down writes its outputs instead of the MoE's, and this returns None; its residual x must
-    predate the routing's launch (down reads it ahead of its PDL wait)."""
+    per-pair gate/up may read it ahead of its PDL wait (EARLY_X; kernels/pdl.py)."""
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
     if config is None:
@@ -223,15 +217,9 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    if defer_norm is not None:
-        if not (cluster_sum and defer_norm_fits(rows_dn, k) and x.dtype == torch.bfloat16
-                and defer_norm.x.shape == x.shape):
-            raise ValueError("a deferred norm needs per-pair launches that add a token's pairs in a cluster, "
-                             f"bf16 rows and down tiles of 8-{32 * k} rows (a multiple of 8), got {rows_dn}")
-        defer_norm.allocate(h // rows_dn * k)
     flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
-    down = _kernels(dev, ig, slots, config.down, *flags, defer_norm=defer_norm is not None)["mx_down"]
+    down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
     # SwiGLU activations: bf16 for folded launches, else f16 times 2^shift (`act_shift`)
     shift = act_shift(limit)
@@ -249,24 +237,7 @@ def experts_forward_mxfp4_mma(
     launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
-        int(add_down_bias), wts, part, counters, res, res.stride(0), shift,
-        *((defer_norm.x, defer_norm.weight, defer_norm.residual, defer_norm.weighted, defer_norm.sumsq)
-          if defer_norm is not None else (None,) * 5), *trace_args[1]])
-    if defer_norm is not None:
-        return None
+        int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *trace_args[1]])
     if res is not out:
         out.copy_(res)
     return out
-
-
-def defer_norm_fits(rows: int, top_k: int) -> bool:
-    """Whether down tiles of `rows` rows can carry a deferred norm (the .cu file's DeferredNorm: the
-    rows copied 16 bytes at a time, one row a thread of the cluster's warp 0)."""
-    return rows % 8 == 0 and rows <= 32 * top_k
-
-
-def defers_norm(x: torch.Tensor, topk: int) -> bool:
-    """Whether `experts_forward_mxfp4_mma` of these tokens (per-pair launches, PAIR_CONFIG) can take a
-    deferred norm (its caller checks the launch is per-pair and the kernels available)."""
-    return (x.dtype == torch.bfloat16 and CLUSTER_SUM and topk <= MAX_CLUSTER
-            and defer_norm_fits(PAIR_CONFIG.rows("down"), topk))

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .deferred_norm import DeferredNorm
 from .fp8 import dequantize_act_fp8, dequantize_weight_fp8, quantize_act_fp8
 from .mxfp4 import MxExperts, dequantize_mxfp4
 from .swiglu import swiglu
@@ -197,19 +196,6 @@ def _mma_serves(w: MxExperts, tokens: int) -> bool:
     return tokens <= MXFP4_MMA_FOLDED_MAX_TOKENS and fold_config(w, tokens) is not None
 
 
-def defers_norm(x: torch.Tensor, top_k: int, w: ExpertWeights | MxExperts) -> bool:
-    """Whether `experts_forward` of these tokens can take the norm after it (`defer_norm`): MXFP4
-    experts in the per-pair CUDA mma launches, whose down projection adds each token's pairs in a
-    thread-block cluster (kernels/cuda_moe_mxfp4.py)."""
-    t = x.shape[0]
-    if not (isinstance(w, MxExperts) and x.is_cuda and w.layout == "packed" and t < MXFP4_MMA_GROUPED_FROM
-            and _mma_serves(w, t)):
-        return False
-    from . import cuda_moe_mxfp4
-
-    return cuda_moe_mxfp4.available(x.device) and cuda_moe_mxfp4.defers_norm(x, top_k)
-
-
 def experts_forward(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -219,20 +205,10 @@ def experts_forward(
     alpha: float = 1.702,
     add_down_bias: bool = True,
     x_before_routing: bool = False,
-    defer_norm: DeferredNorm | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Dispatch to the fastest implementation for the device and weight format. x_before_routing: x
     was written before the launch that computed the routing (kernels that read ahead of their PDL
-    wait may then read it early; cuda_moe_mxfp4.EARLY_X). defer_norm: the residual add + RMSNorm
-    after the MoE, deferred into it (kernels/deferred_norm.py; where `defers_norm` says so): it then
-    holds the MoE's result, and this returns None."""
-    if defer_norm is not None:
-        if not defers_norm(x, topk_ids.shape[1], w):
-            raise ValueError("a deferred norm needs the per-pair MXFP4 mma launches (defers_norm)")
-        from . import cuda_moe_mxfp4
-
-        return cuda_moe_mxfp4.experts_forward_mxfp4_mma(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
-                                                        x_before_routing=x_before_routing, defer_norm=defer_norm)
+    wait may then read it early; cuda_moe_mxfp4.EARLY_X)."""
     if isinstance(w, MxExperts):
         t = x.shape[0]
         if x.is_cuda and w.layout == "packed" and _mma_serves(w, t):

@@ -74,23 +74,3 @@ def test_rope_entry_rejects_mismatched_cache_and_positions():
         qkv_rope_fp8(x, w, s, None, pos.int(), cos, cos, pos, cache, 4, 2)
     with pytest.raises(ValueError, match="bf16 cache"):
         qkv_rope_fp8(x, w, s, None, pos, cos, cos, pos, cache.float(), 4, 2)
-
-
-def test_rope_entry_takes_a_deferred_norm_on_its_own_rows_only():
-    """kernels/deferred_norm.py: x must be the norm's weighted rows, at most one token a warp."""
-    from pdserve.kernels.deferred_norm import DeferredNorm
-
-    def case(m):
-        norm = DeferredNorm(torch.zeros(m, 128, dtype=torch.bfloat16), torch.ones(128), 1e-5)
-        norm.allocate(32)
-        w, scale = torch.zeros(80 * 64, 128, dtype=FP8), torch.ones(40, 1)
-        cache = torch.zeros(4, 2, 16, 8, 64, dtype=torch.bfloat16)
-        pos = torch.zeros(m, dtype=torch.int64)
-        return norm, (w, scale, None, pos, torch.zeros(8, 32), torch.zeros(8, 32), pos.clone(), cache, 64, 8)
-
-    norm, rest = case(2)
-    with pytest.raises(ValueError, match="deferred norm"):
-        qkv_rope_fp8(norm.residual, *rest, norm=norm)
-    norm, rest = case(5)
-    with pytest.raises(ValueError, match="deferred norm"):
-        qkv_rope_fp8(norm.weighted, *rest, norm=norm)

@@ -107,7 +107,7 @@ def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(mon
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     builds, launched = [], []
-    monkeypatch.setattr(cm, "_kernels", lambda *a, **k: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
     monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -133,7 +133,7 @@ def test_per_pair_down_launches_in_clusters_of_a_tokens_pairs(monkeypatch, group
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     builds, launched = [], []
-    monkeypatch.setattr(cm, "_kernels", lambda *a, **k: builds.append(a[8]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[8]) or {"mx_gate_up": "gu", "mx_down": "dn"})
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, cluster=None, **k: launched.append(
         (kernel, grid, cluster)))
     monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
@@ -161,51 +161,3 @@ def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
 
     with pytest.raises(ValueError, match="whole number of clusters"):
         launch_cuda(None, (180, 6, 1), (128, 1, 1), 0, [], pdl=True, cluster=(1, 4, 1))
-
-
-@pytest.mark.parametrize("grouped,top_k,refused", [(False, 4, False), (True, 4, True), (False, 9, True)])
-def test_a_deferred_norm_goes_to_a_down_build_of_its_own(monkeypatch, grouped, top_k, refused):
-    """kernels/deferred_norm.py: per-pair launches whose down adds a token's pairs in a cluster take
-    it (down built with MX_DEFER_NORM, gate/up as always; the norm's tensors passed, its outputs
-    allocated: a partial a (row tile, pair) of each token; None returned); grouped launches and tokens
-    of more pairs than a cluster holds refuse it before any launch."""
-    from pdserve.kernels import cuda_moe_mxfp4 as cm
-    from pdserve.kernels.deferred_norm import DeferredNorm
-
-    builds, launched = [], []
-    monkeypatch.setattr(cm, "_kernels", lambda *a, defer_norm=False: builds.append(defer_norm) or {
-        "mx_gate_up": "gu", "mx_down": "dn"})
-    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, block, shared, pdl, cluster=None, args=(): launched.append(
-        (kernel, args)))
-    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    g = torch.Generator().manual_seed(0)
-    w = random_layer(16, g, h=128, i=128)
-    x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(16, generator=g)[:top_k] for _ in range(2)])
-    wts = torch.full((2, top_k), 1 / top_k, dtype=torch.bfloat16)
-    norm = DeferredNorm(torch.randn(2, 128, generator=g).to(torch.bfloat16), torch.ones(128), 1e-5)
-    cfg = cm.MmaConfig((4, 1, 2), (4, 4, 2))  # down tiles of 16 rows
-    if grouped:
-        monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing",
-                            lambda *a: type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
-    if refused:
-        with pytest.raises(ValueError, match="deferred norm"):
-            cm.experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, grouped=grouped, defer_norm=norm)
-        assert launched == [] and norm.sumsq is None
-        return
-    assert cm.experts_forward_mxfp4_mma(x, wts, ids, w.to_packed(), config=cfg, defer_norm=norm) is None
-    assert builds == [False, True]  # gate/up's build as without, down's its own
-    (gu, _), (dn, args) = launched
-    assert (gu, dn) == ("gu", "dn")
-    assert norm.sumsq.shape == (2, 128 // 16 * top_k) and norm.residual.shape == norm.weighted.shape == (2, 128)
-    tail = args[-5:]
-    assert all(a is b for a, b in zip(tail, (norm.x, norm.weight, norm.residual, norm.weighted, norm.sumsq)))
-
-
-def test_down_tiles_that_cannot_carry_a_deferred_norm_refuse_it():
-    """Rows copied 16 bytes at a time and one row a thread of the cluster's first warp."""
-    from pdserve.kernels import cuda_moe_mxfp4 as cm
-
-    assert cm.defer_norm_fits(16, 4) and cm.defer_norm_fits(128, 4)
-    assert not cm.defer_norm_fits(12, 4) and not cm.defer_norm_fits(256, 4)
