@@ -23,12 +23,15 @@ launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with an
 of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting)
 with one piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the
 marginal cost of each. --fp8: every setting with FP8 attention and vocabulary projections;
---timeline: each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py).
+--timeline: each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py);
+--controls N: the first setting captured N more times, timed like the others, so that the run
+reports how far captures of the very same kernels land apart (their spread; on an H200 up to 1.5 % of
+a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence for a setting.
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
-        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--out FILE.json]
+        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--controls 1] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -78,6 +81,24 @@ def _setting(constants: dict | None = None, pdl: bool = True, **attrs) -> tuple:
     setting does not name keeps the engine's value (every change is undone after its capture), except
     that one token's QKV + RoPE is fused unless `fuse_qkv_rope=False`."""
     return {"PDSERVE_PDL": "1" if pdl else "0"}, {"fuse_qkv_rope": True, **attrs}, constants or {}
+
+
+def with_controls(settings: dict, n: int) -> tuple[dict, dict[str, str]]:
+    """The settings with the first one repeated n more times ("<first> (control k)"), and which
+    setting each control repeats."""
+    first = next(iter(settings))
+    controls = {f"{first} (control {k})": first for k in range(1, n + 1)}
+    return {**settings, **{c: settings[first] for c in controls}}, controls
+
+
+def control_spread(medians: dict[str, float], controls: dict[str, str]) -> tuple[float, float] | None:
+    """(lowest, highest) median of the first setting's captures (itself and its controls) over the
+    first's: how far identical kernels land apart in this run; None without controls."""
+    if not controls:
+        return None
+    first = next(iter(controls.values()))
+    ratios = [medians[n] / medians[first] for n in [first, *controls]]
+    return min(ratios), max(ratios)
 
 
 def _full_layers(min_keys: int, max_splits: int) -> dict:
@@ -304,6 +325,8 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="after the timing, each setting's step as a per-kernel timeline of a layer "
                          "(bench/step_timeline.py)")
+    ap.add_argument("--controls", type=int, default=0,
+                    help="capture the first setting this many more times, as a measure of the run's noise")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     names = [n.strip() for n in a.settings.split(",")]
@@ -317,6 +340,7 @@ def main() -> int:
         settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
     for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
         settings[f"gemv {spec}"] = _setting(_gemv(spec))
+    settings, controls = with_controls(settings, a.controls)
     runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
     ablated = {}
     for piece in (p.strip() for p in a.ablate.split(",")) if a.ablate else []:
@@ -326,7 +350,8 @@ def main() -> int:
     def capturing_with(group: tuple[str, ...]) -> set[str]:  # settings named in group, and ablations of one
         if a.fp8:
             return set(settings)
-        return {n for n in settings if n in group or (n in ablated and a.ablate_on in group)}
+        return {n for n in settings
+                if n in group or controls.get(n) in group or (n in ablated and a.ablate_on in group)}
 
     # settings that capture with FP8 projection weights
     fp8_named, fp8_vocab = capturing_with(FP8_ATTENTION), capturing_with(FP8_UNEMBEDDING)
@@ -379,6 +404,10 @@ def main() -> int:
             results[batch][name] = {"replay_us": med, "min_us": min(ts), "ratio": med / base}
             print(f"batch {batch:3d} {a.precision:5s} {name:20s} replay {med:8.1f} us (min {min(ts):8.1f}) "
                   f"x{med / base:.3f}", flush=True)
+        spread = control_spread({n: r["replay_us"] for n, r in results[batch].items()}, controls)
+        if spread is not None:
+            results[batch]["control spread"] = spread
+            print(f"batch {batch:3d} captures of {next(iter(settings))!r}: x{spread[0]:.3f}-x{spread[1]:.3f}", flush=True)
         for name, step in steps.items() if a.timeline else ():
             step_timeline.print_table(f"batch {batch} {name!r}",
                                       step_timeline.layer_table(step_timeline.kernel_events(step.graph.replay)))
