@@ -116,7 +116,7 @@ fi
 if has ab; then
   for prec in fp8 mxfp4; do
     timeout "$(left 10)" python3 bench/launch_ab.py --ckpt /tmp/ckpt/20b-mxfp4-seed0 --precision $prec \
-      --batches ${AB_BATCHES:-1,64} --out "$W/ab_$prec.json" > "$W/ab_$prec.log" 2>&1
+      --batches ${AB_BATCHES:-1,64} --controls 1 --out "$W/ab_$prec.json" > "$W/ab_$prec.log" 2>&1
     log "launch_ab $prec rc=$?"
     grep -E "^batch|Error" "$W/ab_$prec.log"
     pack
