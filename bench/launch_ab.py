@@ -407,7 +407,8 @@ def main() -> int:
         spread = control_spread({n: r["replay_us"] for n, r in results[batch].items()}, controls)
         if spread is not None:
             results[batch]["control spread"] = spread
-            print(f"batch {batch:3d} captures of {next(iter(settings))!r}: x{spread[0]:.3f}-x{spread[1]:.3f}", flush=True)
+            first = next(iter(settings))
+            print(f"batch {batch:3d} captures of {first!r}: x{spread[0]:.3f}-x{spread[1]:.3f}", flush=True)
         for name, step in steps.items() if a.timeline else ():
             step_timeline.print_table(f"batch {batch} {name!r}",
                                       step_timeline.layer_table(step_timeline.kernel_events(step.graph.replay)))

@@ -28,10 +28,10 @@ def test_compiles_without_spills(tmp_path, dep):
     src = tmp_path / "stream.cu"
     src.write_text(moe_stream.SOURCE)
     cubin = tmp_path / "stream.cubin"
-    report = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", f"-I{moe_stream.KERNELS}", "-DNW=8", "-DP=12", "-DWORK=60",
-                             f"-DDEP={dep}", "-std=c++17", str(src), "-o", str(cubin)],
+    options = [f"-I{moe_stream.KERNELS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17", str(src)]
+    report = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", *options, "-o", str(cubin)],
                             check=True, capture_output=True, text=True).stderr
     assert "0 bytes spill stores" in report, report
-    ptx = subprocess.run([nvcc, "-ptx", "-arch=sm_90", f"-I{moe_stream.KERNELS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17",
-                          str(src), "-o", "-"], check=True, capture_output=True, text=True).stdout
+    ptx = subprocess.run([nvcc, "-ptx", "-arch=sm_90", *options, "-o", "-"], check=True, capture_output=True,
+                         text=True).stdout
     assert ("atom.global.add" in ptx or "red.global.add" in ptx) == bool(dep)
