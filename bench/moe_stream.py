@@ -64,7 +64,8 @@ extern "C" __global__ void __launch_bounds__(NW * 32) stream(const U4* __restric
                                                              const long long* __restrict__ ids, int* counters,
                                                              int first, int last, u32* __restrict__ out) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int W = gridDim.x * NW, w = blockIdx.x * NW + (threadIdx.x >> 5);
+  // warps numbered across CTAs first: consecutive items (the gate/up tiles first) spread over every SM
+  const int W = gridDim.x * NW, w = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
   auto row_g = [&](int item) -> const U4* {  // row g of the item's 16-row tile
     if (item < N_GU) return gu + (ids[item / TILES_GU] * (16LL * TILES_GU) + 16LL * (item % TILES_GU) + g) * KG;
     const int d = item - N_GU;
