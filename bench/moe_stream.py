@@ -25,7 +25,6 @@ its bytes in the L2), median of 20 replays, us a layer.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import itertools
 import json
@@ -37,6 +36,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.bench.kernels import copy_bandwidth, graphed, time_it
+from pdserve.kernels.nvrtc import resident_ctas
 
 KERNELS = Path(kernels.__file__).parent  # cuda_common.cuh: the project kernels' types
 
@@ -134,16 +134,6 @@ def _kernel(nw: int, p: int, work: int, dep: bool):
     return _cuda_load_module(cubin, ["stream"])["stream"]
 
 
-def resident_ctas(kernel, threads: int) -> int:
-    """CTAs of `threads` threads an SM holds at once (the driver's occupancy calculation)."""
-    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
-
-    n = ctypes.c_int()
-    _check_cuda(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), kernel.func, threads, ctypes.c_size_t(0)))
-    return n.value
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -169,9 +159,10 @@ def main() -> int:
         for mode in ("two launches", "one launch", "one launch, down waits"):
             dep = mode == "one launch, down waits"
             k = _kernel(nw, p, work, dep)
-            if per_sm > resident_ctas(k, 32 * nw):  # every CTA resident, or a waiting down tile could wait forever
-                continue
             ctas = sms * per_sm
+            # every CTA resident, or a waiting down tile could wait forever
+            if ctas > resident_ctas(k, 32 * nw, 0, torch.cuda.current_device()):
+                continue
             out = torch.empty(ctas * nw * 32, dtype=torch.int32, device=dev)
             spans = [(0, n_gu), (n_gu, n_all)] if mode == "two launches" else [(0, n_all)]
 

@@ -3,6 +3,7 @@ place that compiles, loads and sizes them; kernels/pdl.py launches them."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,21 @@ def load_kernels(source: Path, names: list[str], options: list[str], device_inde
     return kernels
 
 
+def resident_ctas(kernel, threads: int, dynamic_smem: int, device_index: int) -> int:
+    """CTAs of a `load_kernels` kernel the device holds at once at this block size and dynamic shared
+    memory (CTAs an SM times the SMs): a larger launch runs in waves. A host query (capturable)."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    key = (kernel.func.value, threads, dynamic_smem, device_index)  # the CUfunction handle
+    if key not in _RESIDENT:
+        per_sm = ctypes.c_int()
+        _check_cuda(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(per_sm), kernel.func, threads, ctypes.c_size_t(dynamic_smem)))
+        _RESIDENT[key] = per_sm.value * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _RESIDENT[key]
+
+
+_RESIDENT: dict[tuple[int, int, int, int], int] = {}
 _BUILDS: dict[tuple[str, int], bool] = {}
 
 
