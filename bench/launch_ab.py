@@ -363,7 +363,7 @@ def main() -> int:
                       *(fp8_unembedding if name in fp8_vocab else [])]
                for name, (_, attrs, consts) in settings.items()}
     g = torch.Generator().manual_seed(1)
-    results = {}
+    results, spreads = {}, {}
     for batch in a.batches:
         eng = LLMEngine(runner, max_batch_size=batch)
         params = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
@@ -406,7 +406,7 @@ def main() -> int:
                   f"x{med / base:.3f}", flush=True)
         spread = control_spread({n: r["replay_us"] for n, r in results[batch].items()}, controls)
         if spread is not None:
-            results[batch]["control spread"] = spread
+            spreads[batch] = spread
             first = next(iter(settings))
             print(f"batch {batch:3d} captures of {first!r}: x{spread[0]:.3f}-x{spread[1]:.3f}", flush=True)
         for name, step in steps.items() if a.timeline else ():
@@ -422,6 +422,7 @@ def main() -> int:
         del graphs, steps
     if a.out:
         Path(a.out).write_text(json.dumps({"precision": a.precision, "context": a.context, "results": results,
+                                           "control_spread": spreads,
                                            "command": "python " + " ".join(sys.argv)}, indent=1))
     return 0
 
