@@ -33,9 +33,12 @@
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
 // ahead of the copies whose page-table entries are requested).
-// Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so), offsets taken in 64 bits.
+// Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
+// in 64 bits, offsets inside a page in 32.
 
 #include "cuda_common.cuh"
+
+typedef unsigned long long u64;
 
 #define D 64
 #define GROUP DA_GROUP
@@ -121,13 +124,20 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
 
   // Lane (warp w, lane) copies 16-byte chunk `lane & 7` of the 8 key rows w * 32 + (lane >> 3) + 4 i of a
   // block (i < 8): a warp instruction reads 4 whole 128-byte rows, and a warp copies exactly the 32
-  // rows it sums over. The page-table entries of a lane's rows in the CTA's block j (0 past the keys):
+  // rows it sums over. A row's source is its page's address plus 32-bit offsets (the checks of
+  // `applies` keep a page, a K/V half and a token row under 4 GB), and rows past the request's last key
+  // are zero-filled by their copy (source size 0) with the page of the last key as a valid address, so
+  // that a block's copies take no branch and no 64-bit product per row: the copies' address arithmetic
+  // was most of a warp's instructions per block (Nsight Compute, docs/kernels.md).
   const int row0 = warp * 32 + (lane >> 3), chunk = lane & 7;
+  const u32 page_bytes = 2u * (u32)stride_page, tok_bytes = 2u * (u32)stride_tok, v_bytes = 2u * (u32)stride_kv;
+  const u32 lane_bytes = 2u * (u32)(g * D) + 16u * (u32)chunk;
+  // the page-table entries of a lane's rows in the CTA's block j (0 past the CTA's blocks)
   auto pages_of = [&](int j, int pg[8]) {
     const int key0 = start + (k + j * ctas) * BLOCK + row0;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      pg[i] = j < my_blocks && key0 + 4 * i < seq_len ? load_early_s32(table + (key0 + 4 * i) / PAGE) : 0;
+      pg[i] = j < my_blocks ? load_early_s32(table + (u32)min(key0 + 4 * i, seq_len - 1) / PAGE) : 0;
   };
   // the entries of blocks j + 1 .. j + LOOK while block j's copies are issued: ahead[0] the next
   int ahead[LOOK][8];
@@ -139,7 +149,7 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
   auto issue = [&](int j) {
     if (j < my_blocks) {
       const int key0 = start + (k + j * ctas) * BLOCK + row0;
-      unsigned char* kslot = smem + (j % STAGES) * 2 * SLOT_BYTES;
+      const u32 kslot = slots + (j % STAGES) * 2 * SLOT_BYTES;
       int page[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) page[i] = ahead[0][i];
@@ -150,18 +160,14 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
       pages_of(j + LOOK, ahead[LOOK - 1]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int key = key0 + 4 * i, r = row0 + 4 * i;
-        unsigned char* kdst = kslot + swz(r, chunk);
-        if (key < seq_len) {
-          const unsigned char* src = kv_bytes + 2 * ((i64)page[i] * stride_page + (i64)(key % PAGE) * stride_tok +
-                                                     (i64)g * D) + 16 * chunk;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(kdst)), "l"(src) : "memory");
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(kdst + SLOT_BYTES)),
-                       "l"(src + 2 * (i64)stride_kv) : "memory");
-        } else {  // masked keys: zeros, so that no stale value meets a zero probability
-          *reinterpret_cast<U4*>(kdst) = U4{0, 0, 0, 0};
-          *reinterpret_cast<U4*>(kdst + SLOT_BYTES) = U4{0, 0, 0, 0};
-        }
+        const int key = key0 + 4 * i;
+        const u32 size = key < seq_len ? 16u : 0u;
+        const unsigned char* src = kv_bytes + (u64)(u32)page[i] * page_bytes +
+                                   ((u32)min(key, seq_len - 1) % PAGE * tok_bytes + lane_bytes);
+        const u32 kdst = kslot + swz(row0 + 4 * i, chunk);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(kdst), "l"(src), "r"(size) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(kdst + SLOT_BYTES), "l"(src + v_bytes),
+                     "r"(size) : "memory");
       }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
