@@ -82,6 +82,56 @@ def time_graph(fn, reps: int = 25) -> float:
     return time_it(graphed(fn), reps=reps, warmup=1)
 
 
+QUEUE_SLEEP = 2_000_000  # GPU cycles (about 1 ms) spent before each rep: the host enqueues it meanwhile
+
+
+def _median_us(pairs) -> float:
+    return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
+
+
+def time_after(before, what, reps: int) -> float:
+    """Median us of what() alone, each rep: the GPU sleeps (so no launch gap is timed), the L2 is
+    flushed, then before() runs untimed."""
+    pairs = []
+    for _ in range(reps):
+        torch.cuda._sleep(QUEUE_SLEEP)
+        flush_l2()
+        before()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        what()
+        e.record()
+        pairs.append((s, e))
+    torch.cuda.synchronize()
+    return _median_us(pairs)
+
+
+def time_beside(main, side, then, reps: int, stream: torch.cuda.Stream) -> tuple[float, float]:
+    """(us of main(), us of then() after it): each rep the L2 flushed, main() with side() launched beside
+    it on `stream` (None: nothing beside it), then() once both are done; medians."""
+    main_t, then_t = [], []
+    for _ in range(reps):
+        torch.cuda._sleep(QUEUE_SLEEP)
+        flush_l2()
+        e0, e1, e2, e3 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+        e0.record()
+        if side is not None:
+            stream.wait_event(e0)
+            with torch.cuda.stream(stream):
+                side()
+        main()
+        e1.record()
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        e2.record()
+        then()
+        e3.record()
+        main_t.append((e0, e1))
+        then_t.append((e2, e3))
+    torch.cuda.synchronize()
+    return _median_us(main_t), _median_us(then_t)
+
+
 def fmt_us(t: float | None) -> str:
     return "-" if t is None else f"{t * 1e6:.1f}"
 

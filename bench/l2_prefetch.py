@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench.kernels import flush_l2  # noqa: E402
+from pdserve.bench.kernels import time_after, time_beside  # noqa: E402
 from pdserve.kernels import cuda_moe_mxfp4  # noqa: E402
 from pdserve.kernels.moe import experts_forward  # noqa: E402
 from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
@@ -81,8 +80,6 @@ extern "C" __global__ void stream_read(const uint4* p, int n16, int mode, unsign
 """
 
 # The MoE kernels with their weight loads marked evict_first in L2 (a copy of the source, edited)
-SLEEP = 2_000_000  # GPU cycles (about 1 ms) spent before each rep
-
 _EVICT_FIRST_LOAD = """__device__ __forceinline__ U4 load_stream(const U4* p) {
   U4 v;
   unsigned long long pol;
@@ -152,22 +149,8 @@ def main() -> int:
         f()
     torch.cuda.synchronize()
 
-    def timed(before, what, after=None) -> float:
-        """Median us of `what` (events around it), each rep: flush, before(), what, after()."""
-        ts = []
-        for _ in range(a.reps):
-            torch.cuda._sleep(SLEEP)  # the host enqueues the rep while the GPU waits: no launch gaps timed
-            flush_l2()
-            before()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            what()
-            e1.record()
-            if after:
-                after()
-            ts.append((e0, e1))
-        torch.cuda.synchronize()
-        return statistics.median(e0.elapsed_time(e1) for e0, e1 in ts) * 1e3
+    def timed(before, what) -> float:
+        return time_after(before, what, a.reps)
 
     res = {}
     nothing = lambda: None  # noqa: E731
@@ -187,28 +170,8 @@ def main() -> int:
 
     # B: the MoE with a prefetch beside it, then the GEMV
     def scenario(mode: int | None, grid: int, threads: int = 128) -> tuple[float, float]:
-        moe_t, gemv_t = [], []
-        for _ in range(a.reps):
-            torch.cuda._sleep(SLEEP)
-            flush_l2()
-            e0, e1, e2, e3 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
-            e0.record()
-            if mode is not None:
-                side.wait_event(e0)
-                with torch.cuda.stream(side):
-                    prefetch(mode, grid, threads)
-            moe()
-            e1.record()
-            if mode is not None:
-                torch.cuda.current_stream().wait_stream(side)
-            e2.record()
-            gemv()
-            e3.record()
-            moe_t.append((e0, e1))
-            gemv_t.append((e2, e3))
-        torch.cuda.synchronize()
-        med = lambda p: statistics.median(s.elapsed_time(e) for s, e in p) * 1e3  # noqa: E731
-        return med(moe_t), med(gemv_t)
+        side_fn = None if mode is None else lambda: prefetch(mode, grid, threads)
+        return time_beside(moe, side_fn, gemv, a.reps, side)
 
     rows = {}
     builds = {"moe loads plain": cuda_moe_mxfp4.SOURCE, "moe loads evict_first": _evict_first_source()}
