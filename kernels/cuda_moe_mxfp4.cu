@@ -145,6 +145,9 @@ __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
 // MX_CLUSTER_SUM (per-pair launches only): down is launched in clusters of one token's top_k pairs
 // (cluster dims (1, top_k, 1)); the CTAs of a cluster add their rows through distributed shared
 // memory instead of float32 partials in global memory, a fence and an arrival counter
+#ifndef MX_TOKEN
+#define MX_TOKEN 0
+#endif
 #ifndef MX_CLUSTER_SUM
 #define MX_CLUSTER_SUM 0
 #endif
@@ -630,3 +633,186 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
 #endif
   TRACE_END();
 }
+
+#if MX_TOKEN
+// One token's whole MoE (gate/up, SwiGLU, down, the sum over its pairs) in one launch whose CTAs all
+// stay resident (kernels/cuda_moe_mxfp4.py `experts_forward_mxfp4_token`; docs/kernels.md, item 36).
+// Why: at one token the two launches above take ~28 us a 120b layer for 12.4 us of bytes; gate/up's
+// 1440 CTAs run in 2.2 waves and down's CTAs find room only as gate/up's retire. Here warp w of W
+// (numbered across CTAs first) takes the items w, w + W, ... of one list: the pairs' gate/up tiles
+// (16 rows over all of K: no reduction across warps), then their down tiles, and streams their K
+// steps through a ring of MX_TOKEN_P single steps in registers that runs on across its items, so a
+// tile's epilogue overlaps the next tile's loads. A down tile waits (lane 0 polling an acquire load) until all of its pair's
+// gate/up tiles are counted done, its first steps already in flight, then copies the pair's
+// activations (f16 times 2^act_shift, written by gate/up tiles of any CTA) into the warp's own staged
+// row and sums as the per-pair down does. The token's pairs meet in float32 partials and a
+// per-row-tile arrival counter whose last arriver adds them in pair order (deterministic). Every CTA
+// must be resident at once (the caller sizes the grid by the occupancy query): a waiting down tile
+// must never wait for a gate/up tile of a CTA that cannot start. Counters are reset by their last
+// user, so each launch finds them zero.
+static_assert(SLOTS == 1 && KSPLIT == 1 && D == 1, "the token kernel's ring holds single K steps of whole rows");
+#define TOKEN_RING MX_TOKEN_P
+#define STAGE_WORDS ((XROW + XF_WORDS + 3) / 4 * 4)  // a staged row and its groups' factors, 16-byte aligned
+#define MAX_TOP_K 8
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// x [1, K] bf16; experts packed as kernels/mxfp4.py lays them out (gate/up [E, n2, K], down
+// [E, h, K], the same K = 32 KG: gpt-oss' I = H); pair_expert [top_k] int64, route_weight [top_k]
+// bf16; act [top_k, n2 / 2] f16 and part [top_k, h] float32 scratch; counters int32 [2 MAX_TOP_K +
+// h / 16], zero: pairs' gate/up tiles done, pairs' down tiles started, row tiles' pairs added.
+extern "C" __global__ void __launch_bounds__(NW * 32, MX_TOKEN_CTAS)
+mx_moe_token(const u32* __restrict__ gu_words, const u32* __restrict__ gu_scales, const float* __restrict__ gu_bias,
+             const u32* __restrict__ dn_words, const u32* __restrict__ dn_scales, const float* __restrict__ dn_bias,
+             const u16* __restrict__ x, const i64* __restrict__ pair_expert, const u16* __restrict__ route_weight,
+             int top_k, int n2, int h, u16* __restrict__ act, float* __restrict__ part, int* __restrict__ counters,
+             u16* __restrict__ out, double limit_d, double alpha_d, int act_shift, int has_down_bias) {
+  extern __shared__ __align__(16) u32 smem[];  // the token's staged row, then each warp's down activations
+  __shared__ int expert_of[MAX_TOP_K];
+  __shared__ float weight_of[MAX_TOP_K];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
+  u32* xs = smem;
+  u32* ws = smem + (1 + warp) * STAGE_WORDS;
+  int* pair_done = counters;
+  int* pair_used = counters + MAX_TOP_K;
+  int* tile_count = counters + 2 * MAX_TOP_K;
+  {  // the token's row predates the routing (the caller vouches, as MX_EARLY_X): staged ahead of the wait
+    const U4* row = reinterpret_cast<const U4*>(x);
+    stage_rows<true, false>(xs, &row, 1);
+  }
+  const float down_factor = __int_as_float((127 - act_shift) << 23);  // down's activations: 2^-act_shift
+  for (int i = lane; i < XF_WORDS; i += 32) group_factors(ws)[i] = down_factor;
+  enter_pdl();  // the router before this kernel wrote the routing
+  if (threadIdx.x < top_k) {
+    expert_of[threadIdx.x] = (int)__ldcg(pair_expert + threadIdx.x);
+    weight_of[threadIdx.x] = from_bf16(__ldcg(route_weight + threadIdx.x));
+  }
+  __syncthreads();
+  const int tiles_gu = n2 / 16, tiles_dn = h / 16, n_gu = top_k * tiles_gu, n_items = n_gu + top_k * tiles_dn;
+  const int W = gridDim.x * NW;
+  // rows g and g + 8 of an item's tile and their scale words
+  auto rows_of = [&](int item, const U4*& w0, const u32*& s0) {
+    const bool up = item < n_gu;
+    const int d = up ? item : item - n_gu, tiles = up ? tiles_gu : tiles_dn;
+    const i64 row = (i64)expert_of[d / tiles] * (up ? n2 : h) + 16 * (d % tiles) + g;
+    w0 = reinterpret_cast<const U4*>((up ? gu_words : dn_words) + row * (KG * 4));
+    s0 = (up ? gu_scales : dn_scales) + row * SCALE_WORDS;
+  };
+  // warps numbered across CTAs first (warp w of CTA b is b + w x CTAs), so that consecutive items, and
+  // with them the gate/up tiles, spread over every CTA and SM rather than filling the first CTAs
+  const int first_item = warp * gridDim.x + blockIdx.x;
+  // the ring: the next step to request is K step lc of item li
+  int li = first_item, lc = 0;
+  const U4* lw = reinterpret_cast<const U4*>(gu_words);
+  const u32* ls = gu_scales;
+  if (li < n_items) rows_of(li, lw, ls);
+  auto request = [&](Batch& b) {
+    if (li >= n_items) {
+      b.wa[0] = b.wb[0] = U4{0u, 0u, 0u, 0u};
+      b.sa[0] = b.sb[0] = 0u;
+      return;
+    }
+    load_batch<false>(b, lw, lw + 8 * KG, ls, ls + 8 * SCALE_WORDS, lc, tig);
+    if (++lc == CHUNKS) {
+      lc = 0;
+      li += W;
+      if (li < n_items) rows_of(li, lw, ls);
+    }
+  };
+  Batch ring[TOKEN_RING];
+#pragma unroll
+  for (int j = 0; j < TOKEN_RING; j++) request(ring[j]);
+
+  Item one;  // use_batch reads only the pair count
+  one.n = 1;
+  const float limit = (float)limit_d, alpha = (float)alpha_d;
+  const unsigned full = 0xFFFFFFFFu;
+  int ui = first_item, uc = 0;
+  float acc[1][2] = {{0.f, 0.f}};
+  u32* src = xs;
+  while (ui < n_items) {
+#pragma unroll
+    for (int j = 0; j < TOKEN_RING; j++) {
+      if (ui < n_items) {
+        const bool up = ui < n_gu;
+        const int d = up ? ui : ui - n_gu, tiles = up ? tiles_gu : tiles_dn, p = d / tiles, t = d % tiles;
+        if (uc == 0) {
+          acc[0][0] = acc[0][1] = 0.f;
+          src = xs;
+          if (!up) {  // the pair's activations, once all its gate/up tiles are done
+            if (lane == 0) {
+              // bounded: a gate/up tile that never arrives (a CTA that could not be resident) traps the
+              // kernel with a launch error instead of hanging the GPU
+              for (long long spins = 0; load_acquire(pair_done + p) < tiles_gu;)
+                if (++spins > (1LL << 26)) __trap();
+              if (atomicAdd(pair_used + p, 1) == tiles_dn - 1) {  // its last down tile: reset for the next launch
+                pair_done[p] = 0;
+                pair_used[p] = 0;
+              }
+            }
+            __syncwarp();
+            const U4* a = reinterpret_cast<const U4*>(act + (i64)p * (n2 / 2));
+            for (int c = lane; c < KG * 4; c += 32) *reinterpret_cast<U4*>(ws + 4 * c) = load_early(a + c);
+            __syncwarp();
+            src = ws;
+          }
+        }
+        use_batch(ring[j], uc, src, one, 1, g, tig, acc);
+        request(ring[j]);  // this slot's next step: K step uc + TOKEN_RING of the warp's list
+        if (++uc == CHUNKS) {
+          uc = 0;
+          // rows g and g + 8 of the tile, for the token: lanes tig 0 (columns q 0-1) and 1 (q 2-3)
+          const float v0 = acc[0][0] + __shfl_xor_sync(full, acc[0][0], 1);
+          const float v1 = acc[0][1] + __shfl_xor_sync(full, acc[0][1], 1);
+          const i64 e = expert_of[p];
+          if (up) {  // glu rows even, linear rows odd: row g + 1's sums sit 4 lanes on
+            const float l0 = __shfl_down_sync(full, v0, 4), l1 = __shfl_down_sync(full, v1, 4);
+            if (tig == 0 && (g & 1) == 0) {
+#pragma unroll
+              for (int half = 0; half < 2; half++) {
+                const int row = 16 * t + g + 8 * half;
+                float glu = (half ? v1 : v0) + gu_bias[e * n2 + row];
+                float lin = (half ? l1 : l0) + gu_bias[e * n2 + row + 1];
+                glu = fminf(glu, limit);
+                lin = fminf(fmaxf(lin, -limit), limit);
+                const float o = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
+                act[(i64)p * (n2 / 2) + row / 2] = to_f16(o * __int_as_float((127 + act_shift) << 23));
+              }
+            }
+            __threadfence();  // the activations are visible before the tile is counted
+            __syncwarp();
+            if (lane == 0) atomicAdd(pair_done + p, 1);
+          } else {
+            if (tig == 0) {
+#pragma unroll
+              for (int half = 0; half < 2; half++) {
+                const int row = 16 * t + g + 8 * half;
+                const float bias_r = has_down_bias ? dn_bias[e * h + row] : 0.f;
+                part[(i64)p * h + row] = ((half ? v1 : v0) + bias_r) * weight_of[p];
+              }
+            }
+            __threadfence();
+            __syncwarp();
+            int last = 0;
+            if (lane == 0) last = atomicAdd(tile_count + t, 1) == top_k - 1;
+            if (__shfl_sync(full, last, 0)) {  // the token's pairs of this row tile, added in pair order
+              __threadfence();
+              if (lane < 16) {
+                float y = 0.f;
+                for (int k = 0; k < top_k; k++) y += __ldcg(part + (i64)k * h + 16 * t + lane);
+                out[16 * t + lane] = to_bf16(y);
+              }
+              if (lane == 0) tile_count[t] = 0;
+            }
+          }
+          ui += W;
+        }
+      }
+    }
+  }
+}
+#endif
