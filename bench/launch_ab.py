@@ -57,8 +57,8 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, moe,
-    triton_bf16_gemv, triton_decode_attention, triton_router,
+    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv,
+    triton_decode_attention, triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -138,8 +138,6 @@ SETTINGS = {
     # per-pair MXFP4 down adds a token's pairs through float32 partials and an arrival counter in
     # global memory, not inside a thread-block cluster
     "down counters": _setting({(cuda_moe_mxfp4, "CLUSTER_SUM"): False}),
-    # one token's MoE in one launch of resident CTAs (cuda_moe_mxfp4.experts_forward_mxfp4_token)
-    "mxfp4 token kernel": _setting({(moe, "MXFP4_TOKEN_KERNEL"): True}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every

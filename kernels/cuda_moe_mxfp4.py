@@ -30,7 +30,7 @@ import torch
 from .arrival import arrival_counters
 from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
                     MxExperts)
-from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels, resident_ctas
+from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 
@@ -240,70 +240,4 @@ def experts_forward_mxfp4_mma(
         int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *trace_args[1]])
     if res is not out:
         out.copy_(res)
-    return out
-
-
-# One token's MoE in one launch of resident CTAs (the .cu file's mx_moe_token; docs/kernels.md item 36):
-# (warps a CTA, K steps a warp's ring holds, CTAs a SM it aims for: a register bound)
-TOKEN_CONFIG = (8, 8, 2)
-MAX_TOKEN_TOP_K = 8  # the .cu file's MAX_TOP_K
-
-
-def _token_shared_bytes(k_groups: int, warps: int) -> int:
-    """The token's staged row and each warp's staged down activations (a row and its factors each)."""
-    return (1 + warps) * ((k_groups * 16 + 4 + (k_groups + 1) // 2 * 2 + 3) // 4 * 4) * 4
-
-
-@functools.cache
-def _token_kernel(device_index: int, k_groups: int, warps: int, ring: int, ctas: int) -> tuple[object, int]:
-    """(mx_moe_token built for this shape, its grid): SMs x the CTAs a SM holds at once, at most
-    `ctas`, so that every CTA is resident (a down tile waits on gate/up tiles of any CTA)."""
-    options = compile_options(k_groups, 1, (warps, 1, 1)) + [
-        "-DMX_TOKEN=1", f"-DMX_TOKEN_P={ring}", f"-DMX_TOKEN_CTAS={ctas}"]
-    smem = _token_shared_bytes(k_groups, warps)
-    kernel = load_kernels(SOURCE, ["mx_moe_token"], options, device_index, smem)["mx_moe_token"]
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    per_sm = min(ctas, resident_ctas(kernel, 32 * warps, smem, device_index) // sms)
-    if per_sm < 1:
-        raise RuntimeError(f"the MXFP4 token kernel's CTA ({warps} warps, {smem} bytes) does not fit an SM")
-    return kernel, sms * per_sm
-
-
-def token_kernel_takes(x: torch.Tensor, top_k: int, w: MxExperts) -> bool:
-    """Whether `experts_forward_mxfp4_token` takes these: one contiguous bf16 token, top_k <= 8, packed
-    experts whose gate/up K equals down's (I = H) and whose row counts are whole 16-row tiles."""
-    e, n2, hg, _ = w.gate_up_blocks.shape
-    return (w.layout == "packed" and x.shape[0] == 1 and top_k <= MAX_TOKEN_TOP_K and hg == w.down_blocks.shape[2]
-            and hg * 32 == x.shape[1] == w.down_blocks.shape[1] and n2 % 16 == 0 and x.shape[1] % 16 == 0
-            and x.dtype == torch.bfloat16 and x.is_contiguous())
-
-
-def experts_forward_mxfp4_token(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
-    limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, config: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """`experts_forward_mxfp4_mma` for one token [1, H] in one launch (mx_moe_token): every CTA
-    resident, warps streaming whole 16-row tiles of gate/up then down. x must predate the routing's
-    launch (its row is staged ahead of the PDL wait, as EARLY_X); gate/up's K must equal down's (I =
-    H, as gpt-oss'). Sums in another order than the two-launch kernels (whole K in one warp)."""
-    warps, ring, ctas = config or TOKEN_CONFIG
-    h = x.shape[1]
-    k = topk_ids.shape[1]
-    n2, hg = w.gate_up_blocks.shape[1:3]
-    if not token_kernel_takes(x, k, w):
-        raise ValueError(f"the MXFP4 token kernel takes one contiguous bf16 token, top_k <= {MAX_TOKEN_TOP_K} "
-                         f"and experts whose gate/up K equals down's: x {tuple(x.shape)}, gate/up "
-                         f"{tuple(w.gate_up_blocks.shape)}, down {tuple(w.down_blocks.shape)}")
-    out = torch.empty(1, h, dtype=torch.bfloat16, device=x.device)
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel, grid = _token_kernel(dev, hg, warps, ring, ctas)
-    act = torch.empty(k, n2 // 2, dtype=torch.float16, device=x.device)
-    part = torch.empty(k, h, dtype=torch.float32, device=x.device)
-    counters = arrival_counters(x.device, "mxfp4_token", 2 * MAX_TOKEN_TOP_K + h // 16)
-    smem = _token_shared_bytes(hg, warps)
-    launch_cuda(kernel, (grid, 1, 1), (32 * warps, 1, 1), smem, pdl=pdl_enabled(x.device), args=[
-        w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), w.down_blocks, w.down_scales,
-        w.down_bias.contiguous(), x, topk_ids.to(torch.int64).contiguous().view(-1),
-        topk_weights.to(torch.bfloat16).contiguous().view(-1), k, n2, h, act, part, counters, out, float(limit),
-        float(alpha), act_shift(limit), int(add_down_bias)])
     return out

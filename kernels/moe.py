@@ -43,9 +43,6 @@ MXFP4_MMA_FOLDED_MAX_TOKENS = 64
 # ... from this many tokens with the pairs grouped by expert (an expert read once for all its
 # tokens; per pair below: 33 vs 39 us at one token, level at 2-4).
 MXFP4_MMA_GROUPED_FROM = 4
-# One token through the one-launch MXFP4 kernel of resident CTAs (cuda_moe_mxfp4.experts_forward_mxfp4_token;
-# docs/kernels.md item 36) instead of the two per-pair launches: not yet measured, so off
-MXFP4_TOKEN_KERNEL = False
 # Batches of at least this many tokens (any size: prefill too) take the expert-grouped tensor-core
 # kernels (kernels.triton_moe_mxfp4_grouped) instead of the per-pair packed GEMV, which decodes an
 # expert once per (token, expert) pair; None: never. On an H200 (20b layer, 2026-12-02) the grouped
@@ -218,10 +215,6 @@ def experts_forward(
             from . import cuda_moe_mxfp4
 
             if cuda_moe_mxfp4.available(x.device):
-                token = MXFP4_TOKEN_KERNEL and x_before_routing
-                if token and cuda_moe_mxfp4.token_kernel_takes(x, topk_ids.shape[1], w):
-                    return cuda_moe_mxfp4.experts_forward_mxfp4_token(x, topk_weights, topk_ids, w, limit, alpha,
-                                                                      add_down_bias)
                 return cuda_moe_mxfp4.experts_forward_mxfp4_mma(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
                                                                 grouped=t >= MXFP4_MMA_GROUPED_FROM,
                                                                 x_before_routing=x_before_routing)

@@ -161,35 +161,3 @@ def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
 
     with pytest.raises(ValueError, match="whole number of clusters"):
         launch_cuda(None, (180, 6, 1), (128, 1, 1), 0, [], pdl=True, cluster=(1, 4, 1))
-
-
-def test_token_kernel_launches_a_grid_of_resident_ctas(monkeypatch):
-    """experts_forward_mxfp4_token, compile and launch stubbed: one launch of SMs x min(the CTAs a SM
-    it aims for, the occupancy the driver reports) CTAs; bad inputs refused before any launch."""
-    from types import SimpleNamespace
-
-    from pdserve.kernels import cuda_moe_mxfp4 as cm
-
-    launched = []
-    monkeypatch.setattr(cm, "load_kernels", lambda *a: {"mx_moe_token": "token"})
-    monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, device: 132)  # one a SM
-    cm._token_kernel.cache_clear()
-    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, block, smem, pdl, args: launched.append(
-        (kernel, grid, block, smem, len(args))))
-    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
-    g = torch.Generator().manual_seed(0)
-    w = random_layer(16, g, h=128, i=128).to_packed()
-    x = torch.randn(1, 128, generator=g).to(torch.bfloat16)
-    ids = torch.randperm(16, generator=g)[:4][None]
-    wts = torch.full((1, 4), 0.25, dtype=torch.bfloat16)
-    out = cm.experts_forward_mxfp4_token(x, wts, ids, w, config=(8, 8, 2))
-    assert out.shape == (1, 128) and out.dtype == torch.bfloat16
-    assert launched == [("token", (132, 1, 1), (256, 1, 1), cm._token_shared_bytes(4, 8), 20)]
-    with pytest.raises(ValueError, match="one contiguous bf16 token"):
-        cm.experts_forward_mxfp4_token(torch.cat([x, x]), wts.repeat(2, 1), ids.repeat(2, 1), w)
-    with pytest.raises(ValueError, match="one contiguous bf16 token"):
-        cm.experts_forward_mxfp4_token(x.float(), wts, ids, w)
-    assert len(launched) == 1
-    cm._token_kernel.cache_clear()
