@@ -124,11 +124,11 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
 
   // Lane (warp w, lane) copies 16-byte chunk `lane & 7` of the 8 key rows w * 32 + (lane >> 3) + 4 i of a
   // block (i < 8): a warp instruction reads 4 whole 128-byte rows, and a warp copies exactly the 32
-  // rows it sums over. A row's source is its page's address plus 32-bit offsets (the checks of
-  // `applies` keep a page, a K/V half and a token row under 4 GB), and rows past the request's last key
-  // are zero-filled by their copy (source size 0) with the page of the last key as a valid address, so
-  // that a block's copies take no branch and no 64-bit product per row: the copies' address arithmetic
-  // was most of a warp's instructions per block (Nsight Compute, docs/kernels.md).
+  // rows it sums over. A row's source is its page's address plus 32-bit offsets (`applies` keeps the
+  // page and K/V strides and a page's token rows under 2 GB), and rows past the request's last key are
+  // zero-filled by their copy (source size 0) with the last key's page as a valid address, so that a
+  // block's copies take no branch and no 64-bit product a row: the copies' address arithmetic was most
+  // of a warp's instructions a block (Nsight Compute, docs/kernels.md).
   const int row0 = warp * 32 + (lane >> 3), chunk = lane & 7;
   const u32 page_bytes = 2u * (u32)stride_page, tok_bytes = 2u * (u32)stride_tok, v_bytes = 2u * (u32)stride_kv;
   const u32 lane_bytes = 2u * (u32)(g * D) + 16u * (u32)chunk;

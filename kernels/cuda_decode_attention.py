@@ -125,7 +125,8 @@ def applies(q: torch.Tensor, kv_cache: torch.Tensor, window_left: int) -> bool:
             and q.stride(-1) == 1 and q.stride(1) % 2 == 0 and q.stride(0) % 2 == 0
             and kv_cache.stride(-1) == 1 and kv_cache.stride(-2) == d and kv_cache.stride(2) % 8 == 0
             and kv_cache.stride(1) % 8 == 0 and kv_cache.stride(0) % 8 == 0 and kv_cache.data_ptr() % 16 == 0
-            and 2 * kv_cache.stride(0) < 2**32  # a page's byte offset is a 32-bit factor (the kernel's copies)
+            # the copies take a page's byte offset as a 32-bit factor and offsets inside a page in 32 bits
+            and 2 * max(kv_cache.stride(0), kv_cache.stride(1), page * kv_cache.stride(2)) < 2**31
             and available(q.device))
 
 
