@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -83,6 +84,15 @@ def _prepare_out_dir(out_dir: str | Path) -> Path:
     return out
 
 
+def _check_spawnable_main() -> None:
+    """Spawned workers re-import the caller's main script; a script read from standard input
+    (`python -`) has none to re-import, and the pool would replace its failing workers forever."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not Path(main_file).is_file():
+        raise RuntimeError(f"workers > 1 spawns processes that re-import the main script, and {main_file!r} is "
+                           "not a file: run the caller from a file or with `python -c`, or pass workers=1")
+
+
 def make_random_checkpoint(
     out_dir: str | Path,
     cfg: ModelConfig,
@@ -100,6 +110,8 @@ def make_random_checkpoint(
     seed differ from the single-process ones (and do not depend on the worker count)."""
     if experts not in ("mxfp4", "bf16"):
         raise ValueError(f"experts must be mxfp4 or bf16, not {experts!r}")
+    if workers > 1:
+        _check_spawnable_main()
     out = _prepare_out_dir(out_dir)
     cfg = cfg.with_experts_format(experts)
     g = torch.Generator().manual_seed(seed)

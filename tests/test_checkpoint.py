@@ -158,3 +158,16 @@ def test_parallel_random_checkpoint_is_complete_and_independent_of_worker_count(
     assert len(set(index["weight_map"].values())) >= tiny_cfg.num_hidden_layers
     assert index["metadata"]["total_size"] == json.loads(
         (tmp_path / "one" / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+
+
+def test_parallel_writer_refuses_a_main_script_read_from_stdin(tmp_path, tiny_cfg, monkeypatch):
+    """`python - <<EOF` has no main file for spawned workers to re-import: a clear error, not a pool
+    that restarts failing workers forever (and nothing written)."""
+    import sys
+
+    from pdserve.engine.checkpoint_writer import make_random_checkpoint
+
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "<stdin>", raising=False)
+    with pytest.raises(RuntimeError, match="not a file"):
+        make_random_checkpoint(tmp_path / "ckpt", tiny_cfg, seed=0, workers=2)
+    assert not (tmp_path / "ckpt").exists()
