@@ -3,6 +3,7 @@ XQA and FA2 sink wrapper (gpt-oss: 64 q / 8 kv heads, d 64, 16-token pages, bf16
 
     python -m pdserve.bench.decode_attention [--batches 1,4,16,64] [--contexts 1024,8192]
                                             [--tilings 64/64/4,32/32/4] [--cluster 8/2/1/1] [--out results.json]
+    python -m pdserve.bench.decode_attention --launches 4 --batches 1 --contexts 8192   # for a profiler
 
 Each backend runs as the engine runs it: a `FlashInferSinkAttention` graph-mode object (fixed
 page-table buffers sized for the batch, plan() outside, run() replayed from a CUDA graph), the
@@ -94,6 +95,26 @@ def _case(b: int, ctx: int, window_left: int, tilings: list[str], gen: torch.Gen
     return res
 
 
+def _launch_only(launches: int, batches: list[int], contexts: list[int]) -> None:
+    """The engine's decode attention launched `launches` times a case, eagerly, nothing timed."""
+    gen = torch.Generator().manual_seed(1)
+    for b in batches:
+        for ctx in contexts:
+            for window_left in (-1, WINDOW_LEFT):
+                lens = [ctx] * b if window_left < 0 else [min(ctx, WINDOW_LEFT + 1 + ctx % PAGE + PAGE)] * b
+                batch, kv, q = _paged(lens, [1] * b, gen)
+                sinks = torch.randn(q.shape[1], device=q.device)
+                a = _ours(window_left, decode_backend="triton", cuda_graph_batch_size=b,
+                          max_pages_per_request=-(-max(lens) // PAGE))
+                a.plan(batch)
+                out = torch.empty_like(q)
+                for _ in range(launches):
+                    a.run(q, kv, sinks, out=out)
+                torch.cuda.synchronize()
+                print(f"batch {b} context {ctx} {'full' if window_left < 0 else 'window'}: {launches} launches",
+                      flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,4,16,64")
@@ -105,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                          "requested], at every batch (default: the engine's, kernels.cuda_decode_attention."
                          "FULL_LAYERS, and FULL_LAYERS_FEW up to its max_rows requests)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--launches", type=int, default=0, metavar="N",
+                    help="time nothing: launch the engine's \"triton\" decode attention (the cluster kernel where it "
+                         "applies) N times eagerly for each batch, context and layer type, in that order, for a "
+                         "profiler to pick one launch (ncu --launch-skip)")
     args = ap.parse_args(argv)
     if args.cluster:
         from pdserve.kernels import cuda_decode_attention as cda
@@ -115,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         cda.FULL_LAYERS_FEW = None
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.launches:
+        _launch_only(args.launches, [int(x) for x in args.batches.split(",")],
+                     [int(x) for x in args.contexts.split(",")])
+        return 0
     t0 = time.time()
     tilings = [t for t in args.tilings.split(",") if t]
     bw = copy_bandwidth(1 << 30)
