@@ -48,11 +48,16 @@ def _tiling(spec: str):
     return DecodeConfig(**dict(zip(names, fields)))
 
 
+def _lens(b: int, ctx: int, window_left: int) -> list[int]:
+    """Each request's keys: `ctx` for full layers; for windowed ones, the keys its window reaches."""
+    return [ctx] * b if window_left < 0 else [min(ctx, WINDOW_LEFT + 1 + ctx % PAGE + PAGE)] * b
+
+
 def _case(b: int, ctx: int, window_left: int, tilings: list[str], gen: torch.Generator) -> dict:
     """Times (seconds) per backend for one batch shape, plus the Triton / XQA difference."""
     from pdserve.kernels.triton_decode_attention import DecodeScratch, num_splits, paged_decode_attention
 
-    lens = [ctx] * b if window_left < 0 else [min(ctx, WINDOW_LEFT + 1 + ctx % PAGE + PAGE)] * b
+    lens = _lens(b, ctx, window_left)
     batch, kv, q = _paged(lens, [1] * b, gen)
     sinks = torch.randn(q.shape[1], device=q.device)
     max_pages = -(-max(lens) // PAGE)
@@ -101,7 +106,7 @@ def _launch_only(launches: int, batches: list[int], contexts: list[int]) -> None
     for b in batches:
         for ctx in contexts:
             for window_left in (-1, WINDOW_LEFT):
-                lens = [ctx] * b if window_left < 0 else [min(ctx, WINDOW_LEFT + 1 + ctx % PAGE + PAGE)] * b
+                lens = _lens(b, ctx, window_left)
                 batch, kv, q = _paged(lens, [1] * b, gen)
                 sinks = torch.randn(q.shape[1], device=q.device)
                 a = _ours(window_left, decode_backend="triton", cuda_graph_batch_size=b,

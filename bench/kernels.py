@@ -53,17 +53,7 @@ def time_it(fn, reps: int = 25, warmup: int = 2, flush: bool = True) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    pairs = []
-    for _ in range(reps):
-        if flush:
-            flush_l2()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        pairs.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e-3
+    return _timed(flush_l2 if flush else lambda: None, fn, reps, sleep=False) * 1e-6
 
 
 def graphed(fn, warmup: int = 2):
@@ -89,13 +79,13 @@ def _median_us(pairs) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
 
 
-def time_after(before, what, reps: int) -> float:
-    """Median us of what() alone, each rep: the GPU sleeps (so no launch gap is timed), the L2 is
-    flushed, then before() runs untimed."""
+def _timed(before, what, reps: int, sleep: bool) -> float:
+    """Median us of what() alone (events around it), each rep after before() untimed; with `sleep`
+    the GPU first waits while the host enqueues the rep, so no launch gap is timed."""
     pairs = []
     for _ in range(reps):
-        torch.cuda._sleep(QUEUE_SLEEP)
-        flush_l2()
+        if sleep:
+            torch.cuda._sleep(QUEUE_SLEEP)
         before()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
@@ -104,6 +94,12 @@ def time_after(before, what, reps: int) -> float:
         pairs.append((s, e))
     torch.cuda.synchronize()
     return _median_us(pairs)
+
+
+def time_after(before, what, reps: int) -> float:
+    """Median us of what() alone, each rep: the GPU sleeps (so no launch gap is timed), the L2 is
+    flushed, then before() runs untimed."""
+    return _timed(lambda: (flush_l2(), before()), what, reps, sleep=True)
 
 
 def time_beside(main, side, then, reps: int, stream: torch.cuda.Stream) -> tuple[float, float]:

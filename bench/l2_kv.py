@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from pdserve.bench.kernels import _ours, _paged, graphed, time_after, time_beside
 from pdserve.kernels.moe import experts_forward
 from pdserve.kernels.mxfp4 import random_experts
-from pdserve.kernels.nvrtc import load_kernels
+from pdserve.kernels.nvrtc import compile_kernels
 from pdserve.kernels.pdl import launch_cuda
 
 PROBE = r"""
@@ -53,9 +52,7 @@ extern "C" __global__ void prefetch_pages(const char* kv, const int* pages, int 
 
 @functools.cache
 def _probe(index: int) -> dict:
-    path = Path(tempfile.mkdtemp()) / "l2_kv_probe.cu"
-    path.write_text(PROBE)
-    return load_kernels(path, ["prefetch_pages"], ["-std=c++17"], index, 0)
+    return compile_kernels(PROBE, ["prefetch_pages"], ["-std=c++17"], index)
 
 
 def main() -> int:

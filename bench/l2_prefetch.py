@@ -32,7 +32,7 @@ from pdserve.bench.kernels import time_after, time_beside  # noqa: E402
 from pdserve.kernels import cuda_moe_mxfp4  # noqa: E402
 from pdserve.kernels.moe import experts_forward  # noqa: E402
 from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
-from pdserve.kernels.nvrtc import load_kernels  # noqa: E402
+from pdserve.kernels.nvrtc import compile_kernels  # noqa: E402
 from pdserve.kernels.pdl import launch_cuda  # noqa: E402
 from pdserve.kernels.triton_bf16_gemv import bf16_gemv  # noqa: E402
 
@@ -93,9 +93,7 @@ _EVICT_FIRST_LOAD = """__device__ __forceinline__ U4 load_stream(const U4* p) {
 
 @functools.cache
 def _probe(index: int) -> dict:
-    path = Path(tempfile.mkdtemp()) / "l2_probe.cu"
-    path.write_text(PROBE)
-    return load_kernels(path, ["prefetch_l2", "stream_read"], ["-std=c++17"], index, 0)
+    return compile_kernels(PROBE, ["prefetch_l2", "stream_read"], ["-std=c++17"], index)
 
 
 def _evict_first_source() -> Path:

@@ -36,7 +36,7 @@ import torch
 
 from pdserve import kernels
 from pdserve.bench.kernels import copy_bandwidth, graphed, time_it
-from pdserve.kernels.nvrtc import resident_ctas
+from pdserve.kernels.nvrtc import compile_kernels, resident_ctas
 
 KERNELS = Path(kernels.__file__).parent  # cuda_common.cuh: the project kernels' types
 
@@ -127,11 +127,8 @@ extern "C" __global__ void __launch_bounds__(NW * 32) stream(const U4* __restric
 
 @functools.cache
 def _kernel(nw: int, p: int, work: int, dep: bool):
-    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
-
-    cubin, _ = _nvrtc_compile(SOURCE, "stream", nvcc_options=[
-        f"-I{KERNELS}", f"-DNW={nw}", f"-DP={p}", f"-DWORK={work}", f"-DDEP={int(dep)}", "-std=c++17"])
-    return _cuda_load_module(cubin, ["stream"])["stream"]
+    options = [f"-DNW={nw}", f"-DP={p}", f"-DWORK={work}", f"-DDEP={int(dep)}", "-std=c++17"]
+    return compile_kernels(SOURCE, ["stream"], options, torch.cuda.current_device(), include=KERNELS)["stream"]
 
 
 def main() -> int:

@@ -67,10 +67,9 @@ STAGES = (0, 5760, 23040)  # bytes a CTA: one token row of 2880 bf16, four of th
 
 @functools.cache
 def _kernel():
-    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+    from pdserve.kernels.nvrtc import compile_kernels
 
-    cubin, _ = _nvrtc_compile(SOURCE, "link", nvcc_options=[f"-I{KERNELS}"])
-    return _cuda_load_module(cubin, ["link"])["link"]
+    return compile_kernels(SOURCE, ["link"], [], torch.cuda.current_device(), include=KERNELS)["link"]
 
 
 def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays: int = 20) -> float:

@@ -85,11 +85,10 @@ extern "C" __global__ void __launch_bounds__(NW * 32) rd(const U4* __restrict__ 
 
 @functools.cache
 def _kernel(nw: int, ksplit: int, p: int, work: int, tile: bool):
-    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+    from pdserve.kernels.nvrtc import compile_kernels
 
-    cubin, _ = _nvrtc_compile(SOURCE, "rd", nvcc_options=[
-        f"-DNW={nw}", f"-DKSPLIT={ksplit}", f"-DP={p}", f"-DWORK={work}", f"-DTILE={int(tile)}", "-std=c++17"])
-    return _cuda_load_module(cubin, ["rd"])["rd"]
+    options = [f"-DNW={nw}", f"-DKSPLIT={ksplit}", f"-DP={p}", f"-DWORK={work}", f"-DTILE={int(tile)}", "-std=c++17"]
+    return compile_kernels(SOURCE, ["rd"], options, torch.cuda.current_device())["rd"]
 
 
 def main() -> int:

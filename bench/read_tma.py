@@ -124,15 +124,12 @@ stream(const __grid_constant__ TensorMap map, const long long* __restrict__ ids,
 
 @functools.cache
 def _kernel(rows: int, slots: int, consumers: int, touch: bool, interleave: bool = False):
-    from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
+    from pdserve.kernels.nvrtc import compile_kernels
 
-    cubin, _ = _nvrtc_compile(SOURCE, "stream", nvcc_options=[
-        f"-DR={rows}", f"-DS={slots}", f"-DC={consumers}", f"-DTOUCH={int(touch)}", f"-DINTERLEAVE={int(interleave)}",
-        "-std=c++17"])
-    k = _cuda_load_module(cubin, ["stream"])["stream"]
+    options = [f"-DR={rows}", f"-DS={slots}", f"-DC={consumers}", f"-DTOUCH={int(touch)}",
+               f"-DINTERLEAVE={int(interleave)}", "-std=c++17"]
     smem = slots * rows * ROW_BYTES + 2 * slots * 8
-    _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(k.func, 8, smem))  # MAX_DYNAMIC_SHARED_SIZE_BYTES
-    return k, smem
+    return compile_kernels(SOURCE, ["stream"], options, torch.cuda.current_device(), smem)["stream"], smem
 
 
 def tensor_map(words: torch.Tensor, n_rows_total: int, box_rows: int) -> ctypes.Array:

@@ -7,6 +7,7 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+typedef unsigned long long u64;
 
 struct __align__(16) U4 { u32 x, y, z, w; };
 

@@ -38,8 +38,6 @@
 
 #include "cuda_common.cuh"
 
-typedef unsigned long long u64;
-
 #define D 64
 #define GROUP DA_GROUP
 #define PAGE DA_PAGE

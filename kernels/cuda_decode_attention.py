@@ -132,7 +132,7 @@ def applies(q: torch.Tensor, kv_cache: torch.Tensor, window_left: int) -> bool:
 
 def available(device: torch.device) -> bool:
     """Hopper or newer (clusters, distributed shared memory) with NVRTC loadable."""
-    return builds_on(device, "CUDA decode attention", lambda index: _kernel(index, 8, 16, FULL_LAYERS, SOURCE))
+    return builds_on(device, "CUDA decode attention", lambda index: _kernel(index, 8, 16, FULL_LAYERS))
 
 
 def compile_options(group: int, page: int, cfg: ClusterConfig) -> list[str]:
@@ -142,8 +142,8 @@ def compile_options(group: int, page: int, cfg: ClusterConfig) -> list[str]:
 
 
 @functools.cache
-def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, source: Path):
-    return load_kernels(source, ["decode_attention"], compile_options(group, page, cfg), device_index,
+def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig):
+    return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg), device_index,
                         shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
 
 
@@ -167,7 +167,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         raise ValueError(f"scratch {scratch.shape} does not fit {t} rows x {hkv} KV heads")
     groups = groups_for(t, hkv, cfg, q.device, scratch.shape[2])
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(dev, hq // hkv, page, cfg, SOURCE)  # SOURCE read per call: a benchmark may swap it
+    kernel = _kernel(dev, hq // hkv, page, cfg)
     launch_cuda(kernel, (cfg.cluster, t, hkv * groups), (THREADS, 1, 1), shared_bytes(cfg), pdl=pdl_enabled(q.device),
                 cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
                 args=[q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),

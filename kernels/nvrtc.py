@@ -1,5 +1,6 @@
 """CUDA kernels compiled at first use by NVRTC through torch (no build step, no headers): the one
-place that compiles, loads and sizes them; kernels/pdl.py launches them."""
+place that compiles, loads and sizes them, the engine's and the benchmarks' probes; kernels/pdl.py
+launches them."""
 
 from __future__ import annotations
 
@@ -17,16 +18,24 @@ _NON_PORTABLE_CLUSTER = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWE
 PORTABLE_CLUSTER = 8  # the most CTAs a cluster may hold without asking (Hopper allows 16 on request)
 
 
+HEADERS = Path(__file__).parent  # cuda_common.cuh, the kernels' shared header
+
+
 def load_kernels(source: Path, names: list[str], options: list[str], device_index: int, dynamic_smem: int,
                  cluster: int = 1) -> dict:
-    """{name: kernel} of `source` compiled with `options` for the device, each allowed
+    """{name: kernel} of the .cu file `source` (its directory on the include path): compile_kernels."""
+    return compile_kernels(source.read_text(), names, options, device_index, dynamic_smem, cluster, source.parent)
+
+
+def compile_kernels(text: str, names: list[str], options: list[str], device_index: int, dynamic_smem: int = 0,
+                    cluster: int = 1, include: Path = HEADERS) -> dict:
+    """{name: kernel} of the CUDA source `text` compiled with `options` for the device, each allowed
     `dynamic_smem` bytes of dynamic shared memory (past the 48 KB a launch gets without asking) and,
-    where `cluster` passes PORTABLE_CLUSTER, clusters of that many CTAs."""
+    where `cluster` passes PORTABLE_CLUSTER, clusters of that many CTAs; `include` on the include path."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     with torch.cuda.device(device_index):
-        # -I: the .cu files' shared header (cuda_common.cuh) sits next to them
-        cubin, _ = _nvrtc_compile(source.read_text(), names[0], nvcc_options=[f"-I{source.parent}", *options])
+        cubin, _ = _nvrtc_compile(text, names[0], nvcc_options=[f"-I{include}", *options])
         kernels = _cuda_load_module(cubin, names)
         libcuda = _get_gpu_runtime_library()
         for k in kernels.values():
