@@ -92,6 +92,19 @@ __device__ __forceinline__ void mma_rows0_7(float d[4], u32 a0, u32 a2, u32 b0, 
   mma<F16>(d, a0, 0u, a2, 0u, b0, b1);
 }
 
+// %globaltimer in ns (the timing builds' traces: MX_TRACE, DA_TRACE)
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ u32 sm_id() {
+  u32 sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+
 // A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract)
 __device__ __forceinline__ void enter_pdl() {
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -32,7 +32,8 @@
 //
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
-// ahead of the copies whose page-table entries are requested).
+// ahead of the copies whose page-table entries are requested), DA_TRACE (1: the timing build, whose
+// last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
 // in 64 bits, offsets inside a page in 32.
 
@@ -51,6 +52,26 @@
 #define SLOT_BYTES (BLOCK * ROW_BYTES)  // K (or V) of one block: 16 KB
 #define OUTS (GROUP * D)              // outputs of a (request, KV head)
 #define NEG_INF (-__int_as_float(0x7f800000u))  // (NVRTC has no math.h INFINITY)
+
+#ifndef DA_TRACE
+#define DA_TRACE 0
+#endif
+#if DA_TRACE
+// A warp's record (%globaltimer ns unless said): its start, its first blocks' copies issued, the PDL
+// wait passed, then for each of its first TRACE_BLOCKS blocks the copies landed (the wait_group
+// passed) and the sums done (the block's slot handed back to the copies), then the CTA's warps folded,
+// its end, as plain numbers its SM and its blocks, and last the cluster's partials met (its first
+// cluster barrier passed).
+enum Trace { T_START, T_ISSUED, T_PDL, T_BLOCKS, TRACE_BLOCKS = 16, T_FOLDED = T_BLOCKS + 2 * TRACE_BLOCKS, T_END,
+             T_SM, T_MY_BLOCKS, T_MET, TRACE_WORDS = 40 };
+#define TRACE_PARAM , unsigned long long* __restrict__ trace
+#define TRACE(w, v) do { if (lane == 0) trace_rec[w] = (v); } while (0)
+#define TRACE_BLOCK(j, e) do { if ((j) < TRACE_BLOCKS) TRACE(T_BLOCKS + 2 * (j) + (e), now_ns()); } while (0)
+#else
+#define TRACE_PARAM
+#define TRACE(w, v) do { } while (0)
+#define TRACE_BLOCK(j, e) do { } while (0)
+#endif
 
 static_assert(GROUP >= 1 && GROUP <= 8, "the heads of a KV head are the mma's rows 0-7");
 static_assert(LOOK >= 1, "a block's page-table entries are requested before its copies");
@@ -99,13 +120,19 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
                  int stride_table, const int* __restrict__ seq_lens, const float* __restrict__ sinks,
                  u16* __restrict__ out, int stride_ot, int stride_oh, double qk_scale_d, int window_left,
                  float* __restrict__ part_o, float* __restrict__ part_m, float* __restrict__ part_l,
-                 int* __restrict__ count, int part_splits, int part_rows, int num_kv_heads) {
+                 int* __restrict__ count, int part_splits, int part_rows, int num_kv_heads TRACE_PARAM) {
   extern __shared__ __align__(128) unsigned char smem[];  // STAGES x (K slot, V slot), then Shared
   Shared& sh = *reinterpret_cast<Shared*>(smem + STAGES * 2 * SLOT_BYTES);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tig = lane & 3;
   // z = KV head + Hkv x cluster group: every request's first clusters come first in launch order
   const int s = blockIdx.x, b = blockIdx.y, g = blockIdx.z % num_kv_heads, cl_group = blockIdx.z / num_kv_heads;
   const float qk_scale = (float)qk_scale_d;
+#if DA_TRACE
+  unsigned long long* trace_rec =
+      trace + (((u64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (WARPS * TRACE_WORDS) +
+      warp * TRACE_WORDS;
+  TRACE(T_START, now_ns());
+#endif
 
   // ---- ahead of the PDL wait: the request's keys, its table entries and the first STAGES blocks
   const int seq_len = load_early_s32(seq_lens + b);  // >= 1, staged before the step
@@ -172,7 +199,11 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
   };
 #pragma unroll
   for (int j = 0; j < STAGES; ++j) issue(j);
+  TRACE(T_ISSUED, now_ns());
+  TRACE(T_SM, sm_id());
+  TRACE(T_MY_BLOCKS, my_blocks);
   enter_pdl();  // the QKV projection before this kernel wrote q and the step's key
+  TRACE(T_PDL, now_ns());
 
   // q as A (rows = heads gq < GROUP, rows 8-15 zero): k-step ks holds dims 16 ks + 2 tig (+1) and + 8
   u32 qa0[D / 16], qa2[D / 16];
@@ -192,6 +223,7 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
 
   for (int j = 0; j < my_blocks; ++j) {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");  // block j's copies have landed
+    TRACE_BLOCK(j, 0);
     const int lo = start + (k + j * ctas) * BLOCK;
     const u32 kslot = slots + (j % STAGES) * 2 * SLOT_BYTES, vslot = kslot + SLOT_BYTES;
     const int own = seq_len - 1 - lo - row0;  // the step's own key, copied before it was written
@@ -263,6 +295,7 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
       acc[dt][1] = d4[1];
     }
     __syncwarp();  // the warp's reads of its rows are done before its lanes refill them
+    TRACE_BLOCK(j, 1);
     issue(j + STAGES);
   }
 
@@ -279,6 +312,7 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
     sh.wo[warp][gq][8 * dt + 2 * tig + 1] = acc[dt][1];
   }
   __syncthreads();
+  TRACE(T_FOLDED, now_ns());
   const int h = tid >> 4, d0 = (tid & 15) * 4;  // this thread's head and 4 dims of the CTA's fold
   float cm = NEG_INF;
 #pragma unroll
@@ -311,6 +345,7 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
 #pragma unroll
     for (int e = 0; e < 4; ++e) sh.co[h][d0 + e] = co[e];
     cluster_sync();  // every CTA's partial is in its shared memory
+    TRACE(T_MET, now_ns());
     // the cluster's partials, one output (head, dim) a thread: with the sink into `out` where this
     // cluster is the request's only one, else the cluster's partial into global memory
     const i64 slot = ((i64)(b * num_kv_heads + g) * part_splits + cl_group) * part_rows;
@@ -372,4 +407,5 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
       }
     }
   }
+  TRACE(T_END, now_ns());
 }

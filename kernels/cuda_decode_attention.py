@@ -135,25 +135,39 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "CUDA decode attention", lambda index: _kernel(index, 8, 16, FULL_LAYERS))
 
 
-def compile_options(group: int, page: int, cfg: ClusterConfig) -> list[str]:
-    """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too)."""
+TRACE_WORDS = 40  # u64 words a warp of the timing build writes (the .cu file's `Trace`)
+
+
+def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = False) -> list[str]:
+    """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too); trace: the
+    timing build (DA_TRACE)."""
     return [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
-            f"-DDA_LOOK={cfg.lookahead}", "-std=c++17"]
+            f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", "-std=c++17"]
 
 
 @functools.cache
-def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig):
-    return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg), device_index,
+def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace: bool = False):
+    return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg, trace), device_index,
                         shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
+
+
+def trace_buffer(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> torch.Tensor:
+    """A zeroed record for every warp of one launch of the timing build: int64 [clusters a (request,
+    KV head), KV heads, rows, CTAs a cluster, warps, TRACE_WORDS], in the grid's order."""
+    groups = groups_for(rows, num_kv_heads, cfg, device, splits)
+    return torch.zeros(groups, num_kv_heads, rows, cfg.cluster, THREADS // 32, TRACE_WORDS, dtype=torch.int64,
+                       device=device)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      sinks: torch.Tensor, sm_scale: float, window_left: int, scratch,
-                     out: torch.Tensor | None = None, cfg: ClusterConfig | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, cfg: ClusterConfig | None = None,
+                     trace: torch.Tensor | None = None) -> torch.Tensor:
     """`triton_decode_attention.paged_decode_attention`'s result (same arguments) [T, Hq, D] bf16,
     into `out` where given; the caller checked `applies` (and the shapes, as that function does).
     `scratch` (the Triton kernel's `DecodeScratch` for these rows) holds the partials of requests
-    that span more than one cluster. No host synchronisation: capturable in a CUDA graph."""
+    that span more than one cluster. No host synchronisation: capturable in a CUDA graph. trace: run
+    the timing build, which fills this `trace_buffer` (bench/attention_trace.py)."""
     t, hq, _ = q.shape
     cfg = cfg or config_for(window_left, t)
     page, hkv = kv_cache.shape[2], kv_cache.shape[3]
@@ -167,11 +181,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         raise ValueError(f"scratch {scratch.shape} does not fit {t} rows x {hkv} KV heads")
     groups = groups_for(t, hkv, cfg, q.device, scratch.shape[2])
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(dev, hq // hkv, page, cfg)
+    kernel = _kernel(dev, hq // hkv, page, cfg, trace is not None)
+    if trace is not None and trace.shape != trace_buffer(t, hkv, cfg, q.device, scratch.shape[2]).shape:
+        raise ValueError(f"trace must be trace_buffer({t}, {hkv}, ...), got {tuple(trace.shape)}")
     launch_cuda(kernel, (cfg.cluster, t, hkv * groups), (THREADS, 1, 1), shared_bytes(cfg), pdl=pdl_enabled(q.device),
                 cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,
                 args=[q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                       block_tables, block_tables.stride(0), seq_lens, sinks, out, out.stride(0), out.stride(1),
                       float(sm_scale) * LOG2E, int(window_left) if window_left >= 0 else -1,
-                      scratch.o, scratch.m, scratch.l, scratch.count, scratch.shape[2], scratch.o.shape[3], hkv])
+                      scratch.o, scratch.m, scratch.l, scratch.count, scratch.shape[2], scratch.o.shape[3], hkv]
+                + ([trace] if trace is not None else []))
     return out

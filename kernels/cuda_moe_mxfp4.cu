@@ -152,16 +152,10 @@ static_assert(!MX_CLUSTER_SUM || SLOTS == 1, "the cluster sum serves per-pair la
 static_assert((NW * 32) % ROWS == 0, "a thread's epilogue row must be the same for every pair");
 #if MX_TRACE
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 // word w (0 start, 1 sums done, 2 end, 3 SM) of this CTA's trace record
 __device__ __forceinline__ void trace_mark(unsigned long long* trace, int w) {
   if (threadIdx.x == 0) {
-    unsigned long long v;
-    if (w == 3) { unsigned sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); v = sm; } else { v = now_ns(); }
+    const unsigned long long v = w == 3 ? sm_id() : now_ns();
     trace[(blockIdx.y * (unsigned long long)gridDim.x + blockIdx.x) * 4 + w] = v;
   }
 }

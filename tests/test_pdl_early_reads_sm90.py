@@ -298,21 +298,25 @@ def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_afte
     assert "HMMA.16816.F32" in late and "F2FP.F16.E4M3.UNPACK_B" in late
 
 
-@pytest.mark.parametrize("layers", ["full", "full, few requests", "windowed", "full, entries 3 blocks ahead"])
+@pytest.mark.parametrize("layers", ["full", "full, few requests", "windowed", "full, entries 3 blocks ahead",
+                                    "full, few requests, timing build"])
 def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(layers, tmp_path):
     """kernels/cuda_decode_attention.cu: the request's length and page-table entries (strong L2
     loads) and the async copies of its first blocks' keys and values come before the wait; q and the
     step's own key row are read after it; full layers fold through the cluster, with one atomic (the
-    arrival counter of requests that span several clusters), windowed ones without either."""
+    arrival counter of requests that span several clusters), windowed ones without either. The timing
+    build (bench/attention_trace.py) keeps all of that: its figures are the engine build's."""
     from pdserve.kernels.cuda_decode_attention import (FULL_LAYERS, FULL_LAYERS_FEW, SOURCE, WINDOWED_LAYERS,
                                                        compile_options)
 
     import dataclasses
 
-    cfg = {"full": FULL_LAYERS, "full, few requests": FULL_LAYERS_FEW or FULL_LAYERS, "windowed": WINDOWED_LAYERS,
-           "full, entries 3 blocks ahead": dataclasses.replace(FULL_LAYERS, lookahead=3)}[layers]
+    few = FULL_LAYERS_FEW or FULL_LAYERS
+    cfg = {"full": FULL_LAYERS, "full, few requests": few, "windowed": WINDOWED_LAYERS,
+           "full, entries 3 blocks ahead": dataclasses.replace(FULL_LAYERS, lookahead=3),
+           "full, few requests, timing build": few}[layers]
     cubin = tmp_path / "da.cubin"
-    report = _nvcc_cubin(SOURCE, compile_options(8, 16, cfg), cubin)
+    report = _nvcc_cubin(SOURCE, compile_options(8, 16, cfg, trace=layers.endswith("timing build")), cubin)
     assert "spill" not in report or " 0 bytes spill stores" in report, report
     ops = _sass(cubin.read_bytes(), tmp_path)
     early = _loads_before_wait(ops)
