@@ -11,8 +11,10 @@ Each case (requests x keys, the engine's full-layer shape for that batch) runs t
 CUDA graph as the engine runs it, the GPU first sleeping while the host queues the rep, then the L2
 flushed:
 - alone: nothing before it but the flush (its PDL wait passes as soon as the flush ends);
-- behind a spin: a one-CTA kernel that lets its dependents launch at once and then spins `--lead-us`,
-  so the attention's CTAs are placed, issue their first blocks' copies and wait: its best case;
+- behind a spin: a one-CTA kernel (launched with PDL, as the engine's kernels are) that lets its
+  dependents launch at once and then spins `--lead-us`, so the attention's CTAs can be placed, issue
+  their first blocks' copies and wait: its best case (`python -m pdserve.bench.pdl_chain --overlap`
+  says whether and when such a dependent is placed early);
 - behind the QKV projection: the engine's FP8 QKV + RoPE launch of the step's tokens
   (kernels/cuda_gemv_fp8.qkv_rope_fp8, random weights of gpt-oss' shape) writing their keys into the
   cache, as in the step: when the attention's CTAs find room beside its 640 CTAs, and what follows.
@@ -163,7 +165,7 @@ def _case(a, lead, attn, kv: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor,
         raise SystemExit(f"batch {b} context {ctx}: the timing build's output differs from the engine build's")
     qkv = _qkv_projection(attn, kv, b, ctx)
     stamp = torch.zeros(2, dtype=torch.int64, device=dev)
-    spin = lambda: launch_cuda(lead, (1, 1, 1), (32, 1, 1), 0, pdl=False,
+    spin = lambda: launch_cuda(lead, (1, 1, 1), (32, 1, 1), 0, pdl=True,  # as the engine launches every kernel
                                args=[int(a.lead_us * 1e3), stamp])
     before = dict(zip(MODES, (lambda: None, spin, qkv)))
     for mode in MODES:

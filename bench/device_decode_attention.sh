@@ -7,7 +7,9 @@
 # that need no XQA run. TILINGS: extra Triton tilings for the benchmark (block_n/min_keys/num_warps,
 # comma-separated, e.g. 32/32/4,128/128/8). NCU_CONTEXTS (e.g. 8192,32768): also profile the cluster
 # kernel at one request of each context with Nsight Compute's warp-state sampling per SASS instruction
-# ($OUT/ncu_CTX.ncu-rep for the UI, summarised by bench/ncu_source.py into $OUT/ncu_CTX.txt). Logs, the
+# ($OUT/ncu_CTX.ncu-rep for the UI, summarised by bench/ncu_source.py into $OUT/ncu_CTX.txt). TRACE=1:
+# also whether a dependent launch is placed early (bench/pdl_chain.py --overlap) and the cluster kernel
+# warp by warp, alone and behind the kernels before it (bench/attention_trace.py). Logs, the
 # benchmark's JSON and refreshed build caches (bench/device_caches.sh) go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -28,6 +30,14 @@ python3 -m pytest -q -m gpu "$T" -k xqa 2>&1 | tail -20 | tee -a "$OUT/tests.log
 log "benchmark"
 timeout 300 python3 -m pdserve.bench.decode_attention ${TILINGS:+--tilings "$TILINGS"} \
   --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/bench.log"
+if [ "${TRACE:-0}" = 1 ]; then
+  log "when a dependent launch is placed"
+  timeout 120 python3 -m pdserve.bench.pdl_chain --overlap --out "$OUT/overlap.json" 2>&1 | tee "$OUT/overlap.log"
+  log "the cluster kernel warp by warp"
+  timeout 300 python3 -m pdserve.bench.attention_trace --contexts 1024,8192,32768 --batches 1,2 \
+    --out "$OUT/trace.json" > "$OUT/trace.log" 2>&1
+  grep -v '^ ' "$OUT/trace.log" | cut -c1-400
+fi
 for ctx in $(echo "${NCU_CONTEXTS:-}" | tr ',' ' '); do
   log "Nsight Compute, one request at $ctx keys"
   # skip the first two launches (the build, the first run), profile the third

@@ -16,6 +16,16 @@ threads (a norm, one CTA an SM, the FP8 QKV GEMV, one token's MXFP4 gate/up). Ti
 captured in one CUDA graph, median of replays, per kernel; with PDL and without.
 
     python -m pdserve.bench.pdl_chain [--kernels 64] [--out FILE.json]
+    python -m pdserve.bench.pdl_chain --overlap [--out FILE.json]
+
+`--overlap` asks instead whether a dependent kernel is placed while the kernel before it still runs,
+which every read "ahead of the PDL wait" in the engine's kernels relies on: a one-CTA kernel that
+spins 20 us (launched with PDL or without, letting its dependents launch at its start or not),
+then a probe launched with PDL that records when its first CTA started and when its wait passed,
+in us from the spin's start (a probe placed early starts near 0; one placed only when the spin has
+finished, near 20). The probe as a plain 1-CTA kernel, with the attention's 76 KB of dynamic shared
+memory, and as one cluster of 16 such CTAs; in a CUDA graph (as the engine replays its steps) and
+eagerly.
 """
 
 from __future__ import annotations
@@ -59,6 +69,38 @@ extern "C" __global__ void __launch_bounds__(128) link(const u32* __restrict__ p
 }
 """
 
+OVERLAP_SOURCE = r"""
+#include "cuda_common.cuh"
+
+// spins `ns` ns, its dependents allowed to launch at its start when `trigger`; stamp[0, 1]: its span
+extern "C" __global__ void spin(int ns, unsigned long long* stamp, int trigger) {
+  const unsigned long long t0 = now_ns();
+  if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  unsigned long long t;
+  do {
+    t = now_ns();
+  } while (t - t0 < (unsigned long long)ns);
+  if (threadIdx.x == 0) {
+    stamp[0] = t0;
+    stamp[1] = t;
+  }
+}
+
+// stamp[2, 3]: when its first CTA started, and when that CTA's wait passed
+extern "C" __global__ void probe(unsigned long long* stamp) {
+  const unsigned long long t0 = now_ns();
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const unsigned long long t1 = now_ns();
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    stamp[2] = t0;
+    stamp[3] = t1;
+  }
+}
+"""
+SPIN_NS = 20_000
+PROBE_SMEM = 76 * 1024  # the full layers' cluster attention's dynamic shared memory (two stages)
+PROBES = {"1 CTA": (1, 0), "1 CTA, 76 KB shared": (1, PROBE_SMEM), "cluster of 16, 76 KB shared": (16, PROBE_SMEM)}
+
 KERNELS = Path(kernels.__file__).parent  # cuda_common.cuh: the project kernels' L2 loads
 GRIDS = (1, 132, 640, 1440)
 HOPS = (0, 1, 2, 4)
@@ -91,11 +133,68 @@ def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays:
     return time_it(graphed(run), reps=replays, warmup=1, flush=False) * 1e6 / kernels
 
 
+@functools.cache
+def _overlap_kernels(cluster: int, smem: int) -> dict:
+    from pdserve.kernels.nvrtc import compile_kernels
+
+    return compile_kernels(OVERLAP_SOURCE, ["spin", "probe"], ["-std=c++17"], torch.cuda.current_device(),
+                           dynamic_smem=smem, cluster=cluster, include=KERNELS)
+
+
+def overlap_us(graph: bool, spin_pdl: bool, trigger: bool, probe: str, reps: int = 5) -> tuple[float, float, float]:
+    """(probe started, its wait passed, the spin ended), us from the spin's start; medians of `reps`."""
+    from pdserve.bench.kernels import QUEUE_SLEEP, graphed
+    from pdserve.kernels.pdl import launch_cuda
+
+    cluster, smem = PROBES[probe]
+    k = _overlap_kernels(cluster, smem)
+    stamp = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def run():
+        launch_cuda(k["spin"], (1, 1, 1), (32, 1, 1), 0, pdl=spin_pdl, args=[SPIN_NS, stamp, int(trigger)])
+        launch_cuda(k["probe"], (cluster, 1, 1), (128, 1, 1), smem, pdl=True, args=[stamp],
+                    cluster=(cluster, 1, 1) if cluster > 1 else None)
+
+    step = graphed(run) if graph else run
+    got = []
+    for _ in range(reps):
+        torch.cuda._sleep(QUEUE_SLEEP)  # the host queues both launches meanwhile
+        step()
+        torch.cuda.synchronize()
+        t = stamp.tolist()
+        got.append(tuple((v - t[0]) / 1e3 for v in (t[2], t[3], t[1])))
+    return tuple(sorted(x[i] for x in got)[reps // 2] for i in range(3))
+
+
+def overlap_main(out: str | None) -> None:
+    rows = []
+    print(f"us from the spin's start (it spins {SPIN_NS / 1e3:.0f} us); the probe launched with PDL", flush=True)
+    for graph in (True, False):
+        for spin_pdl in (True, False):
+            for trigger in (True, False):
+                for probe in PROBES:
+                    if not graph and probe != "1 CTA":
+                        continue
+                    started, passed, ended = overlap_us(graph, spin_pdl, trigger, probe)
+                    rows.append({"graph": graph, "spin_pdl": spin_pdl, "trigger": trigger, "probe": probe,
+                                 "started": started, "passed": passed, "spin_ended": ended})
+                    print(f"{'graph' if graph else 'eager':5}  spin {'with' if spin_pdl else 'without'} PDL, "
+                          f"{'triggers' if trigger else 'no trigger'}  {probe:28s} probe started {started:6.2f}  "
+                          f"wait passed {passed:6.2f}  spin ended {ended:6.2f}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", type=int, default=64, help="links a chain")
     ap.add_argument("--out", default=None, help="write the results as JSON")
+    ap.add_argument("--overlap", action="store_true", help="whether a dependent launch is placed early (see above)")
     a = ap.parse_args()
+    if a.overlap:
+        overlap_main(a.out)
+        return
     rows = []
     print(f"us a kernel, chains of {a.kernels}; columns: CTAs", flush=True)
     print(f"{'pdl':>4} {'hops':>4} {'stage B':>8} " + " ".join(f"{c:>7}" for c in GRIDS), flush=True)

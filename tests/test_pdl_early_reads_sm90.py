@@ -356,3 +356,20 @@ def test_moe_stream_bench_compiles_without_spills(tmp_path, dep):
     assert "0 bytes spill stores" in report, report
     ops = _sass(cubin.read_bytes(), tmp_path, "stream")
     assert any(op.startswith(("RED", "ATOM")) for op in ops) == bool(dep)
+
+
+def test_pdl_overlap_probe_triggers_at_the_spin_start_and_waits_in_the_probe(tmp_path):
+    """bench/pdl_chain.py --overlap: the spin lets its dependents launch before it spins (PREEXIT ahead
+    of its loop) and the probe reads the clock on both sides of its wait, so its figures say when a
+    PDL launch is placed and when its wait passes."""
+    from pdserve.bench.pdl_chain import KERNELS, OVERLAP_SOURCE
+
+    source, cubin = tmp_path / "overlap.cu", tmp_path / "overlap.cubin"
+    source.write_text(OVERLAP_SOURCE)
+    _nvcc_cubin(source, [f"-I{KERNELS}", "-std=c++17"], cubin)
+    spin = _sass(cubin.read_bytes(), tmp_path, "spin")
+    assert "PREEXIT" in spin and spin.index("PREEXIT") < spin.index("BRA"), spin
+    probe = _sass(cubin.read_bytes(), tmp_path, "probe")
+    clock = [i for i, op in enumerate(probe) if op.startswith(("S2UR", "CS2R", "S2R"))]
+    wait = probe.index("ACQBULK")
+    assert any(i < wait for i in clock) and any(i > wait for i in clock), probe
