@@ -35,7 +35,6 @@ the CTA, the cluster's partials met (its barrier passed), and the end (max: what
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -43,35 +42,15 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.kernels import HKV, HQ, PAGE, QUEUE_SLEEP, SM_SCALE, _ours, _paged, flush_l2, graphed
+from pdserve.bench.pdl_chain import overlap_kernels
 from pdserve.kernels import cuda_decode_attention as cda
-from pdserve.kernels.nvrtc import compile_kernels
 from pdserve.kernels.pdl import launch_cuda
 
-LEAD = r"""
-// lets the next (PDL) launch start at once, then spins `ns` nanoseconds; stamp: its start and end
-extern "C" __global__ void lead(int ns, unsigned long long* stamp) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < (unsigned long long)ns);
-  if (threadIdx.x == 0) {
-    stamp[0] = t0;
-    stamp[1] = t;
-  }
-}
-"""
 # word offsets of a warp's record (the .cu file's `Trace`)
 T_START, T_ISSUED, T_PDL, T_BLOCKS, TRACE_BLOCKS = 0, 1, 2, 3, 16
 T_FOLDED = T_BLOCKS + 2 * TRACE_BLOCKS
 T_END, T_SM, T_MY_BLOCKS, T_MET = T_FOLDED + 1, T_FOLDED + 2, T_FOLDED + 3, T_FOLDED + 4
 MODES = ("alone", "behind a spin", "behind the QKV projection")
-
-
-@functools.cache
-def _lead(index: int):
-    return compile_kernels(LEAD, ["lead"], ["-std=c++17"], index)["lead"]
 
 
 def _qkv_projection(attn, kv: torch.Tensor, rows: int, ctx: int):
@@ -166,7 +145,7 @@ def _case(a, lead, attn, kv: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor,
     qkv = _qkv_projection(attn, kv, b, ctx)
     stamp = torch.zeros(2, dtype=torch.int64, device=dev)
     spin = lambda: launch_cuda(lead, (1, 1, 1), (32, 1, 1), 0, pdl=True,  # as the engine launches every kernel
-                               args=[int(a.lead_us * 1e3), stamp])
+                               args=[int(a.lead_us * 1e3), stamp, 1])
     before = dict(zip(MODES, (lambda: None, spin, qkv)))
     for mode in MODES:
         # as the engine runs it: one CUDA graph (the kernel before and the attention, PDL between them)
@@ -205,7 +184,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    lead = _lead(torch.cuda.current_device())
+    lead = overlap_kernels()["spin"]
     results = {}
     for b in (int(x) for x in a.batches.split(",")):
         for ctx in (int(x) for x in a.contexts.split(",")):

@@ -134,7 +134,9 @@ def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays:
 
 
 @functools.cache
-def _overlap_kernels(cluster: int, smem: int) -> dict:
+def overlap_kernels(cluster: int = 1, smem: int = 0) -> dict:
+    """The spin and the probe, the probe allowed `smem` bytes of dynamic shared memory and clusters of
+    `cluster` CTAs (bench/attention_trace.py spins before the attention with the same kernel)."""
     from pdserve.kernels.nvrtc import compile_kernels
 
     return compile_kernels(OVERLAP_SOURCE, ["spin", "probe"], ["-std=c++17"], torch.cuda.current_device(),
@@ -147,7 +149,7 @@ def overlap_us(graph: bool, spin_pdl: bool, trigger: bool, probe: str, reps: int
     from pdserve.kernels.pdl import launch_cuda
 
     cluster, smem = PROBES[probe]
-    k = _overlap_kernels(cluster, smem)
+    k = overlap_kernels(cluster, smem)
     stamp = torch.zeros(4, dtype=torch.int64, device="cuda")
 
     def run():
