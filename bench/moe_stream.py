@@ -30,15 +30,11 @@ import itertools
 import json
 import sys
 
-from pathlib import Path
-
 import torch
 
-from pdserve import kernels
 from pdserve.bench.kernels import copy_bandwidth, graphed, time_it
 from pdserve.kernels.nvrtc import compile_kernels, resident_ctas
 
-KERNELS = Path(kernels.__file__).parent  # cuda_common.cuh: the project kernels' types
 
 KG = 90  # 32-groups along K (gpt-oss: K 2880)
 ROWS_GU, ROWS_DN, TOP_K, EXPERTS = 5760, 2880, 4, 32
@@ -128,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(NW * 32) stream(const U4* __restric
 @functools.cache
 def _kernel(nw: int, p: int, work: int, dep: bool):
     options = [f"-DNW={nw}", f"-DP={p}", f"-DWORK={work}", f"-DDEP={int(dep)}", "-std=c++17"]
-    return compile_kernels(SOURCE, ["stream"], options, torch.cuda.current_device(), include=KERNELS)["stream"]
+    return compile_kernels(SOURCE, ["stream"], options, torch.cuda.current_device())["stream"]
 
 
 def main() -> int:

@@ -33,11 +33,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from pathlib import Path
 
 import torch
-
-from pdserve import kernels
 
 SOURCE = r"""
 #include "cuda_common.cuh"
@@ -101,7 +98,6 @@ SPIN_NS = 20_000
 PROBE_SMEM = 76 * 1024  # the full layers' cluster attention's dynamic shared memory (two stages)
 PROBES = {"1 CTA": (1, 0), "1 CTA, 76 KB shared": (1, PROBE_SMEM), "cluster of 16, 76 KB shared": (16, PROBE_SMEM)}
 
-KERNELS = Path(kernels.__file__).parent  # cuda_common.cuh: the project kernels' L2 loads
 GRIDS = (1, 132, 640, 1440)
 HOPS = (0, 1, 2, 4)
 STAGES = (0, 5760, 23040)  # bytes a CTA: one token row of 2880 bf16, four of them
@@ -111,7 +107,7 @@ STAGES = (0, 5760, 23040)  # bytes a CTA: one token row of 2880 bf16, four of th
 def _kernel():
     from pdserve.kernels.nvrtc import compile_kernels
 
-    return compile_kernels(SOURCE, ["link"], [], torch.cuda.current_device(), include=KERNELS)["link"]
+    return compile_kernels(SOURCE, ["link"], [], torch.cuda.current_device())["link"]
 
 
 def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays: int = 20) -> float:
@@ -140,7 +136,7 @@ def overlap_kernels(cluster: int = 1, smem: int = 0) -> dict:
     from pdserve.kernels.nvrtc import compile_kernels
 
     return compile_kernels(OVERLAP_SOURCE, ["spin", "probe"], ["-std=c++17"], torch.cuda.current_device(),
-                           dynamic_smem=smem, cluster=cluster, include=KERNELS)
+                           dynamic_smem=smem, cluster=cluster)
 
 
 def overlap_us(graph: bool, spin_pdl: bool, trigger: bool, probe: str, reps: int = 5) -> tuple[float, float, float]:

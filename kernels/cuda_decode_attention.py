@@ -151,12 +151,15 @@ def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace:
                         shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
 
 
-def trace_buffer(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> torch.Tensor:
-    """A zeroed record for every warp of one launch of the timing build: int64 [clusters a (request,
-    KV head), KV heads, rows, CTAs a cluster, warps, TRACE_WORDS], in the grid's order."""
+def _trace_shape(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> tuple:
+    """[clusters a (request, KV head), KV heads, rows, CTAs a cluster, warps, TRACE_WORDS]: the grid's order."""
     groups = groups_for(rows, num_kv_heads, cfg, device, splits)
-    return torch.zeros(groups, num_kv_heads, rows, cfg.cluster, THREADS // 32, TRACE_WORDS, dtype=torch.int64,
-                       device=device)
+    return (groups, num_kv_heads, rows, cfg.cluster, THREADS // 32, TRACE_WORDS)
+
+
+def trace_buffer(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> torch.Tensor:
+    """A zeroed int64 record for every warp of one launch of the timing build, in the grid's order."""
+    return torch.zeros(_trace_shape(rows, num_kv_heads, cfg, device, splits), dtype=torch.int64, device=device)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -182,7 +185,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     groups = groups_for(t, hkv, cfg, q.device, scratch.shape[2])
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(dev, hq // hkv, page, cfg, trace is not None)
-    if trace is not None and trace.shape != trace_buffer(t, hkv, cfg, q.device, scratch.shape[2]).shape:
+    if trace is not None and tuple(trace.shape) != _trace_shape(t, hkv, cfg, q.device, scratch.shape[2]):
         raise ValueError(f"trace must be trace_buffer({t}, {hkv}, ...), got {tuple(trace.shape)}")
     launch_cuda(kernel, (cfg.cluster, t, hkv * groups), (THREADS, 1, 1), shared_bytes(cfg), pdl=pdl_enabled(q.device),
                 cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None,

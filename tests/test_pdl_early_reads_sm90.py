@@ -331,11 +331,12 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
 def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
     """bench/pdl_chain.py's link kernel (what a boundary costs): every load after `griddepcontrol.wait`,
     the next kernel's launch right after it, no spills; so its chain measures dependent kernels."""
-    from pdserve.bench.pdl_chain import KERNELS, SOURCE
+    from pdserve.bench.pdl_chain import SOURCE
+    from pdserve.kernels.nvrtc import HEADERS
 
     source, cubin = tmp_path / "chain.cu", tmp_path / "chain.cubin"
     source.write_text(SOURCE)
-    report = _nvcc_cubin(source, [f"-I{KERNELS}"], cubin)
+    report = _nvcc_cubin(source, [f"-I{HEADERS}"], cubin)
     assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
     ops = _sass(cubin.read_bytes(), tmp_path, "link")
     wait = ops.index("ACQBULK")
@@ -347,11 +348,12 @@ def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
 def test_moe_stream_bench_compiles_without_spills(tmp_path, dep):
     """bench/moe_stream.py's kernel in its largest shape: no spills, and global atomics (the gate/up
     tiles counted) only in the build whose down tiles wait on them."""
-    from pdserve.bench.moe_stream import KERNELS, SOURCE
+    from pdserve.bench.moe_stream import SOURCE
+    from pdserve.kernels.nvrtc import HEADERS
 
     source, cubin = tmp_path / "stream.cu", tmp_path / "stream.cubin"
     source.write_text(SOURCE)
-    report = _nvcc_cubin(source, [f"-I{KERNELS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17"],
+    report = _nvcc_cubin(source, [f"-I{HEADERS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17"],
                          cubin)
     assert "0 bytes spill stores" in report, report
     ops = _sass(cubin.read_bytes(), tmp_path, "stream")
@@ -362,11 +364,12 @@ def test_pdl_overlap_probe_triggers_at_the_spin_start_and_waits_in_the_probe(tmp
     """bench/pdl_chain.py --overlap: the spin lets its dependents launch before it spins (PREEXIT ahead
     of its loop) and the probe reads the clock on both sides of its wait, so its figures say when a
     PDL launch is placed and when its wait passes."""
-    from pdserve.bench.pdl_chain import KERNELS, OVERLAP_SOURCE
+    from pdserve.bench.pdl_chain import OVERLAP_SOURCE
+    from pdserve.kernels.nvrtc import HEADERS
 
     source, cubin = tmp_path / "overlap.cu", tmp_path / "overlap.cubin"
     source.write_text(OVERLAP_SOURCE)
-    _nvcc_cubin(source, [f"-I{KERNELS}", "-std=c++17"], cubin)
+    _nvcc_cubin(source, [f"-I{HEADERS}", "-std=c++17"], cubin)
     spin = _sass(cubin.read_bytes(), tmp_path, "spin")
     assert "PREEXIT" in spin and spin.index("PREEXIT") < spin.index("BRA"), spin
     probe = _sass(cubin.read_bytes(), tmp_path, "probe")
