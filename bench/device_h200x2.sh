@@ -5,7 +5,7 @@
 #   CPU, background : a random 20b checkpoint (bench.model.ensure_checkpoint, parallel writer) and,
 #                     with `kernels`, DeepGEMM built from source (bench/build_deepgemm.sh)
 #   tests   (GPU 0) : pytest -m gpu: MoE, attention, CUDA-graph engine
-#   kernels (GPU 0) : bench.kernels gemv,moe then gemm (vs DeepGEMM); (GPU 1) attention
+#   kernels (GPU 0) : bench.kernels moe then gemm (vs DeepGEMM); (GPU 1) attention
 #   engine  (GPU 1) : bench/engine_gpu.py (20b shape, 24 layers: logits vs the torch path,
 #                     prefill 8k, decode eager and from CUDA graphs)
 #   nccl    (both)  : tests/gpu/test_parallel_gpu.py (TP2 and EP2 vs TP1 logits, NCCL)
@@ -62,7 +62,7 @@ done
     log "gpu0: pytest rc=$? ($(tail -1 "$L/pytest.log"))"
   fi
   if has kernels; then
-    timeout "$(left 150)" python3 -m pdserve.bench.kernels --sections gemv,moe --json "$OUT/bench_moe.json" > "$L/bench_moe.log" 2>&1
+    timeout "$(left 150)" python3 -m pdserve.bench.kernels --sections moe --json "$OUT/bench_moe.json" > "$L/bench_moe.log" 2>&1
     log "gpu0: bench moe rc=$?"
     if wait_file /tmp/dg.rc 60 && [ "$(cat /tmp/dg.rc)" = 0 ]; then
       export DG_SITE=/tmp/dg-site DG_CHILD_TIMEOUT=$(left 40)

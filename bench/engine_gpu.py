@@ -59,7 +59,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
     """Run the same runner through the plain-torch references (attention and/or MoE)."""
     import pdserve.engine.model as model_mod
-    from pdserve.kernels.moe import experts_forward_mxfp4_ref, experts_forward_ref
+    from pdserve.kernels.experts import experts_forward_mxfp4_ref, experts_forward_ref
     from pdserve.kernels.mxfp4 import MxExperts
 
     def reference(x, weights, ids, w, *a, x_before_routing=False, **kw):  # a launch-order hint only
@@ -109,7 +109,7 @@ def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[floa
     very same inputs: kernel error without the compounding of a chaotic random model."""
     import pdserve.engine.model as model_mod
     from pdserve.kernels.attention import TorchSinkAttention
-    from pdserve.kernels.moe import experts_forward_ref
+    from pdserve.kernels.experts import experts_forward_ref
 
     errs: dict[str, list[float]] = {"attention": [], "moe": []}
     fast_moe = model_mod.experts_forward

@@ -149,7 +149,7 @@ def time_layers(fn, layers) -> float:
 def moe_gemm_runner(m: int, n: int, k: int, layers):
     """The MoE FP8 down GEMM (kernels.triton_fp8_gemm._down_kernel) as a dense [m, k] x [n, k]^T."""
     from pdserve.kernels import triton_moe as tm
-    from pdserve.kernels.moe import ExpertWeights
+    from pdserve.kernels.experts import ExpertWeights
 
     cfg = tm.select_config(m, 1)
     routing = tm.align_routing(torch.zeros(m, 1, dtype=torch.int64, device="cuda"), 0, 1, cfg.route_m)

@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: sink attention and the FP8 MoE layer against peers and floors.
 
-    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,moe_prefill,routing,gemv,gemm,sweep]
+    python -m pdserve.bench.kernels [--quick] [--sections ceilings,attention,moe,moe_prefill,routing,gemm,sweep]
                             [--doc docs/performance.md] [--json results.json]
 
 Prints one table per section and replaces the "## Kernels" section of `--doc` (date, device,
@@ -196,7 +196,7 @@ def scattered_batch(qo_lens: list[int], kv_lens: list[int], page_size: int, gen:
                     spare_pages: int = 0):
     """(PagedBatch, pages in the pool): each request's pages drawn at random from a pool of all
     the batch needs plus `spare_pages`, page 0 left free (the CUDA graphs' padding page)."""
-    from pdserve.kernels.attention import PagedBatch
+    from pdserve.kernels.paged_batch import PagedBatch
 
     pages = [-(-k // page_size) for k in kv_lens]
     total = sum(pages) + spare_pages + 1
@@ -410,7 +410,7 @@ def bench_attention_prefill(ceil: dict, quick: bool) -> str:
 # ------------------------------------------------------------------------------------ MoE
 def bench_weights(num_experts: int):
     """Random FP8 experts (random codes and scales: the kernels' speed must not see zeros)."""
-    from pdserve.kernels.moe import ExpertWeights
+    from pdserve.kernels.experts import ExpertWeights
 
     def fp8(*shape):
         return (torch.randn(*shape, device=DEV) * 64).to(torch.float8_e4m3fn)
@@ -424,7 +424,7 @@ def bench_weights(num_experts: int):
 
 
 def bench_inputs(t: int, num_experts: int, seed: int):
-    from pdserve.kernels.moe import route
+    from pdserve.kernels.experts import route
 
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(t, HIDDEN, device=DEV, generator=g).to(torch.bfloat16)
@@ -465,13 +465,9 @@ def torch_bf16_moe(w_bf16, bias_gu, bias_dn, x_sorted, offs, counts):
     return torch.cat(outs)
 
 
-GEMV_BATCHES = (1, 2, 4, 8)  # decode batches where the GEMV path is timed next to the grouped one
-
-
 def bench_moe(ceil: dict, quick: bool) -> str:
     from pdserve.kernels import triton_moe as tm
-    from pdserve.kernels import triton_moe_gemv as tg
-    from pdserve.kernels.moe import route
+    from pdserve.kernels.experts import route
 
     rows = []
     for model, num_e in MODELS.items():
@@ -483,13 +479,6 @@ def bench_moe(ceil: dict, quick: bool) -> str:
             x, weights, ids, rw, rb = bench_inputs(t, num_e, seed=t)
             ours = guarded("ours moe", lambda: time_graph(lambda: tm.experts_forward(x, weights, ids, w),
                                                            reps=25 if t <= 128 else 8))
-            grouped = gemv = None
-            if t in GEMV_BATCHES:  # both paths explicitly (ours = whichever the dispatch picks)
-                gcfg = tm.select_config(t * TOP_K, num_e)
-                grouped = guarded("grouped moe", lambda: time_graph(
-                    lambda: tm.experts_forward(x, weights, ids, w, config=gcfg)))
-                gemv = guarded("gemv moe", lambda: time_graph(
-                    lambda: tg.experts_forward_gemv(x, weights, ids, w)))
             router = guarded("router", lambda: time_graph(lambda: route(x, rw, rb, TOP_K)))
             floor, nbytes, flops = moe_floor(ids, t, ceil)
 
@@ -513,82 +502,14 @@ def bench_moe(ceil: dict, quick: bool) -> str:
                 model, regime, t, fmt_us(ours), fmt_us(router), fmt_us(tor), fmt_us(floor),
                 "bytes" if nbytes / ceil["copy_bw"] >= flops / ceil["fp8_flops"] else "FLOPs",
                 pct(ours), f"{flops / ours / 1e12:.0f}" if ours else "-",
-                fmt_us(grouped), pct(grouped), fmt_us(gemv), pct(gemv),
             ])
         del w, w_bf16
         torch.cuda.empty_cache()
     return table(
-        "MoE layer, FP8 experts (H 2880, I 3072 padded, top-4; us; CUDA graph; ours = the dispatch: "
-        f"GEMV path for <= {tm.GEMV_MAX_TOKENS} tokens, else routing layout + quant + 2 grouped "
-        "GEMMs + combine; grouped / GEMV = each path forced)",
+        "MoE layer, FP8 experts (H 2880, I 3072 padded, top-4; us; CUDA graph; ours = routing layout + "
+        "quant + 2 grouped GEMMs + combine)",
         ["model", "regime", "tokens", "ours", "router (torch bf16)", "torch bf16 grouped GEMMs",
-         "floor", "floor bound by", "ours % of floor", "ours TFLOP/s", "grouped", "grouped % of floor",
-         "GEMV", "GEMV % of floor"],
-        rows,
-    )
-
-
-def gemv_sweep_configs():
-    """The GEMV configs `--sections gemv` times: the default and four alternatives, each testing
-    one hypothesis (sm_90a SASS of all checked offline: no spills; K loops 3.4-5.4 instructions
-    per weight byte)."""
-    from pdserve.kernels.triton_moe_gemv import DEFAULT_CONFIG, GemvConfig, GemvTile
-
-    return {
-        "default": DEFAULT_CONFIG,
-        # fewer instructions per byte (3.4/B) against 2 programs per SM (1.5 waves at batch 1)
-        "gate_up 64x256, down 2 warps": GemvConfig(GemvTile(64, 256, 4, 3), GemvTile(16, 256, 2, 4)),
-        # twice the programs and deeper pipelines against more instructions per byte (5.4/B)
-        "more programs, 6 stages": GemvConfig(GemvTile(32, 128, 4, 6), GemvTile(8, 512, 2, 6)),
-        # activation quantisation in gate/up: down has no prologue, gate/up 96 programs at batch 1
-        "fused act quant, 8 warps": GemvConfig(GemvTile(256, 64, 8, 3), GemvTile(16, 512, 4, 3)),
-        "fused act quant, 16 warps": GemvConfig(GemvTile(256, 128, 16, 3), GemvTile(16, 512, 4, 4)),
-    }
-
-
-def bench_gemv(ceil: dict, quick: bool) -> str:
-    """GEMV decode path at batch 1 (20b weights): each gemv_sweep_configs() entry's two launches
-    alone and the whole layer, against the weight-bandwidth floor; the grouped path for reference."""
-    from pdserve.kernels import triton_moe as tm
-    from pdserve.kernels import triton_moe_gemv as tg
-
-    num_e, t = MODELS["20b"], 1
-    w = bench_weights(num_e)
-    x, weights, ids, _, _ = bench_inputs(t, num_e, seed=t)
-    active = int(torch.unique(ids).numel())
-    kb_h = -(-HIDDEN // 128)
-    gu_bytes = active * (2 * INTER * HIDDEN + (2 * INTER // 128) * kb_h * 4 + 2 * INTER * 4)
-    dn_bytes = active * (HIDDEN * INTER + kb_h * (INTER // 128) * 4 + HIDDEN * 4)
-    bw = ceil["copy_bw"]
-    floor = (gu_bytes + dn_bytes + t * HIDDEN * 2 * 2) / bw
-    rows = []
-    for label, cfg in gemv_sweep_configs().items():
-        def run(cfg=cfg):
-            act = tg.gate_up_swiglu_gemv(x, weights, ids, w, 7.0, 1.702, cfg.gate_up)
-            t_gu = time_graph(lambda: tg.gate_up_swiglu_gemv(x, weights, ids, w, 7.0, 1.702, cfg.gate_up))
-            t_dn = time_graph(lambda: tg.down_combine_gemv(act, weights, ids, w, True, x.dtype, cfg.down,
-                                                          act_quantised=cfg.fused_act_quant))
-            t_all = time_graph(lambda: tg.experts_forward_gemv(x, weights, ids, w, config=cfg))
-            return t_gu, t_dn, t_all
-        res = guarded(f"gemv sweep {label}", run)
-        t_gu, t_dn, t_all = res if res else (None, None, None)
-        rows.append([
-            label, cfg.gate_up.label(), cfg.down.label(),
-            f"{fmt_us(t_gu)} ({gu_bytes / t_gu / 1e12:.2f} TB/s)" if t_gu else "-",
-            f"{fmt_us(t_dn)} ({dn_bytes / t_dn / 1e12:.2f} TB/s)" if t_dn else "-",
-            fmt_us(t_all), f"{floor / t_all * 100:.0f}%" if t_all else "-",
-        ])
-    t_grouped = guarded("grouped moe", lambda: time_graph(
-        lambda: tm.experts_forward(x, weights, ids, w, config=tm.select_config(t * TOP_K, num_e))))
-    rows.append(["grouped path (reference)", "", "", "", "", fmt_us(t_grouped),
-                 f"{floor / t_grouped * 100:.0f}%" if t_grouped else "-"])
-    del w
-    torch.cuda.empty_cache()
-    return table(
-        f"GEMV decode configs, batch 1, 20b ({active} experts; floor {fmt_us(floor)} us = weights / "
-        "copy bandwidth; us per launch alone and for the layer, CUDA graph, L2 flushed)",
-        ["config", "gate_up tile (rows x K, warps, stages)", "down tile", "gate_up + SwiGLU",
-         "down + combine", "layer", "layer % of floor"],
+         "floor", "floor bound by", "ours % of floor", "ours TFLOP/s"],
         rows,
     )
 
@@ -1005,7 +926,7 @@ def write_doc(path: str, sections: list[str], ceil: dict, command: str, date: st
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer, smaller cases")
-    ap.add_argument("--sections", default="moe,gemv,gemm,attention", help="run in this order")
+    ap.add_argument("--sections", default="moe,gemm,attention", help="run in this order")
     ap.add_argument("--doc", default=None, help="markdown file whose '## Kernels' section is replaced")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tokens", default=None, help="comma-separated prompt sizes of the moe_prefill and routing sections")
@@ -1029,8 +950,6 @@ def main(argv: list[str] | None = None) -> None:
             out.append(bench_moe_prefill(ceil, args.quick, tokens))
         elif section == "routing":
             out.append(bench_routing(ceil, args.quick, tokens))
-        elif section == "gemv":
-            out.append(bench_gemv(ceil, args.quick))
         elif section == "gemm":
             dg = run_deepgemm(args.quick)
             print("[deepgemm]", json.dumps(dg)[:2000], flush=True)

@@ -29,7 +29,8 @@ if __name__ == "__main__":
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma  # noqa: E402
-from pdserve.kernels.moe import ExpertWeights, experts_forward  # noqa: E402
+from pdserve.kernels.experts import ExpertWeights  # noqa: E402
+from pdserve.kernels.moe import experts_forward  # noqa: E402
 from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped  # noqa: E402

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.kernels.fp8 import dequantize_weight_fp8, pad_intermediate, quantize_weight_fp8, quantize_weight_fp8_exact
-from pdserve.kernels.moe import ExpertWeights
+from pdserve.kernels.experts import ExpertWeights
 from pdserve.kernels.mxfp4 import MxExperts, dequantize_mxfp4
 
 from .config import PROJECTION_PRECISIONS, ModelConfig

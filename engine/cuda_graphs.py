@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pdserve.kernels.attention import PagedBatch
+from pdserve.kernels.paged_batch import PagedBatch
 from pdserve.kernels import step_io
 from pdserve.kernels.step_io import mapped, stage_step, zero_copy
 

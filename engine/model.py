@@ -15,9 +15,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.attention import PagedBatch, make_sink_attention
-from pdserve.kernels.fp8 import linear_fp8
-from pdserve.kernels.moe import experts_forward, route
+from pdserve.kernels.attention import make_sink_attention
+from pdserve.kernels.experts import route
+from pdserve.kernels.fp8 import fp8_weight_linear_ref
+from pdserve.kernels.moe import experts_forward
+from pdserve.kernels.paged_batch import PagedBatch
 
 from .checkpoint import ModelWeights
 from .config import ModelConfig
@@ -45,6 +47,20 @@ def fused_kernels_wanted(device: torch.device) -> bool:
     return True
 
 
+def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An FP8-weight linear layer (e4m3 weights, 128x128 block scales): [M, K] -> [M, N] in x.dtype.
+    On CUDA the Triton kernel (kernels.triton_fp8_linear, launch shape by M), elsewhere the
+    reference of its default mode (kernels.fp8.fp8_weight_linear_ref), rounded once to x.dtype."""
+    if x.is_cuda:
+        try:
+            from pdserve.kernels.triton_fp8_linear import fp8_linear
+        except ImportError:
+            fp8_linear = None
+        if fp8_linear is not None:
+            return fp8_linear(x, w, w_scale, bias)
+    return fp8_weight_linear_ref(x, w, w_scale, bias).to(x.dtype)
+
+
 def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
              gemv: bool = False, staged: bool = False):
     """An attention projection: bf16 weights through cuBLAS (or, with `gemv`, decode batches where
@@ -52,7 +68,7 @@ def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale:
     at 1.9-2.8 TB/s; with `staged` as well, up to cuda_gemv_staged.MAX_TOKENS tokens through the GEMV
     that stages its weights in shared memory while the launch before it runs: the projection after
     the attention), or e4m3 weights with 128x128 block scales (attention precision fp8) through
-    kernels.fp8.linear_fp8 (with `gemv`, up to cuda_gemv_fp8.MAX_TOKENS tokens through the FP8 GEMV
+    `linear_fp8` (with `gemv`, up to cuda_gemv_fp8.MAX_TOKENS tokens through the FP8 GEMV
     that stages its weights in shared memory ahead of its PDL wait)."""
     if _fp8_gemv_takes(x, w, bias, scale, gemv):
         from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8
@@ -77,7 +93,7 @@ def _unembed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fused
     bf16 GEMV where it measured faster than cuBLAS), or e4m3 weights with 128x128 block scales
     (unembedding precision fp8): with `fused`, up to cuda_gemv_fp8.STREAM_MAX_TOKENS tokens through
     the streaming FP8 GEMV (580 MB of weights at 88 % of the copy bandwidth, where the other FP8 paths
-    reach 55-60 %), else kernels.fp8.linear_fp8."""
+    reach 55-60 %), else `linear_fp8`."""
     if scale is None:
         return _project(x, w, None, None, gemv=fused)
     if fused and x.is_cuda and x.dtype == torch.bfloat16 and x.stride(1) == 1 and w.is_contiguous():

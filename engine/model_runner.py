@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from pdserve.kernels.attention import PagedBatch
+from pdserve.kernels.paged_batch import PagedBatch
 
 from .checkpoint import load_weights
 from .config import DEFAULT_PREFILL_CHUNK, ModelConfig

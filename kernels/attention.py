@@ -3,8 +3,8 @@
 A sink is one learned logit per query head that joins the softmax denominator and carries no
 value. KV cache layout (FlashInfer "NHD", one tensor per layer):
     kv_cache [num_blocks, 2, page_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
-A batch is described FlashInfer-style by `PagedBatch`; queries of request i are the last
-`qo_len_i` positions of its `kv_len_i` keys (causal). `window_left` follows FlashInfer: a key is
+A batch is described FlashInfer-style by `kernels.paged_batch.PagedBatch`; queries of request i
+are the last `qo_len_i` positions of its `kv_len_i` keys (causal). `window_left` follows FlashInfer: a key is
 visible when q_pos - k_pos <= window_left (-1 = unbounded); gpt-oss' 128-token window is 127.
 
 `make_sink_attention` returns the FlashInfer backend on CUDA (see kernels.flashinfer_attention)
@@ -13,54 +13,9 @@ and the torch reference elsewhere. Both follow plan() once per batch, run() once
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class PagedBatch:
-    """Host-side description of one step's requests over one paged KV pool (int32 tensors)."""
-
-    qo_indptr: torch.Tensor  # [B + 1] query rows of request i: qo_indptr[i]:qo_indptr[i+1]
-    kv_indptr: torch.Tensor  # [B + 1] pages of request i: kv_indices[kv_indptr[i]:kv_indptr[i+1]]
-    kv_indices: torch.Tensor  # [num_pages] physical page ids, in logical order
-    kv_last_page_len: torch.Tensor  # [B] valid entries in each request's last page (1..page_size)
-    page_size: int
-
-    @property
-    def batch_size(self) -> int:
-        return self.qo_indptr.numel() - 1
-
-    @property
-    def kv_lens(self) -> torch.Tensor:
-        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
-        return (pages - 1) * self.page_size + self.kv_last_page_len
-
-    @property
-    def is_decode(self) -> bool:
-        return bool(((self.qo_indptr[1:] - self.qo_indptr[:-1]) == 1).all())
-
-    @classmethod
-    def from_tables(
-        cls, qo_lens: list[int], kv_lens: list[int], tables: list[list[int]], page_size: int
-    ) -> "PagedBatch":
-        if not (len(qo_lens) == len(kv_lens) == len(tables)):
-            raise ValueError("qo_lens, kv_lens and tables differ in length")
-        qo, kv, idx, last = [0], [0], [], []
-        for q, k, table in zip(qo_lens, kv_lens, tables):
-            pages = -(-k // page_size)
-            if q > k or pages > len(table) or k <= 0:
-                raise ValueError(f"bad request shape: qo_len={q} kv_len={k} pages={len(table)}")
-            qo.append(qo[-1] + q)
-            kv.append(kv[-1] + pages)
-            idx.extend(table[:pages])
-            last.append(k - (pages - 1) * page_size)
-        i32 = dict(dtype=torch.int32)
-        return cls(
-            torch.tensor(qo, **i32), torch.tensor(kv, **i32), torch.tensor(idx, **i32),
-            torch.tensor(last, **i32), page_size,
-        )
+from .paged_batch import PagedBatch
 
 
 def sink_attention_ref(

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import BLOCK, FP8, cdiv
-from .moe import ExpertWeights
+from .experts import ExpertWeights
 from .triton_fp8_gemm import _quantize_rows, _swiglu_quant_kernel
 from .triton_moe import GATE_UP_BLOCK_N, _check_inputs, _empty, align_routing
 
@@ -155,7 +155,7 @@ def experts_forward(
     alpha: float = 1.702,
     add_down_bias: bool = True,
 ) -> torch.Tensor:
-    """Same contract as `kernels.moe.experts_forward_ref` for FP8 experts: x [T, H] -> [T, H] in
+    """Same contract as `kernels.experts.experts_forward_ref` for FP8 experts: x [T, H] -> [T, H] in
     x.dtype, the routing-weighted sum over the token's *local* experts."""
     _check_inputs(x, topk_weights, topk_ids, w)
     t, h = x.shape

@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from .attention import PagedBatch
+from .paged_batch import PagedBatch
 
 _XQA_PAGE_SIZES = (16, 32, 64, 128)
 # Decode "auto" (measured on an H200, docs/performance.md): XQA for small batches, the FA2 sink

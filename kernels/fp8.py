@@ -109,22 +109,6 @@ def fp8_weight_linear_ref(
     return out
 
 
-def linear_fp8(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The engine's FP8-weight linear layer (attention projections): [M, K] -> [M, N] in x.dtype.
-    On CUDA the Triton kernel (kernels.triton_fp8_linear, launch shape by M), elsewhere the
-    reference of its default mode, rounded once to x.dtype."""
-    if x.is_cuda:
-        try:
-            from .triton_fp8_linear import fp8_linear
-        except ImportError:
-            fp8_linear = None
-        if fp8_linear is not None:
-            return fp8_linear(x, w, w_scale, bias)
-    return fp8_weight_linear_ref(x, w, w_scale, bias).to(x.dtype)
-
-
 def pad_intermediate(size: int, max_tp: int = 8) -> int:
     """Expert intermediate size after FP8 padding: a multiple of 128 * max_tp, so each of TP
     1, 2, 4, 8 shards is whole blocks (2880 -> 3072). Padded channels have zero weights and

@@ -6,7 +6,7 @@ Both kernels read the routing layout written by `kernels.triton_moe.align_routin
 `block_expert[b]` the expert of block b (-1 for unused blocks, whose programs return at once).
 A program covers BLOCK_M rows (ROUTE_M is a multiple of BLOCK_M, so they share one expert).
 
-Arithmetic is the one `kernels.moe._expert_mlp_fp8` emulates: e4m3 operands, one float32 scale
+Arithmetic is the one `kernels.experts._expert_mlp_fp8` emulates: e4m3 operands, one float32 scale
 per 1x128 activation group and per 128x128 weight block, promoted once per 128-wide K step, and
 a float32 accumulator that starts from the expert bias (loaded once per output tile, before the K
 loop). K = 2880 ends in a 64-wide block: the loads are masked with zero fill. BLOCK_K is the

@@ -1,6 +1,6 @@
 """MoE expert computation on CUDA with Triton: routing layout, FP8 grouped GEMMs, combine.
 
-`experts_forward` computes what `kernels.moe.experts_forward_ref` computes for FP8 experts, in
+`experts_forward` computes what `kernels.experts.experts_forward_ref` computes for FP8 experts, in
 four launches and without host synchronisation (CUDA-graph capturable: every buffer size follows
 from the input shapes, unused blocks exit early):
 
@@ -29,15 +29,10 @@ import triton
 import triton.language as tl
 
 from .fp8 import BLOCK, FP8, cdiv
-from .moe import ExpertWeights
+from .experts import ExpertWeights
 from .triton_fp8_gemm import _down_kernel, _gate_up_kernel, _swiglu_quant_kernel
 
 GATE_UP_BLOCK_N = 2 * BLOCK  # 256 gate/up columns -> one 128-wide activation group
-
-# Batches of at most this many tokens go to the two-launch GEMV path (`kernels.triton_moe_gemv`)
-# unless a grouped `config` is passed. 0: the H200 benchmark measured the GEMV path slower than
-# the grouped one at every batch (batch 1: 60-86 us over five tiles vs 52 us; docs/kernels.md, v5).
-GEMV_MAX_TOKENS = 0
 
 # Tests set this to fill every buffer the kernels should overwrite with NaN / out-of-range ids,
 # so an element a kernel fails to write shows up in the result.
@@ -504,18 +499,12 @@ def experts_forward(
     add_down_bias: bool = True,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.moe.experts_forward_ref` for FP8 experts: x [T, H] ->
-    [T, H] in x.dtype, the routing-weighted sum over the token's *local* experts.
-
-    T <= GEMV_MAX_TOKENS without an explicit `config` runs the GEMV decode path instead."""
+    """Same contract as `kernels.experts.experts_forward_ref` for FP8 experts: x [T, H] ->
+    [T, H] in x.dtype, the routing-weighted sum over the token's *local* experts."""
     _check_inputs(x, topk_weights, topk_ids, w)
     t, h = x.shape
     if t == 0:
         return torch.empty_like(x)
-    if config is None and t <= GEMV_MAX_TOKENS:
-        from .triton_moe_gemv import experts_forward_gemv  # (imports this module)
-
-        return experts_forward_gemv(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias)
     e = w.num_local_experts
     cfg = config or select_config(topk_ids.numel(), e)
     x = x.contiguous()

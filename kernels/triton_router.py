@@ -1,6 +1,6 @@
 """The MoE router in one Triton launch: logits, top-4, softmax over the selected four.
 
-The plain path (`kernels.moe.route`) is a cuBLAS GEMM with bias, `torch.topk` and `torch.softmax`
+The plain path (`kernels.experts.route`) is a cuBLAS GEMM with bias, `torch.topk` and `torch.softmax`
 (about six launches per layer at decode, ~15 us). Here each token's logits are split over
 programs of 4096 / E columns each (23 for 20b), so the weights stream from many SMs at once; each
 program writes float32 partial sums and the token's last program to arrive (a per-token counter)

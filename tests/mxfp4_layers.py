@@ -48,7 +48,7 @@ DECODE_SCALES = [0, 1, 2, 3, 66, 110, 127, 128, 129, 130, 190, 191, 192, 192]
 
 def reference(x, weights, ids, w, bias=True):
     """`experts_forward_ref` in float32 on the exactly dequantised weights of published `w`."""
-    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
+    from pdserve.kernels.experts import ExpertWeights, experts_forward_ref
     from pdserve.kernels.mxfp4 import dequantize_mxfp4
 
     rw = ExpertWeights(dequantize_mxfp4(w.gate_up_blocks, w.gate_up_scales, torch.float32), w.gate_up_bias,

@@ -12,7 +12,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, pad_batch
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kernels.attention import PagedBatch
+from pdserve.kernels.paged_batch import PagedBatch
 from numerics import rel_l2
 
 

@@ -71,13 +71,13 @@ def test_folded_launches_need_exact_scales_and_blocks_of_eight():
 
 
 def test_not_available_without_a_gpu(monkeypatch):
-    from pdserve.kernels import cuda_moe_mxfp4, moe
+    from pdserve.kernels import cuda_moe_mxfp4, experts, moe
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not cuda_moe_mxfp4.available()
     w, x, ids, wts = _problem()
     out = moe.experts_forward(x, wts, ids, w.to_packed())  # CPU: the reference, not the kernels
-    assert torch.equal(out, moe.experts_forward_mxfp4_ref(x, wts, ids, w))
+    assert torch.equal(out, experts.experts_forward_mxfp4_ref(x, wts, ids, w))
 
 
 def test_trace_buffers_too_small_are_refused_before_any_launch():

@@ -38,7 +38,7 @@ from numerics import rel_l2
 triton = pytest.importorskip("triton")
 tl = triton.language
 
-from pdserve.kernels.triton_moe_gemv import _round_e4m3  # noqa: E402
+from pdserve.kernels.triton_fp8_linear import _round_e4m3  # noqa: E402
 
 TOP_K = 4
 # name: hidden (ragged 320 = 2.5 blocks, as gpt-oss' 2880), inter, global / local experts, first
@@ -52,7 +52,7 @@ CASES = {
 
 def _make_case(name: str, spec: dict, seed: int) -> dict:
     from pdserve.kernels.fp8 import quantize_weight_fp8
-    from pdserve.kernels.moe import route
+    from pdserve.kernels.experts import route
 
     g = torch.Generator().manual_seed(seed)
     h, i, e = spec["h"], spec["i"], spec["n_local"]
@@ -71,7 +71,7 @@ def _make_case(name: str, spec: dict, seed: int) -> dict:
 
 
 def _weights(c: dict):
-    from pdserve.kernels.moe import ExpertWeights
+    from pdserve.kernels.experts import ExpertWeights
 
     return ExpertWeights(c["gate_up"], c["gate_up_bias"], c["down"], c["down_bias"],
                          c["gate_up_scale"], c["down_scale"], c["first"])
@@ -106,7 +106,7 @@ def quantize_rows_interp(a, GROUP_MAX: tl.constexpr):
     amax = tl.max(tl.abs(a), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-12), GROUP_MAX)
     q = tl.clamp(tl.math.div_rn(a, scale[:, None]), -GROUP_MAX, GROUP_MAX)
-    return _round_e4m3(q, False).to(tl.float8e4nv), scale
+    return _round_e4m3(q).to(tl.float8e4nv), scale
 
 
 def _child(in_path: str, out_path: str) -> None:
@@ -137,7 +137,7 @@ def run(tmp_path_factory):
 def exact_layer(x, weights, ids, w, add_bias):
     """The function FP8 approximates: dequantised weights, float32 activations, no requantisation."""
     from pdserve.kernels.fp8 import dequantize_weight_fp8
-    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
+    from pdserve.kernels.experts import ExpertWeights, experts_forward_ref
 
     wx = ExpertWeights(dequantize_weight_fp8(w.gate_up, w.gate_up_scale), w.gate_up_bias,
                        dequantize_weight_fp8(w.down, w.down_scale), w.down_bias,
@@ -147,7 +147,7 @@ def exact_layer(x, weights, ids, w, add_bias):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_layer_vs_experts_forward_ref(run, name):
-    from pdserve.kernels.moe import experts_forward_ref
+    from pdserve.kernels.experts import experts_forward_ref
 
     c, out = run[0][name], run[1][name]
     w = _weights(c)

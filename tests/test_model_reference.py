@@ -180,12 +180,12 @@ def test_without_sliding_window_disagrees(tiny_mxfp4, prompt, reference_logits):
 
 
 def test_without_interleaving_disagrees(tiny_mxfp4, prompt, reference_logits, monkeypatch):
-    from pdserve.kernels import moe
+    from pdserve.kernels import experts
     from pdserve.kernels.swiglu import swiglu
 
     def split_halves(x, limit=7.0, alpha=1.702):
         half = x.shape[-1] // 2
         return swiglu(torch.stack([x[..., :half], x[..., half:]], dim=-1).flatten(-2), limit, alpha)
 
-    monkeypatch.setattr(moe, "swiglu", split_halves)
+    monkeypatch.setattr(experts, "swiglu", split_halves)
     assert _ablated_error(tiny_mxfp4, prompt, reference_logits, lambda r: None) > 5 * TOL

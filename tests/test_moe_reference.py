@@ -1,4 +1,4 @@
-"""kernels.moe.experts_forward_ref, the plain-torch MoE every kernel is measured against: each
+"""kernels.experts.experts_forward_ref, the plain-torch MoE every kernel is measured against: each
 (token, slot) pair adds weight * expert(x) once, pairs on experts of another rank add nothing, and a
 token routed twice to one expert gets both pairs, as the kernels give it (routers never repeat an
 expert; a test that masks a pair with a placeholder id may)."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.moe import ExpertWeights, experts_forward_ref, swiglu
+from pdserve.kernels.swiglu import swiglu
+from pdserve.kernels.experts import ExpertWeights, experts_forward_ref
 
 
 def _layer(g, e=6, h=32, i=16, first_expert=0):

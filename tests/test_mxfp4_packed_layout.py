@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mxfp4_layers import random_layer
-from pdserve.kernels.moe import experts_forward_mxfp4_ref
+from pdserve.kernels.experts import experts_forward_mxfp4_ref
 from pdserve.kernels.mxfp4 import (FP4_VALUES, PACKED_MAX_SCALE, MxExperts, decode_packed_words, pack_words,
                                    packed_e4m3_bytes, unpack_fp4_codes, unpack_words)
 

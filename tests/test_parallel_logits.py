@@ -26,7 +26,7 @@ import torch
 
 from pdserve.engine.checkpoint import CheckpointReader, load_weights
 from pdserve.engine.parallel import ShardSpec
-from pdserve.kernels.moe import experts_forward_ref, route
+from pdserve.kernels.experts import experts_forward_ref, route
 
 LAYOUTS_4 = [(4, 1), (4, 2), (4, 4)]  # (world, ep): TP4, EP2 x TP2, EP4 x TP1
 

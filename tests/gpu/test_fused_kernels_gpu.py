@@ -1,6 +1,6 @@
 """The per-layer fused kernels on the GPU, bf16, gpt-oss shapes, fresh random inputs, against the
 plain-torch path they replace (engine.model.rms_norm, engine.rope + PagedKVCache.write,
-kernels.moe.route), and the whole model with and without them.
+kernels.experts.route), and the whole model with and without them.
 
 Tolerances:
 - RoPE + KV write: bit-exact (same roundings, same order); the whole cache is compared, so a write
@@ -146,7 +146,7 @@ def test_router(t, experts, kernel, monkeypatch):
     """Both kernels route_fused launches: the thread-block clusters of kernels/cuda_router.py and
     the Triton kernel."""
     from pdserve.kernels import cuda_router
-    from pdserve.kernels.moe import route
+    from pdserve.kernels.experts import route
     from pdserve.kernels.triton_router import route_fused
 
     monkeypatch.setattr(cuda_router, "ENABLED", kernel == "cuda cluster")

@@ -115,7 +115,8 @@ def test_packed_decode_every_code_and_scale(seed):
 def test_dispatch_of_mxfp4_experts():
     """kernels.moe.experts_forward: the kernel (byte-table decode) for decode-sized batches, the
     bf16 reference on the routed experts above MXFP4_KERNEL_MAX_TOKENS."""
-    from pdserve.kernels.moe import MXFP4_KERNEL_MAX_TOKENS, experts_forward, experts_forward_mxfp4_ref
+    from pdserve.kernels.experts import experts_forward_mxfp4_ref
+    from pdserve.kernels.moe import MXFP4_KERNEL_MAX_TOKENS, experts_forward
     from pdserve.kernels.triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4
 
     g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))

@@ -136,7 +136,7 @@ def test_cluster_sum_pairs_without_a_local_expert_add_zeros():
 
 
 def _reference_f64(x, weights, ids, w):
-    from pdserve.kernels.moe import ExpertWeights, experts_forward_ref
+    from pdserve.kernels.experts import ExpertWeights, experts_forward_ref
     from pdserve.kernels.mxfp4 import dequantize_mxfp4
 
     def dq(b, s):  # exact: float32 holds every value, subnormals included
