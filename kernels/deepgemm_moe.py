@@ -31,10 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import BLOCK, FP8, cdiv
+from .buffers import empty
 from .experts import ExpertWeights
+from .fp8 import BLOCK, FP8, cdiv
 from .triton_fp8_gemm import _quantize_rows, _swiglu_quant_kernel
-from .triton_moe import GATE_UP_BLOCK_N, _check_inputs, _empty, align_routing
+from .triton_moe import GATE_UP_BLOCK_N, _check_inputs, align_routing
 
 GATHER_ROWS = 32  # rows per program of the gather/quantise launch
 
@@ -168,10 +169,10 @@ def experts_forward(
     routing = align_routing(topk_ids, w.first_expert, e, _m_alignment())
     rows, dev = routing.max_rows, x.device
 
-    a = _empty((rows, h), FP8, dev)
-    a_scale_t = _empty((cdiv(h, BLOCK), rows), torch.float32, dev)
-    m_index = _empty((rows,), torch.int32, dev)
-    row_of_pair = _empty((topk_ids.numel(),), torch.int32, dev)
+    a = empty((rows, h), FP8, dev)
+    a_scale_t = empty((cdiv(h, BLOCK), rows), torch.float32, dev)
+    m_index = empty((rows,), torch.int32, dev)
+    row_of_pair = empty((topk_ids.numel(),), torch.int32, dev)
     _gather_quant_kernel[(rows // GATHER_ROWS, cdiv(h, BLOCK))](
         x, routing.sorted_slot, routing.block_expert, a, a_scale_t, m_index, row_of_pair,
         h, routing.top_k, x.stride(0), a.stride(0), a_scale_t.stride(0),
@@ -179,8 +180,8 @@ def experts_forward(
     )
     gate_up = _grouped_gemm(a, a_scale_t, w.gate_up, w.gate_up_scale, m_index)
 
-    act = _empty((rows, inter), FP8, dev)
-    act_scale_t = _empty((inter // BLOCK, rows), torch.float32, dev)
+    act = empty((rows, inter), FP8, dev)
+    act_scale_t = empty((inter // BLOCK, rows), torch.float32, dev)
     _swiglu_quant_kernel[(rows // 16, n2 // GATE_UP_BLOCK_N)](
         gate_up, w.gate_up_bias, act, act_scale_t, routing.sorted_slot, routing.block_expert,
         n2, float(limit), float(alpha),
@@ -189,7 +190,7 @@ def experts_forward(
     )
     down = _grouped_gemm(act, act_scale_t, w.down, w.down_scale, m_index)
 
-    out = _empty((t, h), x.dtype, dev)
+    out = empty((t, h), x.dtype, dev)
     block_h = 1024
     _combine_kernel[(t, cdiv(h, block_h))](
         down, row_of_pair, topk_ids.contiguous(), topk_weights.contiguous(), w.down_bias, out,

@@ -34,10 +34,10 @@ import triton
 import triton.language as tl
 
 from .arrival import arrival_counters
+from .buffers import empty
 from .fp8 import cdiv
 from .pdl import enter, launch_options
 from .triton_fp8_linear import _split_k_store
-from .triton_moe import _empty
 
 MAX_M = 8  # tokens a launch takes: the FMAs grow with M, past a few tokens cuBLAS' tensor cores win
 NUM_SMS_H200 = 132
@@ -262,13 +262,13 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("w rows must be contiguous")
     cfg = config or select_config(m, n, k)
     xc = x if x.stride(1) == 1 else x.contiguous()
-    out = _empty((m, n), x.dtype, x.device)  # NaN-filled under triton_moe.POISON (tests)
+    out = empty((m, n), x.dtype, x.device)  # NaN-filled under buffers.POISON (tests)
     split, k_per = launch_shape(cfg, n, k)
     tiles = cdiv(n, cfg.block_n)
     if split > 1:
         if tiles > MAX_TILES:
             raise ValueError(f"{tiles} split-K tiles exceed {MAX_TILES}: use a larger block_n")
-        part = _empty((split, m, n), torch.float32, x.device)
+        part = empty((split, m, n), torch.float32, x.device)
         counters = arrival_counters(x.device, "bf16_gemv", MAX_TILES)
     else:
         part = counters = out  # unused

@@ -40,8 +40,9 @@ import triton
 import triton.language as tl
 
 from .arrival import arrival_counters
+from .buffers import empty
 from .fp8 import BLOCK, FP8, cdiv
-from .triton_moe import _empty, quantize_act
+from .triton_moe import quantize_act
 
 DECODE_MAX_M = 64  # the skinny (bandwidth-bound) regime the decode configs are for
 GEMV_MAX_M = 16  # the GEMV kernel's FMAs grow with M: past a few tokens the tensor cores win
@@ -476,7 +477,7 @@ def fp8_linear(
     cfg = config or select_config(m, n, k)
     if cfg.block_k and m > GEMV_MAX_M:
         raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} tokens, got {m}: use a tensor-core config")
-    out = _empty((m, n), x.dtype, x.device)  # NaN-filled under triton_moe.POISON (tests)
+    out = empty((m, n), x.dtype, x.device)  # NaN-filled under buffers.POISON (tests)
     if m == 0:
         return out
     if cfg.x_fp8 and not cfg.quant_in_kernel:
@@ -500,7 +501,7 @@ def fp8_linear(
     if split > 1:
         if num_n * num_m > MAX_TILES:
             raise ValueError(f"{num_n * num_m} split-K tiles exceed {MAX_TILES}: use a larger tile")
-        part = _empty((split, m, n), torch.float32, x.device)
+        part = empty((split, m, n), torch.float32, x.device)
         counters = arrival_counters(x.device, "fp8_linear", MAX_TILES)
     else:
         part = counters = out  # unused

@@ -28,28 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8 import BLOCK, FP8, cdiv
+from .buffers import empty
 from .experts import ExpertWeights
+from .fp8 import BLOCK, FP8, cdiv
 from .triton_fp8_gemm import _down_kernel, _gate_up_kernel, _swiglu_quant_kernel
 
 GATE_UP_BLOCK_N = 2 * BLOCK  # 256 gate/up columns -> one 128-wide activation group
-
-# Tests set this to fill every buffer the kernels should overwrite with NaN / out-of-range ids,
-# so an element a kernel fails to write shows up in the result.
-POISON = False
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if POISON:
-        if dtype == FP8:
-            t.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
-        elif dtype.is_floating_point:
-            t.fill_(float("nan"))
-        else:
-            t.fill_(torch.iinfo(dtype).max)
-    return t
-
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -268,14 +252,14 @@ def align_routing(
     pairs = t * k
     max_blocks = max(cdiv(pairs, route_m) + min(num_experts, pairs), 1)
     dev = topk_ids.device
-    sorted_slot = _empty((max_blocks * route_m,), torch.int32, dev)
-    block_expert = _empty((max_blocks,), torch.int32, dev)
+    sorted_slot = empty((max_blocks * route_m,), torch.int32, dev)
+    block_expert = empty((max_blocks,), torch.int32, dev)
     num_bins = triton.next_power_of_2(num_experts + 1)
     quant_rows = 16
     if x is not None:
         x = x.contiguous()
-        xq = _empty(tuple(x.shape), FP8, dev)
-        xs = _empty((t, cdiv(x.shape[1], BLOCK)), torch.float32, dev)
+        xq = empty(tuple(x.shape), FP8, dev)
+        xs = empty((t, cdiv(x.shape[1], BLOCK)), torch.float32, dev)
         quant_args = (x, xq, xs, t, x.shape[1], x.stride(0), xq.stride(0), xs.stride(0))
         quant_programs = cdiv(t, quant_rows) * cdiv(x.shape[1], BLOCK)
     else:
@@ -286,8 +270,8 @@ def align_routing(
     quant = quant_rows if x is not None else 0
     if pairs > ROUTING_PARALLEL_FROM:
         chunks = cdiv(pairs, ROUTING_CHUNK)
-        counts = _empty((chunks, num_bins), torch.int32, dev)
-        cursor = _empty((chunks, num_bins), torch.int32, dev)
+        counts = empty((chunks, num_bins), torch.int32, dev)
+        cursor = empty((chunks, num_bins), torch.int32, dev)
         _count_kernel[(chunks + quant_programs,)](
             ids, pairs, first_expert, num_experts, sorted_slot, sorted_slot.numel(), cdiv(sorted_slot.numel(), chunks),
             counts, *quant_args,
@@ -297,7 +281,7 @@ def align_routing(
             BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=ROUTING_CHUNK, CHUNK_B=chunk_b,
             ROWS=max(1, 2048 // num_bins), num_warps=4)
     else:
-        cursor = _empty((num_bins,), torch.int32, dev)
+        cursor = empty((num_bins,), torch.int32, dev)
         _align_kernel[(1 + quant_programs,)](
             ids, pairs, first_expert, num_experts, sorted_slot, block_expert, cursor, max_blocks, *quant_args,
             BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=1024, CHUNK_B=chunk_b, QUANT_ROWS=quant, num_warps=8)
@@ -331,8 +315,8 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [T, K] -> (e4m3 [T, K], float32 [T, ceil(K/128)])."""
     t, k = x.shape
     x = x.contiguous()
-    q = _empty((t, k), FP8, x.device)
-    s = _empty((t, cdiv(k, BLOCK)), torch.float32, x.device)
+    q = empty((t, k), FP8, x.device)
+    s = empty((t, cdiv(k, BLOCK)), torch.float32, x.device)
     if t:
         rows = 16
         _quant_kernel[(cdiv(t, rows), cdiv(k, BLOCK))](
@@ -364,11 +348,11 @@ def gate_up_swiglu(
     _check_tile(routing, cfg)
     if cfg.block_n != GATE_UP_BLOCK_N or cfg.block_k != BLOCK:
         raise ValueError("gate/up tiles must be 256 columns x 128 K (one activation group)")
-    out = _empty((routing.max_rows, n // 2), FP8, a.device)
-    out_scale = _empty((routing.max_rows, n // 2 // BLOCK), torch.float32, a.device)
+    out = empty((routing.max_rows, n // 2), FP8, a.device)
+    out_scale = empty((routing.max_rows, n // 2 // BLOCK), torch.float32, a.device)
     a_fp8 = a_scale is not None
     split = cfg.split_k
-    partial = _empty((split, routing.max_rows, n), torch.float32, a.device) if split > 1 else None
+    partial = empty((split, routing.max_rows, n), torch.float32, a.device) if split > 1 else None
     grid = (routing.max_rows // cfg.block_m * cdiv(n, cfg.block_n) * split,)
     _gate_up_kernel[grid](
         a, a_scale if a_fp8 else a, w.gate_up, w.gate_up_scale, w.gate_up_bias,
@@ -409,7 +393,7 @@ def down_weighted(
     n, kdim = w.down.shape[1], w.down.shape[2]
     _check_tile(routing, cfg)
     pairs = topk_weights.numel()
-    out = _empty((cfg.split_k, pairs, n), torch.float32, a.device)
+    out = empty((cfg.split_k, pairs, n), torch.float32, a.device)
     grid = (routing.max_rows // cfg.block_m * cdiv(n, cfg.block_n) * cfg.split_k,)
     _down_kernel[grid](
         a, a_scale, w.down, w.down_scale, w.down_bias, topk_weights.contiguous().view(-1), out,
@@ -450,7 +434,7 @@ def combine(pair_out: torch.Tensor, topk_ids: torch.Tensor, first_expert: int, n
         pair_out = pair_out.unsqueeze(0)
     t, k = topk_ids.shape
     h = pair_out.shape[2]
-    out = _empty((t, h), dtype, pair_out.device)
+    out = empty((t, h), dtype, pair_out.device)
     if t:
         block_h = 1024
         _combine_kernel[(t, cdiv(h, block_h))](

@@ -4,8 +4,8 @@ reference of x @ w^T + bias, on fresh random inputs.
 The kernel runs in a child process with TRITON_INTERPRET=1 (read when triton is imported); this
 process draws the inputs and compares. Shapes are ragged (K not a multiple of the K step, N not of
 the row tile), every token count 1..8, with and without bias, split K (the last program to arrive
-reducing the partials) and not. Outputs are NaN-filled before the launch (triton_moe.POISON), so an
-unwritten element fails. float32 cases: rel L2 2e-6 (float32 sums in another order, ~2e-7
+reducing the partials) and not. Outputs are NaN-filled before the launch (kernels.buffers.POISON),
+so an unwritten element fails. float32 cases: rel L2 2e-6 (float32 sums in another order, ~2e-7
 measured). bf16 cases: each element within one bf16 step of the reference (the interpreter casts
 float32 to bf16 by truncation, the GPU rounds to nearest: < 2^-7 relative either way) plus 1e-5 of
 its magnitude (sum |x w| + |b|); a wrong row, column or token is off by far more.
@@ -57,10 +57,10 @@ def _case(name: str, seed: int) -> dict:
 
 def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from pdserve.kernels import triton_bf16_gemv, triton_moe
+    from pdserve.kernels import buffers, triton_bf16_gemv
     from pdserve.kernels.triton_bf16_gemv import GemvConfig, bf16_gemv
 
-    triton_moe.POISON = True
+    buffers.POISON = True
     results = {}
     for c in torch.load(in_path):
         cfg = GemvConfig(**c["cfg"]) if c["cfg"] is not None else None

@@ -113,11 +113,11 @@ def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from pdserve.kernels import deepgemm_moe as dm
     from pdserve.kernels import triton_fp8_gemm as fg
-    from pdserve.kernels import triton_moe as tm
+    from pdserve.kernels import buffers
 
     fg._quantize_rows = dm._quantize_rows = quantize_rows_interp
 
-    tm.POISON = True
+    buffers.POISON = True
     dm._m_alignment = lambda: 128
     dm._grouped_gemm = emulated_grouped_gemm
     dm.align_routing = routing_torch

@@ -6,7 +6,7 @@ The kernel runs in a child process with TRITON_INTERPRET=1 (read when triton is 
 process draws fresh inputs and compares. float32 activations: the interpreter's bf16 dot is wrong
 (the GPU tests cover bf16). Shapes are ragged (K and N not multiples of 128, M not of the tile) and
 cover split-K (several programs per tile, the last one reducing), several token tiles, no bias.
-Outputs are NaN-filled before the launch (triton_moe.POISON), so an unwritten element fails.
+Outputs are NaN-filled before the launch (kernels.buffers.POISON), so an unwritten element fails.
 Tolerance: rel L2 2e-6 (float32 sums in another order; measured ~2e-7); 8e-3 for bf16 activations (the
 interpreter truncates the float32 result to bf16: < 2^-7 relative an element; a wrong scale, row
 or decoded byte is off by > 1e-2).
@@ -79,10 +79,10 @@ def _case(name: str, seed: int) -> dict:
 
 def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from pdserve.kernels import triton_moe
+    from pdserve.kernels import buffers
     from pdserve.kernels.triton_fp8_linear import LinearConfig, fp8_linear
 
-    triton_moe.POISON = True
+    buffers.POISON = True
     results = {}
     for c in torch.load(in_path):
         cfg = LinearConfig(**c["cfg"])

@@ -17,6 +17,7 @@ import torch
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 pytest.importorskip("triton")
 
+from pdserve.kernels import buffers  # noqa: E402
 from pdserve.kernels import deepgemm_moe as dm  # noqa: E402
 from pdserve.kernels import moe  # noqa: E402
 from pdserve.kernels import triton_moe as tm  # noqa: E402
@@ -30,7 +31,7 @@ if not dm.available():
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(tm, "POISON", True)
+    monkeypatch.setattr(buffers, "POISON", True)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import torch
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 triton = pytest.importorskip("triton")
 
+from pdserve.kernels import buffers  # noqa: E402
 from pdserve.kernels import triton_moe as tm  # noqa: E402
 from pdserve.kernels.fp8 import (  # noqa: E402
     dequantize_act_fp8,
@@ -41,7 +42,7 @@ DEV = "cuda"
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(tm, "POISON", True)
+    monkeypatch.setattr(buffers, "POISON", True)
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
