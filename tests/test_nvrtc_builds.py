@@ -1,0 +1,102 @@
+"""Every CUDA kernel build the engine makes at run time, compiled by NVRTC for sm_90 on this host (no GPU).
+
+On the GPU the kernels are compiled at first use by NVRTC through torch (kernels/nvrtc.py), which is
+stricter than nvcc in places nvcc's tests do not reach: a function without `__device__` is a host
+function, which NVRTC's JIT mode refuses (a `constexpr` helper at file scope did exactly that, and only
+NVRTC said so). A build that fails there leaves the engine on its Triton kernels with one line in the
+log, so it has to fail here instead. The NVRTC library comes from the `nvidia-cuda-nvrtc` wheel (the
+test extra); the options are the modules' own `compile_options` for the engine's shapes of gpt-oss
+(20b and 120b share them) and each kernel's timing build, and the bench probes' sources.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ARCH = "--gpu-architecture=sm_90"  # what torch's _nvrtc_compile passes on an H100 / H200
+
+
+def _libnvrtc():
+    spec = importlib.util.find_spec("nvidia")
+    paths = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
+    found = sorted(p for d in paths for p in Path(d).glob("cu*/lib/libnvrtc.so*") if "builtins" not in p.name)
+    if not found:
+        pytest.skip("no NVRTC library (pip install nvidia-cuda-nvrtc: the test extra)")
+    return ctypes.CDLL(str(found[-1]))
+
+
+def _compile(source: str, options: list[str], arch: str = ARCH) -> None:
+    """Compile `source` with NVRTC as kernels/nvrtc.compile_kernels does; fail with NVRTC's log."""
+    from pdserve.kernels.nvrtc import HEADERS
+
+    lib = _libnvrtc()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None) == 0
+    opts = [arch, f"-I{HEADERS}", *options]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, f"NVRTC refused the build ({' '.join(options)}):\n{log.value.decode()}"
+
+
+def _builds() -> dict[str, tuple[Path, list[str]]]:
+    from pdserve.kernels import cuda_decode_attention as da
+    from pdserve.kernels import cuda_gemv_fp8 as gf
+    from pdserve.kernels import cuda_gemv_staged as gs
+    from pdserve.kernels import cuda_moe_mxfp4 as mx
+    from pdserve.kernels import cuda_router as rt
+
+    builds = {}
+    for name, cfg in (("full", da.FULL_LAYERS), ("full, few requests", da.FULL_LAYERS_FEW or da.FULL_LAYERS),
+                      ("windowed", da.WINDOWED_LAYERS)):
+        for trace in (False, True):
+            builds[f"attention {name}{', timing' if trace else ''}"] = (da.SOURCE, da.compile_options(8, 16, cfg, trace))
+    flags = dict(early_down=mx.EARLY_DOWN, early_bias=mx.EARLY_BIAS)
+    for which in ("gate_up", "down"):
+        builds[f"mxfp4 per pair {which}"] = (mx.SOURCE, mx.compile_options(
+            90, 1, getattr(mx.PAIR_CONFIG, which), early_x=mx.EARLY_X, cluster_sum=mx.CLUSTER_SUM, **flags))
+        builds[f"mxfp4 per pair {which}, timing"] = (mx.SOURCE, mx.compile_options(
+            90, 1, getattr(mx.PAIR_CONFIG, which), trace=True, early_x=mx.EARLY_X, cluster_sum=mx.CLUSTER_SUM, **flags))
+        builds[f"mxfp4 grouped {which}"] = (mx.SOURCE, mx.compile_options(
+            90, mx.CONFIG.slots, getattr(mx.CONFIG, which), **flags))
+        if mx.FOLD_CONFIG is not None:
+            builds[f"mxfp4 folded {which}"] = (mx.SOURCE, mx.compile_options(
+                90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=True, **flags))
+    builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
+    builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
+    for experts in (32, 128):
+        builds[f"router, {experts} experts"] = (rt.SOURCE, rt.compile_options(experts, 2880, *rt.shape(experts, 2880)))
+    return builds
+
+
+BUILDS = list(_builds())
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_engine_build_compiles_with_nvrtc(name):
+    source, options = _builds()[name]
+    _compile(source.read_text(), options)
+
+
+def test_bench_probes_compile_with_nvrtc():
+    """The bench probes that compile their own sources (bench/pdl_chain.py, bench/moe_stream.py)."""
+    from pdserve.bench import moe_stream, pdl_chain
+
+    _compile(pdl_chain.SOURCE, [])
+    _compile(pdl_chain.OVERLAP_SOURCE, ["-std=c++17"])
+    _compile(moe_stream.SOURCE, ["-DNW=8", "-DP=8", "-DWORK=60", "-DDEP=1", "-std=c++17"])
+
+
+def test_a_host_function_fails_the_build():
+    """What this file guards against: NVRTC refuses an unannotated function that device code calls."""
+    with pytest.raises(AssertionError, match="host function"):
+        _compile("constexpr int f() { return 1; }\n"
+                 "extern \"C\" __global__ void k(int* o) { constexpr int v = f(); o[0] = v; }\n", ["-std=c++17"])
