@@ -11,40 +11,11 @@ test extra); the options are the modules' own `compile_options` for the engine's
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ARCH = "--gpu-architecture=sm_90"  # what torch's _nvrtc_compile passes on an H100 / H200
-
-
-def _libnvrtc():
-    spec = importlib.util.find_spec("nvidia")
-    paths = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
-    found = sorted(p for d in paths for p in Path(d).glob("cu*/lib/libnvrtc.so*") if "builtins" not in p.name)
-    if not found:
-        pytest.skip("no NVRTC library (pip install nvidia-cuda-nvrtc: the test extra)")
-    return ctypes.CDLL(str(found[-1]))
-
-
-def _compile(source: str, options: list[str], arch: str = ARCH) -> None:
-    """Compile `source` with NVRTC as kernels/nvrtc.compile_kernels does; fail with NVRTC's log."""
-    from pdserve.kernels.nvrtc import HEADERS
-
-    lib = _libnvrtc()
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None) == 0
-    opts = [arch, f"-I{HEADERS}", *options]
-    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    assert rc == 0, f"NVRTC refused the build ({' '.join(options)}):\n{log.value.decode()}"
+from nvrtc_offline import compile_cuda
 
 
 def _builds() -> dict[str, tuple[Path, list[str]]]:
@@ -83,20 +54,20 @@ BUILDS = list(_builds())
 @pytest.mark.parametrize("name", BUILDS)
 def test_engine_build_compiles_with_nvrtc(name):
     source, options = _builds()[name]
-    _compile(source.read_text(), options)
+    compile_cuda(source.read_text(), options)
 
 
 def test_bench_probes_compile_with_nvrtc():
     """The bench probes that compile their own sources (bench/pdl_chain.py, bench/moe_stream.py)."""
     from pdserve.bench import moe_stream, pdl_chain
 
-    _compile(pdl_chain.SOURCE, [])
-    _compile(pdl_chain.OVERLAP_SOURCE, ["-std=c++17"])
-    _compile(moe_stream.SOURCE, ["-DNW=8", "-DP=8", "-DWORK=60", "-DDEP=1", "-std=c++17"])
+    compile_cuda(pdl_chain.SOURCE, [])
+    compile_cuda(pdl_chain.OVERLAP_SOURCE, ["-std=c++17"])
+    compile_cuda(moe_stream.SOURCE, ["-DNW=8", "-DP=8", "-DWORK=60", "-DDEP=1", "-std=c++17"])
 
 
 def test_a_host_function_fails_the_build():
     """What this file guards against: NVRTC refuses an unannotated function that device code calls."""
     with pytest.raises(AssertionError, match="host function"):
-        _compile("constexpr int f() { return 1; }\n"
+        compile_cuda("constexpr int f() { return 1; }\n"
                  "extern \"C\" __global__ void k(int* o) { constexpr int v = f(); o[0] = v; }\n", ["-std=c++17"])

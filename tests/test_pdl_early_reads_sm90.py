@@ -1,5 +1,6 @@
 """The kernels that read ahead of their PDL wait (kernels/pdl.py), compiled offline for sm_90: no GPU,
-Triton's compiler and the ptxas and cuobjdump its wheel ships (nvcc for the CUDA kernel).
+Triton's compiler and the ptxas and cuobjdump its wheel ships; the CUDA kernels through NVRTC, as
+the engine builds them (tests/nvrtc_offline.py).
 
 Each compiles with its early reads on and off, and in its SASS the early variant issues global loads
 before `griddepcontrol.wait` (ACQBULK) while the other issues none there. So this fails if a change
@@ -14,11 +15,12 @@ here too: what their SASS must hold for their figures to mean what the benches s
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from nvrtc_offline import compile_cuda
 
 triton = pytest.importorskip("triton")
 
@@ -40,14 +42,12 @@ def _sass(cubin: bytes, tmp: Path, function: str | None = None) -> list[str]:
     return ops
 
 
-def _nvcc_cubin(source: Path, options: list[str], out: Path) -> str:
-    """source compiled by nvcc for sm_90 with these options into `out`; ptxas' report (-v). Skips
-    the test where no nvcc is installed."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on this host")
-    return subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-Xptxas", "-v", *options, "-x", "cu", str(source),
-                           "-o", str(out)], check=True, capture_output=True, text=True).stderr
+def _cubin(source: Path, options: list[str], out: Path) -> str:
+    """source compiled for sm_90 with these options into `out` by NVRTC, as the engine compiles it on
+    the GPU (tests/nvrtc_offline.py); ptxas' report (-v). Skips the test where NVRTC is not installed."""
+    cubin, log = compile_cuda(source.read_text(), options)
+    out.write_bytes(cubin)
+    return log
 
 
 def _loads_before_wait(ops: list[str]) -> list[str]:
@@ -154,12 +154,12 @@ def test_norm_lets_the_next_kernel_launch_before_its_wait_only_when_asked(early_
 
 def _mx_sass(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early_down: int, early_x: int,
             early_bias: bool = False, cluster_sum: bool = False) -> list[str]:
-    """One MXFP4 kernel's SASS, compiled by nvcc for sm_90 with the engine's NVRTC options
+    """One MXFP4 kernel's SASS, compiled by NVRTC for sm_90 with the engine's options
     (cuda_moe_mxfp4.compile_options)."""
     from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
     cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{int(cluster_sum)}{slots}.cubin"
-    _nvcc_cubin(SOURCE, compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum), cubin)
+    _cubin(SOURCE, compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum), cubin)
     return _sass(cubin.read_bytes(), tmp, function)
 
 
@@ -224,7 +224,7 @@ def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(exper
 
     cluster, warps = shape(experts, 2880)
     cubin = tmp_path / "router.cubin"
-    _nvcc_cubin(SOURCE, compile_options(experts, 2880, cluster, warps), cubin)
+    _cubin(SOURCE, compile_options(experts, 2880, cluster, warps), cubin)
     ops = _sass(cubin.read_bytes(), tmp_path)
     vectors = -(-2880 // cluster // 8 // 32)  # 16-byte vectors a lane reads of one row's share
     early = _loads_before_wait(ops)
@@ -242,7 +242,7 @@ def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it
     from pdserve.kernels.cuda_gemv_staged import SOURCE, compile_options
 
     cubin = tmp_path / "gs.cubin"
-    _nvcc_cubin(SOURCE, compile_options(), cubin)
+    _cubin(SOURCE, compile_options(), cubin)
     ops = _sass(cubin.read_bytes(), tmp_path)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
@@ -259,7 +259,7 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STATIC_SHARED, compile_options
 
     cubin = tmp_path / "gf.cubin"
-    report = _nvcc_cubin(SOURCE, compile_options(), cubin)
+    report = _cubin(SOURCE, compile_options(), cubin)
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and set(spills) == {"0"}, report
     # the module sizes its dynamic shared memory by the staged entries' static buffers (the streaming
@@ -286,7 +286,7 @@ def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_afte
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STREAM_DEPTH, compile_options
 
     cubin = tmp_path / "gf.cubin"
-    _nvcc_cubin(SOURCE, compile_options(), cubin)
+    _cubin(SOURCE, compile_options(), cubin)
     ops = _sass(cubin.read_bytes(), tmp_path, "gemv_fp8_stream")
     early = _loads_before_wait(ops)
     # rows g and g + 8 and the block scale, each ring step
@@ -316,7 +316,7 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
            "full, entries 3 blocks ahead": dataclasses.replace(FULL_LAYERS, lookahead=3),
            "full, few requests, timing build": few}[layers]
     cubin = tmp_path / "da.cubin"
-    report = _nvcc_cubin(SOURCE, compile_options(8, 16, cfg, trace=layers.endswith("timing build")), cubin)
+    report = _cubin(SOURCE, compile_options(8, 16, cfg, trace=layers.endswith("timing build")), cubin)
     assert "spill" not in report or " 0 bytes spill stores" in report, report
     ops = _sass(cubin.read_bytes(), tmp_path)
     early = _loads_before_wait(ops)
@@ -336,7 +336,7 @@ def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
 
     source, cubin = tmp_path / "chain.cu", tmp_path / "chain.cubin"
     source.write_text(SOURCE)
-    report = _nvcc_cubin(source, [f"-I{HEADERS}"], cubin)
+    report = _cubin(source, [f"-I{HEADERS}"], cubin)
     assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
     ops = _sass(cubin.read_bytes(), tmp_path, "link")
     wait = ops.index("ACQBULK")
@@ -353,7 +353,7 @@ def test_moe_stream_bench_compiles_without_spills(tmp_path, dep):
 
     source, cubin = tmp_path / "stream.cu", tmp_path / "stream.cubin"
     source.write_text(SOURCE)
-    report = _nvcc_cubin(source, [f"-I{HEADERS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17"],
+    report = _cubin(source, [f"-I{HEADERS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17"],
                          cubin)
     assert "0 bytes spill stores" in report, report
     ops = _sass(cubin.read_bytes(), tmp_path, "stream")
@@ -369,7 +369,7 @@ def test_pdl_overlap_probe_triggers_at_the_spin_start_and_waits_in_the_probe(tmp
 
     source, cubin = tmp_path / "overlap.cu", tmp_path / "overlap.cubin"
     source.write_text(OVERLAP_SOURCE)
-    _nvcc_cubin(source, [f"-I{HEADERS}", "-std=c++17"], cubin)
+    _cubin(source, [f"-I{HEADERS}", "-std=c++17"], cubin)
     spin = _sass(cubin.read_bytes(), tmp_path, "spin")
     assert "PREEXIT" in spin and spin.index("PREEXIT") < spin.index("BRA"), spin
     probe = _sass(cubin.read_bytes(), tmp_path, "probe")
