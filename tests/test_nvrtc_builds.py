@@ -71,3 +71,11 @@ def test_a_host_function_fails_the_build():
     with pytest.raises(AssertionError, match="host function"):
         compile_cuda("constexpr int f() { return 1; }\n"
                  "extern \"C\" __global__ void k(int* o) { constexpr int v = f(); o[0] = v; }\n", ["-std=c++17"])
+
+
+def test_every_kernel_source_is_built_here():
+    """A new .cu file in kernels/ gets its engine builds listed above, or this fails."""
+    from pdserve.kernels.nvrtc import HEADERS
+
+    built = {source.name for source, _ in _builds().values()}
+    assert built == {p.name for p in HEADERS.glob("*.cu")}
