@@ -42,14 +42,6 @@ def _sass(cubin: bytes, tmp: Path, function: str | None = None) -> list[str]:
     return ops
 
 
-def _cubin(source: Path, options: list[str], out: Path) -> str:
-    """source compiled for sm_90 with these options into `out` by NVRTC, as the engine compiles it on
-    the GPU (tests/nvrtc_offline.py); ptxas' report (-v). Skips the test where NVRTC is not installed."""
-    cubin, log = compile_cuda(source.read_text(), options)
-    out.write_bytes(cubin)
-    return log
-
-
 def _loads_before_wait(ops: list[str]) -> list[str]:
     assert "ACQBULK" in ops, "no griddepcontrol.wait in the kernel"
     return [op for op in ops[: ops.index("ACQBULK")] if op.startswith("LDG")]
@@ -158,9 +150,9 @@ def _mx_sass(tmp: Path, function: str, shape: tuple[int, ...], slots: int, early
     (cuda_moe_mxfp4.compile_options)."""
     from pdserve.kernels.cuda_moe_mxfp4 import SOURCE, compile_options
 
-    cubin = tmp / f"mx{early_down}{early_x}{int(early_bias)}{int(cluster_sum)}{slots}.cubin"
-    _cubin(SOURCE, compile_options(90, slots, shape, False, early_down, early_x, early_bias, cluster_sum), cubin)
-    return _sass(cubin.read_bytes(), tmp, function)
+    cubin, _ = compile_cuda(SOURCE.read_text(), compile_options(90, slots, shape, False, early_down, early_x,
+                                                                early_bias, cluster_sum))
+    return _sass(cubin, tmp, function)
 
 
 def _mx_loads_before_wait(*args, **kwargs) -> list[str]:
@@ -223,9 +215,8 @@ def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(exper
     from pdserve.kernels.cuda_router import SOURCE, compile_options, shape
 
     cluster, warps = shape(experts, 2880)
-    cubin = tmp_path / "router.cubin"
-    _cubin(SOURCE, compile_options(experts, 2880, cluster, warps), cubin)
-    ops = _sass(cubin.read_bytes(), tmp_path)
+    cubin, _ = compile_cuda(SOURCE.read_text(), compile_options(experts, 2880, cluster, warps))
+    ops = _sass(cubin, tmp_path)
     vectors = -(-2880 // cluster // 8 // 32)  # 16-byte vectors a lane reads of one row's share
     early = _loads_before_wait(ops)
     weights = [op for op in early if op.startswith("LDG.E.128")]
@@ -241,9 +232,8 @@ def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it
     the wait, those of x (written by the kernel ahead) after it, and no other global load before it."""
     from pdserve.kernels.cuda_gemv_staged import SOURCE, compile_options
 
-    cubin = tmp_path / "gs.cubin"
-    _cubin(SOURCE, compile_options(), cubin)
-    ops = _sass(cubin.read_bytes(), tmp_path)
+    cubin, _ = compile_cuda(SOURCE.read_text(), compile_options())
+    ops = _sass(cubin, tmp_path)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
     assert all(op.startswith(("LDGSTS", "LDGDEPBAR")) for op in early), f"loads other than the weight copies ahead of the wait: {early}"
@@ -258,15 +248,14 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
     spills."""
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STATIC_SHARED, compile_options
 
-    cubin = tmp_path / "gf.cubin"
-    report = _cubin(SOURCE, compile_options(), cubin)
+    cubin, report = compile_cuda(SOURCE.read_text(), compile_options())
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and set(spills) == {"0"}, report
     # the module sizes its dynamic shared memory by the staged entries' static buffers (the streaming
     # entry keeps only the token rows' powers of two of them)
     smem = {int(v) for v in re.findall(r"(\d+) bytes smem", report)}
     assert STATIC_SHARED in smem and max(smem) == STATIC_SHARED, report
-    ops = _sass(cubin.read_bytes(), tmp_path, entry)
+    ops = _sass(cubin, tmp_path, entry)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"
     others = {op for op in early if not op.startswith(("LDGSTS", "LDGDEPBAR"))}
@@ -285,9 +274,8 @@ def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_afte
     Hopper's e4m3 conversion."""
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STREAM_DEPTH, compile_options
 
-    cubin = tmp_path / "gf.cubin"
-    _cubin(SOURCE, compile_options(), cubin)
-    ops = _sass(cubin.read_bytes(), tmp_path, "gemv_fp8_stream")
+    cubin, _ = compile_cuda(SOURCE.read_text(), compile_options())
+    ops = _sass(cubin, tmp_path, "gemv_fp8_stream")
     early = _loads_before_wait(ops)
     # rows g and g + 8 and the block scale, each ring step
     assert early.count("LDG.E.128.STRONG.GPU") == 2 * STREAM_DEPTH, early
@@ -315,10 +303,10 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     cfg = {"full": FULL_LAYERS, "full, few requests": few, "windowed": WINDOWED_LAYERS,
            "full, entries 3 blocks ahead": dataclasses.replace(FULL_LAYERS, lookahead=3),
            "full, few requests, timing build": few}[layers]
-    cubin = tmp_path / "da.cubin"
-    report = _cubin(SOURCE, compile_options(8, 16, cfg, trace=layers.endswith("timing build")), cubin)
+    options = compile_options(8, 16, cfg, trace=layers.endswith("timing build"))
+    cubin, report = compile_cuda(SOURCE.read_text(), options)
     assert "spill" not in report or " 0 bytes spill stores" in report, report
-    ops = _sass(cubin.read_bytes(), tmp_path)
+    ops = _sass(cubin, tmp_path)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no key copy ahead of the wait: {early}"
     assert all(op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.STRONG.GPU")) for op in early), early
@@ -332,13 +320,10 @@ def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
     """bench/pdl_chain.py's link kernel (what a boundary costs): every load after `griddepcontrol.wait`,
     the next kernel's launch right after it, no spills; so its chain measures dependent kernels."""
     from pdserve.bench.pdl_chain import SOURCE
-    from pdserve.kernels.nvrtc import HEADERS
 
-    source, cubin = tmp_path / "chain.cu", tmp_path / "chain.cubin"
-    source.write_text(SOURCE)
-    report = _cubin(source, [f"-I{HEADERS}"], cubin)
+    cubin, report = compile_cuda(SOURCE, [])
     assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
-    ops = _sass(cubin.read_bytes(), tmp_path, "link")
+    ops = _sass(cubin, tmp_path, "link")
     wait = ops.index("ACQBULK")
     assert not [op for op in ops[:wait] if op.startswith("LDG")], ops[:wait]
     assert "PREEXIT" in ops[wait:] and any(op.startswith("LDG") for op in ops[wait:])
@@ -349,14 +334,10 @@ def test_moe_stream_bench_compiles_without_spills(tmp_path, dep):
     """bench/moe_stream.py's kernel in its largest shape: no spills, and global atomics (the gate/up
     tiles counted) only in the build whose down tiles wait on them."""
     from pdserve.bench.moe_stream import SOURCE
-    from pdserve.kernels.nvrtc import HEADERS
 
-    source, cubin = tmp_path / "stream.cu", tmp_path / "stream.cubin"
-    source.write_text(SOURCE)
-    report = _cubin(source, [f"-I{HEADERS}", "-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17"],
-                         cubin)
+    cubin, report = compile_cuda(SOURCE, ["-DNW=8", "-DP=12", "-DWORK=60", f"-DDEP={dep}", "-std=c++17"])
     assert "0 bytes spill stores" in report, report
-    ops = _sass(cubin.read_bytes(), tmp_path, "stream")
+    ops = _sass(cubin, tmp_path, "stream")
     assert any(op.startswith(("RED", "ATOM")) for op in ops) == bool(dep)
 
 
@@ -365,14 +346,11 @@ def test_pdl_overlap_probe_triggers_at_the_spin_start_and_waits_in_the_probe(tmp
     of its loop) and the probe reads the clock on both sides of its wait, so its figures say when a
     PDL launch is placed and when its wait passes."""
     from pdserve.bench.pdl_chain import OVERLAP_SOURCE
-    from pdserve.kernels.nvrtc import HEADERS
 
-    source, cubin = tmp_path / "overlap.cu", tmp_path / "overlap.cubin"
-    source.write_text(OVERLAP_SOURCE)
-    _cubin(source, [f"-I{HEADERS}", "-std=c++17"], cubin)
-    spin = _sass(cubin.read_bytes(), tmp_path, "spin")
+    cubin, _ = compile_cuda(OVERLAP_SOURCE, ["-std=c++17"])
+    spin = _sass(cubin, tmp_path, "spin")
     assert "PREEXIT" in spin and spin.index("PREEXIT") < spin.index("BRA"), spin
-    probe = _sass(cubin.read_bytes(), tmp_path, "probe")
+    probe = _sass(cubin, tmp_path, "probe")
     clock = [i for i, op in enumerate(probe) if op.startswith(("S2UR", "CS2R", "S2R"))]
     wait = probe.index("ACQBULK")
     assert any(i < wait for i in clock) and any(i > wait for i in clock), probe
