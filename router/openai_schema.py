@@ -158,6 +158,7 @@ class StreamOptions(BaseModel):
 
 
 _MAX_LOGIT_BIAS_ENTRIES = 1024
+_INT32_MAX = 2 ** 31 - 1  # the workers' SamplingParams hold top_k as an int32
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 64
 
@@ -167,7 +168,7 @@ class SamplingControls(_Body):
 
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # extension (vLLM-style); 0 = off
+    top_k: int = Field(default=0, ge=0, le=_INT32_MAX)  # extension (vLLM-style); 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -127,6 +127,17 @@ def test_loosely_typed_fields_are_400(fresh, field, value):
                  param=field)
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat(top_k=2 ** 31)),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": 10 ** 30}),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "top_k": 2 ** 40}),
+])
+def test_a_top_k_past_what_the_workers_take_is_400(fresh, path, body):
+    """top_k travels to the workers as an int32: a larger one is the client's error, not a 500."""
+    assert_error(post(fresh, path, body=body), 400, param="top_k")
+    assert not fresh.prefill[0].requests
+
+
 def test_strict_types_still_take_ints_for_floats(fresh):
     r = post(fresh, "/v1/chat/completions", body=chat(temperature=1, top_p=1, max_tokens=5))
     assert r.status_code == 200, r.text
