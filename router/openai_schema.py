@@ -191,7 +191,7 @@ class SamplingControls(_Body):
         if len(bias) > _MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"at most {_MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are allowed")
         for key, value in bias.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for {key}")

@@ -138,6 +138,16 @@ def test_a_top_k_past_what_the_workers_take_is_400(fresh, path, body):
     assert not fresh.prefill[0].requests
 
 
+@pytest.mark.parametrize("key", ["²", "１", "٣", "⑦"])
+def test_logit_bias_keys_of_non_ascii_digits_are_400(fresh, key):
+    """str.isdigit() holds for superscripts, full-width and Arabic-Indic digits, which int()
+    refuses or reads as another id: token ids are ASCII digits."""
+    for path, body in (("/v1/chat/completions", chat(logit_bias={key: 5})),
+                       ("/v1/responses", {"model": MODEL, "input": "hi", "logit_bias": {key: 5}})):
+        assert_error(post(fresh, path, body=body), 400, param="logit_bias")
+    assert not fresh.prefill[0].requests
+
+
 def test_strict_types_still_take_ints_for_floats(fresh):
     r = post(fresh, "/v1/chat/completions", body=chat(temperature=1, top_p=1, max_tokens=5))
     assert r.status_code == 200, r.text
