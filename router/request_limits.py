@@ -83,7 +83,7 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
 def parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an int past 4300 digits
         raise InvalidRequestError(f"The request body is not valid JSON: {error}",
                                   code="invalid_json") from None
     except RecursionError:

@@ -70,6 +70,15 @@ def test_deeply_nested_json_is_400(fresh, depth):
     assert_error(post(fresh, "/v1/chat/completions", content=raw), 400, code="invalid_json")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                  "/tokenize", "/detokenize"])
+def test_an_integer_literal_past_pythons_digit_limit_is_400(fresh, path):
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an int of more than 4300
+    digits."""
+    raw = '{"model": "%s", "max_tokens": 1%s}' % (MODEL, "0" * 5000)
+    assert_error(post(fresh, path, content=raw), 400, code="invalid_json")
+
+
 def test_a_nested_tool_schema_within_the_bound_is_fine(fresh):
     schema = {"type": "object", "properties": {}}
     inner = schema
