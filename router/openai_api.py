@@ -241,6 +241,50 @@ def _choice_streams(generation: Generation, events: AsyncIterator[TokenEvent], f
     return [(splitter.stream(i), None) for i in range(generation.num_choices)]
 
 
+class _ReadAhead:
+    """A generation's events, read on into a buffer from the first `__anext__` whether or not the
+    caller reads them yet. The prompts of one request all start before its response does; those
+    placed first must meanwhile run to their end and free their batch slot and KV blocks, which
+    the others may be waiting for (a request of more prompts than the decode workers take at once
+    would otherwise wait on itself until the admission queue refused it)."""
+
+    _END = object()
+
+    def __init__(self, events: AsyncIterator[TokenEvent]) -> None:
+        self._events = events
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pump: asyncio.Task | None = None
+
+    def __aiter__(self) -> "_ReadAhead":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._read())
+        item = await self._queue.get()
+        if item is self._END or isinstance(item, BaseException):
+            self._queue.put_nowait(item)  # the end stays the end
+            if item is self._END:
+                raise StopAsyncIteration
+            raise item
+        return item
+
+    async def _read(self) -> None:
+        try:
+            async for event in self._events:
+                self._queue.put_nowait(event)
+            end: object = self._END
+        except BaseException as error:  # noqa: BLE001 - handed to the reader
+            end = error
+        self._queue.put_nowait(end)
+
+    async def aclose(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+        await self._events.aclose()
+
+
 @dataclasses.dataclass(frozen=True)
 class _TextChoice:
     """What one completion choice shows besides its generated text."""
@@ -323,9 +367,12 @@ class OpenAIFrontend:
                      ) -> list[tuple[AsyncIterator[TokenEvent], TokenEvent | None]]:
         """Run every generation up to its first token; on an error cancel all and re-raise.
 
-        A None first event means the client left before it came.
+        A None first event means the client left before it came. Several generations (the
+        prompts of one completions request) read on from their first token (`_ReadAhead`).
         """
         streams = [gen.events() for gen in generations]
+        if len(streams) > 1:
+            streams = [_ReadAhead(s) for s in streams]
 
         async def first(stream: AsyncIterator[TokenEvent]) -> TokenEvent | None:
             return await anext(stream, None)

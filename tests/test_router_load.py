@@ -209,3 +209,33 @@ def test_a_wait_past_max_queue_wait_is_429_and_clients_may_give_up_while_waiting
         assert wait_for(lambda: not any(d.reservations for d in cluster.decode), timeout=10)
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completions_batch_of_more_prompts_than_batch_slots_finishes(stream):
+    """8 prompts in one request, 3 batch slots (2 + 25%) on each of 2 decode workers: the prompts
+    placed first run to their end and make room for the others, instead of holding their slots
+    until every prompt of the request has started (which then waited on its own siblings until
+    the admission queue gave up with a 429)."""
+    cluster = Cluster(script=harmony_ids(SCRIPT), router_config={"max_queued_requests": 64,
+                                                                 "max_queue_wait": 5})
+    try:
+        for d in cluster.decode:
+            d.max_batch_size = 2
+        registry = cluster.router.router.registry
+        assert wait_for(lambda: cluster.router.call(lambda: all(
+            w.load and w.load.max_batch_size == 2 for w in registry.workers("decode"))))
+        r = httpx.post(cluster.base_url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": [[1, 2, 3]] * 8, "max_tokens": 4, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+            assert r.text.rstrip().endswith("data: [DONE]") and finishes == ["length"] * 8, r.text
+        else:
+            assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
+        assert max(d.peak_requests for d in cluster.decode) <= 3
+        assert wait_for(lambda: cluster.router.call(
+            lambda: [w.active_requests for w in registry.workers("decode")]) == [0, 0])
+    finally:
+        cluster.close()
