@@ -69,6 +69,15 @@ class _Body(BaseModel):
     # OpenAI-compatible servers do; anything we cannot honour but would change the output is refused.
     model_config = _STRICT
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """A top-level null is the field's default, as OpenAI's API declares its fields nullable
+        (`"temperature": null`); a required field stays missing."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)

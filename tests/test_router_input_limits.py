@@ -157,6 +157,27 @@ def test_logit_bias_keys_of_non_ascii_digits_are_400(fresh, key):
     assert not fresh.prefill[0].requests
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat(**dict.fromkeys([
+        "temperature", "top_p", "n", "stream", "logprobs", "top_logprobs", "presence_penalty",
+        "frequency_penalty", "seed", "stop", "max_tokens", "max_completion_tokens", "top_k",
+        "min_tokens", "ignore_eos", "stream_options", "tool_choice", "response_format"]))),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", **dict.fromkeys([
+        "temperature", "top_p", "n", "stream", "echo", "logprobs", "presence_penalty",
+        "frequency_penalty", "seed", "stop", "max_tokens", "suffix", "best_of"])}),
+    ("/v1/responses", {"model": MODEL, "input": "hi", **dict.fromkeys([
+        "temperature", "top_p", "stream", "store", "max_output_tokens", "instructions",
+        "previous_response_id", "tool_choice", "text", "reasoning"])}),
+])
+def test_null_is_the_default_of_a_nullable_field(fresh, path, body):
+    """OpenAI's API declares these fields nullable, null meaning the default, and clients send
+    them so (openai-python passes `temperature=None` on as null)."""
+    r = post(fresh, path, body=body)
+    assert r.status_code == 200, r.text
+    sampling = fresh.prefill[0].requests[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.n) == (1.0, 1.0, 1)
+
+
 def test_strict_types_still_take_ints_for_floats(fresh):
     r = post(fresh, "/v1/chat/completions", body=chat(temperature=1, top_p=1, max_tokens=5))
     assert r.status_code == 200, r.text
