@@ -231,6 +231,13 @@ class _Sampling(SamplingControls):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_Sampling":
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("The 'stream_options' parameter is only allowed when 'stream' "
+                                      "is enabled.", param="stream_options")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

@@ -147,6 +147,18 @@ def test_a_top_k_past_what_the_workers_take_is_400(fresh, path, body):
     assert not fresh.prefill[0].requests
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat(stream_options={"include_usage": True})),
+    ("/v1/chat/completions", chat(stream=False, stream_options={"include_usage": True})),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {}}),
+])
+def test_stream_options_without_stream_is_400(fresh, path, body):
+    """As OpenAI: stream_options is only allowed when stream is enabled."""
+    error = assert_error(post(fresh, path, body=body), 400, param="stream_options")
+    assert "stream" in error["message"]
+    assert not fresh.prefill[0].requests
+
+
 @pytest.mark.parametrize("key", ["²", "１", "٣", "⑦"])
 def test_logit_bias_keys_of_non_ascii_digits_are_400(fresh, key):
     """str.isdigit() holds for superscripts, full-width and Arabic-Indic digits, which int()
