@@ -41,14 +41,23 @@ def _schema_of(fmt: dict, param: str) -> dict | None:
     if kind != "json_schema":
         raise InvalidRequestError(f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                                   param=f"{param}.type")
-    spec = fmt.get("json_schema", fmt) if param == "response_format" else fmt
+    spec = fmt.get("json_schema") if param == "response_format" else fmt
     where = f"{param}.json_schema" if param == "response_format" else param
+    if spec is None:
+        raise _missing(where)
     if not isinstance(spec, dict):
         raise InvalidRequestError(f"{where} must be an object", param=where)
-    schema = spec.get("schema", {})
+    schema = spec.get("schema")
+    if schema is None:
+        raise _missing(f"{where}.schema")
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{where}.schema must be a JSON-schema object", param=f"{where}.schema")
     return schema
+
+
+def _missing(param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"Missing required parameter: '{param}' (a json_schema format needs "
+                               "its JSON schema).", param=param, code="missing_required_parameter")
 
 
 def check(grammar: str, param: str) -> str:

@@ -232,6 +232,21 @@ def test_invalid_response_formats_are_400_naming_the_problem(fresh, value, needl
     assert not fresh.prefill[0].requests
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format.json_schema.schema"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+     "text.format.schema"),
+])
+def test_a_json_schema_format_without_its_schema_is_400(fresh, path, body, param):
+    """OpenAI requires the schema of a json_schema format; without one any JSON would pass."""
+    error = assert_error(post(fresh, path, body=body), 400, param=param,
+                         code="missing_required_parameter")
+    assert param in error["message"]
+    assert not fresh.prefill[0].requests
+
+
 @pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
 def test_structured_outputs_refuse_rules_that_fight_the_end_of_the_turn(fresh, extra):
     error = assert_error(post(fresh, "/v1/chat/completions", body=chat(
