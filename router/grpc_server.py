@@ -62,7 +62,7 @@ class GeneratorService(pdserve_pb2_grpc.GeneratorServicer):
             sampling = self._validate(request)
             sampling.max_new_tokens = self.orchestrator.admit(
                 len(request.prompt_token_ids), sampling.max_new_tokens or None,
-                param="prompt_token_ids")
+                param="prompt_token_ids", n=max(1, sampling.n))
             generation = self.orchestrator.generate(request_id, list(request.prompt_token_ids),
                                                     sampling, arrival=arrival)
             completion_tokens = 0

@@ -403,7 +403,8 @@ class OpenAIFrontend:
             raise InvalidRequestError(str(error), param=error.param) from None
         grammar = structured_output.grammar(
             body.response_format, tools=[t.model_dump() for t in body.tools or []], tool_choice=tool_choice)
-        max_new = self.orchestrator.admit(len(prompt), body.requested_max_tokens, param="messages")
+        max_new = self.orchestrator.admit(len(prompt), body.requested_max_tokens, param="messages",
+                                          n=body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         top = (body.top_logprobs or 0) if body.logprobs else None
         generation = self.orchestrator.generate(
@@ -592,7 +593,7 @@ class OpenAIFrontend:
         # max_tokens 0 (with echo: scoring a prompt) still samples one token, which is dropped
         prompt_only = body.requested_max_tokens == 0
         max_news = [self.orchestrator.admit(len(p), 1 if prompt_only else body.requested_max_tokens,
-                                            param="prompt") for p in prompts]
+                                            param="prompt", n=body.n) for p in prompts]
         k = body.logprobs
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generations = [

@@ -29,7 +29,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (InvalidRequestError, NoHealthyWorkersError, OverloadedError,
                            RequestTimeoutError, RouterError, UpstreamError)
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import RoutingPolicy, kv_blocks_needed
+from pdserve.router.policy import RoutingPolicy, kv_blocks_for_choices, max_new_tokens_within
 from pdserve.router.registry import Worker, WorkerRegistry
 from pdserve.router.retry import WORKER_DIED, WORKER_FULL, WORKER_GONE, backoff_delay
 
@@ -138,12 +138,14 @@ class Orchestrator:
                                         metrics)
         registry.add_listener(self.admission.wake)  # a load report may show room again
 
-    def admit(self, num_prompt_tokens: int, max_tokens: int | None, *, param: str) -> int:
+    def admit(self, num_prompt_tokens: int, max_tokens: int | None, *, param: str, n: int = 1) -> int:
         """Check the request against the pools and the context limit; return max_new_tokens.
 
         `max_tokens=None` means "as many as fit": the default, capped by the context left after
-        the prompt. An explicit `max_tokens` that does not fit is the client's error (400), as is
-        a prompt that alone fills the context. `param` names the prompt field in errors.
+        the prompt and by the largest decode worker's KV pool. An explicit `max_tokens` that does
+        not fit is the client's error (400), as is a prompt that alone fills the context, or `n`
+        choices that no decode worker's KV pool could ever hold. `param` names the prompt field
+        in errors.
         """
         for role in ("prefill", "decode"):
             if not self.registry.routable(role):
@@ -159,7 +161,8 @@ class Orchestrator:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}.",
                                       param="max_tokens")
         if not max_context:
-            return max_tokens if max_tokens is not None else self.config.default_max_tokens
+            max_new = max_tokens if max_tokens is not None else self.config.default_max_tokens
+            return self._within_kv_pools(num_prompt_tokens, max_new, n, max_tokens is None, param)
         if num_prompt_tokens >= max_context:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_context} tokens. However, your "
@@ -167,14 +170,54 @@ class Orchestrator:
                 param=param, code="context_length_exceeded")
         room = max_context - num_prompt_tokens
         if max_tokens is None:
-            return min(self.config.default_max_tokens, room)
+            return self._within_kv_pools(num_prompt_tokens, min(self.config.default_max_tokens, room),
+                                         n, True, param)
         if max_tokens > room:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_context} tokens. However, you "
                 f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
                 f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
                 param="max_tokens", code="context_length_exceeded")
-        return max_tokens
+        return self._within_kv_pools(num_prompt_tokens, max_tokens, n, False, param)
+
+    def _within_kv_pools(self, num_prompt_tokens: int, max_new: int, n: int, default: bool,
+                         param: str) -> int:
+        """`max_new`, if its `n` choices fit the KV pool of the largest decode worker discovery
+        lists (else they would wait for room that never comes, then get a 429); a default
+        `max_new` is cut to what fits; else a 400 naming `n` (one choice would fit), `max_tokens`,
+        or the prompt. No check while a decode worker does not report its pool."""
+        pools = [(w.load.kv_blocks_total, w.load.page_size) for w in self.registry.workers("decode")
+                 if w.load is not None]
+        if not pools or any(blocks <= 0 or page <= 0 for blocks, page in pools):
+            return max_new
+
+        def fits(choices: int) -> int:
+            return max(max_new_tokens_within(num_prompt_tokens, choices, blocks, page)
+                       for blocks, page in pools)
+
+        room = fits(n)
+        if max_new <= room:
+            return max_new
+        if default and room >= 1:
+            return room
+        blocks, page = max(pools, key=lambda pool: pool[0] * pool[1])
+        pool = (f"the largest decode worker's KV cache holds {blocks * page} tokens ({blocks} "
+                f"blocks of {page})")
+        wanted = 1 if default else max_new
+        if n > 1 and wanted <= fits(1):
+            need = kv_blocks_for_choices(num_prompt_tokens, wanted, n, page)
+            raise InvalidRequestError(
+                f"{n} choices of {num_prompt_tokens} prompt + {wanted} completion tokens need "
+                f"{need * page} tokens of KV cache, but {pool}. Reduce n or max_tokens.",
+                param="n", code="invalid_value")
+        if default:
+            raise InvalidRequestError(
+                f"The prompt has {num_prompt_tokens} tokens, leaving no room for a completion: "
+                f"{pool}.", param=param, code="context_length_exceeded")
+        raise InvalidRequestError(
+            f"You requested {num_prompt_tokens + max_new} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_new} for the completion), but {pool}. Reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded")
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  sampling: pdserve_pb2.SamplingParams, *, arrival: float | None = None) -> "Generation":
@@ -464,9 +507,7 @@ class Generation:
             # must already see it; choices after the first add their own pages (and a copy of
             # the prompt's last, partial one)
             page_size = worker.load.page_size if worker.load else 0
-            blocks = kv_blocks_needed(num_prompt + max_new, page_size)
-            if self.num_choices > 1 and page_size:
-                blocks += (self.num_choices - 1) * (kv_blocks_needed(max_new, page_size) + 1)
+            blocks = kv_blocks_for_choices(num_prompt, max_new, self.num_choices, page_size)
             placed = worker.pending_kv.add(blocks)
             worker.active_requests += 1
             call = worker.stub.Reserve(request, timeout=timeout)

@@ -21,6 +21,20 @@ def kv_blocks_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def kv_blocks_for_choices(num_prompt_tokens: int, max_new_tokens: int, n: int, page_size: int) -> int:
+    """Full-attention blocks a decode worker takes for `n` choices of prompt + max_new_tokens
+    (engine/block_manager.py): the first holds every page, each other one shares the prompt's
+    complete pages and holds the rest (its copy of the partial last page included)."""
+    pages = kv_blocks_needed(num_prompt_tokens + max_new_tokens, page_size)
+    return pages + (n - 1) * (pages - num_prompt_tokens // page_size) if page_size > 0 else 0
+
+
+def max_new_tokens_within(num_prompt_tokens: int, n: int, kv_blocks: int, page_size: int) -> int:
+    """The largest max_new_tokens whose `n` choices fit `kv_blocks` (< 1: not even one token)."""
+    pages = (kv_blocks + (n - 1) * (num_prompt_tokens // page_size)) // n
+    return pages * page_size - num_prompt_tokens
+
+
 class RoutingPolicy(abc.ABC):
     """Ranks routable workers for one request; subclasses decide what "best" means."""
 

@@ -175,7 +175,9 @@ class FakeDecode(pbg.DecodeWorkerServicer):
         if self.exhausted or self.refuse_reserve:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
         total = request.num_prompt_tokens + request.max_new_tokens
-        blocks = -(-total // self.page_size)
+        pages = -(-total // self.page_size)
+        # as the block manager: each later choice shares the prompt's complete pages
+        blocks = pages + (max(1, request.n) - 1) * (pages - request.num_prompt_tokens // self.page_size)
         with self.lock:
             used = sum(self.reservations.values())
             if used + blocks > self.kv_blocks_total:
@@ -185,7 +187,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             self.peak_requests = max(self.peak_requests, len(self.reservations))
         return pb.ReserveResponse(placements=[pb.KVPlacement(
             decode_worker_id=self.name, kv_agent_name=f"{self.name}-rank0",
-            full_block_ids=list(range(blocks)), page_size=self.page_size, tp_rank=0, tp_size=1)])
+            full_block_ids=list(range(pages)), page_size=self.page_size, tp_rank=0, tp_size=1)])
 
     def Decode(self, request, context):
         rid = request.request_id
@@ -196,11 +198,21 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for {rid}")
         if not self.fabric.arrived(self.name, rid):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV of {rid} has not arrived")
+        choices = max(1, request.sampling.n)
+        for choice in range(choices):  # n > 1: each choice plays the script in turn
+            if rid in self.cancelled or not context.is_active():
+                return
+            for chunk in self._play(request, context, last=choice == choices - 1):
+                chunk.choice = choice
+                yield chunk
+
+    def _play(self, request, context, *, last: bool):
+        rid = request.request_id
         sampling = request.sampling
         stops = set(sampling.stop_token_ids)
         script = self.script.token_ids
         start = request.num_generated  # a migrated stream goes on where it was
-        if request.first_token_id != script[start]:
+        if any(first != script[start] for first in [request.first_token_id, *request.first_token_ids]):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first token does not follow the script")
         produced = start + 1
         if script[start] in stops:
@@ -223,7 +235,7 @@ class FakeDecode(pbg.DecodeWorkerServicer):
                     self.server.die()
                     time.sleep(1.0)
                     return
-                if finish:  # as a decode worker frees a finished request before its last chunk
+                if finish and last:  # as a decode worker frees a finished request before its last chunk
                     # goes out: the router may place the next one the moment it reads this chunk,
                     # before this generator resumes
                     with self.lock:
@@ -301,8 +313,9 @@ class FakePrefill(pbg.PrefillWorkerServicer):
         if request.placements[0].decode_worker_id == self.unreachable_decode:
             context.abort(grpc.StatusCode.ABORTED, "KV transfer to the decode worker failed")
         self.fabric.write(request.placements[0].decode_worker_id, request.request_id)
-        return pb.PrefillResponse(request_id=request.request_id,
-                                  first_token_id=self.script.token_ids[request.num_generated],
+        first = self.script.token_ids[request.num_generated]
+        return pb.PrefillResponse(request_id=request.request_id, first_token_id=first,
+                                  first_token_ids=[first] * request.sampling.n if request.sampling.n > 1 else [],
                                   kv_bytes=1024 * len(request.prompt_token_ids),
                                   kv_transfer_seconds=0.002, queue_seconds=0.001,
                                   compute_seconds=0.003)

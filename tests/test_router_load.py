@@ -3,12 +3,15 @@
 import asyncio
 import contextlib
 import json
+import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from router_harness import Cluster, harmony_ids, wait_for
+from test_router_errors import assert_error
 from pdserve.router.registry import PendingLoad
 
 MODEL = "gpt-oss-test"
@@ -239,3 +242,116 @@ def test_a_completions_batch_of_more_prompts_than_batch_slots_finishes(stream):
             lambda: [w.active_requests for w in registry.workers("decode")]) == [0, 0])
     finally:
         cluster.close()
+
+
+# ---- requests no decode worker's KV pool can ever hold: 400 at admission -----------------
+POOLS = [120, 200]  # KV blocks of 16 tokens on the two decode workers
+
+
+@pytest.fixture(scope="module")
+def small_pools():
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=POOLS,
+                      router_config={"max_queued_requests": 64, "max_queue_wait": 2})
+    r = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=10, json=_BODY)
+    assert r.status_code == 200, r.text
+    yield cluster, r.json()["usage"]["prompt_tokens"]
+    cluster.close()
+
+
+def _largest_max_tokens(prompt: int, n: int, blocks: int, page: int = 16) -> int:
+    """Largest max_tokens whose n choices fit `blocks`: n * pages(prompt + max_tokens) minus
+    the prompt's complete pages the n - 1 later choices share (engine/block_manager.py)."""
+    return (blocks + (n - 1) * (prompt // page)) // n * page - prompt
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_a_request_no_decode_pool_can_hold_is_400_at_once_and_one_that_fits_runs(small_pools, n):
+    cluster, prompt = small_pools
+    cluster.reset()
+    fits = _largest_max_tokens(prompt, n, max(POOLS))
+    assert fits > _largest_max_tokens(prompt, n, min(POOLS))  # only the larger pool holds it
+    body = {**_BODY, "n": n, "max_tokens": fits}
+    r = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=30, json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == n
+    started = time.monotonic()
+    r = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=30,
+                   json={**body, "max_tokens": fits + 1})
+    assert time.monotonic() - started < 1.5  # not after a wait for room that cannot come
+    # n = 1 would fit: n is what to reduce; else max_tokens
+    assert_error(r, 400, param="n" if n > 1 else "max_tokens")
+    assert str(max(POOLS) * 16) in r.json()["error"]["message"]
+
+
+def test_the_default_max_tokens_is_what_fits_the_largest_pool(small_pools):
+    cluster, prompt = small_pools
+    cluster.reset()
+    body = {k: v for k, v in _BODY.items() if k != "max_tokens"}
+    r = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=30, json={**body, "n": 8})
+    assert r.status_code == 200, r.text
+    [reserve] = [r for d in cluster.decode for r in d.reserve_requests]
+    assert reserve.max_new_tokens == _largest_max_tokens(prompt, 8, max(POOLS))
+
+
+def test_a_prompt_that_leaves_no_room_in_any_pool_is_400_naming_n_or_the_prompt(small_pools):
+    cluster, _ = small_pools
+    cluster.reset()
+    ids = list(range(1000, 1000 + max(POOLS) * 16 - 8))  # one choice fits, 2 cannot
+    r = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": ids, "n": 2})
+    assert_error(r, 400, param="n")
+    r = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": ids + list(range(8)), "max_tokens": 1})
+    assert_error(r, 400, param="max_tokens")
+    r = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": ids + list(range(8))})
+    assert_error(r, 400, param="prompt", code="context_length_exceeded")
+    assert not any(d.reserve_requests for d in cluster.decode)
+
+
+def test_the_routers_kv_need_is_what_the_block_manager_takes():
+    """The router's count of a request's full-attention blocks against engine/block_manager.py's
+    reservation (first choice: every page; each later one: the pages past the prompt's complete
+    ones), at random shapes, on both sides of the pool size."""
+    from pdserve.engine.block_manager import KVBlockManager, KVCacheFull
+    from pdserve.router.policy import kv_blocks_for_choices
+
+    rng = random.Random()
+    for _ in range(300):
+        page, n = rng.choice([1, 4, 16, 64]), rng.randint(1, 64)
+        prompt, max_new = rng.randint(1, 600), rng.randint(1, 600)
+        need = kv_blocks_for_choices(prompt, max_new, n, page)
+        for blocks in (need - 1, need):
+            if blocks < 1:
+                continue
+            manager = KVBlockManager(page_size=page, num_blocks=blocks)
+            try:
+                manager.reserve(prompt + max_new)
+                for _ in range(n - 1):
+                    manager.reserve_choice(prompt, prompt + max_new)
+                fitted = True
+            except KVCacheFull:
+                fitted = False
+            assert fitted == (blocks == need), (page, n, prompt, max_new, blocks)
+
+
+def test_grpc_generate_counts_its_choices_against_the_pools(small_pools):
+    import grpc
+
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pbg
+
+    cluster, _ = small_pools
+    cluster.reset()
+    ids = list(range(1000, 1100))
+    fits = _largest_max_tokens(len(ids), 4, max(POOLS))
+    with grpc.insecure_channel(cluster.router.grpc_address) as channel:
+        stub = pbg.GeneratorStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(
+                max_new_tokens=fits + 1, n=4)), timeout=30))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "Reduce n" in info.value.details()
+        assert not any(d.reserve_requests for d in cluster.decode)
+        responses = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling=pb.SamplingParams(
+            max_new_tokens=fits, n=4)), timeout=30))
+        assert sorted(r.choice for r in responses if r.finish_reason) == [0, 1, 2, 3]
