@@ -138,6 +138,10 @@ SETTINGS = {
     # per-pair MXFP4 down adds a token's pairs through float32 partials and an arrival counter in
     # global memory, not inside a thread-block cluster
     "down counters": _setting({(cuda_moe_mxfp4, "CLUSTER_SUM"): False}),
+    # per-pair MXFP4 gate/up skips the zero B loads by a predicate a K step (offsets rebuilt every
+    # step), not reading them from a row of zeros (MmaConfig's zero_row)
+    "gate/up predicated B": _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): cuda_moe_mxfp4.MmaConfig(
+        gate_up=(4, 4, 3), down=cuda_moe_mxfp4.PAIR_CONFIG.down)}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
@@ -293,7 +297,7 @@ def _gemv(spec: str) -> dict:
 
 
 def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
-    """'warps,ksplit,batch[,min CTAs]/warps,ksplit,batch[,min CTAs]' -> MmaConfig(gate_up, down)."""
+    """'warps,ksplit,batch[,min CTAs[,zero row]]/...' (gate/up, then down) -> MmaConfig(gate_up, down)."""
     gu, dn = (tuple(int(v) for v in part.split(",")) for part in spec.split("/"))
     return cuda_moe_mxfp4.MmaConfig(gu, dn)
 

@@ -6,8 +6,9 @@
 // must hold at once: a register bound), MX_SLOTS (most (token, expert) pairs
 // one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
 // buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
-// bench/moe_trace.py, never in the engine), and the packed word layout of kernels/mxfp4.py (one source
-// for every decode): MX_LOW_MASK, MX_HIGH_SHL_MASK, MX_HIGH_SHR_MASK.
+// bench/moe_trace.py, never in the engine), MX_ZERO_ROW (use_batch), MX_SHARED_BYTES (the launch's dynamic
+// shared memory, checked against the staging layout), and the packed word layout of kernels/mxfp4.py
+// (one source for every decode): MX_LOW_MASK, MX_HIGH_SHL_MASK, MX_HIGH_SHR_MASK.
 //
 // A CTA computes ROWS weight rows [ROWS * blockIdx.x, +ROWS) of one expert for the up-to-MX_SLOTS pairs of
 // its item (blockIdx.y): a pair (per-pair launches) or a block of the routing layout (pairs grouped
@@ -60,8 +61,15 @@
 #define D MX_D                          // K steps a warp loads at a time (two such batches in flight)
 #define ROWS (16 * NW / KSPLIT)         // weight rows per CTA
 #define SCALE_WORDS (((KG + 15) / 16) * 4)  // a row's scale bytes, padded to 16 groups, as words
-#define XROW (KG * 16 + 4)            // a staged token row in words (+4: fewer bank conflicts)
-#define XF_WORDS (((KG + 1) / 2) * 2)   // the staged groups' factors (floats; even: read two at a time)
+#define XROW (CHUNKS * 64 + 4)        // a staged token row in words: whole K steps, zero past group KG
+                                      // (+4: fewer bank conflicts)
+#define XF_WORDS (CHUNKS * 4)         // the staged groups' factors (floats; zero past group KG)
+// MX_ZERO_ROW: threads whose B operand is zero read it from a row of zeros (use_batch)
+#ifndef MX_ZERO_ROW
+#define MX_ZERO_ROW 0
+#endif
+#define XZERO_AT (((SLOTS * XROW + XF_WORDS) + 31) / 32 * 32)  // the row of zeros, at bank 0
+#define XZERO_WORDS (MX_ZERO_ROW ? CHUNKS * 64 + 32 : 0)
 
 __device__ __forceinline__ U4 load_stream(const U4* p) {
   U4 v;
@@ -203,8 +211,12 @@ __device__ void read_item(Item& it, const i64* pair_expert, const int* item_expe
   __syncthreads();
 }
 
-// Staged rows: SLOTS rows of XROW words (f16 pairs), then the groups' factors (XF_WORDS floats).
+// Staged rows: SLOTS rows of XROW words (f16 pairs), then the groups' factors (XF_WORDS floats), then
+// XZERO_WORDS zeros at XZERO_AT: what a thread reads as its B operand where that is zero (use_batch).
 __device__ __forceinline__ float* group_factors(u32* xs) { return reinterpret_cast<float*>(xs + SLOTS * XROW); }
+__device__ __forceinline__ const float* group_factors(const u32* xs) {
+  return reinterpret_cast<const float*>(xs + SLOTS * XROW);
+}
 
 // The largest |value| of 16 bytes of bf16, as float bits (magnitudes compare as integers).
 __device__ __forceinline__ u32 max_bits(U4 v) {
@@ -221,16 +233,19 @@ __device__ __forceinline__ u32 max_bits(U4 v) {
 // 2^(e - 141). A group's 4 chunks of 16 bytes sit in 4 consecutive lanes (NW * 32 is a multiple of
 // 4), which share e by two shuffles; with several rows a second pass converts the chunks it reads
 // again (from L1). F16 rows (down's activations, which gate/up wrote as f16 times 2^act_shift) are
-// copied as they are, every group's factor 2^-act_shift. EARLY: read before the CTA's PDL wait
-// (load_early). Ends with the CTA synchronised.
+// copied as they are, every group's factor 2^-act_shift. The rows end in zeros up to whole K steps
+// (groups KG .. 4 CHUNKS, whose factors are finite), so the K loop reads them without a test. EARLY:
+// read before the CTA's PDL wait (load_early). Ends with the CTA synchronised.
 template <bool EARLY, bool F16>
 __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n, int act_shift = 0) {
-  constexpr int per_row = KG * 4;  // 16-byte chunks
+  constexpr int per_row = CHUNKS * 16, in_row = KG * 4;  // 16-byte chunks, staged and in the row
   float* fx = group_factors(xs);
+  const U4 zero = U4{0u, 0u, 0u, 0u};
   if constexpr (F16) {
     for (int c = threadIdx.x; c < per_row; c += NW * 32)
       for (int i = 0; i < n; i++)
-        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) = EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c);
+        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
+            c >= in_row ? zero : EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c);
     const float f = __int_as_float((127 - act_shift) << 23);
     for (int g = threadIdx.x; g < XF_WORDS; g += NW * 32) fx[g] = f;
   } else {
@@ -240,7 +255,7 @@ __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n
       U4 first = U4{0u, 0u, 0u, 0u};
       u32 m = 0u;
       for (int i = 0; i < n; i++) {
-        if (!in) break;
+        if (c >= in_row) break;
         const U4 v = EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c);
         m = max(m, max_bits(v));
         if (i == 0) first = v;
@@ -252,13 +267,14 @@ __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n
       if (!in) continue;
       if ((c & 3) == 0) fx[c >> 2] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
       for (int i = 0; i < n; i++) {
-        const U4 v = i == 0 ? first : (EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c));
+        const U4 v = i == 0 || c >= in_row ? first : (EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c));
         *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
             U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
       }
     }
-    if (KG % 2 && threadIdx.x == 0) fx[KG] = 0.f;  // read with group KG - 1, whose pair it completes
   }
+  if constexpr (XZERO_WORDS > 0)
+    for (int w = threadIdx.x; w < XZERO_WORDS; w += NW * 32) xs[XZERO_AT + w] = 0u;
   __syncthreads();
 }
 
@@ -288,21 +304,62 @@ __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1,
   }
 }
 
-// The mmas of one batch: acc[p][0 / 1] += this thread's share of rows row0 / row0 + 8 for token
-// pair p (columns (t = tig / 2, q = 2 (tig % 2) + {0, 1}), each group times its scale).
-__device__ __forceinline__ void use_batch(const Batch& b, int first, u32* xs, const Item& it, int ntp,
-                                          int g, int tig, float acc[TP][2]) {
-  const bool diag = (g & 3) == tig;  // the B operand is nonzero where q == tig: k runs over the own group
+// v, which the compiler may not rebuild from what it was made of: it stays in a register where ptxas
+// would rather recompute it from the thread index at every use
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
+// Where a thread reads its B operand for token pair p (token xi = 2 p + g / 4 of the item, group slot
+// q = g % 4) and its columns' group factors (groups 4 c + 2 (tig % 2) + {0, 1}), as words into xs at
+// the K step c the loop is at (advance moves them on). The B operand is nonzero only where q == tig
+// (k runs over the thread's own group) and xi < n, and there it is the staged row at the thread's
+// group. Elsewhere it is zero: without MX_ZERO_ROW the load is skipped (a predicate a step, and
+// ptxas rebuilds the offsets from the thread index at every step rather than hold them); with it the
+// thread reads the row of zeros, at word (4 xi + 8) % 32 of each 64 (a bank that the live threads of
+// its quarter warp, row xi at banks 4 xi + {0, 16} + 4 v mod 32, do not read, and one word for all
+// of them), and the offsets stay in registers: no per-step work, two registers more.
+struct BRows {
+  int at[TP];
+  int fx;
+  int n, g;  // the item's pairs and the thread's mma column (without MX_ZERO_ROW)
+};
+
+__device__ __forceinline__ BRows b_rows(int n, int g, int tig, int c) {
+  BRows r;
+  r.n = n, r.g = g;
+#pragma unroll
+  for (int p = 0; p < TP; p++) {
+    const int xi = 2 * p + (g >> 2);
+    const bool live = (g & 3) == tig && xi < n;
+    r.at[p] = MX_ZERO_ROW ? opaque((live ? xi * XROW + 16 * tig : XZERO_AT + ((4 * xi + 8) & 31)) + 64 * c) : 0;
+  }
+  r.fx = MX_ZERO_ROW ? opaque(SLOTS * XROW + 2 * (tig & 1) + 4 * c) : 0;
+  return r;
+}
+
+__device__ __forceinline__ void advance(BRows& r, int steps) {
+  if (!MX_ZERO_ROW) return;
+#pragma unroll
+  for (int p = 0; p < TP; p++) r.at[p] += 64 * steps;
+  r.fx += 4 * steps;
+}
+
+// The mmas of one batch (its first K step `first`, where br points): acc[p][0 / 1] += this thread's
+// share of rows row0 / row0 + 8 for token pair p (columns (t = tig / 2, q = 2 (tig % 2) + {0, 1}),
+// each group times its scale).
+__device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* xs, const BRows& br, int ntp,
+                                          int tig, float acc[TP][2]) {
 #pragma unroll
   for (int j = 0; j < D; j++) {
     const int c = first + j * KSPLIT;
     if (c >= CHUNKS) break;
-    const int grp = 4 * c + tig;
     const u32 ha = b.sa[j] >> (16 * (tig & 1)), hb = b.sb[j] >> (16 * (tig & 1));
-    // this thread's columns are groups grp0, grp0 + 1: their scales times the activations' factors
-    const int grp0 = 4 * c + 2 * (tig & 1);
-    float2 fx = make_float2(0.f, 0.f);
-    if (grp0 < KG) fx = *reinterpret_cast<const float2*>(group_factors(xs) + grp0);
+    // this thread's columns are groups 4 c + 2 (tig % 2) + {0, 1}: their scales times the activations'
+    // factors (zero past group KG)
+    const float2 fx = *reinterpret_cast<const float2*>(
+        MX_ZERO_ROW ? xs + br.fx + 4 * KSPLIT * j : xs + SLOTS * XROW + 4 * c + 2 * (tig & 1));
     const float fa0 = group_scale(ha) * fx.x, fa1 = group_scale(ha >> 8) * fx.y;
     const float fb0 = group_scale(hb) * fx.x, fb1 = group_scale(hb >> 8) * fx.y;
     u32 pa[4][4], pb[4][4];  // word w's pairs, decoded once for every token pair
@@ -311,12 +368,12 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, u32* xs, co
 #pragma unroll
     for (int p = 0; p < TP; p++) {
       if (p >= ntp) break;
-      const int xi = 2 * p + (g >> 2);
-      const bool live = diag && xi < it.n && grp < KG;
+      const int xi = 2 * p + (br.g >> 2);
+      const u32* xp = MX_ZERO_ROW ? xs + br.at[p] + 64 * KSPLIT * j : xs + xi * XROW + (4 * c + tig) * 16;
+      const bool live = MX_ZERO_ROW || ((br.g & 3) == tig && xi < br.n);
       U4 xv[4];
 #pragma unroll
-      for (int v = 0; v < 4; v++)
-        xv[v] = live ? *reinterpret_cast<const U4*>(xs + xi * XROW + grp * 16 + 4 * v) : U4{0u, 0u, 0u, 0u};
+      for (int v = 0; v < 4; v++) xv[v] = live ? *reinterpret_cast<const U4*>(xp + 4 * v) : U4{0u, 0u, 0u, 0u};
       // word w = values 8w .. 8w + 7 of the group: pairs 0, 1 (k 2tig + {0, 1}, 2tig + 8 + {0, 1}),
       // then pairs 2, 3; the activation words in the same order. Two accumulator chains (words 0-1,
       // words 2-3): each mma waits on the one before it in its chain, not on all eight.
@@ -338,6 +395,9 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, u32* xs, co
 #ifndef MX_FOLD
 #define MX_FOLD 0
 #endif
+// the dynamic shared memory the launch gives (MX_SHARED_BYTES, kernels/cuda_moe_mxfp4.py) is this layout's
+static_assert(MX_FOLD || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
+              "the host's dynamic shared memory size differs from the staging layout");
 static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs in mma columns of 8");
 #define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
 
@@ -429,13 +489,16 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   }
   const int nt = (it.n + 7) / 8;
 #define USE_BATCH(b, first) use_batch_fold(b, first, xrow, nt, tig, acc)
+#define ADVANCE()
 #else
   if (!STAGED) stage_rows<false, F16_ROWS>(xs, it.row, it.n, act_shift);
   const int ntp = (it.n + 1) / 2;
+  BRows br = b_rows(it.n, g, tig, ks);
   float acc[TP][2];
 #pragma unroll
   for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
-#define USE_BATCH(b, first) use_batch(b, first, xs, it, ntp, g, tig, acc)
+#define USE_BATCH(b, first) use_batch(b, first, xs, br, ntp, tig, acc)
+#define ADVANCE() advance(br, STEP)
 #endif
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
@@ -444,9 +507,12 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
     USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
     if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
+    ADVANCE();
     USE_BATCH(b1, first + STEP);
+    ADVANCE();
   }
 #undef USE_BATCH
+#undef ADVANCE
 #if MX_FOLD
   // c0, c1: row g, pairs 8n + 2 tig (+1); c2, c3: row g + 8
 #pragma unroll

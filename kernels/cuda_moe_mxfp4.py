@@ -44,7 +44,9 @@ _LAYOUT_MACROS = [f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u", f"-DMX_HIGH_SHL_MAS
 class MmaConfig:
     """Launch shape of each kernel: (warps per CTA, warps sharing a 16-row tile's K steps, K steps
     per register batch, two batches in flight[, CTAs an SM must hold at once: ptxas bounds the
-    registers to fit them; 0 or left out: no bound]). Grouped launches only: `slots` pairs a CTA
+    registers to fit them; 0 or left out: no bound[, 1: threads whose B operand is zero read it from a
+    row of zeros instead of skipping the load (the .cu file's MX_ZERO_ROW: no per-step predicate or
+    offsets, two registers more)]]). Grouped launches only: `slots` pairs a CTA
     serves (the routing layout's block) and `fold`, the scales folded into the decoded weights so
     that an mma's 8 columns are 8 pairs (the .cu file's MX_FOLD; slots a multiple of 8, experts
     with `MxExperts.fold_exact`)."""
@@ -82,7 +84,7 @@ FOLD_FROM_TOKENS = 32
 # 2381 / 2958 -> 2932 us at 1 / 2 / 3 tokens; then down's one wave 1741 -> 1725 / 2385 -> 2388 /
 # 2923 -> 2914 us. Per-pair and grouped launches sum K shares in different orders: the same tokens
 # in a batch of 3 and of 4 may differ in the last bit.
-PAIR_CONFIG = MmaConfig(gate_up=(4, 4, 3), down=(4, 4, 3, 6))
+PAIR_CONFIG = MmaConfig(gate_up=(4, 4, 3, 5, 1), down=(4, 4, 3, 6))
 GROUP_SLOTS = CONFIG.slots  # pairs one CTA serves in grouped launches (the routing layout's block)
 MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, allocated before any capture
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
@@ -124,24 +126,32 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
                                         fold),
                         device_index,
-                        _shared_bytes(k_groups, slots, fold))
+                        _shared_bytes(k_groups, slots, shape, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
                     fold: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
-    nw, ksplit, batch, min_ctas = (*shape, 0)[:4]
+    nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
-            f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_SLOTS={slots}", f"-DMX_TRACE={int(trace)}",
+            f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_ZERO_ROW={int(bool(zero_row))}", f"-DMX_SLOTS={slots}",
+            f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
+            f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
-def _shared_bytes(k_groups: int, slots: int, fold: bool = False) -> int:
-    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each) and the
-    groups' factors (XF_WORDS floats); folded launches read the rows from global memory."""
-    return 0 if fold else (slots * (k_groups * 16 + 4) + (k_groups + 1) // 2 * 2) * 4
+def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: bool = False) -> int:
+    """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each, whole K
+    steps), the groups' factors (XF_WORDS floats) and, with MX_ZERO_ROW, the row of zeros at XZERO_AT;
+    folded launches read the rows from global memory."""
+    if fold:
+        return 0
+    steps = (k_groups + 3) // 4
+    zero_row = (*shape, 0, 0)[4]
+    zero_at = (slots * (steps * 64 + 4) + steps * 4 + 31) // 32 * 32
+    return (zero_at + steps * 64 + 32 if zero_row else slots * (steps * 64 + 4) + steps * 4) * 4
 
 
 def act_shift(limit: float) -> int:
@@ -225,7 +235,7 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, fold), pdl=pdl, args=[
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
@@ -234,7 +244,7 @@ def experts_forward_mxfp4_mma(
         part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, fold), pdl=pdl,
+    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, config.down, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *trace_args[1]])

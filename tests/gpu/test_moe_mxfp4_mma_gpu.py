@@ -39,15 +39,17 @@ def _configs():
 
     return [CONFIG, PAIR_CONFIG, MmaConfig((4, 2, 3), (4, 4, 2)), MmaConfig((8, 1, 2), (2, 1, 3)),
             MmaConfig((4, 1, 2), (8, 8, 2)), MmaConfig((4, 1, 2), (4, 4, 3)),
-            MmaConfig((4, 4, 1, 8), (4, 4, 3, 7)), MmaConfig((4, 4, 1, 6), (4, 4, 3))]
+            MmaConfig((4, 4, 1, 8), (4, 4, 3, 7)), MmaConfig((4, 4, 1, 6), (4, 4, 3)),
+            MmaConfig((4, 4, 3), (4, 2, 2, 0, 1)), MmaConfig((4, 1, 2, 0, 1), (4, 4, 3, 6, 1))]
 
 
 @pytest.mark.parametrize("t,e", [(1, 32), (3, 8), (8, 8), (16, 32), (64, 8), (64, 32)])
-@pytest.mark.parametrize("config", range(8))
+@pytest.mark.parametrize("config", range(10))
 def test_mma_moe_against_reference(t, e, config):
-    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Eight launch
+    """e = 8 puts many tokens on each expert: blocks of 8 pairs, several per expert. Ten launch
     shapes (the grouped and per-pair defaults; K split over 2 / 4 / 8 warps; 8 warps; 1 and 3 K
-    steps a batch; register bounds that spill), each for per-pair and grouped launches alike."""
+    steps a batch; register bounds that spill; zero B read from a row of zeros or skipped), each for
+    per-pair and grouped launches alike."""
     import functools
 
     fwd = functools.partial(_mma(), config=_configs()[config])
