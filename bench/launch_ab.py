@@ -57,7 +57,7 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_moe_w4a8, cuda_router, flashinfer_attention, triton_bf16_gemv,
+    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv,
     triton_decode_attention, triton_router,
 )
 
@@ -138,8 +138,6 @@ SETTINGS = {
     # per-pair MXFP4 down adds a token's pairs through float32 partials and an arrival counter in
     # global memory, not inside a thread-block cluster
     "down counters": _setting({(cuda_moe_mxfp4, "CLUSTER_SUM"): False}),
-    # per-pair MXFP4 gate/up on the FP8 tensor cores (kernels/cuda_moe_w4a8.py: FP8 activations)
-    "w4a8 gate/up": _setting({(cuda_moe_w4a8, "ENABLED"): True}),
     # per-pair MXFP4 gate/up skips the zero B loads by a predicate a K step (offsets rebuilt every
     # step), not reading them from a row of zeros (MmaConfig's zero_row)
     "gate/up predicated B": _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): cuda_moe_mxfp4.MmaConfig(

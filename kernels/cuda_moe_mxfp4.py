@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from . import cuda_moe_w4a8
 from .arrival import arrival_counters
 from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
                     MxExperts)
@@ -236,13 +235,9 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    if not grouped and trace is None and cuda_moe_w4a8.ENABLED and cuda_moe_w4a8.applies(w, h):
-        cuda_moe_w4a8.gate_up(w, xb, ids, k, act, limit, alpha, shift, early_x, pdl)  # FP8 activations
-    else:
-        launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold),
-                    pdl=pdl, args=[w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0),
-                                   ids, item_expert, item_slots, int(grouped), k, n2, act, float(limit), float(alpha),
-                                   shift, *trace_args[0]])
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold), pdl=pdl, args=[
+                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
+                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:

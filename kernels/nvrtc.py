@@ -22,21 +22,20 @@ HEADERS = Path(__file__).parent  # cuda_common.cuh, the kernels' shared header
 
 
 def load_kernels(source: Path, names: list[str], options: list[str], device_index: int, dynamic_smem: int,
-                 cluster: int = 1, arch: str | None = None) -> dict:
+                 cluster: int = 1) -> dict:
     """{name: kernel} of the .cu file `source` (its directory on the include path): compile_kernels."""
-    return compile_kernels(source.read_text(), names, options, device_index, dynamic_smem, cluster, source.parent, arch)
+    return compile_kernels(source.read_text(), names, options, device_index, dynamic_smem, cluster, source.parent)
 
 
 def compile_kernels(text: str, names: list[str], options: list[str], device_index: int, dynamic_smem: int = 0,
-                    cluster: int = 1, include: Path = HEADERS, arch: str | None = None) -> dict:
-    """{name: kernel} of the CUDA source `text` compiled with `options` for the device (or for `arch`,
-    e.g. "90a" for wgmma), each allowed `dynamic_smem` bytes of dynamic shared memory (past the 48 KB a
-    launch gets without asking) and, where `cluster` passes PORTABLE_CLUSTER, clusters of that many
-    CTAs; `include` on the include path."""
+                    cluster: int = 1, include: Path = HEADERS) -> dict:
+    """{name: kernel} of the CUDA source `text` compiled with `options` for the device, each allowed
+    `dynamic_smem` bytes of dynamic shared memory (past the 48 KB a launch gets without asking) and,
+    where `cluster` passes PORTABLE_CLUSTER, clusters of that many CTAs; `include` on the include path."""
     from torch.cuda._utils import _check_cuda, _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     with torch.cuda.device(device_index):
-        cubin, _ = _nvrtc_compile(text, names[0], compute_capability=arch, nvcc_options=[f"-I{include}", *options])
+        cubin, _ = _nvrtc_compile(text, names[0], nvcc_options=[f"-I{include}", *options])
         kernels = _cuda_load_module(cubin, names)
         libcuda = _get_gpu_runtime_library()
         for k in kernels.values():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nvrtc_offline import SM90, compile_cuda
+from nvrtc_offline import compile_cuda
 
 
 def _builds() -> dict[str, tuple[Path, list[str]]]:
@@ -25,7 +25,6 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
     from pdserve.kernels import cuda_gemv_fp8 as gf
     from pdserve.kernels import cuda_gemv_staged as gs
     from pdserve.kernels import cuda_moe_mxfp4 as mx
-    from pdserve.kernels import cuda_moe_w4a8 as w4
     from pdserve.kernels import cuda_router as rt
 
     builds = {}
@@ -46,14 +45,12 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
                 90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=True, **flags))
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
-    builds["w4a8 gate/up"] = (w4.SOURCE, w4.compile_options())
     for experts in (32, 128):
         builds[f"router, {experts} experts"] = (rt.SOURCE, rt.compile_options(experts, 2880, *rt.shape(experts, 2880)))
     return builds
 
 
 BUILDS = list(_builds())
-ARCH = {"w4a8 gate/up": "--gpu-architecture=sm_90a"}  # wgmma: the engine builds it for sm_90a (arch="90a")
 
 
 # spill stores (bytes) ptxas may leave in the entries the engine launches from a build: none, except
@@ -81,7 +78,7 @@ def _launched(name: str, entries: set[str]) -> set[str]:
 @pytest.mark.parametrize("name", BUILDS)
 def test_engine_build_compiles_with_nvrtc_within_its_spill_budget(name):
     source, options = _builds()[name]
-    _, log = compile_cuda(source.read_text(), options, ARCH.get(name, SM90))
+    _, log = compile_cuda(source.read_text(), options)
     spills = _spills(log)
     for entry in _launched(name, set(spills)):
         assert spills[entry] <= SPILL_BUDGET.get(name, 0), f"{entry} spills {spills[entry]} bytes:\n{log}"
