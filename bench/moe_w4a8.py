@@ -53,6 +53,7 @@ TOP_K, EXPERTS = 4, 32
 
 SOURCE = r"""
 #include "cuda_common.cuh"
+#include "mxfp4_packed.cuh"
 #define KG 90
 #define GPC 24
 #define BLOCKS 3
@@ -68,20 +69,8 @@ SOURCE = r"""
 static_assert(KS * GPC >= KG && GPC == 8 * BLOCKS, "a cluster covers K in blocks of 8 groups");
 static_assert(KG - (KS - 1) * GPC > 8 * (BLOCKS - 1), "every CTA has groups in each of its blocks: no block is skipped");
 
-__device__ __forceinline__ U4 ld_stream(const U4* p) {
-  U4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ u32 word_of(const U4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// A packed word's e4m3 bytes (kernels/mxfp4.py): values 0..3 in `low`, 4..7 in `high`, as e2m1 * 2^-6
-__device__ __forceinline__ void e4m3_words(u32 w, u32& low, u32& high) {
-  low = w & MX_LOW_MASK;
-  high = ((w << 2) & MX_HIGH_SHL_MASK) | ((w >> 2) & MX_HIGH_SHR_MASK);
-}
 
 // four floats as e4m3 bytes (a in byte 0), rounded to nearest even, saturated
 __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
@@ -113,11 +102,6 @@ __device__ __forceinline__ void wgmma_e4m3(float d[4], u32 a0, u32 a1, u32 a2, u
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(accumulate));
 }
 
-// The largest |value| of 8 bf16 (16 bytes), as float bits (magnitudes compare as integers)
-__device__ __forceinline__ u32 max_bits(U4 v) {
-  const u32 m = __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu), __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu));
-  return max(m & 0xFFFFu, m >> 16) << 16;
-}
 
 // out[pair, row] = sum over K of W[expert, row] x[token] for the pairs' experts (pair_expert, int64),
 // token = pair / top_k; words: packed blocks [E, rows_total, KG, 16 bytes]; scales [E, rows_total, 96].
@@ -145,8 +129,8 @@ extern "C" __global__ void __launch_bounds__(128) w4a8_gate_up(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int gi = 8 * b + 4 * h + q;
-      wa[b][h] = gi < ng ? ld_stream(w0 + g0 + gi) : U4{0u, 0u, 0u, 0u};
-      wb[b][h] = gi < ng ? ld_stream(w1 + g0 + gi) : U4{0u, 0u, 0u, 0u};
+      wa[b][h] = gi < ng ? load_stream(w0 + g0 + gi) : U4{0u, 0u, 0u, 0u};
+      wb[b][h] = gi < ng ? load_stream(w1 + g0 + gi) : U4{0u, 0u, 0u, 0u};
     }
     const int gs = 8 * b + 2 * q;  // even, and ng is even: both groups in or both out
     sa[b] = gs < ng ? __ldg(reinterpret_cast<const u16*>(scales + row0 * SCALE_BYTES + g0 + gs)) : 0u;

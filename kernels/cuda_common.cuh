@@ -68,6 +68,20 @@ __device__ __forceinline__ u32 f16x2(float a, float b) {
   return r;
 }
 
+// 16 bytes read once (weights streamed through: not kept in L1; the data must predate the kernel)
+__device__ __forceinline__ U4 load_stream(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// The largest |value| of 8 bf16 (16 bytes), as float bits (magnitudes compare as integers)
+__device__ __forceinline__ u32 max_bits(U4 v) {
+  const u32 m = __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu), __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu));
+  return max(m & 0xFFFFu, m >> 16) << 16;
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // d += A B (mma.sync m16n8k16, bf16 in (F16: f16 in), float32 accumulate): a0 / a2 the lane's

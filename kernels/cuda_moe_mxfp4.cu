@@ -51,6 +51,7 @@
 // 2^-126 (the e4m3 bytes spread into bf16 halves: 21 instructions a word) and mma in bf16.
 
 #include "cuda_common.cuh"
+#include "mxfp4_packed.cuh"
 
 #define KG MX_KG
 #define NW MX_NW
@@ -71,24 +72,12 @@
 #define XZERO_AT (((SLOTS * XROW + XF_WORDS) + 31) / 32 * 32)  // the row of zeros, at bank 0
 #define XZERO_WORDS (MX_ZERO_ROW ? CHUNKS * 64 + 32 : 0)
 
-__device__ __forceinline__ U4 load_stream(const U4* p) {
-  U4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ U4 load_cached(const U4* p) {
   U4 v;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
-// A packed word's e4m3 bytes (kernels/mxfp4.py): values 0..3 in `low`, 4..7 in `high`.
-__device__ __forceinline__ void e4m3_words(u32 w, u32& low, u32& high) {
-  low = w & MX_LOW_MASK;
-  high = ((w << 2) & MX_HIGH_SHL_MASK) | ((w >> 2) & MX_HIGH_SHR_MASK);
-}
 
 // The four f16x2 pairs of a packed word: values 2q, 2q + 1 of the word in pair q, as e2m1 * 2^-6.
 __device__ __forceinline__ void decode_word(u32 w, u32 p[4]) {
@@ -218,11 +207,6 @@ __device__ __forceinline__ const float* group_factors(const u32* xs) {
   return reinterpret_cast<const float*>(xs + SLOTS * XROW);
 }
 
-// The largest |value| of 16 bytes of bf16, as float bits (magnitudes compare as integers).
-__device__ __forceinline__ u32 max_bits(U4 v) {
-  const u32 m = __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu), __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu));
-  return max(m & 0xFFFFu, m >> 16) << 16;
-}
 
 // The item's activation rows (KG * 32 values each) into shared memory as f16, with the factor that
 // multiplies each group's sums (use_batch). bf16 rows (gate/up's tokens): each group of 32 values
