@@ -17,6 +17,7 @@ captured in one CUDA graph, median of replays, per kernel; with PDL and without.
 
     python -m pdserve.bench.pdl_chain [--kernels 64] [--out FILE.json]
     python -m pdserve.bench.pdl_chain --overlap [--out FILE.json]
+    python -m pdserve.bench.pdl_chain --carveout [--out FILE.json]
 
 `--overlap` asks instead whether a dependent kernel is placed while the kernel before it still runs,
 which every read "ahead of the PDL wait" in the engine's kernels relies on: a one-CTA kernel that
@@ -26,6 +27,14 @@ in us from the spin's start (a probe placed early starts near 0; one placed only
 finished, near 20). The probe as a plain 1-CTA kernel, with the attention's 76 KB of dynamic shared
 memory, and as one cluster of 16 such CTAs; in a CUDA graph (as the engine replays its steps) and
 eagerly.
+
+`--carveout` asks whether a dependent is placed beside the CTAs of the kernel before it when the two
+kernels' shared memory needs differ: an SM splits its L1 / shared-memory array between the two only
+while it is idle, and the driver picks the split per kernel unless the kernel asks for one
+(kernels/nvrtc.py, SMEM_CARVEOUT). The spin runs 2 CTAs of 512 threads an SM with 6 KB of shared memory
+each (so the driver's split for it is small) and lets its dependents launch at its start; the probe is one CTA with the FP8 QKV GEMV's 34 KB or the
+full layers' attention's 76 KB; both kernels with the driver's split, or both asking for all of the
+array as shared memory.
 """
 
 from __future__ import annotations
@@ -164,6 +173,67 @@ def overlap_us(graph: bool, spin_pdl: bool, trigger: bool, probe: str, reps: int
     return tuple(sorted(x[i] for x in got)[reps // 2] for i in range(3))
 
 
+CARVEOUT_SPIN_SMEM = 6 * 1024  # about MXFP4 down's (one pair's staged row)
+CARVEOUT_PROBES = (34 * 1024, PROBE_SMEM)
+
+
+@functools.cache
+def carveout_kernels(smem: int, carveout: int | None) -> dict:
+    """A fresh build of the spin and the probe (the probe allowed `smem` bytes), both asking for
+    `carveout` percent of shared memory (None: the driver's choice)."""
+    import ctypes
+
+    from pdserve.kernels.nvrtc import compile_kernels
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    k = compile_kernels(OVERLAP_SOURCE + f"\n// build {smem} {carveout}\n", ["spin", "probe"], ["-std=c++17"],
+                        torch.cuda.current_device(), dynamic_smem=smem)
+    if carveout is not None:
+        for f in k.values():
+            _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(f.func, 9, ctypes.c_int(carveout)))
+    return k
+
+
+def carveout_us(smem: int, carveout: int | None, reps: int = 5) -> tuple[float, float, float]:
+    """(probe started, its wait passed, the spin ended), us from the spin's start, the spin 2 CTAs an SM."""
+    from pdserve.bench.kernels import QUEUE_SLEEP, graphed
+    from pdserve.kernels.pdl import launch_cuda
+
+    k = carveout_kernels(smem, carveout)
+    ctas = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    stamp = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def run():
+        launch_cuda(k["spin"], (ctas, 1, 1), (512, 1, 1), CARVEOUT_SPIN_SMEM, pdl=True, args=[SPIN_NS, stamp, 1])
+        launch_cuda(k["probe"], (1, 1, 1), (128, 1, 1), smem, pdl=True, args=[stamp])
+
+    step = graphed(run)
+    got = []
+    for _ in range(reps):
+        torch.cuda._sleep(QUEUE_SLEEP)
+        step()
+        torch.cuda.synchronize()
+        t = stamp.tolist()
+        got.append(tuple((v - t[0]) / 1e3 for v in (t[2], t[3], t[1])))
+    return tuple(sorted(x[i] for x in got)[reps // 2] for i in range(3))
+
+
+def carveout_main(out: str | None) -> None:
+    rows = []
+    print(f"us from the spin's start (it spins {SPIN_NS / 1e3:.0f} us, 2 CTAs of 512 threads an SM with "
+          f"{CARVEOUT_SPIN_SMEM // 1024} KB shared each); the probe one CTA, launched with PDL", flush=True)
+    for smem in CARVEOUT_PROBES:
+        for carveout in (None, 100):
+            started, passed, ended = carveout_us(smem, carveout)
+            rows.append({"probe_smem": smem, "carveout": carveout, "started": started, "passed": passed,
+                         "spin_ended": ended})
+            print(f"probe {smem // 1024:3d} KB shared, carveout {'driver' if carveout is None else carveout:>6}: "
+                  f"probe started {started:6.2f}  wait passed {passed:6.2f}  spin ended {ended:6.2f}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def overlap_main(out: str | None) -> None:
     rows = []
     print(f"us from the spin's start (it spins {SPIN_NS / 1e3:.0f} us); the probe launched with PDL", flush=True)
@@ -189,7 +259,12 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=64, help="links a chain")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--overlap", action="store_true", help="whether a dependent launch is placed early (see above)")
+    ap.add_argument("--carveout", action="store_true", help="whether a dependent is placed beside CTAs of "
+                    "another shared-memory split (see above)")
     a = ap.parse_args()
+    if a.carveout:
+        carveout_main(a.out)
+        return
     if a.overlap:
         overlap_main(a.out)
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,39 @@ log = logging.getLogger(__name__)
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _NON_PORTABLE_CLUSTER = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 PORTABLE_CLUSTER = 8  # the most CTAs a cluster may hold without asking (Hopper allows 16 on request)
+
+
+# The share of an SM's L1 / shared-memory array a kernel asks to be shared memory (percent; absent:
+# the driver picks per kernel). An SM changes that split only while it is idle, so under PDL a CTA
+# whose kernel got another split than the CTAs on an SM cannot be placed there until they retire.
+# `PDSERVE_SMEM_CARVEOUT`: a percent for every kernel, or "name=percent,..." per kernel, "*" for the
+# rest (the benchmarks' A/B).
+def _carveouts(spec: str) -> dict[str, int]:
+    if not spec:
+        return {}
+    items = [("*", spec)] if "=" not in spec else [item.split("=", 1) for item in spec.split(",")]
+    out = {}
+    for name, value in items:
+        if not value.strip().isdigit() or int(value) > 100:
+            raise ValueError(f"PDSERVE_SMEM_CARVEOUT: {spec!r} is not a percent 0-100 or name=percent,...")
+        out[name.strip()] = int(value)
+    return out
+
+
+SMEM_CARVEOUT: dict[str, int] = _carveouts(os.environ.get("PDSERVE_SMEM_CARVEOUT", ""))
+
+
+def set_carveout(func: int | ctypes.c_void_p, name: str) -> None:
+    """Ask for kernel `name`'s SMEM_CARVEOUT on a loaded kernel (a CUfunction handle), where one is set."""
+    value = SMEM_CARVEOUT.get(name, SMEM_CARVEOUT.get("*"))
+    if value is None:
+        return
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    handle = func if isinstance(func, ctypes.c_void_p) else ctypes.c_void_p(func)
+    _check_cuda(_get_gpu_runtime_library().cuFuncSetAttribute(handle, _CARVEOUT, value))
 
 
 HEADERS = Path(__file__).parent  # cuda_common.cuh, the kernels' shared header
@@ -38,11 +71,12 @@ def compile_kernels(text: str, names: list[str], options: list[str], device_inde
         cubin, _ = _nvrtc_compile(text, names[0], nvcc_options=[f"-I{include}", *options])
         kernels = _cuda_load_module(cubin, names)
         libcuda = _get_gpu_runtime_library()
-        for k in kernels.values():
+        for name, k in kernels.items():
             k.set_shared_memory_config(dynamic_smem)  # the launcher's own check, from 48 KB
             _check_cuda(libcuda.cuFuncSetAttribute(k.func, _MAX_DYNAMIC_SHARED, dynamic_smem))
             if cluster > PORTABLE_CLUSTER:
                 _check_cuda(libcuda.cuFuncSetAttribute(k.func, _NON_PORTABLE_CLUSTER, 1))
+            set_carveout(k.func, name)
     return kernels
 
 

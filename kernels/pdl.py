@@ -49,7 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .nvrtc import SMEM_CARVEOUT, set_carveout
 from .triton_math import INTERPRET
+
+if SMEM_CARVEOUT and not INTERPRET:  # the Triton kernels' splits too (nvrtc.py)
+    triton.knobs.runtime.kernel_load_end_hook.add(lambda module, function, name, *rest: set_carveout(function, name))
 
 
 @functools.cache
