@@ -15,7 +15,8 @@ a thread-block cluster ("down counters"); the Triton router rather than the clus
 triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
 four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or with the QKV launched after the norm's
-PDL wait rather than at its start ("attention fp8 qkv launch late"); the vocabulary projection in FP8
+PDL wait rather than at its start ("attention fp8 qkv launch late"), or one token's launches from
+the build sized for one token ("fp8 gemv one-token build"); the vocabulary projection in FP8
 through the streaming FP8 GEMV ("unembedding fp8", "attention+unembedding fp8") or in bf16 through
 cuBLAS rather than the bf16 GEMV ("unembedding cublas"); windowed layers' decode
 attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
@@ -188,6 +189,9 @@ SETTINGS = {
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
+    # one token's FP8 GEMVs (QKV + RoPE, O where it takes them) from the build sized for one token
+    # (smaller CTAs: 0.9 KB of static shared memory, not 5.4)
+    "fp8 gemv one-token build": _setting({(cuda_gemv_fp8, "ONE_TOKEN_BUILD"): True}),
     # grouped MXFP4 launches with each group's sum rescaled in float32 (2 pairs an mma), not with the
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches
