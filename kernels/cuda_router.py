@@ -9,6 +9,10 @@ Numerics as the Triton router's (logits may differ from it by one bf16 rounding 
 float32 sums, added in another order, straddle a rounding boundary; given the same logits, ids and
 weights are bit-identical). bf16 activations, weights and bias only; route_fused takes the Triton
 kernel for anything else, and where these cannot be built.
+
+`add_norm_route` also takes the residual add + RMSNorm before the router into its launch (each CTA
+norms its own columns; the sum of squares meets in distributed shared memory), so no norm kernel and
+no kernel boundary stand between the attention block and the router.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ ENABLED = True
 # Triton's 3.44 / 4.32 / 4.75 / 7.38; 20b 2.03 / 2.37 / 2.71 / 3.23 against 2.49 / 2.76 / 3.00 /
 # 3.80, and 3.9 against 4.9 at 64)
 MAX_TOKENS = {128: 8}
+# The engine takes `add_norm_route` (the norm before the router in the router's launch) wherever the
+# cluster router applies (False: the norm kernel of kernels/triton_norm.py, then `route_cluster`)
+FUSE_NORM = False
 
 
 def shape(num_experts: int, hidden: int) -> tuple[int, int] | None:
@@ -66,9 +73,14 @@ def compile_options(num_experts: int, hidden: int, cluster: int, warps: int) -> 
     return [f"-DRT_E={num_experts}", f"-DRT_H={hidden}", f"-DRT_C={cluster}", f"-DRT_NW={warps}", "-std=c++17"]
 
 
-@functools.cache
 def _kernel(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int):
-    return load_kernels(SOURCE, ["route"], compile_options(num_experts, hidden, cluster, warps), device_index, 0)["route"]
+    return _kernels(device_index, num_experts, hidden, cluster, warps)["route"]
+
+
+@functools.cache
+def _kernels(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int) -> dict:
+    return load_kernels(SOURCE, ["route", "add_norm_route"], compile_options(num_experts, hidden, cluster, warps),
+                        device_index, 0)
 
 
 def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,
@@ -82,3 +94,32 @@ def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
     launch_cuda(_kernel(dev, e, h, cluster, warps), (cluster, t, 1), (32 * warps, 1, 1), 0,
                 pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1),
                 args=[x, x.stride(0), router_weight, router_bias, weights, ids, logits])
+
+
+def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   router_weight: torch.Tensor, router_bias: torch.Tensor, logits: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.triton_norm.add_rms_norm(x, delta, norm_weight, eps) and route_cluster on its normed
+    rows in one launch: x, delta [T, H] bf16, norm_weight float32 [H] -> (x + delta, the normed rows,
+    weights [T, 4] bf16, ids [T, 4] int64), and the logits into `logits` [T, E] where given. The
+    residual equals the norm kernel's bit for bit; the normed rows may differ from it by one bf16
+    step where the sum of squares, added in another order, moves the scale; given the normed rows,
+    the routing is route_cluster's. The caller checked `applies(x, ...)`."""
+    t, h = x.shape
+    if (x.stride(1) != 1 or delta.shape != x.shape or delta.stride(1) != 1 or delta.stride(0) % 8
+            or delta.data_ptr() % 16):
+        raise ValueError(f"x {tuple(x.shape)} and delta {tuple(delta.shape)} must be [T, H] in 16-byte aligned rows")
+    if norm_weight.shape != (h,) or norm_weight.dtype != torch.float32 or not norm_weight.is_contiguous():
+        raise ValueError(f"the norm's weight must be a contiguous float32 [{h}], got {tuple(norm_weight.shape)}")
+    e = router_weight.shape[0]
+    cluster, warps = shape(e, h)
+    res, normed = (torch.empty(t, h, dtype=x.dtype, device=x.device) for _ in range(2))
+    weights = torch.empty(t, TOP_K, dtype=x.dtype, device=x.device)
+    ids = torch.empty(t, TOP_K, dtype=torch.int64, device=x.device)
+    if t:
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        launch_cuda(_kernels(dev, e, h, cluster, warps)["add_norm_route"], (cluster, t, 1), (32 * warps, 1, 1), 0,
+                    pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1),
+                    args=[x, x.stride(0), delta, delta.stride(0), norm_weight, float(eps), res, normed, res.stride(0),
+                          router_weight, router_bias, weights, ids, logits])
+    return res, normed, weights, ids

@@ -226,6 +226,39 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     assert torch.isfinite(weights[1:]).all()
 
 
+@pytest.mark.parametrize("t,experts", [(1, 32), (1, 128), (3, 128), (8, 128), (64, 32)])
+def test_add_norm_route(t, experts):
+    """The residual add + RMSNorm inside the cluster router's launch (cuda_router.add_norm_route)
+    against the norm kernel then the cluster router: the residual bit-exact, the normed rows within
+    one bf16 step (>= 99 % identical: only the sum of squares is added in another order), and the
+    routing and logits bit-exact given the kernel's own normed rows; rows strided as the engine's."""
+    from pdserve.kernels import cuda_router
+    from pdserve.kernels.triton_norm import add_rms_norm
+
+    g = _gen()
+    h = 2880
+    x = (torch.randn(t, h + 64, device=DEV, generator=g) * 2).to(BF16)[:, :h]
+    d = torch.randn(t, h, device=DEV, generator=g).to(BF16)
+    nw = 1 + 0.2 * torch.randn(h, device=DEV, generator=g)
+    w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
+    b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
+    if not cuda_router.applies(x, w, b):
+        pytest.skip("the cluster router needs Hopper and NVRTC")
+    logits = torch.empty(t, experts, device=DEV, dtype=BF16)
+    res, normed, weights, ids = cuda_router.add_norm_route(x, d, nw, 1e-5, w, b, logits)
+    want_res, want_normed = add_rms_norm(x, d, nw, 1e-5)
+    assert torch.equal(res, want_res)
+    ok, same = _within_one_step(normed, want_normed)
+    assert ok and same >= 0.99, same
+    own_w, own_ids = (torch.empty(t, 4, device=DEV, dtype=BF16), torch.empty(t, 4, device=DEV, dtype=torch.int64))
+    own_logits = torch.empty_like(logits)
+    cuda_router.route_cluster(normed, w, b, own_w, own_ids, own_logits)
+    assert torch.equal(logits, own_logits) and torch.equal(ids, own_ids) and torch.equal(weights, own_w)
+    again = cuda_router.add_norm_route(x, d, nw, 1e-5, w, b)  # deterministic, without the logits output
+    for a, e in zip(again, (res, normed, weights, ids)):
+        assert torch.equal(a, e)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from pdserve.engine.checkpoint_writer import make_random_checkpoint
@@ -276,3 +309,29 @@ def test_qkv_rope_launch_keeps_the_decode_step(ckpt):
         tok = int(logits[0].argmax())
         for s in seqs:
             s.append(tok, (), r.max_context)
+
+
+def test_router_with_norm_keeps_the_decode_step(ckpt, monkeypatch):
+    """The norm before the router inside the router's launch (cuda_router.FUSE_NORM) in the engine:
+    a decode step's logits within 1e-2 relative L2 of the separate kernels' (its normed rows may
+    differ by one bf16 step in rare elements, which can move a near-tied expert pick), and replayed
+    from a CUDA graph, equal to the eager step bit for bit."""
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sequence import Sequence
+    from pdserve.kernels import cuda_router
+
+    r = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256)
+    if not cuda_router.available(DEV):
+        pytest.skip("the cluster router needs Hopper and NVRTC")
+    prompt = torch.randint(0, 201088, (150,)).tolist()
+    s = Sequence("a", list(prompt), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    s.blocks = r.cache.reserve(s.max_tokens, len(prompt))
+    s.append(int(r.prefill(s).argmax()), (), r.max_context)
+    for _ in range(4):
+        monkeypatch.setattr(cuda_router, "FUSE_NORM", False)
+        apart = r.decode([s])
+        monkeypatch.setattr(cuda_router, "FUSE_NORM", True)
+        together = r.decode([s])
+        assert torch.isfinite(together).all() and rel_l2(together, apart) < 1e-2
+        s.append(int(together.argmax()), (), r.max_context)
