@@ -307,9 +307,10 @@ class GptOssModel:
         # to them; one all-reduce sums the ranks' weighted partial outputs (engine/parallel.py).
         _, m = self.w.layers[layer]
         cfg = self.cfg
-        # from t, on the GPU: t predates the routing's launch
+        # from t, on the GPU: t predates the routing's launch unless one launch wrote both (`routing`)
         weights, ids = routing if routing is not None else self._route(t, m)
-        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha, x_before_routing=True)
+        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha,
+                            x_before_routing=routing is None)
         return all_reduce(y, self.shard)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
