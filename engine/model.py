@@ -289,7 +289,7 @@ class GptOssModel:
         """The norm before the layer's MoE block: (x + delta, its normed rows, their routing where one
         launch computes both (kernels/cuda_router.add_norm_route, cuda_router.FUSE_NORM), else None)."""
         _, m = self.w.layers[layer]
-        if self.fused and self.cfg.experts_per_token == 4 and x.dtype == torch.bfloat16:
+        if self.fused and self.cfg.experts_per_token == 4:  # as _route: the fused kernels pick 4
             from pdserve.kernels import cuda_router
             from pdserve.kernels.triton_router import MAX_TOKENS
 

@@ -65,16 +65,12 @@ def applies(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Ten
 
 def available(device: torch.device) -> bool:
     """Hopper or newer (clusters, distributed shared memory) with NVRTC loadable."""
-    return builds_on(device, "CUDA router", lambda index: _kernel(index, 32, 2880, *shape(32, 2880)))
+    return builds_on(device, "CUDA router", lambda index: _kernels(index, 32, 2880, *shape(32, 2880)))
 
 
 def compile_options(num_experts: int, hidden: int, cluster: int, warps: int) -> list[str]:
     """The compiler options of a build of cuda_router.cu (nvcc takes them too)."""
     return [f"-DRT_E={num_experts}", f"-DRT_H={hidden}", f"-DRT_C={cluster}", f"-DRT_NW={warps}", "-std=c++17"]
-
-
-def _kernel(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int):
-    return _kernels(device_index, num_experts, hidden, cluster, warps)["route"]
 
 
 @functools.cache
@@ -83,17 +79,20 @@ def _kernels(device_index: int, num_experts: int, hidden: int, cluster: int, war
                         device_index, 0)
 
 
+def _launch(entry: str, x: torch.Tensor, router_weight: torch.Tensor, args: list) -> None:
+    """Launch `entry` of cuda_router.cu for x's tokens: one cluster a token."""
+    e, h = router_weight.shape
+    cluster, warps = shape(e, h)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    launch_cuda(_kernels(dev, e, h, cluster, warps)[entry], (cluster, x.shape[0], 1), (32 * warps, 1, 1), 0,
+                pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1), args=args)
+
+
 def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor | None) -> None:
     """route_fused's outputs for x [T, H] into weights [T, 4] bf16 and ids [T, 4] int64 (and logits
     [T, E] bf16 where given); the caller checked `applies`."""
-    t = x.shape[0]
-    e, h = router_weight.shape
-    cluster, warps = shape(e, h)
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch_cuda(_kernel(dev, e, h, cluster, warps), (cluster, t, 1), (32 * warps, 1, 1), 0,
-                pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1),
-                args=[x, x.stride(0), router_weight, router_bias, weights, ids, logits])
+    _launch("route", x, router_weight, [x, x.stride(0), router_weight, router_bias, weights, ids, logits])
 
 
 def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -111,15 +110,11 @@ def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
         raise ValueError(f"x {tuple(x.shape)} and delta {tuple(delta.shape)} must be [T, H] in 16-byte aligned rows")
     if norm_weight.shape != (h,) or norm_weight.dtype != torch.float32 or not norm_weight.is_contiguous():
         raise ValueError(f"the norm's weight must be a contiguous float32 [{h}], got {tuple(norm_weight.shape)}")
-    e = router_weight.shape[0]
-    cluster, warps = shape(e, h)
     res, normed = (torch.empty(t, h, dtype=x.dtype, device=x.device) for _ in range(2))
     weights = torch.empty(t, TOP_K, dtype=x.dtype, device=x.device)
     ids = torch.empty(t, TOP_K, dtype=torch.int64, device=x.device)
     if t:
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        launch_cuda(_kernels(dev, e, h, cluster, warps)["add_norm_route"], (cluster, t, 1), (32 * warps, 1, 1), 0,
-                    pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1),
-                    args=[x, x.stride(0), delta, delta.stride(0), norm_weight, float(eps), res, normed, res.stride(0),
-                          router_weight, router_bias, weights, ids, logits])
+        _launch("add_norm_route", x, router_weight, [x, x.stride(0), delta, delta.stride(0), norm_weight, float(eps),
+                                                      res, normed, res.stride(0), router_weight, router_bias, weights,
+                                                      ids, logits])
     return res, normed, weights, ids
