@@ -12,12 +12,10 @@ kernels that have them (the per-pair MXFP4 gate/up's token rows last); the MXFP4
 after their sums ("late bias"); the O projection through the Triton GEMV rather than the staged one
 ("O triton gemv"); per-pair MXFP4 down's sum over a token's pairs through global memory rather than
 a thread-block cluster ("down counters"); the Triton router rather than the cluster one ("router
-triton"); the norm before the router inside the cluster router's launch or apart ("router with norm",
-"router without norm"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
+triton"); the attention projections in FP8 through the staged FP8 GEMVs or the Triton FP8 linear
 ("attention fp8", "attention fp8 triton"), the former with four commit groups a warp ("attention fp8
 four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or with the QKV launched after the norm's
-PDL wait rather than at its start ("attention fp8 qkv launch late"), or one token's launches from
-the build sized for one token ("fp8 gemv one-token build"); the vocabulary projection in FP8
+PDL wait rather than at its start ("attention fp8 qkv launch late"); the vocabulary projection in FP8
 through the streaming FP8 GEMV ("unembedding fp8", "attention+unembedding fp8") or in bf16 through
 cuBLAS rather than the bf16 GEMV ("unembedding cublas"); windowed layers' decode
 attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
@@ -146,10 +144,6 @@ SETTINGS = {
         gate_up=(4, 4, 3), down=cuda_moe_mxfp4.PAIR_CONFIG.down)}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
-    # the residual add + RMSNorm before the router inside the cluster router's launch, or in its own
-    # kernel before it
-    "router with norm": _setting({(cuda_router, "FUSE_NORM"): True}),
-    "router without norm": _setting({(cuda_router, "FUSE_NORM"): False}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),
@@ -194,9 +188,6 @@ SETTINGS = {
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
-    # one token's FP8 GEMVs (QKV + RoPE, O where it takes them) from the build sized for one token
-    # (smaller CTAs: 0.9 KB of static shared memory, not 5.4)
-    "fp8 gemv one-token build": _setting({(cuda_gemv_fp8, "ONE_TOKEN_BUILD"): True}),
     # grouped MXFP4 launches with each group's sum rescaled in float32 (2 pairs an mma), not with the
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches
@@ -244,11 +235,8 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim
-    # the norm before the router and the router apart (kernels/cuda_router.FUSE_NORM off), so that
-    # either can be taken out alone
-    apart = (cuda_router, "FUSE_NORM", False)
     if piece == "norms":
-        return [(m, "_add_norm", lambda x, delta, weight, *a: (x, x)), apart]
+        return [(m, "_add_norm", lambda x, delta, weight, *a: (x, x))]
     if piece == "qkv":
         q = torch.randn(rows, hq, d, device=dev).to(torch.bfloat16)
         return [(m, "_rotated_q", lambda layer, t, *a: q[: t.shape[0]])]
@@ -272,9 +260,9 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         k = cfg.experts_per_token
         ids = (torch.arange(rows * k, device=dev) % cfg.num_local_experts).view(rows, k)
         wts = torch.full((rows, k), 1.0 / k, device=dev, dtype=torch.bfloat16)
-        return [(m, "_route", lambda t, mlp: (wts[: t.shape[0]], ids[: t.shape[0]])), apart]
+        return [(m, "_route", lambda t, mlp: (wts[: t.shape[0]], ids[: t.shape[0]]))]
     if piece == "moe":
-        return [(m, "_moe", lambda layer, t, routing=None: t)]
+        return [(m, "_moe", lambda layer, t: t)]
     raise SystemExit(f"unknown piece {piece!r}; known: {ABLATIONS}")
 
 

@@ -85,7 +85,6 @@ def labels(runner):
     """Label every model part of an eager step (one record_function per call)."""
     import pdserve.engine.llm_engine as LE
     import pdserve.engine.model as M
-    import pdserve.kernels.cuda_router as CR
     import pdserve.kernels.triton_rope as TR
 
     m, p = runner.model, _Patches()
@@ -97,7 +96,6 @@ def labels(runner):
     p.set(M, "linear_fp8", lin.fp8(M.linear_fp8))
     p.set(m, "_add_norm", _labelled("residual + RMSNorm", m._add_norm))
     p.set(m, "_route", _labelled("router", m._route))
-    p.set(CR, "add_norm_route", _labelled("residual + RMSNorm + router", CR.add_norm_route))
     p.set(M, "experts_forward", _labelled("MoE experts", M.experts_forward))
     p.set(m, "rope", _LabelledRope(m.rope))
     p.set(runner.cache, "write", _labelled("RoPE + KV write", runner.cache.write))

@@ -285,32 +285,14 @@ class GptOssModel:
                 return route_fused(t, m.router_weight, m.router_bias, k)
         return route(t, m.router_weight, m.router_bias, k)
 
-    def _add_norm_route(self, x: torch.Tensor, delta: torch.Tensor, layer: int):
-        """The norm before the layer's MoE block: (x + delta, its normed rows, their routing where one
-        launch computes both (kernels/cuda_router.add_norm_route, cuda_router.FUSE_NORM), else None)."""
-        _, m = self.w.layers[layer]
-        if self.fused and self.cfg.experts_per_token == 4:  # as _route: the fused kernels pick 4
-            from pdserve.kernels import cuda_router
-            from pdserve.kernels.triton_router import MAX_TOKENS
-
-            if (cuda_router.FUSE_NORM and x.shape[0] <= MAX_TOKENS
-                    and cuda_router.applies(x, m.router_weight, m.router_bias)):
-                x, t, weights, ids = cuda_router.add_norm_route(x, delta, m.norm, self.cfg.rms_norm_eps,
-                                                                m.router_weight, m.router_bias)
-                return x, t, (weights, ids)
-        x, t = self._add_norm(x, delta, m.norm)
-        return x, t, None
-
-    def _moe(self, layer: int, t: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _moe(self, layer: int, t: torch.Tensor) -> torch.Tensor:
         # TP dispatch/combine: x is replicated on every rank and routed with the full router;
         # each rank runs only its local experts (its slice of their channels) on the tokens routed
         # to them; one all-reduce sums the ranks' weighted partial outputs (engine/parallel.py).
         _, m = self.w.layers[layer]
         cfg = self.cfg
-        # from t, on the GPU: t predates the routing's launch unless one launch wrote both (`routing`)
-        weights, ids = routing if routing is not None else self._route(t, m)
-        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha,
-                            x_before_routing=routing is None)
+        weights, ids = self._route(t, m)  # from t, on the GPU: t predates the routing's launch
+        y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha, x_before_routing=True)
         return all_reduce(y, self.shard)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -329,8 +311,8 @@ class GptOssModel:
         layers = self.w.layers
         x, t = self._add_norm(x, None, layers[0][0].norm, self._qkv_launches_early(0, x))
         for i in range(self.cfg.num_hidden_layers):
-            x, t, routing = self._add_norm_route(x, self._attention(i, t, positions, step), i)
-            y = self._moe(i, t, routing)
+            x, t = self._add_norm(x, self._attention(i, t, positions, step), layers[i][1].norm)
+            y = self._moe(i, t)
             if i + 1 < len(layers):
                 x, t = self._add_norm(x, y, layers[i + 1][0].norm, self._qkv_launches_early(i + 1, x))
             else:

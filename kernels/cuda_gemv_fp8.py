@@ -48,20 +48,9 @@ STREAM_CTAS_PER_SM = 3
 STREAM_MAX_TOKENS = 8
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
 MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_K)
-# One token's launches of `gemv_fp8` / `gemv_fp8_rope` from a build whose static buffers hold one
-# token (0.9 KB a CTA, not 5.4), so that a QKV CTA at gpt-oss' shape (30.7 KB) fits four times in the
-# 132 KB shared-memory split the MXFP4 down projection keeps its speed at (docs/kernels.md item 40);
-# off: every launch from the MAX_M build. Same sums, same order: the output is bit-identical.
-ONE_TOKEN_BUILD = False
-
-
-def static_shared(max_m: int = MAX_M) -> int:
-    """The kernels' static buffers of a build for max_m tokens: the warps' sums, their block scales,
-    the staged token rows' powers of two (a token and 64-K step), the bf16 biases."""
-    return 4 * WARPS * max_m * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * max_m * (MAX_K // STEP_K) + 2 * ROWS
-
-
-STATIC_SHARED = static_shared()
+# the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
+# two (a token and 64-K step), the bf16 biases
+STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
 MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
 
 
@@ -93,31 +82,24 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, max_m: int = MAX_M) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too) for launches of up to max_m tokens."""
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too)."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
-    if not 1 <= max_m <= MAX_M:
-        raise ValueError(f"a build takes 1-{MAX_M} tokens, got {max_m}")
-    return [f"-DGF_MAX_M={max_m}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
+    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
             f"-DGF_STREAM_D={stream_depth}", "-std=c++17"]
 
 
 def _kernels(device_index: int) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH, MAX_M)
-
-
-def _kernels_for(device_index: int, m: int) -> dict:
-    """The build an m-token launch of `gemv_fp8` / `gemv_fp8_rope` takes (ONE_TOKEN_BUILD)."""
-    return _build(device_index, GROUPS, STREAM_DEPTH, 1 if ONE_TOKEN_BUILD and m == 1 else MAX_M)
+    return _build(device_index, GROUPS, STREAM_DEPTH)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int, max_m: int) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth, max_m), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -146,7 +128,7 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding."""
     m, n, k = _check(x, w, scale, bias)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(_kernels_for(_index(x), m)["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
+    launch_cuda(_kernels(_index(x))["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k)])
     return out
@@ -170,7 +152,7 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(cdiv(n // STREAM_ROWS, WARPS), sms * ctas_per_sm))
-    launch_cuda(_build(_index(x), GROUPS, depth, MAX_M)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
+    launch_cuda(_build(_index(x), GROUPS, depth)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
                 m * x_stride(k), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, n, k, x_stride(k)])
     return out
@@ -207,7 +189,7 @@ def qkv_rope_fp8(
         raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
                          f"int64 [{m}]")
     q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(_kernels_for(_index(x), m)["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
+    launch_cuda(_kernels(_index(x))["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,

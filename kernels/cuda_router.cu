@@ -14,12 +14,6 @@
 // warp picks the top 4 (equal logits: the lower expert id first) and takes their softmax the way
 // torch's warp softmax does for a 4-wide row: float32, exp(v - max) with the accurate exp, the sum
 // as (e0 + e2) + (e1 + e3), a correctly rounded division, rounded to bf16.
-//
-// `add_norm_route` takes the residual add + RMSNorm before the router into the same launch (kernels/
-// triton_norm.py's arithmetic): each CTA adds and squares only its own columns, the cluster's CTAs
-// meet once more in distributed shared memory for the sum of squares (every CTA adds the RT_C partials
-// in rank order, so all scale their columns by the same factor), and each writes its columns of the
-// new residual and of the normed row (the experts' input) before its dot products take the normed values.
 
 #include "cuda_common.cuh"
 
@@ -49,57 +43,13 @@ __device__ __forceinline__ float dot8(float s, U4 a, U4 b) {
 // (v, id) beats (u, jd): a larger logit, or an equal one with a lower expert id
 __device__ __forceinline__ bool beats(float v, int id, float u, int jd) { return v > u || (v == u && id < jd); }
 
-// The residual add + RMSNorm of NORM: delta [T, RT_H] bf16 (row stride stride_d) added to x, the sum
-// rounded to bf16 and written to res, the normed row (times the float32 weight norm_w) to normed (both
-// of row stride stride_o); eps the norm's epsilon.
-struct Norm {
-  const u16* delta;
-  int stride_d;
-  const float* norm_w;
-  float eps;
-  u16* res;
-  u16* normed;
-  int stride_o;
-};
-
-// v + d for 8 bf16 values, each sum rounded to bf16 (into v), their float32 squares added onto ss in
-// element order
-__device__ __forceinline__ float add_square8(U4& v, U4 d, float ss) {
-  u32* a = &v.x;
-  const u32* b = &d.x;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float l = from_bf16(to_bf16(lo(a[i]) + lo(b[i]))), h = from_bf16(to_bf16(hi(a[i]) + hi(b[i])));
-    a[i] = __float_as_uint(l) >> 16 | (__float_as_uint(h) & 0xFFFF0000u);
-    ss = __fadd_rn(ss, __fmul_rn(l, l));
-    ss = __fadd_rn(ss, __fmul_rn(h, h));
-  }
-  return ss;
-}
-
-// (v r) w rounded to bf16, element by element: the normed values of a vector of the row
-__device__ __forceinline__ U4 scale8(U4 v, float r, const float wn[8]) {
-  const u32* a = &v.x;
-  U4 o;
-  u32* b = &o.x;
-#pragma unroll
-  for (int i = 0; i < 4; i++)
-    b[i] = (u32)to_bf16(__fmul_rn(__fmul_rn(lo(a[i]), r), wn[2 * i])) |
-           (u32)to_bf16(__fmul_rn(__fmul_rn(hi(a[i]), r), wn[2 * i + 1])) << 16;
-  return o;
-}
-
 // x [T, RT_H] bf16 (row stride stride_x), w [RT_E, RT_H] bf16, bias [RT_E] bf16 -> weights [T, 4]
 // bf16 and ids [T, 4] int64 by descending logit; logits [T, RT_E] bf16 where not null (for tests).
-// NORM: the router's input is rms_norm(x + delta) (struct Norm), written out with the new residual.
-template <bool NORM>
-__device__ __forceinline__ void route_token(const u16* __restrict__ x, int stride_x, const Norm& nm,
-                                            const u16* __restrict__ w, const u16* __restrict__ bias,
-                                            u16* __restrict__ weights, i64* __restrict__ ids,
-                                            u16* __restrict__ logits) {
+extern "C" __global__ void __launch_bounds__(RT_NW * 32)
+route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const u16* __restrict__ bias,
+      u16* __restrict__ weights, i64* __restrict__ ids, u16* __restrict__ logits) {
   __shared__ float part[RT_E];   // this CTA's partial logits, read by CTA 0
   __shared__ float logit[RT_E];  // CTA 0: the rounded logits
-  __shared__ float ssq;          // NORM: this CTA's share of the sum of squares, read by every CTA
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const u32 rank = cluster_rank();
   const i64 t = blockIdx.y;
@@ -114,52 +64,12 @@ __device__ __forceinline__ void route_token(const u16* __restrict__ x, int strid
     }
   const int e_own = threadIdx.x;  // CTA 0: the expert whose logit this thread completes
   const float bias_own = rank == 0 && e_own < RT_E ? __int_as_float((u32)__ldcg(bias + e_own) << 16) : 0.f;
-  float wn[VPL][8];  // NORM: the norm's weights of this lane's columns
-  if (NORM) {
-#pragma unroll
-    for (int j = 0; j < VPL; j++) {
-      const int v = lane + 32 * j;
-#pragma unroll
-      for (int half = 0; half < 2; half++) {
-        const U4 q = v < VEC ? load_early(nm.norm_w + k0 + 8 * v + 4 * half) : U4{0u, 0u, 0u, 0u};
-        wn[j][4 * half] = __uint_as_float(q.x), wn[j][4 * half + 1] = __uint_as_float(q.y);
-        wn[j][4 * half + 2] = __uint_as_float(q.z), wn[j][4 * half + 3] = __uint_as_float(q.w);
-      }
-    }
-  }
   enter_pdl();
   U4 xv[VPL];
 #pragma unroll
   for (int j = 0; j < VPL; j++) {
     const int v = lane + 32 * j;
     xv[j] = v < VEC ? load_early(x + t * stride_x + k0 + 8 * v) : U4{0u, 0u, 0u, 0u};
-  }
-  if (NORM) {
-    // every warp holds the CTA's columns: each adds and squares them, warp 0 tells the cluster
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPL; j++) {
-      const int v = lane + 32 * j;
-      const U4 d = v < VEC ? load_early(nm.delta + t * nm.stride_d + k0 + 8 * v) : U4{0u, 0u, 0u, 0u};
-      ss = add_square8(xv[j], d, ss);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-    if (threadIdx.x == 0) ssq = ss;
-    cluster_sync();
-    float total = 0.f;
-    for (int c = 0; c < RT_C; c++) total += load_peer(&ssq, (u32)c);
-    const float r = rsqrtf(__fadd_rn(__fmul_rn(total, 1.0f / RT_H), nm.eps));
-#pragma unroll
-    for (int j = 0; j < VPL; j++) {
-      const int v = lane + 32 * j;
-      const U4 n = scale8(xv[j], r, wn[j]);
-      if (warp == 0 && v < VEC) {
-        *(U4*)(nm.res + t * nm.stride_o + k0 + 8 * v) = xv[j];
-        *(U4*)(nm.normed + t * nm.stride_o + k0 + 8 * v) = n;
-      }
-      xv[j] = n;
-    }
   }
 #pragma unroll
   for (int e = 0; e < EPW; e++) {
@@ -227,20 +137,4 @@ __device__ __forceinline__ void route_token(const u16* __restrict__ x, int strid
     }
   }
   cluster_sync_relaxed();
-}
-
-extern "C" __global__ void __launch_bounds__(RT_NW * 32)
-route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const u16* __restrict__ bias,
-      u16* __restrict__ weights, i64* __restrict__ ids, u16* __restrict__ logits) {
-  route_token<false>(x, stride_x, Norm{}, w, bias, weights, ids, logits);
-}
-
-// route() of rms_norm(x + delta) * norm_w, writing x + delta to res and the normed rows to normed
-extern "C" __global__ void __launch_bounds__(RT_NW * 32)
-add_norm_route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ delta, int stride_d,
-               const float* __restrict__ norm_w, double eps, u16* __restrict__ res, u16* __restrict__ normed,
-               int stride_o, const u16* __restrict__ w, const u16* __restrict__ bias, u16* __restrict__ weights,
-               i64* __restrict__ ids, u16* __restrict__ logits) {
-  route_token<true>(x, stride_x, Norm{delta, stride_d, norm_w, (float)eps, res, normed, stride_o}, w, bias, weights,
-                    ids, logits);
 }

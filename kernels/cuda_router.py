@@ -9,10 +9,6 @@ Numerics as the Triton router's (logits may differ from it by one bf16 rounding 
 float32 sums, added in another order, straddle a rounding boundary; given the same logits, ids and
 weights are bit-identical). bf16 activations, weights and bias only; route_fused takes the Triton
 kernel for anything else, and where these cannot be built.
-
-`add_norm_route` also takes the residual add + RMSNorm before the router into its launch (each CTA
-norms its own columns; the sum of squares meets in distributed shared memory), so no norm kernel and
-no kernel boundary stand between the attention block and the router.
 """
 
 from __future__ import annotations
@@ -39,9 +35,6 @@ ENABLED = True
 # Triton's 3.44 / 4.32 / 4.75 / 7.38; 20b 2.03 / 2.37 / 2.71 / 3.23 against 2.49 / 2.76 / 3.00 /
 # 3.80, and 3.9 against 4.9 at 64)
 MAX_TOKENS = {128: 8}
-# The engine takes `add_norm_route` (the norm before the router in the router's launch) wherever the
-# cluster router applies (False: the norm kernel of kernels/triton_norm.py, then `route_cluster`)
-FUSE_NORM = False
 
 
 def shape(num_experts: int, hidden: int) -> tuple[int, int] | None:
@@ -65,7 +58,7 @@ def applies(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Ten
 
 def available(device: torch.device) -> bool:
     """Hopper or newer (clusters, distributed shared memory) with NVRTC loadable."""
-    return builds_on(device, "CUDA router", lambda index: _kernels(index, 32, 2880, *shape(32, 2880)))
+    return builds_on(device, "CUDA router", lambda index: _kernel(index, 32, 2880, *shape(32, 2880)))
 
 
 def compile_options(num_experts: int, hidden: int, cluster: int, warps: int) -> list[str]:
@@ -74,47 +67,18 @@ def compile_options(num_experts: int, hidden: int, cluster: int, warps: int) -> 
 
 
 @functools.cache
-def _kernels(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int) -> dict:
-    return load_kernels(SOURCE, ["route", "add_norm_route"], compile_options(num_experts, hidden, cluster, warps),
-                        device_index, 0)
-
-
-def _launch(entry: str, x: torch.Tensor, router_weight: torch.Tensor, args: list) -> None:
-    """Launch `entry` of cuda_router.cu for x's tokens: one cluster a token."""
-    e, h = router_weight.shape
-    cluster, warps = shape(e, h)
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch_cuda(_kernels(dev, e, h, cluster, warps)[entry], (cluster, x.shape[0], 1), (32 * warps, 1, 1), 0,
-                pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1), args=args)
+def _kernel(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int):
+    return load_kernels(SOURCE, ["route"], compile_options(num_experts, hidden, cluster, warps), device_index, 0)["route"]
 
 
 def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor | None) -> None:
     """route_fused's outputs for x [T, H] into weights [T, 4] bf16 and ids [T, 4] int64 (and logits
     [T, E] bf16 where given); the caller checked `applies`."""
-    _launch("route", x, router_weight, [x, x.stride(0), router_weight, router_bias, weights, ids, logits])
-
-
-def add_norm_route(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   router_weight: torch.Tensor, router_bias: torch.Tensor, logits: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.triton_norm.add_rms_norm(x, delta, norm_weight, eps) and route_cluster on its normed
-    rows in one launch: x, delta [T, H] bf16, norm_weight float32 [H] -> (x + delta, the normed rows,
-    weights [T, 4] bf16, ids [T, 4] int64), and the logits into `logits` [T, E] where given. The
-    residual equals the norm kernel's bit for bit; the normed rows may differ from it by one bf16
-    step where the sum of squares, added in another order, moves the scale; given the normed rows,
-    the routing is route_cluster's. The caller checked `applies(x, ...)`."""
-    t, h = x.shape
-    if (x.stride(1) != 1 or delta.shape != x.shape or delta.stride(1) != 1 or delta.stride(0) % 8
-            or delta.data_ptr() % 16):
-        raise ValueError(f"x {tuple(x.shape)} and delta {tuple(delta.shape)} must be [T, H] in 16-byte aligned rows")
-    if norm_weight.shape != (h,) or norm_weight.dtype != torch.float32 or not norm_weight.is_contiguous():
-        raise ValueError(f"the norm's weight must be a contiguous float32 [{h}], got {tuple(norm_weight.shape)}")
-    res, normed = (torch.empty(t, h, dtype=x.dtype, device=x.device) for _ in range(2))
-    weights = torch.empty(t, TOP_K, dtype=x.dtype, device=x.device)
-    ids = torch.empty(t, TOP_K, dtype=torch.int64, device=x.device)
-    if t:
-        _launch("add_norm_route", x, router_weight, [x, x.stride(0), delta, delta.stride(0), norm_weight, float(eps),
-                                                      res, normed, res.stride(0), router_weight, router_bias, weights,
-                                                      ids, logits])
-    return res, normed, weights, ids
+    t = x.shape[0]
+    e, h = router_weight.shape
+    cluster, warps = shape(e, h)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    launch_cuda(_kernel(dev, e, h, cluster, warps), (cluster, t, 1), (32 * warps, 1, 1), 0,
+                pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1),
+                args=[x, x.stride(0), router_weight, router_bias, weights, ids, logits])

@@ -44,7 +44,6 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
             builds[f"mxfp4 folded {which}"] = (mx.SOURCE, mx.compile_options(
                 90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=True, **flags))
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
-    builds["fp8 gemv, one token"] = (gf.SOURCE, gf.compile_options(max_m=1))
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):
         builds[f"router, {experts} experts"] = (rt.SOURCE, rt.compile_options(experts, 2880, *rt.shape(experts, 2880)))

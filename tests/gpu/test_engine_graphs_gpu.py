@@ -27,19 +27,13 @@ def _start(runner: ModelRunner, prompts: list[list[int]], steps: list[int]) -> l
     return seqs
 
 
-@pytest.mark.parametrize("attention_precision,unembedding_precision,router_with_norm", [
-    ("bf16", "bf16", None), ("fp8", "bf16", None), ("fp8", "fp8", None), ("fp8", "fp8", "other")])
-def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembedding_precision, router_with_norm,
-                                    monkeypatch):
+@pytest.mark.parametrize("attention_precision,unembedding_precision", [("bf16", "bf16"), ("fp8", "bf16"),
+                                                                    ("fp8", "fp8")])
+def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembedding_precision, monkeypatch):
     """FP8 attention projections too: up to cuda_gemv_fp8.MAX_TOKENS tokens their QKV GEMV launches at
     the start of the norm before it (kernels/pdl.py's exception), in the replay as in the eager step;
-    and an FP8 vocabulary projection, through the streaming FP8 GEMV up to STREAM_MAX_TOKENS tokens.
-    Once with the other choice of cuda_router.FUSE_NORM (the norm before the router in the router's
-    launch, or apart) than the engine's."""
-    from pdserve.kernels import cuda_gemv_fp8, cuda_router
-
-    if router_with_norm == "other":
-        monkeypatch.setattr(cuda_router, "FUSE_NORM", not cuda_router.FUSE_NORM)
+    and an FP8 vocabulary projection, through the streaming FP8 GEMV up to STREAM_MAX_TOKENS tokens."""
+    from pdserve.kernels import cuda_gemv_fp8
 
     precisions = {"attention_precision": attention_precision, "unembedding_precision": unembedding_precision}
     eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, **precisions)

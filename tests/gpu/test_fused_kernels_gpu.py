@@ -226,48 +226,6 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     assert torch.isfinite(weights[1:]).all()
 
 
-def _needs_cluster_router():
-    """Skip below Hopper only: on Hopper the cluster router must build (a failed build fails the test)."""
-    from pdserve.kernels import cuda_router
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the cluster router needs Hopper")
-    assert cuda_router.available(DEV), "the cluster router did not build on this Hopper GPU"
-
-
-@pytest.mark.parametrize("t,experts", [(1, 32), (1, 128), (3, 128), (8, 128), (64, 32)])
-def test_add_norm_route(t, experts):
-    """The residual add + RMSNorm inside the cluster router's launch (cuda_router.add_norm_route)
-    against the norm kernel then the cluster router: the residual bit-exact, the normed rows within
-    one bf16 step (>= 99 % identical: only the sum of squares is added in another order), and the
-    routing and logits bit-exact given the kernel's own normed rows; rows strided as the engine's."""
-    from pdserve.kernels import cuda_router
-    from pdserve.kernels.triton_norm import add_rms_norm
-
-    g = _gen()
-    h = 2880
-    x = (torch.randn(t, h + 64, device=DEV, generator=g) * 2).to(BF16)[:, :h]
-    d = torch.randn(t, h, device=DEV, generator=g).to(BF16)
-    nw = 1 + 0.2 * torch.randn(h, device=DEV, generator=g)
-    w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
-    b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
-    _needs_cluster_router()
-    assert cuda_router.applies(x, w, b)
-    logits = torch.empty(t, experts, device=DEV, dtype=BF16)
-    res, normed, weights, ids = cuda_router.add_norm_route(x, d, nw, 1e-5, w, b, logits)
-    want_res, want_normed = add_rms_norm(x, d, nw, 1e-5)
-    assert torch.equal(res, want_res)
-    ok, same = _within_one_step(normed, want_normed)
-    assert ok and same >= 0.99, same
-    own_w, own_ids = (torch.empty(t, 4, device=DEV, dtype=BF16), torch.empty(t, 4, device=DEV, dtype=torch.int64))
-    own_logits = torch.empty_like(logits)
-    cuda_router.route_cluster(normed, w, b, own_w, own_ids, own_logits)
-    assert torch.equal(logits, own_logits) and torch.equal(ids, own_ids) and torch.equal(weights, own_w)
-    again = cuda_router.add_norm_route(x, d, nw, 1e-5, w, b)  # deterministic, without the logits output
-    for a, e in zip(again, (res, normed, weights, ids)):
-        assert torch.equal(a, e)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from pdserve.engine.checkpoint_writer import make_random_checkpoint
@@ -318,44 +276,3 @@ def test_qkv_rope_launch_keeps_the_decode_step(ckpt):
         tok = int(logits[0].argmax())
         for s in seqs:
             s.append(tok, (), r.max_context)
-
-
-def test_router_with_norm_keeps_the_decode_step(ckpt, monkeypatch):
-    """The norm before the router inside the router's launch (cuda_router.FUSE_NORM) in the engine: the
-    decode step equals, bit for bit, the step with the norm and the router apart whose norm kernel is
-    given the fused kernel's normed rows (test_add_norm_route checks those against the norm kernel's,
-    and the routing given them), step after step. So the plumbing is exact: the residual and the
-    normed rows reach the MoE and the next layer, and gate/up reads its rows after its wait."""
-    from pdserve.engine.model_runner import ModelRunner
-    from pdserve.engine.sampling import SamplingParams
-    from pdserve.engine.sequence import Sequence
-    from pdserve.kernels import cuda_router
-
-    _needs_cluster_router()
-    r = ModelRunner(str(ckpt), device="cuda", num_kv_blocks=256)
-    model, eps = r.model, r.cfg.rms_norm_eps
-    moe_blocks = {id(mlp.norm): mlp for _, mlp in model.w.layers}
-    norm_kernel = model._add_norm
-    fused_calls = []
-
-    def add_norm(x, delta, weight, *a):  # the MoE blocks' norms through the fused kernel's arithmetic
-        mlp = moe_blocks.get(id(weight))
-        if mlp is None or delta is None:
-            return norm_kernel(x, delta, weight, *a)
-        return real(x, delta, weight, eps, mlp.router_weight, mlp.router_bias)[:2]
-
-    real = cuda_router.add_norm_route
-    monkeypatch.setattr(model, "_add_norm", add_norm)
-    monkeypatch.setattr(cuda_router, "add_norm_route", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
-    prompt = torch.randint(0, 201088, (150,)).tolist()
-    s = Sequence("a", list(prompt), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
-    s.blocks = r.cache.reserve(s.max_tokens, len(prompt))
-    s.append(int(r.prefill(s).argmax()), (), r.max_context)
-    for _ in range(4):
-        monkeypatch.setattr(cuda_router, "FUSE_NORM", False)
-        apart = r.decode([s])
-        monkeypatch.setattr(cuda_router, "FUSE_NORM", True)
-        together = r.decode([s])
-        assert torch.isfinite(together).all() and torch.equal(together, apart)
-        s.append(int(together.argmax()), (), r.max_context)
-    assert len(fused_calls) == 4 * r.cfg.num_hidden_layers  # the engine's own launches: every layer, fused steps

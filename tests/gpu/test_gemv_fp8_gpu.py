@@ -110,23 +110,6 @@ def test_commit_groups_change_no_bit(groups, seed, monkeypatch):
             assert torch.equal(gemv_fp8(x, wq, ws, b), want)
 
 
-def test_one_token_build_changes_no_bit(seed, monkeypatch):
-    """One token's launches from the build sized for one token (cuda_gemv_fp8.ONE_TOKEN_BUILD): the
-    GEMV at QKV and O and the RoPE entry equal the MAX_M build's bit for bit."""
-    monkeypatch.setattr(cuda_gemv_fp8, "ONE_TOKEN_BUILD", False)
-    x, wq, ws, b = _problem(*SHAPES["o"], 1, seed)
-    want_o = gemv_fp8(x, wq, ws, b)
-    rx, rwq, rws, rb, positions, rope, slots, cache = _rope_case(1, seed)
-    want_cache = cache.clone()
-    want_q = qkv_rope_fp8(rx, rwq, rws, rb, positions, rope.cos, rope.sin, slots, want_cache, 64, 8)
-    monkeypatch.setattr(cuda_gemv_fp8, "ONE_TOKEN_BUILD", True)
-    assert cuda_gemv_fp8._kernels_for(torch.cuda.current_device(), 1) is not cuda_gemv_fp8._kernels_for(
-        torch.cuda.current_device(), 2)
-    assert torch.equal(gemv_fp8(x, wq, ws, b), want_o)
-    assert torch.equal(qkv_rope_fp8(rx, rwq, rws, rb, positions, rope.cos, rope.sin, slots, cache, 64, 8), want_q)
-    assert torch.equal(cache, want_cache)
-
-
 @pytest.mark.parametrize("entry", ["staged", "stream"])
 def test_graph_replay_behind_a_writer_is_bit_identical(entry, seed):
     """Captured behind a kernel that writes x (the attention's place in the step): each replay reads
