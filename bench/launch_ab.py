@@ -31,7 +31,8 @@ a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence fo
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
-        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--controls 1] [--out FILE.json]
+        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--controls 1] [--layers 36 [--alias-layers]] [--kv-blocks 8192]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ if __name__ == "__main__":
 
 from pdserve.bench import step_timeline  # noqa: E402
 from pdserve.bench.kernels import time_it  # noqa: E402
+from pdserve.bench.repeated_layers import alias_repeated, repeated_layers  # noqa: E402
+from pdserve.engine.config import ModelConfig  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
@@ -331,6 +334,13 @@ def main() -> int:
                          "(bench/step_timeline.py)")
     ap.add_argument("--controls", type=int, default=0,
                     help="capture the first setting this many more times, as a measure of the run's noise")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="load the checkpoint as a model of this many layers, layer i from its layer i mod n, each "
+                         "in its own memory (bench/repeated_layers.py): a whole-depth step from a shallow checkpoint")
+    ap.add_argument("--alias-layers", action="store_true",
+                    help="with --layers: the repeated layers share the weights of the layers they repeat (the "
+                         "same work over the checkpoint's address range only: a control for the footprint's cost)")
+    ap.add_argument("--kv-blocks", type=int, default=8192, help="KV-cache blocks of the runner")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     names = [n.strip() for n in a.settings.split(",")]
@@ -345,7 +355,13 @@ def main() -> int:
     for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
         settings[f"gemv {spec}"] = _setting(_gemv(spec))
     settings, controls = with_controls(settings, a.controls)
-    runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=8192)
+    with repeated_layers(a.layers):
+        runner = ModelRunner(a.ckpt, device="cuda", precision=a.precision, num_kv_blocks=a.kv_blocks)
+    if a.alias_layers:
+        alias_repeated(runner.model.w, ModelConfig.load(a.ckpt).num_hidden_layers)
+        torch.cuda.empty_cache()
+    print(f"[launch_ab] {runner.cfg.num_hidden_layers} layers loaded"
+          + (" (repeated ones aliased)" if a.alias_layers else ""), file=sys.stderr, flush=True)
     ablated = {}
     for piece in (p.strip() for p in a.ablate.split(",")) if a.ablate else []:
         name = f"skip {piece}" + ("" if a.ablate_on == "default" else f" ({a.ablate_on})")

@@ -1,0 +1,27 @@
+"""bench/repeated_layers.py on the GPU: each repeated layer loads into its own device memory, so a
+whole-depth step streams every layer's bytes (none is an alias of the layer it repeats)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.bench.repeated_layers import repeated_layers
+from pdserve.engine.checkpoint import load_weights
+from pdserve.engine.config import ModelConfig
+
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
+
+
+@pytest.mark.parametrize("attention_precision", ["bf16", "fp8"])
+def test_repeated_layers_own_their_memory(tiny_mxfp4, attention_precision):
+    with repeated_layers(4 * ModelConfig.load(tiny_mxfp4).num_hidden_layers):
+        cfg = ModelConfig.load(tiny_mxfp4)
+        w = load_weights(tiny_mxfp4, cfg, precision="mxfp4", device="cuda", attention_precision=attention_precision)
+    seen = {}
+    for i, (attn, moe) in enumerate(w.layers):
+        for name, t in vars(attn).items() | vars(moe).items() | vars(moe.experts).items():
+            if isinstance(t, torch.Tensor):
+                assert t.is_cuda
+                assert seen.setdefault(t.untyped_storage().data_ptr(), (i, name)) == (i, name)
+    assert len({p for p, (i, _) in seen.items() if i == 0}) >= 10
