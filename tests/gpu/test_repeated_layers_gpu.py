@@ -20,8 +20,9 @@ def test_repeated_layers_own_their_memory(tiny_mxfp4, attention_precision):
         w = load_weights(tiny_mxfp4, cfg, precision="mxfp4", device="cuda", attention_precision=attention_precision)
     seen = {}
     for i, (attn, moe) in enumerate(w.layers):
-        for name, t in vars(attn).items() | vars(moe).items() | vars(moe.experts).items():
-            if isinstance(t, torch.Tensor):
-                assert t.is_cuda
-                assert seen.setdefault(t.untyped_storage().data_ptr(), (i, name)) == (i, name)
+        fields = [(f"{part}.{k}", t) for part, obj in (("attention", attn), ("moe", moe), ("experts", moe.experts))
+                  for k, t in vars(obj).items() if isinstance(t, torch.Tensor)]
+        for name, t in fields:
+            assert t.is_cuda, name
+            assert seen.setdefault(t.untyped_storage().data_ptr(), (i, name)) == (i, name)
     assert len({p for p, (i, _) in seen.items() if i == 0}) >= 10
