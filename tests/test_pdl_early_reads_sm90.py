@@ -207,49 +207,6 @@ def test_mxfp4_gate_up_stages_its_token_row_ahead_of_the_wait_in_per_pair_launch
     assert not _mx_loads_before_wait(tmp_path, "mx_gate_up", CONFIG.gate_up, GROUP_SLOTS, 1, 1)
 
 
-def test_mxfp4_gate_up_copies_its_row_before_the_wait_and_requests_weights_before_converting_it(tmp_path):
-    """MX_EARLY_X 2: a per-pair gate/up copies its token row into shared memory (LDGSTS) before the wait,
-    holding no register for it, and converts it only after its first weights are requested (ptxas places
-    the copies' DEPBAR before those loads: the copies, issued before the wait, have landed by then);
-    no spills at its 5 CTAs a SM."""
-    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG, SOURCE, compile_options
-
-    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(90, 1, PAIR_CONFIG.gate_up, early_down=True,
-                                                                     early_x=2, early_bias=True, cluster_sum=True))
-    ops = _sass(cubin, tmp_path, "mx_gate_up")
-    early = _loads_before_wait(ops)
-    assert early and set(early) == {"LDGSTS.E.BYPASS.128", "LDGDEPBAR"}, early
-    first_weights = next(i for i, op in enumerate(ops) if op.startswith("LDG.E.NA.128"))
-    staged = [i for i, op in enumerate(ops) if op == "STS.128"]  # the converted row
-    assert staged and min(staged) > first_weights, ops
-    entry = report[report.index("'mx_gate_up'"):]
-    assert "0 bytes spill stores" in entry.split("Compiling entry")[0], entry
-
-
-def test_mxfp4_down_requests_its_second_batch_while_its_activations_land(tmp_path):
-    """MX_ASYNC_ACT: per-pair and grouped down copy their activations by LDGSTS after the wait; per-pair
-    down issues its second batch's weight loads before the DEPBAR that waits for the copies (in the
-    grouped shape ptxas places that DEPBAR first); without it, no LDGSTS."""
-    from pdserve.kernels.cuda_moe_mxfp4 import CONFIG, GROUP_SLOTS, PAIR_CONFIG, SOURCE, compile_options
-
-    for shape, slots in ((PAIR_CONFIG.down, 1), (CONFIG.down, GROUP_SLOTS)):
-        for async_act in (False, True):
-            cubin, _ = compile_cuda(SOURCE.read_text(), compile_options(90, slots, shape, early_down=True, early_bias=True,
-                                                                         cluster_sum=slots == 1, async_act=async_act))
-            ops = _sass(cubin, tmp_path, "mx_down")
-            wait = ops.index("ACQBULK")
-            copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
-            if not async_act:
-                assert not copies
-                continue
-            assert copies and min(copies) > wait, "activations copied before the wait"
-            if slots > 1:
-                continue
-            landed = next(i for i, op in enumerate(ops) if op.startswith("DEPBAR") and i > max(copies))
-            late_weights = [i for i, op in enumerate(ops[:landed]) if i > wait and op.startswith("LDG.E.NA.128")]
-            assert late_weights, f"no weight load between the wait and the copies' DEPBAR ({shape})"
-
-
 def _k_steps(ops: list[str]) -> list[list[str]]:
     """The K steps of an unrolled MXFP4 K loop: the instructions between two branches that hold the
     step's 8 mmas (each step of use_batch ends in the branch of its `c >= CHUNKS` test)."""
