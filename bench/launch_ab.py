@@ -145,12 +145,6 @@ SETTINGS = {
     # step), not reading them from a row of zeros (MmaConfig's zero_row)
     "gate/up predicated B": _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): cuda_moe_mxfp4.MmaConfig(
         gate_up=(4, 4, 3), down=cuda_moe_mxfp4.PAIR_CONFIG.down)}),
-    # per-pair MXFP4 gate/up copies its token row into shared memory before the PDL wait and converts it
-    # once its weights are requested (EARLY_X 2), not staging it before the wait; MXFP4 down copies its
-    # activations by cp.async while its second batch is requested (ASYNC_ACT), not staging them first
-    "gate/up row copied": _setting({(cuda_moe_mxfp4, "EARLY_X"): 2}),
-    "down act async": _setting({(cuda_moe_mxfp4, "ASYNC_ACT"): True}),
-    "row copied + act async": _setting({(cuda_moe_mxfp4, "EARLY_X"): 2, (cuda_moe_mxfp4, "ASYNC_ACT"): True}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every

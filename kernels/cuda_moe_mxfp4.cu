@@ -128,11 +128,6 @@ __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
 #ifndef MX_EARLY_BIAS
 #define MX_EARLY_BIAS 0
 #endif
-// MX_ASYNC_ACT: down copies its f16 activation rows into shared memory by cp.async and requests its
-// second batch of weights while they land (the two round trips overlap), not after staging them
-#ifndef MX_ASYNC_ACT
-#define MX_ASYNC_ACT 0
-#endif
 // MX_MIN_CTAS > 0: ptxas keeps registers low enough for that many CTAs per SM (one wave of a
 // one-token launch instead of a second, near-empty one)
 #ifndef MX_MIN_CTAS
@@ -143,11 +138,7 @@ __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
 #else
 #define MX_BOUNDS __launch_bounds__(NW * 32)
 #endif
-// per-pair gate/up: its token row staged before the wait (MX_EARLY_X 1), or only copied into shared memory
-// before it and converted once the expert is read and its weights are requested (2: for CTAs placed after
-// the routing has ended, the row's and the expert's round trips then overlap instead of following each other)
-#define GATE_UP_EARLY_X (MX_EARLY_X == 1 && SLOTS == 1)
-#define GATE_UP_COPIED_X (MX_EARLY_X == 2 && SLOTS == 1)
+#define GATE_UP_EARLY_X (MX_EARLY_X && SLOTS == 1)  // per-pair gate/up: its token row before the wait
 // MX_CLUSTER_SUM (per-pair launches only): down is launched in clusters of one token's top_k pairs
 // (cluster dims (1, top_k, 1)); the CTAs of a cluster add their rows through distributed shared
 // memory instead of float32 partials in global memory, a fence and an arrival counter
@@ -229,29 +220,6 @@ __device__ __forceinline__ const float* group_factors(const u32* xs) {
 // copied as they are, every group's factor 2^-act_shift. The rows end in zeros up to whole K steps
 // (groups KG .. 4 CHUNKS, whose factors are finite), so the K loop reads them without a test. EARLY:
 // read before the CTA's PDL wait (load_early). Ends with the CTA synchronised.
-// A bf16 chunk's group factor: m, the largest |x| bits of the chunk over the rows, is shared by the
-// group's 4 lanes (two shuffles: every lane must call this), e is the exponent that takes it into
-// [2^14, 2^15); the group's factor 2^(e - 141) goes to fx (by the group's first lane, where `in`) and
-// the multiplier 2^(141 - e) is returned.
-__device__ __forceinline__ float group_up(u32 m, int c, bool in, float* fx) {
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-  const u32 e = max(m >> 23, 15u);
-  if (in && (c & 3) == 0) fx[c >> 2] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
-  return __int_as_float((268u - e) << 23);                                 // 2^(141 - e)
-}
-
-__device__ __forceinline__ U4 f16_chunk(U4 v, float up) {
-  return U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
-}
-
-// The end of every staging: the row of zeros (use_batch), then the CTA synchronised.
-__device__ __forceinline__ void staged(u32* xs) {
-  if constexpr (XZERO_WORDS > 0)
-    for (int w = threadIdx.x; w < XZERO_WORDS; w += NW * 32) xs[XZERO_AT + w] = 0u;
-  __syncthreads();
-}
-
 template <bool EARLY, bool F16>
 __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n, int act_shift = 0) {
   constexpr int per_row = CHUNKS * 16, in_row = KG * 4;  // 16-byte chunks, staged and in the row
@@ -276,63 +244,22 @@ __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n
         m = max(m, max_bits(v));
         if (i == 0) first = v;
       }
-      const float up = group_up(m, c, in, fx);
+      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+      const u32 e = max(m >> 23, 15u);
+      const float up = __int_as_float((268u - e) << 23);  // 2^(141 - e)
       if (!in) continue;
+      if ((c & 3) == 0) fx[c >> 2] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
       for (int i = 0; i < n; i++) {
         const U4 v = i == 0 || c >= in_row ? first : (EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c));
-        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) = f16_chunk(v, up);
+        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
+            U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
       }
     }
   }
-  staged(xs);
-}
-
-// One bf16 row copied as it is into the staging row (16 bytes a thread, cp.async through L2) ahead of
-// the PDL wait (MX_EARLY_X 2): no registers hold it while the CTA waits, reads its item and requests
-// its weights; `convert_row` then stages it in place, as stage_rows stages one row.
-__device__ __forceinline__ void copy_row_async(u32* xs, const U4* row) {
-  for (int c = threadIdx.x; c < KG * 4; c += NW * 32)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(xs + 4 * c)), "l"(row + c) : "memory");
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Each thread converts the chunks it copied (the same chunk indices), so its own copies having landed
-// is all it waits for.
-__device__ __forceinline__ void convert_row(u32* xs) {
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  float* fx = group_factors(xs);
-  for (int c0 = 0; c0 < CHUNKS * 16; c0 += NW * 32) {  // the same trip count in every lane: they shuffle
-    const int c = c0 + (int)threadIdx.x;
-    const bool in = c < CHUNKS * 16;
-    const U4 v = c < KG * 4 ? *reinterpret_cast<const U4*>(xs + 4 * c) : U4{0u, 0u, 0u, 0u};
-    const float up = group_up(max_bits(v), c, in, fx);
-    if (in) *reinterpret_cast<U4*>(xs + 4 * c) = f16_chunk(v, up);
-  }
-  staged(xs);
-}
-
-// f16 rows (down's activations) as stage_rows<.., true> stages them, but copied by cp.async (through
-// L2), with no wait and no sync: the caller requests its next weights while they land, then calls
-// `rows_landed` (MX_ASYNC_ACT).
-__device__ __forceinline__ void copy_f16_rows_async(u32* xs, const U4* const* rows, int n, int act_shift) {
-  constexpr int per_row = CHUNKS * 16, in_row = KG * 4;
-  for (int c = threadIdx.x; c < per_row; c += NW * 32)
-    for (int i = 0; i < n; i++) {
-      u32* dst = xs + i * XROW + 4 * c;
-      if (c < in_row)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(rows[i] + c) : "memory");
-      else
-        *reinterpret_cast<U4*>(dst) = U4{0u, 0u, 0u, 0u};
-    }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-  float* fx = group_factors(xs);
-  const float f = __int_as_float((127 - act_shift) << 23);
-  for (int g = threadIdx.x; g < XF_WORDS; g += NW * 32) fx[g] = f;
-}
-
-__device__ __forceinline__ void rows_landed(u32* xs) {
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-  staged(xs);
+  if constexpr (XZERO_WORDS > 0)
+    for (int w = threadIdx.x; w < XZERO_WORDS; w += NW * 32) xs[XZERO_AT + w] = 0u;
+  __syncthreads();
 }
 
 // A warp's K steps, loaded D at a time into one of two register buffers while the other is used.
@@ -518,11 +445,10 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
 // rows are staged (in flight together); with EARLY, the PDL wait comes between the two. STAGED: the
-// rows are in xs already (gate/up's MX_EARLY_X 1); COPIED: the one row is being copied into xs as it is
-// (MX_EARLY_X 2), converted once the first batch of weights is requested.
-template <bool EARLY, bool STAGED = false, bool F16_ROWS = false, bool COPIED = false>
-__device__ __forceinline__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
-                                         const Item& it, float* red, int act_shift = 0) {
+// rows are in xs already (gate/up's MX_EARLY_X).
+template <bool EARLY, bool STAGED = false, bool F16_ROWS = false>
+__device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
+                         const Item& it, float* red, int act_shift = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int ks = warp % KSPLIT;
@@ -535,8 +461,6 @@ __device__ __forceinline__ void tile_dot(const u32* __restrict__ words, const u3
   Batch b0, b1;
   load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
-  if constexpr (COPIED) convert_row(xs);
-  bool b1_loaded = false;  // the loop's first second batch, requested already
 #if MX_FOLD
   static_assert(!STAGED, "folded launches stage no rows");
   float acc[NT][2][4];
@@ -551,15 +475,7 @@ __device__ __forceinline__ void tile_dot(const u32* __restrict__ words, const u3
 #define USE_BATCH(b, first) use_batch_fold(b, first, xrow, nt, tig, acc)
 #define ADVANCE()
 #else
-  constexpr bool ASYNC = F16_ROWS && MX_ASYNC_ACT && !STAGED && !COPIED;
-  if constexpr (ASYNC) {  // the rows land while the second batch is requested
-    copy_f16_rows_async(xs, it.row, it.n, act_shift);
-    if (ks + D * KSPLIT < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, ks + D * KSPLIT, tig);
-    b1_loaded = true;
-    rows_landed(xs);
-  } else if (!STAGED && !COPIED) {
-    stage_rows<false, F16_ROWS>(xs, it.row, it.n, act_shift);
-  }
+  if (!STAGED) stage_rows<false, F16_ROWS>(xs, it.row, it.n, act_shift);
   const int ntp = (it.n + 1) / 2;
   BRows br = b_rows(it.n, g, tig, ks);
   float acc[TP][2];
@@ -571,8 +487,7 @@ __device__ __forceinline__ void tile_dot(const u32* __restrict__ words, const u3
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
-    if (first + STEP < CHUNKS && !b1_loaded) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
-    b1_loaded = false;
+    if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
     USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
     if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
@@ -633,9 +548,10 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
   // a per-pair CTA serves pair blockIdx.y, of token blockIdx.y / top_k: its row needs no routing
-  const U4* token_row = reinterpret_cast<const U4*>(x + (i64)(blockIdx.y / top_k) * stride_x);
-  if (GATE_UP_EARLY_X) stage_rows<true, false>(xs, &token_row, 1);
-  if (GATE_UP_COPIED_X) copy_row_async(xs, token_row);
+  if (GATE_UP_EARLY_X) {
+    const U4* row = reinterpret_cast<const U4*>(x + (i64)(blockIdx.y / top_k) * stride_x);
+    stage_rows<true, false>(xs, &row, 1);
+  }
   enter_pdl();
   TRACE(0);
   TRACE(3);
@@ -646,8 +562,7 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   const int row_j = blockIdx.x * ROWS + 2 * (threadIdx.x % (ROWS / 2));
   float bias_glu = 0.f, bias_lin = 0.f;
   if (MX_EARLY_BIAS) bias_glu = bias[e * n_rows + row_j], bias_lin = bias[e * n_rows + row_j + 1];
-  tile_dot<false, GATE_UP_EARLY_X, false, GATE_UP_COPIED_X>(words + e * n_rows * (KG * 4),
-                                                             scales + e * n_rows * SCALE_WORDS, xs, it, red);
+  tile_dot<false, GATE_UP_EARLY_X>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
   if (!MX_EARLY_BIAS) bias_glu = bias[e * n_rows + row_j], bias_lin = bias[e * n_rows + row_j + 1];
   const float limit = (float)limit_d, alpha = (float)alpha_d;

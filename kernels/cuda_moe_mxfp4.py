@@ -97,14 +97,10 @@ EARLY_BIAS = True
 # distributed shared memory, instead of through float32 partials, a fence and an arrival counter in
 # global memory (the .cu file's MX_CLUSTER_SUM; same float operations in the same order)
 CLUSTER_SUM = True
-# unfolded down copies its f16 activations into shared memory by cp.async while it requests its second
-# batch of weights, rather than staging them first (the .cu file's MX_ASYNC_ACT)
-ASYNC_ACT = False
 MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
-# per-pair gate/up reads its token's row before the PDL wait, where the caller vouches that the row
-# predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X): 0 never,
-# 1 staged before the wait, 2 requested before it and staged once the expert's weights are requested
-EARLY_X = 1
+# per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
+# predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
+EARLY_X = True
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -116,34 +112,33 @@ def available(device: torch.device | None = None) -> bool:
 
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
-             early_down: bool = False, early_x: int = 0, early_bias: bool = False,
-             cluster_sum: bool = False, fold: bool = False, async_act: bool = False) -> dict:
+             early_down: bool = False, early_x: bool = False, early_bias: bool = False,
+             cluster_sum: bool = False, fold: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only), async_act:
-    MX_ASYNC_ACT (unfolded down only); callers pass the
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only); callers pass the
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold, async_act),
+                                        fold),
                         device_index,
                         _shared_bytes(k_groups, slots, shape, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
-                    early_x: int = 0, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: bool = False, async_act: bool = False) -> list[str]:
+                    early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
+                    fold: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_ZERO_ROW={int(bool(zero_row))}", f"-DMX_SLOTS={slots}",
             f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_ASYNC_ACT={int(async_act)}",
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
             f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
@@ -230,9 +225,9 @@ def experts_forward_mxfp4_mma(
                                  f"{buf.numel()} {buf.dtype}")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
-    early_x = int(EARLY_X) if x_before_routing and not grouped and xb is x else 0
+    early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, ASYNC_ACT)
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])

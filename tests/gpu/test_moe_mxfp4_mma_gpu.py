@@ -121,42 +121,6 @@ def test_cluster_sum_equals_the_counter_sum(t, monkeypatch):
     assert torch.equal(replayed, fwd(x, weights, ids, wp))
 
 
-@pytest.mark.parametrize("t,e", [(1, 32), (2, 32), (3, 8), (8, 8), (16, 32)])
-@pytest.mark.parametrize("config", [0, 1, 8, 9])
-def test_row_copies_by_cp_async_change_no_bit(t, e, config, monkeypatch):
-    """Gate/up's token row copied into shared memory before the PDL wait and converted once the
-    weights are requested (EARLY_X 2), and down's activations copied by cp.async while its second
-    batch is requested (ASYNC_ACT), move loads, not arithmetic: per-pair and grouped launches of four
-    launch shapes equal the staged builds bit for bit, eager and replayed from a CUDA graph."""
-    import functools
-
-    from pdserve.kernels import cuda_moe_mxfp4
-
-    fwd = functools.partial(_mma(), config=_configs()[config], x_before_routing=True)
-    g = _seeded()
-    w = random_layer(e, g, DEV)
-    wp = w.to_packed()
-    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)])
-    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-    monkeypatch.setattr(cuda_moe_mxfp4, "EARLY_X", 1)
-    monkeypatch.setattr(cuda_moe_mxfp4, "ASYNC_ACT", False)
-    staged = [fwd(x, weights, ids, wp, grouped=grouped) for grouped in (False, True)]
-    monkeypatch.setattr(cuda_moe_mxfp4, "EARLY_X", 2)
-    monkeypatch.setattr(cuda_moe_mxfp4, "ASYNC_ACT", True)
-    for grouped, want in zip((False, True), staged):
-        assert torch.equal(fwd(x, weights, ids, wp, grouped=grouped), want)
-    assert rel_l2(staged[0], reference(x, weights, ids, w)) < 4e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = fwd(x, weights, ids, wp)
-    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
-    graph.replay()
-    monkeypatch.setattr(cuda_moe_mxfp4, "EARLY_X", 1)
-    monkeypatch.setattr(cuda_moe_mxfp4, "ASYNC_ACT", False)
-    assert torch.equal(replayed, fwd(x, weights, ids, wp))
-
-
 def test_cluster_sum_pairs_without_a_local_expert_add_zeros():
     """A pair whose expert id is negative (no expert here) adds nothing, while its cluster's other
     pairs still sum: the CTA takes part in the cluster's syncs with zero rows."""
