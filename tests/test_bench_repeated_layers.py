@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.bench.repeated_layers import repeated_layers
+from pdserve.bench.repeated_layers import alias_repeated, repeated_layers
 from pdserve.engine.checkpoint import CheckpointError, CheckpointReader, load_weights
 from pdserve.engine.checkpoint_writer import make_random_checkpoint
 from pdserve.engine.config import ModelConfig
@@ -52,3 +52,14 @@ def test_an_odd_checkpoint_depth_cannot_be_repeated(tmp_path, tiny_cfg):
         ModelConfig.load(ckpt)
     with repeated_layers(2):  # fewer layers than stored: the first two, as they are
         assert ModelConfig.load(ckpt).num_hidden_layers == 2
+
+
+def test_aliased_layers_share_the_stored_layers_objects(tiny_mxfp4):
+    n = ModelConfig.load(tiny_mxfp4).num_hidden_layers
+    with repeated_layers(2 * n):
+        w = load_weights(tiny_mxfp4, ModelConfig.load(tiny_mxfp4), precision="mxfp4")
+    assert w.layers[n] is not w.layers[0]
+    alias_repeated(w, n)
+    assert len(w.layers) == 2 * n
+    assert all(w.layers[i] is w.layers[i % n] for i in range(2 * n))
+    assert len({id(layer) for layer in w.layers}) == n
