@@ -57,7 +57,9 @@ def repeated_layers(layers: int | None) -> Iterator[None]:
     def get_repeated(self, name, **kw):
         m = _LAYER.match(name)
         if m is not None and name not in self.weight_map:
-            n = vars(self).get("_stored_layers") or vars(self).setdefault("_stored_layers", _stored_layers(self))
+            n = vars(self).get("_stored_layers")
+            if n is None:  # counted once per reader
+                n = self._stored_layers = _stored_layers(self)
             name = f"model.layers.{int(m.group(1)) % n}." + name[m.end():]
         return get(self, name, **kw)
 
