@@ -38,6 +38,7 @@ a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,8 +61,8 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
-    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, triton_bf16_gemv,
-    triton_decode_attention, triton_router,
+    cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, moe,
+    triton_bf16_gemv, triton_decode_attention, triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -195,6 +196,14 @@ SETTINGS = {
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches
     "mxfp4 unfolded": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): None}),
+    # the folded launches decoding in bf16 (MX_FOLD 1), not in f16 where the experts allow it
+    "mxfp4 fold bf16": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): dataclasses.replace(
+        cuda_moe_mxfp4.FOLD_CONFIG, fold_f16=False)}),
+    # folded launches from 4 (every grouped launch) or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS; or
+    # up to 128 tokens, not to kernels.moe.MXFP4_MMA_FOLDED_MAX_TOKENS (the Triton grouped kernels above)
+    "mxfp4 fold from 4": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 4}),
+    "mxfp4 fold from 32": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 32}),
+    "mxfp4 fold to 128": _setting({(moe, "MXFP4_MMA_FOLDED_MAX_TOKENS"): 128}),
     # the vocabulary projection's weights in FP8 (as --unembedding-precision fp8 loads them), alone and
     # with FP8 attention projections; its bf16 weights through cuBLAS at every batch (before 2026-12-04)
     "unembedding fp8": _setting(),

@@ -16,6 +16,7 @@ launch shape that computes wrong shows (bf16 partial sums: ~5e-3).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
-from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig, experts_forward_mxfp4_mma  # noqa: E402
+from pdserve.kernels.cuda_moe_mxfp4 import FOLD_CONFIG, MmaConfig, experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.experts import ExpertWeights  # noqa: E402
 from pdserve.kernels.moe import experts_forward  # noqa: E402
 from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
@@ -92,6 +93,10 @@ MMA.update({
                           (16, (4, 1, 2), (4, 1, 2)), (16, (4, 1, 2), (4, 4, 2)), (16, (4, 1, 2, 5), (4, 2, 2, 5)),
                           (16, (8, 2, 2), (8, 4, 2)), (32, (4, 1, 2), (4, 2, 2)))
 })
+# The engine's folded shape (FOLD_CONFIG), in f16 (MX_FOLD 2: folded launches take it where the experts'
+# scale bytes allow, as these random experts' do) and in bf16 (MX_FOLD 1, as before the f16 fold)
+MMA.update({"mma fold engine f16": (FOLD_CONFIG, True),
+            "mma fold engine bf16": (dataclasses.replace(FOLD_CONFIG, fold_f16=False), True)})
 
 
 def main() -> int:

@@ -49,6 +49,12 @@
 // pair's bf16 values straight from global memory (L1) as the mma's B, nothing is staged, and no shared
 // memory bounds how many CTAs an SM holds. So these launches take the weights as bf16 pairs of e2m1 *
 // 2^-126 (the e4m3 bytes spread into bf16 halves: 21 instructions a word) and mma in bf16.
+// MX_FOLD 2: the same in f16, for experts whose scale bytes all lie in 104 .. 136
+// (MxExperts.fold_f16_exact): the unfolded decode (Hopper's e4m3 -> f16 conversion, 9 instructions a
+// word) times 2^(s - 121) in f16 gives e2m1 * 2^(s - 127), an f16 for those s (subnormal down to
+// 2^-24). B must then be f16 too: gate/up reads its tokens from mx_rows_f16's copy (each row times
+// the power of two that takes its largest |x| into [2^14, 2^15), undone on the sums), down reads the
+// f16 activations times 2^act_shift that gate/up writes for unfolded launches.
 
 #include "cuda_common.cuh"
 #include "mxfp4_packed.cuh"
@@ -385,15 +391,33 @@ static_assert(MX_FOLD || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + 
 static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs in mma columns of 8");
 #define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
 
-// Scale byte s -> bf16x2 of 2^(s - 1) in both halves (the decode's 2^-126 undone): a bf16 for s <= 128
+// Scale byte s -> the factor of its group's decoded pairs, in both halves. bf16 (MX_FOLD 1): 2^(s - 1) (the
+// bf16 decode's 2^-126 undone), a bf16 for s <= 128. f16 (MX_FOLD 2): 2^(s - 121) (the e4m3 decode's 2^-6
+// undone), normal from s = 107, subnormal below; s is clamped to 97 .. 136, where the factor is an f16:
+// bytes outside only scale groups of zeros (MxExperts.fold_f16_exact), which must not turn into 0 * inf.
 __device__ __forceinline__ u32 fold_factor(u32 s) {
+#if MX_FOLD == 2
+  s = min(max(s & 0xFFu, 97u), 136u);
+  const u32 h = s >= 107u ? (s - 106u) << 10 : 1u << (s - 97u);
+#else
   const u32 h = ((s & 0xFFu) + 126u) << 7;
+#endif
   return h | (h << 16);
 }
 
-__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+// A packed word's pairs in the fold's type, and a pair times its factor
+__device__ __forceinline__ void decode_fold(u32 w, u32 p[4]) {
+  if (MX_FOLD == 2) decode_word(w, p); else decode_word_bf16(w, p);
+}
+
+#if MX_FOLD == 2
+#define MX_FOLD_MUL "mul.rn.f16x2 %0, %1, %2;"
+#else
+#define MX_FOLD_MUL "mul.rn.bf16x2 %0, %1, %2;"
+#endif
+__device__ __forceinline__ u32 mul_fold(u32 a, u32 b) {
   u32 d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  asm(MX_FOLD_MUL : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 
@@ -411,14 +435,14 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     const int grp = 4 * c + tig;
     const u32 fa = fold_factor(b.sa[j] >> (8 * tig)), fb = fold_factor(b.sb[j] >> (8 * tig));
     u32 pa[4][4], pb[4][4];
-    decode_word_bf16(b.wa[j].x, pa[0]); decode_word_bf16(b.wa[j].y, pa[1]); decode_word_bf16(b.wa[j].z, pa[2]);
-    decode_word_bf16(b.wa[j].w, pa[3]);
-    decode_word_bf16(b.wb[j].x, pb[0]); decode_word_bf16(b.wb[j].y, pb[1]); decode_word_bf16(b.wb[j].z, pb[2]);
-    decode_word_bf16(b.wb[j].w, pb[3]);
+    decode_fold(b.wa[j].x, pa[0]); decode_fold(b.wa[j].y, pa[1]); decode_fold(b.wa[j].z, pa[2]);
+    decode_fold(b.wa[j].w, pa[3]);
+    decode_fold(b.wb[j].x, pb[0]); decode_fold(b.wb[j].y, pb[1]); decode_fold(b.wb[j].z, pb[2]);
+    decode_fold(b.wb[j].w, pb[3]);
 #pragma unroll
     for (int v = 0; v < 4; v++) {
 #pragma unroll
-      for (int q = 0; q < 4; q++) pa[v][q] = mul_bf16x2(pa[v][q], fa), pb[v][q] = mul_bf16x2(pb[v][q], fb);
+      for (int q = 0; q < 4; q++) pa[v][q] = mul_fold(pa[v][q], fa), pb[v][q] = mul_fold(pb[v][q], fb);
     }
 #pragma unroll
     for (int n = 0; n < NT; n++) {
@@ -429,14 +453,14 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
 #pragma unroll
       for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(xrow[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
       // the same k order as use_batch; two accumulator chains (words 0-1, words 2-3)
-      mma<false>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
-      mma<false>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
-      mma<false>(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
-      mma<false>(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
-      mma<false>(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
-      mma<false>(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
-      mma<false>(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
-      mma<false>(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+      mma<MX_FOLD == 2>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+      mma<MX_FOLD == 2>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+      mma<MX_FOLD == 2>(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+      mma<MX_FOLD == 2>(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+      mma<MX_FOLD == 2>(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+      mma<MX_FOLD == 2>(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+      mma<MX_FOLD == 2>(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+      mma<MX_FOLD == 2>(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
     }
   }
 }
@@ -537,11 +561,12 @@ __device__ __forceinline__ float row_sum(const float* red, int i, int r) {
 
 // gate/up + bias + gpt-oss' clamped SwiGLU: act[pair, (ROWS bx + 2j) / 2] for the item's pairs, as
 // f16 times 2^act_shift (down stages them as they are; the caller picks act_shift so that the clamped
-// SwiGLU's range stays below 2^15), or as bf16 in folded launches (down's B operand, read directly).
+// SwiGLU's range stays below 2^15), or as bf16 in bf16-folded launches (down's B operand, read directly).
 // x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
+// MX_FOLD 2: x is mx_rows_f16's f16 copy, each token's sums times x_inv[token].
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
-           const u16* __restrict__ x, int stride_x, const i64* __restrict__ pair_expert,
+           const u16* __restrict__ x, int stride_x, const float* __restrict__ x_inv, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
            int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift TRACE_PARAM) {
   extern __shared__ __align__(16) u32 xs[];
@@ -562,6 +587,10 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   const int row_j = blockIdx.x * ROWS + 2 * (threadIdx.x % (ROWS / 2));
   float bias_glu = 0.f, bias_lin = 0.f;
   if (MX_EARLY_BIAS) bias_glu = bias[e * n_rows + row_j], bias_lin = bias[e * n_rows + row_j + 1];
+#if MX_FOLD == 2
+  __shared__ float row_inv[SLOTS];  // the pairs' tokens' x_inv (tile_dot's last barrier publishes them)
+  if (threadIdx.x < it.n) row_inv[threadIdx.x] = __ldcg(x_inv + it.slot[threadIdx.x] / top_k);
+#endif
   tile_dot<false, GATE_UP_EARLY_X>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs, it, red);
   TRACE(1);
   if (!MX_EARLY_BIAS) bias_glu = bias[e * n_rows + row_j], bias_lin = bias[e * n_rows + row_j + 1];
@@ -569,13 +598,18 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   for (int t = threadIdx.x; t < it.n * (ROWS / 2); t += NW * 32) {
     const int i = t / (ROWS / 2), j = t % (ROWS / 2);
     const int row = blockIdx.x * ROWS + 2 * j;
+#if MX_FOLD == 2
+    float glu = row_sum(red, i, 2 * j) * row_inv[i] + bias_glu;
+    float lin = row_sum(red, i, 2 * j + 1) * row_inv[i] + bias_lin;
+#else
     float glu = row_sum(red, i, 2 * j) + bias_glu;
     float lin = row_sum(red, i, 2 * j + 1) + bias_lin;
+#endif
     glu = fminf(glu, limit);
     lin = fminf(fmaxf(lin, -limit), limit);
     const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
     act[(i64)it.slot[i] * (n_rows / 2) + row / 2] =
-        MX_FOLD ? to_bf16(out) : to_f16(out * __int_as_float((127 + act_shift) << 23));
+        MX_FOLD == 1 ? to_bf16(out) : to_f16(out * __int_as_float((127 + act_shift) << 23));
   }
   TRACE_END();
 }
@@ -648,7 +682,9 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
     const int i = t / ROWS, r = t % ROWS;
     const int row = tile * ROWS + r;
-    const float y = row_sum(red, i, r) + bias_r;
+    // MX_FOLD 2: B was the activations times 2^act_shift
+    const float y = (MX_FOLD == 2 ? row_sum(red, i, r) * __int_as_float((127 - act_shift) << 23) : row_sum(red, i, r))
+                    + bias_r;
     const int pair = it.slot[i];
     part[(i64)pair * n_rows + row] = y * from_bf16(MX_EARLY_BIAS ? it.weight[i] : route_weight[pair]);
   }
@@ -674,3 +710,35 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
 #endif
   TRACE_END();
 }
+
+#if MX_FOLD == 2
+// gate/up's tokens for MX_FOLD 2, one CTA a token: row t of x (n_cols bf16, a multiple of 8; row
+// stride stride_x, a multiple of 8) times 2^(141 - e) as f16 into row t of xf (n_cols a row), e the
+// biased exponent of the row's largest |x| (at least 15, as stage_rows takes it for a group): that |x|
+// lands in [2^14, 2^15), every bf16 of the row down to 2^-31 of it stays exact, and x_inv[t] =
+// 2^(e - 141) undoes the factor on the sums.
+extern "C" __global__ void __launch_bounds__(256) mx_rows_f16(const u16* __restrict__ x, int stride_x, int n_cols,
+                                                             u16* __restrict__ xf, float* __restrict__ x_inv) {
+  __shared__ u32 warp_max[8];
+  enter_pdl();
+  const U4* row = reinterpret_cast<const U4*>(x + (i64)blockIdx.x * stride_x);
+  U4* out = reinterpret_cast<U4*>(xf + (i64)blockIdx.x * n_cols);
+  const int chunks = n_cols / 8;
+  u32 m = 0u;
+  for (int c = threadIdx.x; c < chunks; c += 256) m = max(m, max_bits(load_early(row + c)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < 8; w++) m = max(m, warp_max[w]);
+  const u32 e = max(m >> 23, 15u);
+  const float up = __int_as_float((268u - e) << 23);  // 2^(141 - e)
+  for (int c = threadIdx.x; c < chunks; c += 256) {
+    const U4 v = load_early(row + c);  // again (from L2)
+    out[c] = U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
+  }
+  if (threadIdx.x == 0) x_inv[blockIdx.x] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
+}
+#endif

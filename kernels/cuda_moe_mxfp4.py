@@ -49,12 +49,20 @@ class MmaConfig:
     offsets, two registers more)]]). Grouped launches only: `slots` pairs a CTA
     serves (the routing layout's block) and `fold`, the scales folded into the decoded weights so
     that an mma's 8 columns are 8 pairs (the .cu file's MX_FOLD; slots a multiple of 8, experts
-    with `MxExperts.fold_exact`)."""
+    with `MxExperts.fold_exact`), in f16 where the experts allow it (`fold_f16` and
+    `MxExperts.fold_f16_exact`: MX_FOLD 2), else in bf16."""
 
     gate_up: tuple[int, ...] = (4, 1, 2)
     down: tuple[int, ...] = (4, 2, 2)
     slots: int = 8
     fold: bool = False
+    fold_f16: bool = True
+
+    def fold_mode(self, w: MxExperts) -> int:
+        """The .cu file's MX_FOLD for these experts: 0 unfolded, 2 folded in f16, 1 folded in bf16."""
+        if not self.fold:
+            return 0
+        return 2 if self.fold_f16 and w.fold_f16_exact else 1
 
     def __post_init__(self):
         if not 1 <= self.slots <= 32 or (self.fold and self.slots % 8):
@@ -73,9 +81,12 @@ CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
 # 265 vs 304 at 64; down's K in one warp (4, 1, 2) against split over two: 6-8 % faster. Since the
 # unfolded launches decode through Hopper's e4m3 -> f16 conversion and the folded ones spread the same
 # bytes into bf16 pairs (2026-12-04, kernels.moe.experts_forward's layer): 16 tokens 199 folded vs
-# 185 unfolded, 32: 226 vs 250, 64: 264 vs 361, so folding starts at 32 tokens.
+# 185 unfolded, 32: 226 vs 250, 64: 264 vs 361, so folding started at 32 tokens. Since the fold decodes
+# in f16 too (MX_FOLD 2, 2026-12-05, H100, bench/moe_mxfp4.py): 16 / 32 / 64 tokens 185 / 216 / 257 us
+# against 207 / 236 / 280 in bf16 and 278 / 318 / 467 unfolded; the 20b step (bench/launch_ab.py, random
+# checkpoint) 6.02 ms at 16 tokens folded against 7.78 unfolded. So folding starts at 16.
 FOLD_CONFIG: MmaConfig | None = MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)
-FOLD_FROM_TOKENS = 32
+FOLD_FROM_TOKENS = 16
 # Per-pair launches (1-3 tokens): both kernels split their K over 4 warps in batches of 3 K steps, so
 # down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights; down
 # keeps to 80 registers so that one token's 720 CTAs fit in one wave (6 a SM; at 96 registers, 5 a
@@ -113,16 +124,16 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: bool = False) -> dict:
-    """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
+             cluster_sum: bool = False, fold: int = 0) -> dict:
+    """{"mx_gate_up", "mx_down"} (and with fold 2 "mx_rows_f16") compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only); callers pass the
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16); callers pass the
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
-    return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
+    return load_kernels(SOURCE, ["mx_gate_up", "mx_down", *(["mx_rows_f16"] if fold == 2 else [])],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
                                         fold),
                         device_index,
@@ -131,7 +142,7 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: bool = False) -> list[str]:
+                    fold: int = 0) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
@@ -142,7 +153,7 @@ def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bo
             f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
-def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: bool = False) -> int:
+def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: int = 0) -> int:
     """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each, whole K
     steps), the groups' factors (XF_WORDS floats) and, with MX_ZERO_ROW, the row of zeros at XZERO_AT;
     folded launches read the rows from global memory."""
@@ -166,7 +177,7 @@ def act_shift(limit: float) -> int:
 
 def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
     """FOLD_CONFIG where it serves a grouped launch of `tokens` tokens on these experts, else None."""
-    if FOLD_CONFIG is None or tokens < FOLD_FROM_TOKENS or not w.fold_exact:
+    if FOLD_CONFIG is None or tokens < FOLD_FROM_TOKENS or not (w.fold_exact or FOLD_CONFIG.fold_mode(w) == 2):
         return None
     return FOLD_CONFIG
 
@@ -189,8 +200,8 @@ def experts_forward_mxfp4_mma(
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
     if config is None:
         config = PAIR_CONFIG if not grouped else fold_config(w, x.shape[0]) or CONFIG
-    fold = grouped and config.fold
-    if fold and not w.fold_exact:
+    fold = config.fold_mode(w) if grouped else 0
+    if fold == 1 and not w.fold_exact:
         raise ValueError("these experts have scale bytes outside the folded decode's exact range "
                          f"({FOLD_MIN_SCALE}..{FOLD_MAX_SCALE}): launch them unfolded")
     t, h = x.shape
@@ -231,12 +242,18 @@ def experts_forward_mxfp4_mma(
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
-    # SwiGLU activations: bf16 for folded launches, else f16 times 2^shift (`act_shift`)
+    # SwiGLU activations: bf16 for bf16-folded launches, else f16 times 2^shift (`act_shift`)
     shift = act_shift(limit)
-    act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold else torch.float16, device=x.device)
+    act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
+    x_in, x_inv = xb, None
+    if fold == 2:  # the tokens as f16, each row times a power of two that x_inv undoes (mx_rows_f16)
+        x_in = torch.empty(t, h, dtype=torch.float16, device=x.device)
+        x_inv = torch.empty(t, dtype=torch.float32, device=x.device)
+        rows_f16 = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_rows_f16"]
+        launch_cuda(rows_f16, (t, 1, 1), (256, 1, 1), 0, pdl=pdl, args=[xb, xb.stride(0), h, x_in, x_inv])
     launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold), pdl=pdl, args=[
-                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xb, xb.stride(0), ids, item_expert,
+                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None

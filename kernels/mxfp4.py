@@ -32,6 +32,11 @@ PACKED_SCALE_PAD = 16
 # Trained weights sit well inside (group factors 2^-9 .. 2^-4: s 118-123).
 FOLD_MIN_SCALE = 2
 FOLD_MAX_SCALE = 128
+# The same fold in f16 (the e4m3 -> f16 conversion's e2m1 * 2^-6 times 2^(s - 121)) is exact while the
+# factor is an f16 (s <= 136) and every product e2m1 * 2^(s - 127) is one: 0.5 * 2^(s - 127) at least
+# 2^-24, the smallest f16 subnormal (s >= 104); 6 * 2^9 at s = 136 is far below f16's largest.
+FOLD_F16_MIN_SCALE = 104
+FOLD_F16_MAX_SCALE = 136
 
 
 def unpack_fp4_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -171,7 +176,8 @@ class MxExperts:
     down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H].
     layout: "published" (as the checkpoint stores them) or "packed" (blocks through `pack_words`,
     scale rows zero-padded to a multiple of PACKED_SCALE_PAD groups). fold_exact (set by `to_packed`):
-    every group with a nonzero code has its scale byte in FOLD_MIN_SCALE .. FOLD_MAX_SCALE."""
+    every group with a nonzero code has its scale byte in FOLD_MIN_SCALE .. FOLD_MAX_SCALE;
+    fold_f16_exact: the same for FOLD_F16_MIN_SCALE .. FOLD_F16_MAX_SCALE."""
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -181,6 +187,7 @@ class MxExperts:
     down_bias: torch.Tensor
     layout: str = "published"
     fold_exact: bool = False
+    fold_f16_exact: bool = False
 
     def __post_init__(self):
         if self.layout not in ("published", "packed"):
@@ -198,14 +205,17 @@ class MxExperts:
             g = scales.shape[-1]
             return torch.nn.functional.pad(scales, (0, -g % PACKED_SCALE_PAD)).contiguous()
 
-        def fold_exact(blocks, scales):
-            out = (scales < FOLD_MIN_SCALE) | (scales > FOLD_MAX_SCALE)
-            return not bool(out.any()) or not bool(blocks[out].any())
+        def within(low, high):
+            def exact(blocks, scales):
+                out = (scales < low) | (scales > high)
+                return not bool(out.any()) or not bool(blocks[out].any())
+
+            return exact(self.gate_up_blocks, self.gate_up_scales) and exact(self.down_blocks, self.down_scales)
 
         return replace(self, gate_up_blocks=pack_words(self.gate_up_blocks), down_blocks=pack_words(self.down_blocks),
                        gate_up_scales=pad(self.gate_up_scales), down_scales=pad(self.down_scales), layout="packed",
-                       fold_exact=fold_exact(self.gate_up_blocks, self.gate_up_scales)
-                       and fold_exact(self.down_blocks, self.down_scales))
+                       fold_exact=within(FOLD_MIN_SCALE, FOLD_MAX_SCALE),
+                       fold_f16_exact=within(FOLD_F16_MIN_SCALE, FOLD_F16_MAX_SCALE))
 
     def published(self, which: str, index=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """`which` ("gate_up" or "down") (blocks, scales) [index] in the published layout."""

@@ -161,3 +161,33 @@ def test_a_grid_of_partial_clusters_is_refused_before_any_launch():
 
     with pytest.raises(ValueError, match="whole number of clusters"):
         launch_cuda(None, (180, 6, 1), (128, 1, 1), 0, [], pdl=True, cluster=(1, 4, 1))
+
+
+def test_the_fold_is_in_f16_only_for_experts_whose_scales_allow_it():
+    """MX_FOLD 2 multiplies each decoded pair by 2^(s - 121) in f16: exact only for scale bytes in
+    FOLD_F16_MIN_SCALE .. FOLD_F16_MAX_SCALE, so `to_packed` records that apart (fold_f16_exact), a
+    folded config takes f16 only there (and only with fold_f16), bf16 where only fold_exact holds, and
+    experts exact in f16 alone are still folded by the dispatch."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+    from pdserve.kernels.mxfp4 import FOLD_F16_MAX_SCALE, FOLD_F16_MIN_SCALE, FOLD_MAX_SCALE
+
+    f16, bf16, unfolded = cm.MmaConfig(fold=True), cm.MmaConfig(fold=True, fold_f16=False), cm.MmaConfig()
+    w, *_ = _problem()
+    wp = w.to_packed()
+    assert wp.fold_exact and wp.fold_f16_exact  # random_layer's scale bytes: 118-123
+    assert (f16.fold_mode(wp), bf16.fold_mode(wp), unfolded.fold_mode(wp)) == (2, 1, 0)
+    w.down_scales[2, 7, 1] = FOLD_F16_MIN_SCALE - 1
+    w.down_blocks[2, 7, 1] = 0  # a low scale on a group of zeros changes nothing
+    assert w.to_packed().fold_f16_exact
+    w.down_blocks[2, 7, 1, 9] = 0x01  # one nonzero code (+0.5) there: bf16 only
+    wp = w.to_packed()
+    assert wp.fold_exact and not wp.fold_f16_exact and f16.fold_mode(wp) == 1
+    w.down_scales[2, 7, 1] = FOLD_F16_MIN_SCALE
+    assert w.to_packed().fold_f16_exact
+    assert FOLD_MAX_SCALE < FOLD_F16_MAX_SCALE
+    w.down_scales[2, 7, 1] = FOLD_F16_MAX_SCALE  # above the bf16 fold's range: f16 only, still folded
+    wp = w.to_packed()
+    assert wp.fold_f16_exact and not wp.fold_exact and f16.fold_mode(wp) == 2
+    assert cm.fold_config(wp, cm.FOLD_FROM_TOKENS) is cm.FOLD_CONFIG
+    w.down_scales[2, 7, 1] = FOLD_F16_MAX_SCALE + 1
+    assert not w.to_packed().fold_f16_exact

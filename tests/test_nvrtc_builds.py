@@ -41,8 +41,9 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
         builds[f"mxfp4 grouped {which}"] = (mx.SOURCE, mx.compile_options(
             90, mx.CONFIG.slots, getattr(mx.CONFIG, which), **flags))
         if mx.FOLD_CONFIG is not None:
-            builds[f"mxfp4 folded {which}"] = (mx.SOURCE, mx.compile_options(
-                90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=True, **flags))
+            for fold, dtype in ((1, "bf16"), (2, "f16")):
+                builds[f"mxfp4 folded {dtype} {which}"] = (mx.SOURCE, mx.compile_options(
+                    90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=fold, **flags))
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):
@@ -69,9 +70,11 @@ def _spills(log: str) -> dict[str, int]:
 
 
 def _launched(name: str, entries: set[str]) -> set[str]:
-    """The entries of a build the engine launches (a MXFP4 build compiles both kernels for one of them)."""
+    """The entries of a build the engine launches (a MXFP4 build compiles both kernels for one of them;
+    f16-folded gate/up launches the tokens' f16 copy from its build too)."""
     if name.startswith("mxfp4"):
-        return {"mx_gate_up" if "gate_up" in name else "mx_down"}
+        return {"mx_gate_up", "mx_rows_f16"} & entries if "f16 gate_up" in name else {
+            "mx_gate_up" if "gate_up" in name else "mx_down"}
     return entries
 
 

@@ -1,7 +1,7 @@
 """The MXFP4 mma kernels (kernels/cuda_moe_mxfp4.cu) on the GPU: gpt-oss-20b expert shape, fresh
 random weights and routing, against `experts_forward_ref` in float32 on the exactly dequantised
 weights. Tolerance: rel L2 4e-3 (float32 sums; the SwiGLU activations are rounded to f16, or bf16
-in folded launches, and the output to bf16, ~1.6e-3 together). Grouped launches (pairs of an expert served together) must equal per-pair
+in bf16-folded launches, and the output to bf16, ~1.6e-3 together). Grouped launches (pairs of an expert served together) must equal per-pair
 launches of the same launch shape bit for bit: a column of the mma sees only its own token, so every
 sum is the same. Also:
 deterministic, replayed from a CUDA graph on new inputs, and every scale byte the packed layout
@@ -241,14 +241,19 @@ def test_trace_build_records_every_cta_and_computes_the_same():
 
 
 def _fold_configs():
+    """Folded shapes in f16 (the default where the experts allow it: random_layer's do), then in bf16."""
+    import dataclasses
+
     from pdserve.kernels.cuda_moe_mxfp4 import FOLD_CONFIG, MmaConfig
 
     return [FOLD_CONFIG, MmaConfig((4, 1, 2), (4, 2, 2), slots=8, fold=True),
-            MmaConfig((8, 2, 2), (8, 4, 2), slots=16, fold=True), MmaConfig((4, 2, 3), (4, 4, 1), slots=32, fold=True)]
+            MmaConfig((8, 2, 2), (8, 4, 2), slots=16, fold=True), MmaConfig((4, 2, 3), (4, 4, 1), slots=32, fold=True),
+            dataclasses.replace(FOLD_CONFIG, fold_f16=False), MmaConfig((4, 2, 3), (4, 4, 1), slots=32, fold=True,
+                                                                       fold_f16=False)]
 
 
 @pytest.mark.parametrize("t,e", [(4, 8), (32, 32), (64, 8), (64, 32), (200, 32)])
-@pytest.mark.parametrize("config", range(4))
+@pytest.mark.parametrize("config", range(6))
 def test_folded_launches_against_reference(t, e, config):
     """Scales folded into the decoded weights (MX_FOLD): against the float32 reference as the other
     launches, close to the unfolded grouped launch (both within rounding of the same sums; the
@@ -263,7 +268,7 @@ def test_folded_launches_against_reference(t, e, config):
     g = _seeded()
     w = random_layer(e, g, DEV)
     wp = w.to_packed()
-    assert wp.fold_exact
+    assert wp.fold_exact and wp.fold_f16_exact
     x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)])
     weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
@@ -309,24 +314,46 @@ def test_folded_every_code_and_scale(s_gate_up, x_scale, s_down):
 
     from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
 
-    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3), slots=8, fold=True), grouped=True)
+    fwd = functools.partial(_mma(), config=MmaConfig((4, 1, 3), (4, 1, 3), slots=8, fold=True, fold_f16=False),
+                            grouped=True)
+    err = _every_code_error(fwd, 8, s_gate_up, x_scale, s_down)
+    assert err < 1e-2, (s_gate_up, s_down, err)
+
+
+@pytest.mark.parametrize("s_gate_up,x_scale,s_down", [(104, 2.0**20, 136), (136, 2.0**-8, 104), (104, 2.0**20, 104),
+                                                      (136, 2.0**-8, 136), (121, 2.0**5, 127), (104, 2.0**60, 110),
+                                                      (136, 2.0**-20, 120)])
+def test_folded_f16_every_code_and_scale(s_gate_up, x_scale, s_down):
+    """The f16 fold (MX_FOLD 2) at the ends of its scale bytes (104 .. 136: the factor 2^(s - 121) an f16,
+    the smallest product 0.5 * 2^(s - 127) the smallest f16 subnormal) and with activations far from 1
+    (each token row taken to f16 at its own power of two), every code, against float64."""
+    import functools
+
+    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
+    from pdserve.kernels.mxfp4 import FOLD_F16_MAX_SCALE, FOLD_F16_MIN_SCALE
+
+    assert FOLD_F16_MIN_SCALE <= min(s_gate_up, s_down) and max(s_gate_up, s_down) <= FOLD_F16_MAX_SCALE
+    cfg = MmaConfig((4, 1, 3), (4, 1, 3), slots=8, fold=True)
+    fwd = functools.partial(_mma(), config=cfg, grouped=True)
+    assert cfg.fold_mode(every_code_expert(64, s_gate_up, s_down, _seeded()).to_packed()) == 2
     err = _every_code_error(fwd, 8, s_gate_up, x_scale, s_down)
     assert err < 1e-2, (s_gate_up, s_down, err)
 
 
 def test_experts_with_scales_out_of_the_folded_range_are_not_folded():
-    """A group with a nonzero code above FOLD_MAX_SCALE: fold_exact is off, an explicit folded
-    launch is refused before any launch, and the dispatch keeps them on the unfolded kernels."""
+    """A group with a nonzero code above both folds' ranges: fold_exact and fold_f16_exact are off, an
+    explicit folded launch is refused before any launch, and the dispatch keeps them on the unfolded
+    kernels."""
     from pdserve.kernels import cuda_moe_mxfp4, moe
-    from pdserve.kernels.mxfp4 import FOLD_MAX_SCALE
+    from pdserve.kernels.mxfp4 import FOLD_F16_MAX_SCALE, FOLD_MAX_SCALE
 
     fwd = _mma()
     g = _seeded()
     w = random_layer(8, g, DEV)
-    w.down_scales[3, 17, 5] = FOLD_MAX_SCALE + 1
+    w.down_scales[3, 17, 5] = max(FOLD_MAX_SCALE, FOLD_F16_MAX_SCALE) + 1
     w.down_blocks[3, 17, 5, 0] = 0x21
     wp = w.to_packed()
-    assert not wp.fold_exact
+    assert not wp.fold_exact and not wp.fold_f16_exact
     t = max(cuda_moe_mxfp4.FOLD_FROM_TOKENS, moe.MXFP4_MMA_GROUPED_FROM)
     x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
