@@ -199,10 +199,12 @@ SETTINGS = {
     # the folded launches decoding in bf16 (MX_FOLD 1), not in f16 where the experts allow it
     "mxfp4 fold bf16": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): dataclasses.replace(
         cuda_moe_mxfp4.FOLD_CONFIG, fold_f16=False)}),
-    # folded launches from 4 (every grouped launch) or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS; or
+    # folded launches from 16 or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS (every grouped launch); or
     # up to 128 tokens, not to kernels.moe.MXFP4_MMA_FOLDED_MAX_TOKENS (the Triton grouped kernels above)
-    "mxfp4 fold from 4": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 4}),
+    "mxfp4 fold from 16": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 16}),
     "mxfp4 fold from 32": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 32}),
+    # two and three tokens grouped (and folded), not per pair (kernels.moe.MXFP4_MMA_GROUPED_FROM)
+    "mxfp4 grouped from 2": _setting({(moe, "MXFP4_MMA_GROUPED_FROM"): 2, (cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 2}),
     "mxfp4 fold to 128": _setting({(moe, "MXFP4_MMA_FOLDED_MAX_TOKENS"): 128}),
     # the vocabulary projection's weights in FP8 (as --unembedding-precision fp8 loads them), alone and
     # with FP8 attention projections; its bf16 weights through cuBLAS at every batch (before 2026-12-04)

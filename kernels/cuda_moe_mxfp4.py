@@ -83,10 +83,14 @@ CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
 # bytes into bf16 pairs (2026-12-04, kernels.moe.experts_forward's layer): 16 tokens 199 folded vs
 # 185 unfolded, 32: 226 vs 250, 64: 264 vs 361, so folding started at 32 tokens. Since the fold decodes
 # in f16 too (MX_FOLD 2, 2026-12-05, H100, bench/moe_mxfp4.py): 16 / 32 / 64 tokens 185 / 216 / 257 us
-# against 207 / 236 / 280 in bf16 and 278 / 318 / 467 unfolded; the 20b step (bench/launch_ab.py, random
-# checkpoint) 6.02 ms at 16 tokens folded against 7.78 unfolded. So folding starts at 16.
+# against 207 / 236 / 280 in bf16 and 278 / 318 / 467 unfolded, 4 / 8 tokens 101 / 137 against 141 / 192
+# unfolded; the 20b step (bench/launch_ab.py, random checkpoint) at 4 / 8 / 16 tokens 3.48 / 4.64 / 6.02 ms
+# a replay folded against 4.19 / 5.93 / 7.78 unfolded; on an H200 4 / 8 / 16 tokens 3.16 / 4.24 / 5.39 ms
+# against 3.87 / 5.48 / 7.25, and the 120b step (8 layers) at 4 / 16 / 64 tokens 1.24 / 2.87 / 5.98 ms
+# against 1.40 / 3.38 / 6.91 folded in bf16. So every grouped launch folds (from
+# kernels.moe.MXFP4_MMA_GROUPED_FROM) where the experts allow it.
 FOLD_CONFIG: MmaConfig | None = MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)
-FOLD_FROM_TOKENS = 16
+FOLD_FROM_TOKENS = 4
 # Per-pair launches (1-3 tokens): both kernels split their K over 4 warps in batches of 3 K steps, so
 # down's first batch, read ahead of the PDL wait (EARLY_DOWN), is half of each warp's weights; down
 # keeps to 80 registers so that one token's 720 CTAs fit in one wave (6 a SM; at 96 registers, 5 a

@@ -35,10 +35,11 @@ MXFP4_MMA_MAX_TOKENS: int | None = 63
 # 403 us at 64 / 128 tokens against the Triton grouped kernels' 378 / 525, 740 against 531 at 256;
 # in the step (a random checkpoint, whose routing crowds a few experts) 8.3 against 10.9 ms at 64
 # tokens, but 10.4 against 5.7 ms at 128: a folded launch reads an expert once per 16 of its pairs,
-# the Triton kernels once per 64.
+# the Triton kernels once per 64. With the fold in f16 (2026-12-05, H100) still 12.5 against 8.5 ms at 128.
 MXFP4_MMA_FOLDED_MAX_TOKENS = 64
 # ... from this many tokens with the pairs grouped by expert (an expert read once for all its
-# tokens; per pair below: 33 vs 39 us at one token, level at 2-4).
+# tokens; per pair below: 33 vs 39 us at one token, level at 2-4; with grouped launches folded in f16,
+# the 20b step on an H200 2026-12-05: 2 / 3 tokens grouped x1.167 / x1.032 against per pair).
 MXFP4_MMA_GROUPED_FROM = 4
 # Batches of at least this many tokens (any size: prefill too) take the expert-grouped tensor-core
 # kernels (kernels.triton_moe_mxfp4_grouped) instead of the per-pair packed GEMV, which decodes an
