@@ -15,7 +15,8 @@ activations per pair; down + bias, times the routing weight, with the token's pa
 order (deterministic): per-pair launches run a token's pairs as one thread-block cluster that adds
 them in distributed shared memory, grouped ones leave it to the last CTA to finish a row tile
 (float32 partials and an arrival counter). Grouped launches add the routing layout
-of kernels/triton_moe.py (pairs sorted by expert, blocks of 8).
+of kernels/triton_moe.py (pairs sorted by expert, blocks of 8), and where they fold the scales in f16
+a third launch before gate/up, the tokens' f16 copy (`mx_rows_f16`).
 """
 
 from __future__ import annotations
