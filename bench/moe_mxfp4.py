@@ -84,7 +84,8 @@ MMA = {
                    ((2, 2, 1), (2, 2, 1)), ((2, 2, 1), (4, 2, 2)), ((4, 2, 1), (4, 4, 1)), ((2, 2, 1), (4, 4, 1)))
 }
 # Grouped with the scales folded into the decoded weights (MX_FOLD): one mma a word serves 8 pairs;
-# `slots` pairs a CTA (the routing layout's block).
+# `slots` pairs a CTA (the routing layout's block). Since 2026-12-05 these fold in f16 (the experts here
+# allow it); before, in bf16.
 # Shapes as (warps, K split, K steps a batch[, CTAs an SM must hold]).
 MMA.update({
     f"mma fold{slots} gu{','.join(map(str, gu))} dn{','.join(map(str, dn))}": (MmaConfig(gu, dn, slots=slots, fold=True), True)

@@ -1,5 +1,5 @@
-// MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, f16 in (bf16 in folded
-// launches), float32 accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py).
+// MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, f16 in (bf16 in launches
+// folded in bf16), float32 accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py).
 //
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_MIN_CTAS (0, or CTAs an SM
@@ -214,6 +214,13 @@ __device__ __forceinline__ const float* group_factors(const u32* xs) {
 }
 
 
+// Values staged in f16 at one power of two: e, the biased exponent of their largest |x| (m: its float
+// bits), at least 15 so that both factors are normal floats; 2^(141 - e) takes that |x| into
+// [2^14, 2^15), 2^(e - 141) undoes it.
+__device__ __forceinline__ u32 staged_exponent(u32 m) { return max(m >> 23, 15u); }
+__device__ __forceinline__ float stage_factor(u32 e) { return __int_as_float((268u - e) << 23); }
+__device__ __forceinline__ float unstage_factor(u32 e) { return __int_as_float((e - 14u) << 23); }
+
 // The item's activation rows (KG * 32 values each) into shared memory as f16, with the factor that
 // multiplies each group's sums (use_batch). bf16 rows (gate/up's tokens): each group of 32 values
 // times one power of two for all the rows, 2^(141 - e) with e the biased exponent of the group's
@@ -252,10 +259,10 @@ __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n
       }
       m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
       m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-      const u32 e = max(m >> 23, 15u);
-      const float up = __int_as_float((268u - e) << 23);  // 2^(141 - e)
+      const u32 e = staged_exponent(m);
+      const float up = stage_factor(e);
       if (!in) continue;
-      if ((c & 3) == 0) fx[c >> 2] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
+      if ((c & 3) == 0) fx[c >> 2] = unstage_factor(e);
       for (int i = 0; i < n; i++) {
         const U4 v = i == 0 || c >= in_row ? first : (EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c));
         *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
@@ -733,12 +740,12 @@ extern "C" __global__ void __launch_bounds__(256) mx_rows_f16(const u16* __restr
   m = warp_max[0];
 #pragma unroll
   for (int w = 1; w < 8; w++) m = max(m, warp_max[w]);
-  const u32 e = max(m >> 23, 15u);
-  const float up = __int_as_float((268u - e) << 23);  // 2^(141 - e)
+  const u32 e = staged_exponent(m);
+  const float up = stage_factor(e);
   for (int c = threadIdx.x; c < chunks; c += 256) {
     const U4 v = load_early(row + c);  // again (from L2)
     out[c] = U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
   }
-  if (threadIdx.x == 0) x_inv[blockIdx.x] = __int_as_float((e - 14u) << 23);  // 2^(e - 141)
+  if (threadIdx.x == 0) x_inv[blockIdx.x] = unstage_factor(e);
 }
 #endif

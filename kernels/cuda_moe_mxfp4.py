@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from .arrival import arrival_counters
-from .mxfp4 import (FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK,
-                    MxExperts)
+from .mxfp4 import (FOLD_F16_MAX_SCALE, FOLD_F16_MIN_SCALE, FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK,
+                    PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, MxExperts)
 from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
@@ -75,7 +75,8 @@ class MmaConfig:
 
 
 CONFIG = MmaConfig()  # grouped launches (pairs grouped by expert)
-# Grouped launches of batches from FOLD_FROM_TOKENS tokens whose experts allow it (fold_exact):
+# Grouped launches of batches from FOLD_FROM_TOKENS tokens whose experts allow it (fold_exact, or
+# fold_f16_exact for the f16 fold):
 # FOLD_CONFIG; None: never. H200, 20b layer, uniform random routing (bench/moe_mxfp4.py,
 # 2026-12-03), us against CONFIG: 16 tokens 173 vs 192, 32: 199 vs 243, 64: 249 vs 382, 128: 403 vs
 # 661 (with down's shape of CONFIG: 8 tokens 132 vs 127); 16 slots against 8: level to 32 tokens,
@@ -207,8 +208,9 @@ def experts_forward_mxfp4_mma(
         config = PAIR_CONFIG if not grouped else fold_config(w, x.shape[0]) or CONFIG
     fold = config.fold_mode(w) if grouped else 0
     if fold == 1 and not w.fold_exact:
+        f16 = f" or, in f16, {FOLD_F16_MIN_SCALE}..{FOLD_F16_MAX_SCALE}" if config.fold_f16 else ""
         raise ValueError("these experts have scale bytes outside the folded decode's exact range "
-                         f"({FOLD_MIN_SCALE}..{FOLD_MAX_SCALE}): launch them unfolded")
+                         f"({FOLD_MIN_SCALE}..{FOLD_MAX_SCALE}{f16}): launch them unfolded")
     t, h = x.shape
     k = topk_ids.shape[1]
     e, n2, hg, _ = w.gate_up_blocks.shape

@@ -4,6 +4,7 @@ before any launch, and the dispatch never picks them without a Hopper GPU."""
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 
 import pytest
@@ -191,3 +192,42 @@ def test_the_fold_is_in_f16_only_for_experts_whose_scales_allow_it():
     assert cm.fold_config(wp, cm.FOLD_FROM_TOKENS) is cm.FOLD_CONFIG
     w.down_scales[2, 7, 1] = FOLD_F16_MAX_SCALE + 1
     assert not w.to_packed().fold_f16_exact
+
+
+def _kernel_params(name: str) -> int:
+    """How many parameters the .cu file's kernel `name` takes (without the timing build's trace buffer)."""
+    from pdserve.kernels.cuda_moe_mxfp4 import SOURCE
+
+    match = re.search(rf'extern "C" __global__[^;{{]*?\b{name}\(([^)]*)\)', SOURCE.read_text())
+    return match.group(1).replace("TRACE_PARAM", "").count(",") + 1
+
+
+@pytest.mark.parametrize("mode", ["per pair", "grouped", "folded in f16"])
+def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
+    """The launches of experts_forward_mxfp4_mma and of the bench that times gate/up alone
+    (bench/moe_w4a8.py) hand each kernel as many arguments as its signature has, with the compile and
+    the launches stubbed out: cuLaunchKernelEx would read a short list past its end."""
+    from pdserve.bench import moe_w4a8
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    launched = []
+    kernels = {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down", "mx_rows_f16": "mx_rows_f16"}
+    monkeypatch.setattr(cm, "_kernels", lambda *a: kernels)
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, args, **k: launched.append((kernel, len(args))))
+    monkeypatch.setattr("pdserve.kernels.pdl.launch_cuda", lambda kernel, *a, args, **k: launched.append(
+        (kernel, len(args))))
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w, x, ids, wts = _problem(t=2, h=128, i=128)
+    wp = w.to_packed()
+    config = {"per pair": cm.MmaConfig((4, 1, 2), (4, 2, 2)), "grouped": cm.MmaConfig((4, 1, 2), (4, 2, 2)),
+              "folded in f16": cm.MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)}[mode]
+    if mode != "per pair":
+        monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing",
+                            lambda *a: type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
+    cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=config, grouped=mode != "per pair")
+    moe_w4a8._mx_gate_up(wp, ids.view(-1), x, ids.shape[1], torch.empty(8, 128, dtype=torch.float16))
+    expected = ["mx_rows_f16"] if mode == "folded in f16" else []
+    assert [k for k, _ in launched] == [*expected, "mx_gate_up", "mx_down", "mx_gate_up"]
+    for kernel, n in launched:
+        assert n == _kernel_params(kernel), (kernel, n)

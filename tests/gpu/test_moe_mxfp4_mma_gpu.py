@@ -340,6 +340,34 @@ def test_folded_f16_every_code_and_scale(s_gate_up, x_scale, s_down):
     assert err < 1e-2, (s_gate_up, s_down, err)
 
 
+def test_f16_fold_ignores_the_scale_of_a_group_of_zeros():
+    """A group whose codes are all zero may carry any scale byte (fold_f16_exact ignores it, and the
+    packed rows' padding groups carry 0): the f16 fold clamps its factor so that zero times it stays
+    zero, so the output has the same bits as with an ordinary scale byte there."""
+    from pdserve.kernels.cuda_moe_mxfp4 import FOLD_CONFIG
+    from pdserve.kernels.mxfp4 import PACKED_MAX_SCALE
+
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(8, g, DEV)
+    w.gate_up_blocks[2, 9, 4] = 0
+    w.down_blocks[2, 9, 4] = 0
+    t = 16
+    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, device=DEV, generator=g)[:4] for _ in range(t)])
+    ids[0] = torch.tensor([2, 0, 1, 3], device=DEV)  # expert 2 is routed
+    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    outs = []
+    for scale in (120, 0, PACKED_MAX_SCALE):
+        w.gate_up_scales[2, 9, 4] = scale
+        w.down_scales[2, 9, 4] = scale
+        wp = w.to_packed()
+        assert FOLD_CONFIG.fold_mode(wp) == 2
+        outs.append(fwd(x, weights, ids, wp, grouped=True, config=FOLD_CONFIG))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 def test_experts_with_scales_out_of_the_folded_range_are_not_folded():
     """A group with a nonzero code above both folds' ranges: fold_exact and fold_f16_exact are off, an
     explicit folded launch is refused before any launch, and the dispatch keeps them on the unfolded
