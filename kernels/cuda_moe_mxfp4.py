@@ -59,11 +59,14 @@ class MmaConfig:
     fold: bool = False
     fold_f16: bool = True
 
-    def fold_mode(self, w: MxExperts) -> int:
-        """The .cu file's MX_FOLD for these experts: 0 unfolded, 2 folded in f16, 1 folded in bf16."""
+    def fold_mode(self, w: MxExperts) -> int | None:
+        """The .cu file's MX_FOLD for these experts: 0 unfolded, 2 folded in f16, 1 folded in bf16; None
+        where this config folds and the experts' scale bytes allow neither fold exactly."""
         if not self.fold:
             return 0
-        return 2 if self.fold_f16 and w.fold_f16_exact else 1
+        if self.fold_f16 and w.fold_f16_exact:
+            return 2
+        return 1 if w.fold_exact else None
 
     def __post_init__(self):
         if not 1 <= self.slots <= 32 or (self.fold and self.slots % 8):
@@ -183,7 +186,7 @@ def act_shift(limit: float) -> int:
 
 def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
     """FOLD_CONFIG where it serves a grouped launch of `tokens` tokens on these experts, else None."""
-    if FOLD_CONFIG is None or tokens < FOLD_FROM_TOKENS or not (w.fold_exact or FOLD_CONFIG.fold_mode(w) == 2):
+    if FOLD_CONFIG is None or tokens < FOLD_FROM_TOKENS or FOLD_CONFIG.fold_mode(w) is None:
         return None
     return FOLD_CONFIG
 
@@ -207,7 +210,7 @@ def experts_forward_mxfp4_mma(
     if config is None:
         config = PAIR_CONFIG if not grouped else fold_config(w, x.shape[0]) or CONFIG
     fold = config.fold_mode(w) if grouped else 0
-    if fold == 1 and not w.fold_exact:
+    if fold is None:
         f16 = f" or, in f16, {FOLD_F16_MIN_SCALE}..{FOLD_F16_MAX_SCALE}" if config.fold_f16 else ""
         raise ValueError("these experts have scale bytes outside the folded decode's exact range "
                          f"({FOLD_MIN_SCALE}..{FOLD_MAX_SCALE}{f16}): launch them unfolded")
