@@ -201,12 +201,6 @@ SETTINGS = {
         cuda_moe_mxfp4.FOLD_CONFIG, fold_f16=False)}),
     # folded launches from 16 or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS (every grouped launch); or
     # up to 128 tokens, not to kernels.moe.MXFP4_MMA_FOLDED_MAX_TOKENS (the Triton grouped kernels above)
-    # folded launches with their B values copied into a shared ring once for the CTA (MmaConfig.stage_b), both
-    # kernels bound to 4 CTAs an SM (down takes 137 registers unbounded)
-    "mxfp4 fold staged b": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): dataclasses.replace(
-        cuda_moe_mxfp4.FOLD_CONFIG, stage_b=True, gate_up=(4, 1, 2, 4), down=(4, 1, 2, 4))}),
-    "mxfp4 fold staged b d1": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): dataclasses.replace(
-        cuda_moe_mxfp4.FOLD_CONFIG, stage_b=True, gate_up=(4, 1, 1), down=(4, 1, 1))}),
     "mxfp4 fold from 16": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 16}),
     "mxfp4 fold from 32": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 32}),
     # two and three tokens grouped (and folded), not per pair (kernels.moe.MXFP4_MMA_GROUPED_FROM)

@@ -96,15 +96,6 @@ MMA.update({
 })
 # The engine's folded shape (FOLD_CONFIG), in f16 (MX_FOLD 2: folded launches take it where the experts'
 # scale bytes allow, as these random experts' do) and in bf16 (MX_FOLD 1, as before the f16 fold)
-# B copied into a shared ring once for the CTA (MmaConfig.stage_b); a 4th shape entry bounds registers to
-# 4 CTAs an SM
-MMA.update({
-    f"mma fold sb{slots} gu{','.join(map(str, gu))} dn{','.join(map(str, dn))}":
-        (MmaConfig(gu, dn, slots=slots, fold=True, stage_b=True), True)
-    for slots, gu, dn in ((16, (4, 1, 2, 4), (4, 1, 2, 4)), (16, (4, 1, 1), (4, 1, 1)), (16, (8, 1, 2, 2), (8, 1, 2, 2)),
-                          (16, (4, 2, 2, 4), (4, 2, 2, 4)), (16, (4, 1, 2, 4), (4, 1, 1)), (8, (4, 1, 2, 4), (4, 1, 2, 4)),
-                          (32, (4, 1, 1), (4, 1, 1)))
-})
 MMA.update({"mma fold engine f16": (FOLD_CONFIG, True),
             "mma fold engine bf16": (dataclasses.replace(FOLD_CONFIG, fold_f16=False), True)})
 

@@ -393,20 +393,8 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
 #define MX_FOLD 0
 #endif
 // the dynamic shared memory the launch gives (MX_SHARED_BYTES, kernels/cuda_moe_mxfp4.py) is this layout's
-// MX_STAGE_B (folded launches): the item's B values of each register batch reach shared memory by cp.async,
-// two batches ahead, once for the CTA's warps (a ring of B_STAGES stages, one CTA barrier a batch). Without
-// it each warp reads them from global memory (L1) right before its mmas: Nsight Compute put a third of the
-// folded gate/up's stall samples at 64 tokens on those loads, and the CTA's warps read the same bytes 4 times.
-#ifndef MX_STAGE_B
-#define MX_STAGE_B 0
-#endif
-#define BSTEP (D * KSPLIT)                  // K steps a register batch covers, over the CTA's warps
-#define B_STAGES 3
-#define B_STAGE_WORDS (BSTEP * SLOTS * 64)  // a stage: BSTEP K steps x SLOTS pairs x 4 groups x 16 words
 static_assert(MX_FOLD || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
               "the host's dynamic shared memory size differs from the staging layout");
-static_assert(!MX_FOLD || (MX_STAGE_B ? B_STAGES * B_STAGE_WORDS * 4 : 0) == MX_SHARED_BYTES,
-              "the host's dynamic shared memory size differs from the B ring");
 static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs in mma columns of 8");
 #define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
 
@@ -440,48 +428,12 @@ __device__ __forceinline__ u32 mul_fold(u32 a, u32 b) {
   return d;
 }
 
-// Where a thread finds its B values. MX_STAGE_B: in the batch's stage of the ring (copy_b's layout), for
-// the item's first n pairs; else in the activation row of pair 8 n + g, row[n] (null past the item's pairs;
-// written before this kernel's PDL wait, which the caller has passed).
-struct BSource {
-#if MX_STAGE_B
-  const u32* stage;  // the batch's stage, advanced to the thread's pair g and group tig (copy_b)
-  int n, g, swz;     // the item's pairs, the thread's mma column, its chunks' swizzle
-#else
-  const U4* row[NT];
-#endif
-};
-
-#if MX_STAGE_B
-__device__ __forceinline__ void cp_async16(u32* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-// The 16-byte chunk v of a pair's group within its 64 bytes, swizzled so that the 8 lanes of a quarter warp
-// (columns g, g + 1, tig 0..3), which read chunk v of 8 different (pair, group)s at once, hit 8 different
-// bank quads: chunk v ^ ((tig >> 1) | ((pair & 1) << 1)), the groups' 64 bytes at 4 tig + that.
-__device__ __forceinline__ int b_swizzle(int pair, int tig) { return (tig >> 1) | ((pair & 1) << 1); }
-
-// Batch i's B values (K steps [i BSTEP, +BSTEP) of the item's first n pairs, from their rows) into stage
-// i % B_STAGES: group 4 c + tig of pair p at words ((jl SLOTS + p) 4 + tig) 16, jl = c - i BSTEP, its 4
-// chunks swizzled (b_swizzle); nothing past the row's last group (never read). One commit group a call.
-__device__ __forceinline__ void copy_b(u32* ring, const U4* const* rows, int n, int i) {
-  u32* stage = ring + (i % B_STAGES) * B_STAGE_WORDS;
-  for (int t = threadIdx.x; t < BSTEP * SLOTS * 16; t += NW * 32) {
-    const int q = t & 15, p = (t >> 4) % SLOTS, jl = t / (16 * SLOTS);
-    const int c = i * BSTEP + jl, tig = q >> 2, v = q & 3, grp = 4 * c + tig;
-    if (p < n && c < CHUNKS && grp < KG)
-      cp_async16(stage + ((jl * SLOTS + p) * 4 + tig) * 16 + 4 * (v ^ b_swizzle(p, tig)), rows[p] + grp * 4 + v);
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-#endif
-
 // MX_FOLD's mmas of one batch: acc[n][chain] += rows row0 / row0 + 8 x pairs 8n .. 8n + 7 of the
 // item (the thread's columns 2 tig, 2 tig + 1); the thread's A values are its own group's, so it
-// scales them by its own scale byte and supplies B for pair 8n + g over the same k (bs). nt: the column
-// groups that hold pairs.
-__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const BSource& bs, int nt, int tig,
+// scales them by its own scale byte and supplies B for pair 8n + g over the same k, read from the
+// pair's activation row xrow[n] (null past the item's pairs; written before this kernel's PDL wait,
+// which the caller has passed). nt: the column groups that hold pairs.
+__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const U4* const xrow[NT], int nt, int tig,
                                                float acc[NT][2][4]) {
 #pragma unroll
   for (int j = 0; j < D; j++) {
@@ -503,19 +455,10 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     for (int n = 0; n < NT; n++) {
       if (n >= nt) break;
       // past the row's last group the weights are zero and the row ends: B zero, nothing read
+      const bool live = xrow[n] != nullptr && grp < KG;
       U4 xv[4];
-#if MX_STAGE_B
-      const bool live = 8 * n + bs.g < bs.n && grp < KG;
-      // the stage's K step c - i BSTEP = j KSPLIT + (first - i BSTEP), first - i BSTEP being the warp's ks
-      const u32* at = bs.stage + ((j * KSPLIT) * SLOTS + 8 * n) * 64;
 #pragma unroll
-      for (int v = 0; v < 4; v++)
-        xv[v] = live ? *reinterpret_cast<const U4*>(at + 4 * (v ^ bs.swz)) : U4{0u, 0u, 0u, 0u};
-#else
-      const bool live = bs.row[n] != nullptr && grp < KG;
-#pragma unroll
-      for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(bs.row[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
-#endif
+      for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(xrow[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
       // the same k order as use_batch; two accumulator chains (words 0-1, words 2-3)
       mma<MX_FOLD == 2>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
       mma<MX_FOLD == 2>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
@@ -550,46 +493,17 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
 #if MX_FOLD
-  static_assert(!STAGED, "folded launches stage no rows (MX_STAGE_B: B a batch at a time)");
+  static_assert(!STAGED, "folded launches stage no rows");
   float acc[NT][2][4];
+  const U4* xrow[NT];  // the thread's B rows, pair 8n + g, in registers for the whole K loop
 #pragma unroll
   for (int n = 0; n < NT; n++) {
+    xrow[n] = 8 * n + g < it.n ? it.row[8 * n + g] : nullptr;
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[n][i / 4][i % 4] = 0.f;
   }
   const int nt = (it.n + 7) / 8;
-  BSource bs;
-#if MX_STAGE_B
-  // the ring: batches i, i + 1 in flight while batch i - 1 is used; the batch count is the same for every
-  // warp (a warp's K steps past CHUNKS are zero in its batch and skipped by use_batch_fold), so that every
-  // thread takes every barrier
-  bs.n = it.n, bs.g = g, bs.swz = b_swizzle(g, tig);
-  const int at = (ks * SLOTS + g) * 64 + tig * 16;
-  constexpr int BATCHES = (CHUNKS + BSTEP - 1) / BSTEP;
-  copy_b(xs, it.row, it.n, 0);
-  copy_b(xs, it.row, it.n, 1);
-#pragma unroll 1
-  for (int i = 0; i < BATCHES; i += 2) {
-    if (i + 1 < BATCHES) load_batch<false>(b1, w0, w1, s0, s1, ks + (i + 1) * BSTEP, tig);
-    asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's copies of batch i have landed
-    __syncthreads();  // everyone's, and batch i - 1's stage is free again
-    copy_b(xs, it.row, it.n, i + 2);
-    bs.stage = xs + (i % B_STAGES) * B_STAGE_WORDS + at;
-    use_batch_fold(b0, ks + i * BSTEP, bs, nt, tig, acc);
-    if (i + 1 >= BATCHES) break;
-    if (i + 2 < BATCHES) load_batch<false>(b0, w0, w1, s0, s1, ks + (i + 2) * BSTEP, tig);
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
-    __syncthreads();
-    copy_b(xs, it.row, it.n, i + 3);
-    bs.stage = xs + ((i + 1) % B_STAGES) * B_STAGE_WORDS + at;
-    use_batch_fold(b1, ks + (i + 1) * BSTEP, bs, nt, tig, acc);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // no copy outlives the loop (copy_b past the end copies nothing)
-#else
-#pragma unroll
-  for (int n = 0; n < NT; n++) bs.row[n] = 8 * n + g < it.n ? it.row[8 * n + g] : nullptr;  // in registers
-#endif
-#define USE_BATCH(b, first) use_batch_fold(b, first, bs, nt, tig, acc)
+#define USE_BATCH(b, first) use_batch_fold(b, first, xrow, nt, tig, acc)
 #define ADVANCE()
 #else
   if (!STAGED) stage_rows<false, F16_ROWS>(xs, it.row, it.n, act_shift);
@@ -603,7 +517,7 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
 #endif
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
-  for (int first = ks; first < CHUNKS && !(MX_FOLD && MX_STAGE_B); first += 2 * STEP) {
+  for (int first = ks; first < CHUNKS; first += 2 * STEP) {
     if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
     USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
