@@ -201,12 +201,6 @@ SETTINGS = {
         cuda_moe_mxfp4.FOLD_CONFIG, fold_f16=False)}),
     # folded launches from 16 or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS (every grouped launch); or
     # up to 128 tokens, not to kernels.moe.MXFP4_MMA_FOLDED_MAX_TOKENS (the Triton grouped kernels above)
-    # folded launches requesting a K step's B values before decoding its weights (MmaConfig.b_first), bound to
-    # 4 CTAs an SM (156 registers unbounded); and with one K step a register batch
-    "mxfp4 fold b first": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): dataclasses.replace(
-        cuda_moe_mxfp4.FOLD_CONFIG, b_first=True, gate_up=(4, 1, 2, 4), down=(4, 1, 2, 4))}),
-    "mxfp4 fold b first d1": _setting({(cuda_moe_mxfp4, "FOLD_CONFIG"): dataclasses.replace(
-        cuda_moe_mxfp4.FOLD_CONFIG, b_first=True, gate_up=(4, 1, 1), down=(4, 1, 1))}),
     "mxfp4 fold from 16": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 16}),
     "mxfp4 fold from 32": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 32}),
     # two and three tokens grouped (and folded), not per pair (kernels.moe.MXFP4_MMA_GROUPED_FROM)

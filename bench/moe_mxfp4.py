@@ -96,13 +96,6 @@ MMA.update({
 })
 # The engine's folded shape (FOLD_CONFIG), in f16 (MX_FOLD 2: folded launches take it where the experts'
 # scale bytes allow, as these random experts' do) and in bf16 (MX_FOLD 1, as before the f16 fold)
-# B requested before the weights are decoded (MmaConfig.b_first); a 4th shape entry bounds registers
-MMA.update({
-    f"mma fold bf{slots} gu{','.join(map(str, gu))} dn{','.join(map(str, dn))}":
-        (MmaConfig(gu, dn, slots=slots, fold=True, b_first=True), True)
-    for slots, gu, dn in ((16, (4, 1, 2, 4), (4, 1, 2, 4)), (16, (4, 1, 1), (4, 1, 1)), (16, (4, 1, 2, 3), (4, 1, 2, 3)),
-                          (16, (4, 1, 2, 4), (4, 1, 1)))
-})
 MMA.update({"mma fold engine f16": (FOLD_CONFIG, True),
             "mma fold engine bf16": (dataclasses.replace(FOLD_CONFIG, fold_f16=False), True)})
 

@@ -392,9 +392,6 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
 #ifndef MX_FOLD
 #define MX_FOLD 0
 #endif
-#ifndef MX_B_FIRST
-#define MX_B_FIRST 0
-#endif
 // the dynamic shared memory the launch gives (MX_SHARED_BYTES, kernels/cuda_moe_mxfp4.py) is this layout's
 static_assert(MX_FOLD || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
               "the host's dynamic shared memory size differs from the staging layout");
@@ -443,17 +440,6 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     const int c = first + j * KSPLIT;
     if (c >= CHUNKS) break;
     const int grp = 4 * c + tig;
-#if MX_B_FIRST
-    // the K step's B values requested before its weights are decoded: their L1 / L2 latency runs under the
-    // decode, where the mmas would otherwise wait on them
-    U4 xb[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-      const bool live = n < nt && xrow[n] != nullptr && grp < KG;
-#pragma unroll
-      for (int v = 0; v < 4; v++) xb[n][v] = live ? load_cached(xrow[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
-    }
-#endif
     const u32 fa = fold_factor(b.sa[j] >> (8 * tig)), fb = fold_factor(b.sb[j] >> (8 * tig));
     u32 pa[4][4], pb[4][4];
     decode_fold(b.wa[j].x, pa[0]); decode_fold(b.wa[j].y, pa[1]); decode_fold(b.wa[j].z, pa[2]);
@@ -469,14 +455,10 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
     for (int n = 0; n < NT; n++) {
       if (n >= nt) break;
       // past the row's last group the weights are zero and the row ends: B zero, nothing read
-#if MX_B_FIRST
-      const U4* xv = xb[n];
-#else
       const bool live = xrow[n] != nullptr && grp < KG;
       U4 xv[4];
 #pragma unroll
       for (int v = 0; v < 4; v++) xv[v] = live ? load_cached(xrow[n] + grp * 4 + v) : U4{0u, 0u, 0u, 0u};
-#endif
       // the same k order as use_batch; two accumulator chains (words 0-1, words 2-3)
       mma<MX_FOLD == 2>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
       mma<MX_FOLD == 2>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);

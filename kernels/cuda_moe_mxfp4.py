@@ -51,15 +51,13 @@ class MmaConfig:
     serves (the routing layout's block) and `fold`, the scales folded into the decoded weights so
     that an mma's 8 columns are 8 pairs (the .cu file's MX_FOLD; slots a multiple of 8, experts
     with `MxExperts.fold_exact`), in f16 where the experts allow it (`fold_f16` and
-    `MxExperts.fold_f16_exact`: MX_FOLD 2), else in bf16; `b_first`: folded launches request a K step's B
-    values before they decode its weights (the .cu file's MX_B_FIRST)."""
+    `MxExperts.fold_f16_exact`: MX_FOLD 2), else in bf16."""
 
     gate_up: tuple[int, ...] = (4, 1, 2)
     down: tuple[int, ...] = (4, 2, 2)
     slots: int = 8
     fold: bool = False
     fold_f16: bool = True
-    b_first: bool = False
 
     def fold_mode(self, w: MxExperts) -> int | None:
         """The .cu file's MX_FOLD for these experts: 0 unfolded, 2 folded in f16, 1 folded in bf16; None
@@ -135,33 +133,32 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: int = 0, b_first: bool = False) -> dict:
+             cluster_sum: bool = False, fold: int = 0) -> dict:
     """{"mx_gate_up", "mx_down"} (and with fold 2 "mx_rows_f16") compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16), b_first:
-    MX_B_FIRST (folded only); callers pass the
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16); callers pass the
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down", *(["mx_rows_f16"] if fold == 2 else [])],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold, b_first),
+                                        fold),
                         device_index,
                         _shared_bytes(k_groups, slots, shape, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: int = 0, b_first: bool = False) -> list[str]:
+                    fold: int = 0) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_ZERO_ROW={int(bool(zero_row))}", f"-DMX_SLOTS={slots}",
             f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_B_FIRST={int(bool(fold and b_first))}",
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
             f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
@@ -251,7 +248,7 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, bool(fold and config.b_first))
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])

@@ -282,37 +282,6 @@ def test_folded_launches_against_reference(t, e, config):
     assert rel_l2(nobias, reference(x, weights, ids, w, bias=False)) < 4e-3
 
 
-@pytest.mark.parametrize("t,e", [(1, 8), (5, 32), (37, 8), (64, 32), (130, 8)])
-@pytest.mark.parametrize("shape,f16", [((4, 1, 2, 4), True), ((4, 1, 1), True), ((4, 2, 3), True), ((4, 1, 2, 4), False)])
-def test_b_requested_first_gives_the_same_bits(t, e, shape, f16):
-    """B values requested before the weights are decoded (b_first) feed the same mmas in the same order:
-    the same bits, eager and from a CUDA graph."""
-    import dataclasses
-    import functools
-
-    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
-
-    fwd = _mma()
-    cfg = MmaConfig(shape, shape, slots=16, fold=True, fold_f16=f16, b_first=True)
-    first = functools.partial(fwd, config=cfg, grouped=True)
-    plain = functools.partial(fwd, config=dataclasses.replace(cfg, b_first=False), grouped=True)
-    g = _seeded()
-    w = random_layer(e, g, DEV)
-    wp = w.to_packed()
-    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)])
-    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-    out = first(x, weights, ids, wp)
-    assert torch.isfinite(out).all() and rel_l2(out, reference(x, weights, ids, w)) < 4e-3
-    assert torch.equal(out, plain(x, weights, ids, wp))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = first(x, weights, ids, wp)
-    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
-    graph.replay()
-    assert torch.equal(replayed, plain(x, weights, ids, wp))
-
-
 def test_folded_launch_replays_from_a_cuda_graph():
     fwd = _mma()
     g = _seeded()
