@@ -118,6 +118,9 @@ EARLY_BIAS = True
 # global memory (the .cu file's MX_CLUSTER_SUM; same float operations in the same order)
 CLUSTER_SUM = True
 MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
+# grouped launches folded in f16 take their tokens' f16 rows from the routing launch (triton_moe.align_routing's
+# x_f16), not from a launch of their own (the .cu file's mx_rows_f16)
+ROWS_IN_ROUTING = True
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
@@ -231,10 +234,14 @@ def experts_forward_mxfp4_mma(
     xb = x.to(torch.bfloat16).contiguous()
     wts = topk_weights.to(torch.bfloat16).contiguous().view(-1)
     ids = topk_ids.to(torch.int64).contiguous().view(-1)
+    x_in, x_inv = xb, None
     if grouped:
         from .triton_moe import align_routing
 
-        routing = align_routing(topk_ids, 0, e, config.slots)
+        if fold == 2 and ROWS_IN_ROUTING:  # the tokens as f16, each row times a power of two that x_inv undoes
+            routing, x_in, x_inv = align_routing(topk_ids, 0, e, config.slots, x_f16=xb)
+        else:
+            routing = align_routing(topk_ids, 0, e, config.slots)
         items, item_expert, item_slots, slots = routing.max_blocks, routing.block_expert, routing.sorted_slot, config.slots
     else:
         items, item_expert, item_slots, slots = t * k, ids, ids, 1  # the item arrays are not read
@@ -256,8 +263,7 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    x_in, x_inv = xb, None
-    if fold == 2:  # the tokens as f16, each row times a power of two that x_inv undoes (mx_rows_f16)
+    if fold == 2 and x_inv is None:  # the same in a launch of its own (mx_rows_f16)
         x_in = torch.empty(t, h, dtype=torch.float16, device=x.device)
         x_inv = torch.empty(t, dtype=torch.float32, device=x.device)
         rows_f16 = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_rows_f16"]

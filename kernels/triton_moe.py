@@ -140,19 +140,46 @@ def _quantize_program(pid, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride
 
 
 @triton.jit
+def _f16_row_program(row, x_ptr, xf_ptr, inv_ptr, K, stride_x, stride_f, F16_ROW: tl.constexpr):
+    """Row `row` of x (bf16, K <= F16_ROW values) as f16 times 2^(141 - e), e the biased exponent of its
+    largest |x| (at least 15): that |x| lands in [2^14, 2^15), so every bf16 of the row down to 2^-31 of it
+    stays exact; inv_ptr[row] = 2^(e - 141) undoes it. The tokens of the MXFP4 experts folded in f16
+    (kernels/cuda_moe_mxfp4.cu's MX_FOLD 2, whose gate/up multiplies its sums by inv)."""
+    cols = tl.arange(0, F16_ROW)
+    ok = cols < K
+    r64 = row.to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    e = tl.maximum(tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=0) >> 23, 15)  # magnitudes compare as bits
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    tl.store(xf_ptr + r64 * stride_f + cols, (x * up).to(tl.float16), mask=ok)
+    tl.store(inv_ptr + row, ((e - 14) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _extra_program(pid, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s,
+                   QUANT_ROWS: tl.constexpr, F16_ROW: tl.constexpr):
+    """Program pid (0-based among the routing launch's extra programs): a QUANT_ROWS x 128 tile of x
+    quantised to e4m3 (QUANT_ROWS > 0), or row pid of x as f16 at one power of two (F16_ROW > 0)."""
+    if QUANT_ROWS > 0:
+        _quantize_program(pid, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS)
+    if F16_ROW > 0:
+        _f16_row_program(pid, x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, F16_ROW)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr, num_pairs, first_expert, num_experts,
     sorted_slot_ptr, block_expert_ptr, cursor_ptr, max_blocks,
     x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s,
     BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
-    QUANT_ROWS: tl.constexpr,
+    QUANT_ROWS: tl.constexpr, F16_ROW: tl.constexpr,
 ):
-    """Program 0 builds the routing layout; programs 1.. (when QUANT_ROWS > 0) each quantise
-    one QUANT_ROWS x 128 tile of the activations, so no separate quantisation launch is needed."""
+    """Program 0 builds the routing layout; programs 1.. (when QUANT_ROWS or F16_ROW > 0) each quantise
+    one QUANT_ROWS x 128 tile of the activations or write one row in f16 (_extra_program), so no separate
+    launch is needed for that."""
     pid = tl.program_id(0)
     if pid > 0:
-        if QUANT_ROWS > 0:
-            _quantize_program(pid - 1, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS)
+        _extra_program(pid - 1, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS, F16_ROW)
         return
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -178,15 +205,15 @@ def _count_kernel(
     ids_ptr, num_pairs, first_expert, num_experts, sorted_slot_ptr, slot_rows, share, counts_ptr,
     x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s,
     NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, QUANT_ROWS: tl.constexpr,
+    F16_ROW: tl.constexpr,
 ):
     """Long prompts, first launch: program p < cdiv(num_pairs, CHUNK) counts its chunk's pairs per
     local expert (row p of counts) and sets its `share` of the routed rows to -1 (the second
-    launch overwrites the used ones); the programs after them quantise x, as `_align_kernel`'s do."""
+    launch overwrites the used ones); the programs after them convert x, as `_align_kernel`'s do."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(num_pairs, CHUNK)
     if pid >= chunks:
-        if QUANT_ROWS > 0:
-            _quantize_program(pid - chunks, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS)
+        _extra_program(pid - chunks, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS, F16_ROW)
         return
     e, local = _local_experts(ids_ptr, pid * CHUNK + tl.arange(0, CHUNK), num_pairs, first_expert, num_experts)
     tl.store(counts_ptr + pid * NUM_BINS + tl.arange(0, NUM_BINS),
@@ -240,14 +267,18 @@ ROUTING_CHUNK = 1024  # pairs per program of the two-launch layout
 
 def align_routing(
     topk_ids: torch.Tensor, first_expert: int, num_experts: int, route_m: int,
-    x: torch.Tensor | None = None,
+    x: torch.Tensor | None = None, x_f16: torch.Tensor | None = None,
 ) -> Routing | tuple[Routing, torch.Tensor, torch.Tensor]:
     """topk_ids int [T, k] (global expert ids) -> `Routing` over the local experts
     [first_expert, first_expert + num_experts). Order inside an expert's segment is arbitrary
     (atomics); every row is computed independently, so results do not depend on it.
 
     With `x` [T, H], the same launch also quantises it (as `quantize_act`) and returns
-    (routing, x_fp8, x_scales)."""
+    (routing, x_fp8, x_scales). With `x_f16` [T, H] bf16 instead, it writes each row as f16 times the
+    power of two that takes its largest |x| into [2^14, 2^15) and returns (routing, rows [T, H] f16,
+    inverse factors [T] float32): the tokens of the MXFP4 experts folded in f16 (kernels/cuda_moe_mxfp4)."""
+    if x is not None and x_f16 is not None:
+        raise ValueError("the routing launch either quantises x or writes it in f16, not both")
     t, k = topk_ids.shape
     pairs = t * k
     max_blocks = max(cdiv(pairs, route_m) + min(num_experts, pairs), 1)
@@ -255,16 +286,24 @@ def align_routing(
     sorted_slot = empty((max_blocks * route_m,), torch.int32, dev)
     block_expert = empty((max_blocks,), torch.int32, dev)
     num_bins = triton.next_power_of_2(num_experts + 1)
-    quant_rows = 16
+    quant_rows, f16_row = 16, 0
     if x is not None:
         x = x.contiguous()
         xq = empty(tuple(x.shape), FP8, dev)
         xs = empty((t, cdiv(x.shape[1], BLOCK)), torch.float32, dev)
-        quant_args = (x, xq, xs, t, x.shape[1], x.stride(0), xq.stride(0), xs.stride(0))
-        quant_programs = cdiv(t, quant_rows) * cdiv(x.shape[1], BLOCK)
+        extra_args = (x, xq, xs, t, x.shape[1], x.stride(0), xq.stride(0), xs.stride(0))
+        extra_programs = cdiv(t, quant_rows) * cdiv(x.shape[1], BLOCK)
+    elif x_f16 is not None:
+        if x_f16.dtype != torch.bfloat16 or x_f16.dim() != 2 or x_f16.shape[0] != t or x_f16.stride(1) != 1:
+            raise ValueError(f"x_f16 must be [{t}, H] bf16 with unit column stride, got {x_f16.dtype} "
+                             f"{tuple(x_f16.shape)}")
+        xq = empty(tuple(x_f16.shape), torch.float16, dev)
+        xs = empty((t,), torch.float32, dev)
+        extra_args = (x_f16, xq, xs, t, x_f16.shape[1], x_f16.stride(0), xq.stride(0), 1)
+        extra_programs, f16_row = t, triton.next_power_of_2(x_f16.shape[1])
     else:
-        quant_args = (sorted_slot, sorted_slot, sorted_slot, 0, 0, 0, 0, 0)
-        quant_programs = 0
+        extra_args = (sorted_slot, sorted_slot, sorted_slot, 0, 0, 0, 0, 0)
+        extra_programs = 0
     ids = topk_ids.contiguous().view(-1)
     chunk_b = max(16, 8192 // num_bins)
     quant = quant_rows if x is not None else 0
@@ -272,21 +311,22 @@ def align_routing(
         chunks = cdiv(pairs, ROUTING_CHUNK)
         counts = empty((chunks, num_bins), torch.int32, dev)
         cursor = empty((chunks, num_bins), torch.int32, dev)
-        _count_kernel[(chunks + quant_programs,)](
+        _count_kernel[(chunks + extra_programs,)](
             ids, pairs, first_expert, num_experts, sorted_slot, sorted_slot.numel(), cdiv(sorted_slot.numel(), chunks),
-            counts, *quant_args,
-            NUM_BINS=num_bins, CHUNK=ROUTING_CHUNK, FILL=1024, QUANT_ROWS=quant, num_warps=4)
+            counts, *extra_args,
+            NUM_BINS=num_bins, CHUNK=ROUTING_CHUNK, FILL=1024, QUANT_ROWS=quant, F16_ROW=f16_row, num_warps=4)
         _scatter_kernel[(chunks,)](
             ids, pairs, first_expert, num_experts, sorted_slot, block_expert, max_blocks, counts, cursor,
             BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=ROUTING_CHUNK, CHUNK_B=chunk_b,
             ROWS=max(1, 2048 // num_bins), num_warps=4)
     else:
         cursor = empty((num_bins,), torch.int32, dev)
-        _align_kernel[(1 + quant_programs,)](
-            ids, pairs, first_expert, num_experts, sorted_slot, block_expert, cursor, max_blocks, *quant_args,
-            BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=1024, CHUNK_B=chunk_b, QUANT_ROWS=quant, num_warps=8)
+        _align_kernel[(1 + extra_programs,)](
+            ids, pairs, first_expert, num_experts, sorted_slot, block_expert, cursor, max_blocks, *extra_args,
+            BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=1024, CHUNK_B=chunk_b, QUANT_ROWS=quant, F16_ROW=f16_row,
+            num_warps=8)
     routing = Routing(sorted_slot, block_expert, route_m, k)
-    return routing if x is None else (routing, xq, xs)
+    return routing if x is None and x_f16 is None else (routing, xq, xs)
 
 
 @triton.jit

@@ -282,6 +282,33 @@ def test_folded_launches_against_reference(t, e, config):
     assert rel_l2(nobias, reference(x, weights, ids, w, bias=False)) < 4e-3
 
 
+@pytest.mark.parametrize("t", [1, 4, 37, 64])
+def test_routing_launch_writes_the_rows_of_the_f16_fold(t):
+    """The routing launch's f16 rows (align_routing's x_f16) are mx_rows_f16's bit for bit, with rows of zeros,
+    rows spanning 2^-40 .. 2^20 and a strided x, and the routing is the one it builds without them."""
+    from pdserve.kernels import cuda_moe_mxfp4 as mx
+    from pdserve.kernels.triton_moe import align_routing
+
+    g = _seeded()
+    wide = torch.randn(t, 3000, device=DEV, generator=g)
+    wide *= torch.exp2(torch.randint(-40, 21, wide.shape, device=DEV, generator=g).float())
+    x = wide.to(torch.bfloat16)[:, :2880]
+    x[t // 2] = 0
+    ids = torch.stack([torch.randperm(32, device=DEV, generator=g)[:4] for _ in range(t)])
+    routing, xf, inv = align_routing(ids, 0, 32, 16, x_f16=x)
+    plain = align_routing(ids, 0, 32, 16)
+    assert torch.equal(routing.block_expert, plain.block_expert)
+    # the order of an expert's pairs is the atomics': compare each block's pairs as a set
+    assert torch.equal(routing.sorted_slot.view(-1, 16).sort(1).values, plain.sorted_slot.view(-1, 16).sort(1).values)
+    xc = x.contiguous()
+    ref_xf = torch.empty(t, 2880, dtype=torch.float16, device=DEV)
+    ref_inv = torch.empty(t, dtype=torch.float32, device=DEV)
+    kernel = mx._kernels(DEV.index or 0, 90, 16, mx.FOLD_CONFIG.gate_up, fold=2)["mx_rows_f16"]
+    mx.launch_cuda(kernel, (t, 1, 1), (256, 1, 1), 0, pdl=False, args=[xc, xc.stride(0), 2880, ref_xf, ref_inv])
+    assert torch.equal(xf.view(torch.int16), ref_xf.view(torch.int16))
+    assert torch.equal(inv.view(torch.int32), ref_inv.view(torch.int32))
+
+
 def test_folded_launch_replays_from_a_cuda_graph():
     fwd = _mma()
     g = _seeded()
