@@ -201,8 +201,6 @@ SETTINGS = {
         cuda_moe_mxfp4.FOLD_CONFIG, fold_f16=False)}),
     # folded launches from 16 or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS (every grouped launch); or
     # up to 128 tokens, not to kernels.moe.MXFP4_MMA_FOLDED_MAX_TOKENS (the Triton grouped kernels above)
-    # the f16-folded launches' token rows from a launch of their own (mx_rows_f16), not from the routing launch
-    "mxfp4 rows apart": _setting({(cuda_moe_mxfp4, "ROWS_IN_ROUTING"): False}),
     "mxfp4 fold from 16": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 16}),
     "mxfp4 fold from 32": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 32}),
     # two and three tokens grouped (and folded), not per pair (kernels.moe.MXFP4_MMA_GROUPED_FROM)

@@ -52,7 +52,8 @@
 // MX_FOLD 2: the same in f16, for experts whose scale bytes all lie in 104 .. 136
 // (MxExperts.fold_f16_exact): the unfolded decode (Hopper's e4m3 -> f16 conversion, 9 instructions a
 // word) times 2^(s - 121) in f16 gives e2m1 * 2^(s - 127), an f16 for those s (subnormal down to
-// 2^-24). B must then be f16 too: gate/up reads its tokens from mx_rows_f16's copy (each row times
+// 2^-24). B must then be f16 too: gate/up reads its tokens as the routing launch writes them in f16
+// (kernels/triton_moe.py align_routing's x_f16: each row times
 // the power of two that takes its largest |x| into [2^14, 2^15), undone on the sums), down reads the
 // f16 activations times 2^act_shift that gate/up writes for unfolded launches.
 
@@ -570,7 +571,7 @@ __device__ __forceinline__ float row_sum(const float* red, int i, int r) {
 // f16 times 2^act_shift (down stages them as they are; the caller picks act_shift so that the clamped
 // SwiGLU's range stays below 2^15), or as bf16 in bf16-folded launches (down's B operand, read directly).
 // x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
-// MX_FOLD 2: x is mx_rows_f16's f16 copy, each token's sums times x_inv[token].
+// MX_FOLD 2: x is the routing launch's f16 copy of the tokens, each token's sums times x_inv[token].
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const float* __restrict__ x_inv, const i64* __restrict__ pair_expert,
@@ -717,35 +718,3 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
 #endif
   TRACE_END();
 }
-
-#if MX_FOLD == 2
-// gate/up's tokens for MX_FOLD 2, one CTA a token: row t of x (n_cols bf16, a multiple of 8; row
-// stride stride_x, a multiple of 8) times 2^(141 - e) as f16 into row t of xf (n_cols a row), e the
-// biased exponent of the row's largest |x| (at least 15, as stage_rows takes it for a group): that |x|
-// lands in [2^14, 2^15), every bf16 of the row down to 2^-31 of it stays exact, and x_inv[t] =
-// 2^(e - 141) undoes the factor on the sums.
-extern "C" __global__ void __launch_bounds__(256) mx_rows_f16(const u16* __restrict__ x, int stride_x, int n_cols,
-                                                             u16* __restrict__ xf, float* __restrict__ x_inv) {
-  __shared__ u32 warp_max[8];
-  enter_pdl();
-  const U4* row = reinterpret_cast<const U4*>(x + (i64)blockIdx.x * stride_x);
-  U4* out = reinterpret_cast<U4*>(xf + (i64)blockIdx.x * n_cols);
-  const int chunks = n_cols / 8;
-  u32 m = 0u;
-  for (int c = threadIdx.x; c < chunks; c += 256) m = max(m, max_bits(load_early(row + c)));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  m = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < 8; w++) m = max(m, warp_max[w]);
-  const u32 e = staged_exponent(m);
-  const float up = stage_factor(e);
-  for (int c = threadIdx.x; c < chunks; c += 256) {
-    const U4 v = load_early(row + c);  // again (from L2)
-    out[c] = U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
-  }
-  if (threadIdx.x == 0) x_inv[blockIdx.x] = unstage_factor(e);
-}
-#endif

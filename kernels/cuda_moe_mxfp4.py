@@ -15,8 +15,8 @@ activations per pair; down + bias, times the routing weight, with the token's pa
 order (deterministic): per-pair launches run a token's pairs as one thread-block cluster that adds
 them in distributed shared memory, grouped ones leave it to the last CTA to finish a row tile
 (float32 partials and an arrival counter). Grouped launches add the routing layout
-of kernels/triton_moe.py (pairs sorted by expert, blocks of 8), and where they fold the scales in f16
-a third launch before gate/up, the tokens' f16 copy (`mx_rows_f16`).
+of kernels/triton_moe.py (pairs sorted by expert, blocks of 8), which where they fold the scales in f16
+also writes the tokens' f16 copy that gate/up reads.
 """
 
 from __future__ import annotations
@@ -118,9 +118,6 @@ EARLY_BIAS = True
 # global memory (the .cu file's MX_CLUSTER_SUM; same float operations in the same order)
 CLUSTER_SUM = True
 MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
-# grouped launches folded in f16 take their tokens' f16 rows from the routing launch (triton_moe.align_routing's
-# x_f16), not from a launch of their own (the .cu file's mx_rows_f16)
-ROWS_IN_ROUTING = True
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
@@ -137,7 +134,7 @@ def available(device: torch.device | None = None) -> bool:
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
              cluster_sum: bool = False, fold: int = 0) -> dict:
-    """{"mx_gate_up", "mx_down"} (and with fold 2 "mx_rows_f16") compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
+    """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
@@ -145,7 +142,7 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
-    return load_kernels(SOURCE, ["mx_gate_up", "mx_down", *(["mx_rows_f16"] if fold == 2 else [])],
+    return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
                                         fold),
                         device_index,
@@ -238,7 +235,7 @@ def experts_forward_mxfp4_mma(
     if grouped:
         from .triton_moe import align_routing
 
-        if fold == 2 and ROWS_IN_ROUTING:  # the tokens as f16, each row times a power of two that x_inv undoes
+        if fold == 2:  # the same launch writes the tokens as f16, each row times a power of two that x_inv undoes
             routing, x_in, x_inv = align_routing(topk_ids, 0, e, config.slots, x_f16=xb)
         else:
             routing = align_routing(topk_ids, 0, e, config.slots)
@@ -263,11 +260,6 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    if fold == 2 and x_inv is None:  # the same in a launch of its own (mx_rows_f16)
-        x_in = torch.empty(t, h, dtype=torch.float16, device=x.device)
-        x_inv = torch.empty(t, dtype=torch.float32, device=x.device)
-        rows_f16 = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_rows_f16"]
-        launch_cuda(rows_f16, (t, 1, 1), (256, 1, 1), 0, pdl=pdl, args=[xb, xb.stride(0), h, x_in, x_inv])
     launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])

@@ -202,7 +202,7 @@ def _kernel_params(name: str) -> int:
     return match.group(1).replace("TRACE_PARAM", "").count(",") + 1
 
 
-@pytest.mark.parametrize("mode", ["per pair", "grouped", "folded in f16", "folded in f16, rows apart"])
+@pytest.mark.parametrize("mode", ["per pair", "grouped", "folded in f16"])
 def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
     """The launches of experts_forward_mxfp4_mma and of the bench that times gate/up alone
     (bench/moe_w4a8.py) hand each kernel as many arguments as its signature has, with the compile and
@@ -211,7 +211,7 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     launched = []
-    kernels = {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down", "mx_rows_f16": "mx_rows_f16"}
+    kernels = {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"}
     monkeypatch.setattr(cm, "_kernels", lambda *a: kernels)
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, args, **k: launched.append((kernel, len(args))))
     monkeypatch.setattr("pdserve.kernels.pdl.launch_cuda", lambda kernel, *a, args, **k: launched.append(
@@ -220,10 +220,8 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     w, x, ids, wts = _problem(t=2, h=128, i=128)
     wp = w.to_packed()
-    folded = cm.MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)
     config = {"per pair": cm.MmaConfig((4, 1, 2), (4, 2, 2)), "grouped": cm.MmaConfig((4, 1, 2), (4, 2, 2)),
-              "folded in f16": folded, "folded in f16, rows apart": folded}[mode]
-    monkeypatch.setattr(cm, "ROWS_IN_ROUTING", mode != "folded in f16, rows apart")
+              "folded in f16": cm.MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True)}[mode]
 
     def routing(*a, x_f16=None):
         r = type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})()
@@ -233,7 +231,6 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
         monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing", routing)
     cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=config, grouped=mode != "per pair")
     moe_w4a8._mx_gate_up(wp, ids.view(-1), x, ids.shape[1], torch.empty(8, 128, dtype=torch.float16))
-    expected = ["mx_rows_f16"] if mode == "folded in f16, rows apart" else []
-    assert [k for k, _ in launched] == [*expected, "mx_gate_up", "mx_down", "mx_gate_up"]
+    assert [k for k, _ in launched] == ["mx_gate_up", "mx_down", "mx_gate_up"]
     for kernel, n in launched:
         assert n == _kernel_params(kernel), (kernel, n)

@@ -70,11 +70,9 @@ def _spills(log: str) -> dict[str, int]:
 
 
 def _launched(name: str, entries: set[str]) -> set[str]:
-    """The entries of a build the engine launches (a MXFP4 build compiles both kernels for one of them;
-    f16-folded gate/up launches the tokens' f16 copy from its build too)."""
+    """The entries of a build the engine launches (a MXFP4 build compiles both kernels for one of them)."""
     if name.startswith("mxfp4"):
-        return {"mx_gate_up", "mx_rows_f16"} & entries if "f16 gate_up" in name else {
-            "mx_gate_up" if "gate_up" in name else "mx_down"}
+        return {"mx_gate_up" if "gate_up" in name else "mx_down"}
     return entries
 
 
