@@ -62,7 +62,7 @@ from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
     cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, moe,
-    triton_bf16_gemv, triton_decode_attention, triton_moe, triton_router,
+    triton_bf16_gemv, triton_decode_attention, triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -201,8 +201,6 @@ SETTINGS = {
         cuda_moe_mxfp4.FOLD_CONFIG, fold_f16=False)}),
     # folded launches from 16 or 32 tokens, not from cuda_moe_mxfp4.FOLD_FROM_TOKENS (every grouped launch); or
     # up to 128 tokens, not to kernels.moe.MXFP4_MMA_FOLDED_MAX_TOKENS (the Triton grouped kernels above)
-    # the routing layout of grouped launches launched in plain stream order, not as a PDL dependent
-    "routing without pdl": _setting({(triton_moe, "ROUTING_PDL"): False}),
     "mxfp4 fold from 16": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 16}),
     "mxfp4 fold from 32": _setting({(cuda_moe_mxfp4, "FOLD_FROM_TOKENS"): 32}),
     # two and three tokens grouped (and folded), not per pair (kernels.moe.MXFP4_MMA_GROUPED_FROM)

@@ -31,7 +31,6 @@ import triton.language as tl
 from .buffers import empty
 from .experts import ExpertWeights
 from .fp8 import BLOCK, FP8, cdiv
-from .pdl import enter, launch_options
 from .triton_fp8_gemm import _down_kernel, _gate_up_kernel, _swiglu_quant_kernel
 
 GATE_UP_BLOCK_N = 2 * BLOCK  # 256 gate/up columns -> one 128-wide activation group
@@ -173,12 +172,11 @@ def _align_kernel(
     sorted_slot_ptr, block_expert_ptr, cursor_ptr, max_blocks,
     x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s,
     BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
-    QUANT_ROWS: tl.constexpr, F16_ROW: tl.constexpr, PDL: tl.constexpr,
+    QUANT_ROWS: tl.constexpr, F16_ROW: tl.constexpr,
 ):
     """Program 0 builds the routing layout; programs 1.. (when QUANT_ROWS or F16_ROW > 0) each quantise
     one QUANT_ROWS x 128 tile of the activations or write one row in f16 (_extra_program), so no separate
-    launch is needed for that. PDL: launched as a programmatic dependent (kernels/pdl.py; ROUTING_PDL)."""
-    enter(PDL)
+    launch is needed for that."""
     pid = tl.program_id(0)
     if pid > 0:
         _extra_program(pid - 1, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_s, QUANT_ROWS, F16_ROW)
@@ -264,9 +262,6 @@ def _scatter_kernel(
 # program 25.5 / 79.6 / 149 / 642 us at 4k / 16k / 33k / 131k pairs, two launches 53 / 34 / 34 /
 # 50 us (20b alike); the crossing lies between 4k and 16k pairs. Decode batches stay below it.
 ROUTING_PARALLEL_FROM = 8192
-# the one-launch routing layout (`_align_kernel`, the decode batches') is a programmatic dependent launch
-# (kernels/pdl.py): placed while the router before it runs, it waits there
-ROUTING_PDL = True
 ROUTING_CHUNK = 1024  # pairs per program of the two-launch layout
 
 
@@ -329,7 +324,7 @@ def align_routing(
         _align_kernel[(1 + extra_programs,)](
             ids, pairs, first_expert, num_experts, sorted_slot, block_expert, cursor, max_blocks, *extra_args,
             BLOCK_M=route_m, NUM_BINS=num_bins, CHUNK=1024, CHUNK_B=chunk_b, QUANT_ROWS=quant, F16_ROW=f16_row,
-            num_warps=8, **(launch_options(dev) if ROUTING_PDL else {"PDL": False}))
+            num_warps=8)
     routing = Routing(sorted_slot, block_expert, route_m, k)
     return routing if x is None and x_f16 is None else (routing, xq, xs)
 
