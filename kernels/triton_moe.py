@@ -143,8 +143,9 @@ def _quantize_program(pid, x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride
 def _f16_row_program(row, x_ptr, xf_ptr, inv_ptr, K, stride_x, stride_f, F16_ROW: tl.constexpr):
     """Row `row` of x (bf16, K <= F16_ROW values) as f16 times 2^(141 - e), e the biased exponent of its
     largest |x| (at least 15): that |x| lands in [2^14, 2^15), so every bf16 of the row down to 2^-31 of it
-    stays exact; inv_ptr[row] = 2^(e - 141) undoes it. The tokens of the MXFP4 experts folded in f16
-    (kernels/cuda_moe_mxfp4.cu's MX_FOLD 2, whose gate/up multiplies its sums by inv)."""
+    stays exact; inv_ptr[row] = 2^(e - 141) undoes it (the convention of cuda_moe_mxfp4.cu's stage_rows, a
+    row here where there a group). The tokens of the MXFP4 experts folded in f16 (that file's MX_FOLD 2,
+    whose gate/up multiplies its sums by inv)."""
     cols = tl.arange(0, F16_ROW)
     ok = cols < K
     r64 = row.to(tl.int64)
@@ -286,13 +287,14 @@ def align_routing(
     sorted_slot = empty((max_blocks * route_m,), torch.int32, dev)
     block_expert = empty((max_blocks,), torch.int32, dev)
     num_bins = triton.next_power_of_2(num_experts + 1)
-    quant_rows, f16_row = 16, 0
+    quant, f16_row = 0, 0  # the extra programs' kind: rows of a quantised tile, or an f16 row's block
     if x is not None:
         x = x.contiguous()
         xq = empty(tuple(x.shape), FP8, dev)
         xs = empty((t, cdiv(x.shape[1], BLOCK)), torch.float32, dev)
         extra_args = (x, xq, xs, t, x.shape[1], x.stride(0), xq.stride(0), xs.stride(0))
-        extra_programs = cdiv(t, quant_rows) * cdiv(x.shape[1], BLOCK)
+        quant = 16
+        extra_programs = cdiv(t, quant) * cdiv(x.shape[1], BLOCK)
     elif x_f16 is not None:
         if x_f16.dtype != torch.bfloat16 or x_f16.dim() != 2 or x_f16.shape[0] != t or x_f16.stride(1) != 1:
             raise ValueError(f"x_f16 must be [{t}, H] bf16 with unit column stride, got {x_f16.dtype} "
@@ -306,7 +308,6 @@ def align_routing(
         extra_programs = 0
     ids = topk_ids.contiguous().view(-1)
     chunk_b = max(16, 8192 // num_bins)
-    quant = quant_rows if x is not None else 0
     if pairs > ROUTING_PARALLEL_FROM:
         chunks = cdiv(pairs, ROUTING_CHUNK)
         counts = empty((chunks, num_bins), torch.int32, dev)

@@ -54,3 +54,12 @@ def reference(x, weights, ids, w, bias=True):
     rw = ExpertWeights(dequantize_mxfp4(w.gate_up_blocks, w.gate_up_scales, torch.float32), w.gate_up_bias,
                        dequantize_mxfp4(w.down_blocks, w.down_scales, torch.float32), w.down_bias)
     return experts_forward_ref(x.float(), weights.float(), ids, rw, add_down_bias=bias)
+
+
+def f16_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of the experts folded in f16, row by row, as torch computes them: e the biased exponent of
+    the row's largest |x| (at least 15), the row times 2^(141 - e) rounded to f16 (to nearest even), and
+    2^(e - 141) (float32)."""
+    e = torch.clamp(x.float().abs().amax(1).view(torch.int32) >> 23, min=15)
+    up = ((268 - e) << 23).view(torch.float32)
+    return (x.float() * up[:, None]).to(torch.float16), ((e - 14) << 23).view(torch.float32)

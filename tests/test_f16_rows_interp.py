@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from interp import run_in_interpreter
+from mxfp4_layers import f16_rows_reference
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -42,15 +43,6 @@ def _rows(seed: int) -> list[torch.Tensor]:
     return [t.to(torch.bfloat16) for t in (torch.cat([ordinary, spread, zeros, spike]), short)]
 
 
-def _reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row by row: e the biased exponent of the largest |x| (at least 15), the row times 2^(141 - e) rounded
-    to f16 (round to nearest even), and 2^(e - 141)."""
-    m = x.float().abs().amax(1).view(torch.int32)
-    e = torch.clamp(m >> 23, min=15)
-    up = ((268 - e) << 23).view(torch.float32)
-    return (x.float() * up[:, None]).to(torch.float16), ((e - 14) << 23).view(torch.float32)
-
-
 def _child(in_path: str, out_path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     outs = []
@@ -68,7 +60,7 @@ def test_f16_rows_match_their_arithmetic_bit_for_bit(tmp_path):
     cases = _rows(seed)
     outs = run_in_interpreter(__file__, cases, tmp_path, seed)
     for x, (xf, inv) in zip(cases, outs):
-        ref_xf, ref_inv = _reference(x)
+        ref_xf, ref_inv = f16_rows_reference(x)
         assert torch.equal(xf.view(torch.int16), ref_xf.view(torch.int16)), seed
         assert torch.equal(inv.view(torch.int32), ref_inv.view(torch.int32)), seed
         # the largest |x| of a nonzero row lands in [2^14, 2^15); values down to 2^-24 of it come back exactly

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from mxfp4_layers import every_code_expert, random_layer, reference
+from mxfp4_layers import every_code_expert, f16_rows_reference, random_layer, reference
 from numerics import rel_l2
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
@@ -300,10 +300,9 @@ def test_routing_launch_writes_the_rows_of_the_f16_fold(t):
     assert torch.equal(routing.block_expert, plain.block_expert)
     # the order of an expert's pairs is the atomics': compare each block's pairs as a set
     assert torch.equal(routing.sorted_slot.view(-1, 16).sort(1).values, plain.sorted_slot.view(-1, 16).sort(1).values)
-    e = torch.clamp(x.float().abs().amax(1).view(torch.int32) >> 23, min=15)
-    ref_xf = (x.float() * ((268 - e) << 23).view(torch.float32)[:, None]).to(torch.float16)
+    ref_xf, ref_inv = f16_rows_reference(x)
     assert torch.equal(xf.view(torch.int16), ref_xf.view(torch.int16))
-    assert torch.equal(inv.view(torch.int32), ((e - 14) << 23).view(torch.int32))
+    assert torch.equal(inv.view(torch.int32), ref_inv.view(torch.int32))
 
 
 def test_folded_launch_replays_from_a_cuda_graph():
