@@ -98,15 +98,6 @@ MMA.update({
 # scale bytes allow, as these random experts' do) and in bf16 (MX_FOLD 1, as before the f16 fold)
 MMA.update({"mma fold engine f16": (FOLD_CONFIG, True),
             "mma fold engine bf16": (dataclasses.replace(FOLD_CONFIG, fold_f16=False), True)})
-# Folded launches whose weights stream through a shared-memory ring of `ring` K steps (MX_RING) instead of
-# register batches; shapes as above, the fourth number the CTAs an SM the registers are bound to.
-MMA.update({
-    f"mma ring{ring} gu{','.join(map(str, gu))} dn{','.join(map(str, dn))}":
-        (MmaConfig(gu, dn, slots=16, fold=True, ring=ring), True)
-    for ring, gu, dn in ((4, (4, 1, 2), (4, 1, 2)), (8, (4, 1, 2), (4, 1, 2)), (4, (4, 1, 2, 5), (4, 1, 2, 5)),
-                         (8, (4, 1, 2, 5), (4, 1, 2, 5)), (4, (4, 1, 2, 6), (4, 1, 2, 6)), (6, (4, 1, 2, 6), (4, 1, 2, 6)),
-                         (3, (8, 2, 2), (8, 4, 2)), (6, (8, 2, 2), (8, 4, 2)))
-})
 
 
 def routing_sets(t: int, e: int, k: int, g: torch.Generator) -> list[torch.Tensor]:

@@ -429,20 +429,24 @@ __device__ __forceinline__ u32 mul_fold(u32 a, u32 b) {
   return d;
 }
 
-// MX_FOLD's mmas of K step c (weights wa / wb of rows row0 / row0 + 8, their scale words sa / sb):
-// acc[n][chain] += those rows x pairs 8n .. 8n + 7 of the
+// MX_FOLD's mmas of one batch: acc[n][chain] += rows row0 / row0 + 8 x pairs 8n .. 8n + 7 of the
 // item (the thread's columns 2 tig, 2 tig + 1); the thread's A values are its own group's, so it
 // scales them by its own scale byte and supplies B for pair 8n + g over the same k, read from the
 // pair's activation row xrow[n] (null past the item's pairs; written before this kernel's PDL wait,
 // which the caller has passed). nt: the column groups that hold pairs.
-__device__ __forceinline__ void use_step_fold(const U4& wa, const U4& wb, u32 sa, u32 sb, int c,
-                                              const U4* const xrow[NT], int nt, int tig, float acc[NT][2][4]) {
-  {
+__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const U4* const xrow[NT], int nt, int tig,
+                                               float acc[NT][2][4]) {
+#pragma unroll
+  for (int j = 0; j < D; j++) {
+    const int c = first + j * KSPLIT;
+    if (c >= CHUNKS) break;
     const int grp = 4 * c + tig;
-    const u32 fa = fold_factor(sa >> (8 * tig)), fb = fold_factor(sb >> (8 * tig));
+    const u32 fa = fold_factor(b.sa[j] >> (8 * tig)), fb = fold_factor(b.sb[j] >> (8 * tig));
     u32 pa[4][4], pb[4][4];
-    decode_fold(wa.x, pa[0]); decode_fold(wa.y, pa[1]); decode_fold(wa.z, pa[2]); decode_fold(wa.w, pa[3]);
-    decode_fold(wb.x, pb[0]); decode_fold(wb.y, pb[1]); decode_fold(wb.z, pb[2]); decode_fold(wb.w, pb[3]);
+    decode_fold(b.wa[j].x, pa[0]); decode_fold(b.wa[j].y, pa[1]); decode_fold(b.wa[j].z, pa[2]);
+    decode_fold(b.wa[j].w, pa[3]);
+    decode_fold(b.wb[j].x, pb[0]); decode_fold(b.wb[j].y, pb[1]); decode_fold(b.wb[j].z, pb[2]);
+    decode_fold(b.wb[j].w, pb[3]);
 #pragma unroll
     for (int v = 0; v < 4; v++) {
 #pragma unroll
@@ -469,59 +473,6 @@ __device__ __forceinline__ void use_step_fold(const U4& wa, const U4& wb, u32 sa
   }
 }
 
-__device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const U4* const xrow[NT], int nt, int tig,
-                                               float acc[NT][2][4]) {
-#pragma unroll
-  for (int j = 0; j < D; j++) {
-    const int c = first + j * KSPLIT;
-    if (c >= CHUNKS) break;
-    use_step_fold(b.wa[j], b.wb[j], b.sa[j], b.sb[j], c, xrow, nt, tig, acc);
-  }
-}
-
-#ifndef MX_RING
-#define MX_RING 0
-#endif
-#if MX_RING
-// MX_RING (folded launches): each thread streams its own K steps' weights (two 16-byte groups) and scale
-// words through a ring of MX_RING steps in shared memory by cp.async, MX_RING - 1 steps ahead of its mmas,
-// instead of register batches: more bytes in flight an SM, fewer registers a thread. A thread reads back
-// only what it copied itself, so no barrier guards a slot; the slot a copy overwrites was read two steps
-// earlier and its values used (the decode depends on them) before the copy is issued.
-static_assert(MX_FOLD, "the ring serves folded launches");
-static_assert(MX_RING >= 3, "the ring reads one step ahead of the mmas and copies MX_RING - 1 ahead");
-#define RING_WORDS (NW * 32 * 10)  // a step: every thread's group of row0, of row0 + 8 (4 words each), its two scale words
-static_assert(MX_RING * RING_WORDS * 4 == MX_SHARED_BYTES, "the host's dynamic shared memory size differs from the ring's");
-__device__ __forceinline__ void ring_copy(u32* ring, int slot, const U4* w0, const U4* w1, const u32* s0, const u32* s1,
-                                          int c, int tig) {
-  u32* at = ring + slot * RING_WORDS;
-  const u32 dw = smem_addr(at + 4 * threadIdx.x), ds = smem_addr(at + NW * 32 * 8 + 2 * threadIdx.x);
-  const int grp = 4 * c + tig;
-  const bool in = c < CHUNKS, live = in && grp < KG;  // else zeros, as load_batch gives
-  const U4 *a = live ? w0 + grp : w0, *b = live ? w1 + grp : w1;
-  const int wbytes = live ? 16 : 0, sbytes = in ? 4 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dw), "l"(a), "r"(wbytes) : "memory");
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dw + NW * 32 * 16), "l"(b), "r"(wbytes) : "memory");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(ds), "l"(in ? s0 + c : s0), "r"(sbytes) : "memory");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(ds + 4), "l"(in ? s1 + c : s1), "r"(sbytes) : "memory");
-}
-
-struct Step {
-  U4 wa, wb;
-  u32 sa, sb;
-};
-
-__device__ __forceinline__ Step ring_read(const u32* ring, int slot) {
-  const u32* at = ring + slot * RING_WORDS;
-  Step st;
-  st.wa = *reinterpret_cast<const U4*>(at + 4 * threadIdx.x);
-  st.wb = *reinterpret_cast<const U4*>(at + NW * 32 * 4 + 4 * threadIdx.x);
-  const uint2 sc = *reinterpret_cast<const uint2*>(at + NW * 32 * 8 + 2 * threadIdx.x);
-  st.sa = sc.x, st.sb = sc.y;
-  return st;
-}
-#endif
-
 // sum over K of W[row] * x[slot] for the CTA's ROWS rows and the item's pairs: warp w takes rows
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
@@ -539,18 +490,8 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   const u32* s0 = scales + (i64)row0 * SCALE_WORDS;
   const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
 
-#if MX_RING
-  constexpr int S = MX_RING;
-  const int steps = (CHUNKS - ks + KSPLIT - 1) / KSPLIT;  // the thread's K steps: ks + KSPLIT i
-#pragma unroll
-  for (int i = 0; i < S - 1; i++) {
-    if (i < steps) ring_copy(xs, i, w0, w1, s0, s1, ks + KSPLIT * i, tig);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-#else
   Batch b0, b1;
   load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
-#endif
   if (EARLY) enter_pdl();
 #if MX_FOLD
   static_assert(!STAGED, "folded launches stage no rows");
@@ -575,21 +516,6 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
 #define USE_BATCH(b, first) use_batch(b, first, xs, br, ntp, tig, acc)
 #define ADVANCE() advance(br, STEP)
 #endif
-#if MX_RING
-  asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");  // step 0 has landed
-  Step cur = ring_read(xs, 0);
-#pragma unroll 1
-  for (int i = 0; i < steps; i++) {
-    const int ahead = i + S - 1;
-    if (ahead < steps) ring_copy(xs, ahead % S, w0, w1, s0, s1, ks + KSPLIT * ahead, tig);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");  // step i + 1 has landed
-    Step next = cur;
-    if (i + 1 < steps) next = ring_read(xs, (i + 1) % S);
-    use_step_fold(cur.wa, cur.wb, cur.sa, cur.sb, ks + KSPLIT * i, xrow, nt, tig, acc);
-    cur = next;
-  }
-#else
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
@@ -601,7 +527,6 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
     USE_BATCH(b1, first + STEP);
     ADVANCE();
   }
-#endif
 #undef USE_BATCH
 #undef ADVANCE
 #if MX_FOLD

@@ -51,16 +51,13 @@ class MmaConfig:
     serves (the routing layout's block) and `fold`, the scales folded into the decoded weights so
     that an mma's 8 columns are 8 pairs (the .cu file's MX_FOLD; slots a multiple of 8, experts
     with `MxExperts.fold_exact`), in f16 where the experts allow it (`fold_f16` and
-    `MxExperts.fold_f16_exact`: MX_FOLD 2), else in bf16. `ring` (folded launches): K steps of each
-    thread's weights in a shared-memory ring filled by cp.async (the .cu file's MX_RING; 0: register
-    batches of the shape's K steps)."""
+    `MxExperts.fold_f16_exact`: MX_FOLD 2), else in bf16."""
 
     gate_up: tuple[int, ...] = (4, 1, 2)
     down: tuple[int, ...] = (4, 2, 2)
     slots: int = 8
     fold: bool = False
     fold_f16: bool = True
-    ring: int = 0
 
     def fold_mode(self, w: MxExperts) -> int | None:
         """The .cu file's MX_FOLD for these experts: 0 unfolded, 2 folded in f16, 1 folded in bf16; None
@@ -74,8 +71,6 @@ class MmaConfig:
     def __post_init__(self):
         if not 1 <= self.slots <= 32 or (self.fold and self.slots % 8):
             raise ValueError(f"grouped launches take 1-32 slots, a multiple of 8 when folded: {self}")
-        if self.ring and (not self.fold or self.ring < 3):
-            raise ValueError(f"a ring of K steps serves folded launches and holds at least 3 steps: {self}")
 
     def rows(self, which: str) -> int:
         nw, ksplit = getattr(self, which)[:2]
@@ -138,41 +133,41 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: int = 0, ring: int = 0) -> dict:
+             cluster_sum: bool = False, fold: int = 0) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16), ring: MX_RING
-    (folded only); callers pass the same flags for both kernels, so a shape that serves both compiles once."""
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16); callers pass the
+    same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold, ring),
+                                        fold),
                         device_index,
-                        _shared_bytes(k_groups, slots, shape, fold, ring))
+                        _shared_bytes(k_groups, slots, shape, fold))
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: int = 0, ring: int = 0) -> list[str]:
+                    fold: int = 0) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_ZERO_ROW={int(bool(zero_row))}", f"-DMX_SLOTS={slots}",
             f"-DMX_TRACE={int(trace)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_RING={ring}",
-            f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold, ring)}", "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
+            f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
 
 
-def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: int = 0, ring: int = 0) -> int:
+def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: int = 0) -> int:
     """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each, whole K
     steps), the groups' factors (XF_WORDS floats) and, with MX_ZERO_ROW, the row of zeros at XZERO_AT;
-    folded launches read the rows from global memory and hold only their ring (RING_WORDS a step)."""
+    folded launches read the rows from global memory."""
     if fold:
-        return ring * shape[0] * 32 * 10 * 4
+        return 0
     steps = (k_groups + 3) // 4
     zero_row = (*shape, 0, 0)[4]
     zero_at = (slots * (steps * 64 + 4) + steps * 4 + 31) // 32 * 32
@@ -257,8 +252,7 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    ring = config.ring if fold else 0
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, ring)
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])
@@ -266,8 +260,7 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold, ring),
-                pdl=pdl, args=[
+    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold), pdl=pdl, args=[
                 w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids, item_expert,
                 item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
@@ -276,7 +269,7 @@ def experts_forward_mxfp4_mma(
         part = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, "mxfp4_mma_down", max(MAX_TILES, t * grid_dn[0]))
     res = out if out.dtype == torch.bfloat16 else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, config.down, fold, ring), pdl=pdl,
+    launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, config.down, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
         int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *trace_args[1]])

@@ -282,47 +282,6 @@ def test_folded_launches_against_reference(t, e, config):
     assert rel_l2(nobias, reference(x, weights, ids, w, bias=False)) < 4e-3
 
 
-def _ring_configs():
-    """Folded shapes whose weights stream through the shared-memory ring (MX_RING), in f16 and bf16, with K split
-    or not, register-bound to 4-6 CTAs an SM."""
-    from pdserve.kernels.cuda_moe_mxfp4 import MmaConfig
-
-    return [MmaConfig((4, 1, 2), (4, 1, 2), slots=16, fold=True, ring=4),
-            MmaConfig((4, 1, 2, 6), (4, 1, 2, 6), slots=16, fold=True, ring=6),
-            MmaConfig((4, 1, 2, 5), (4, 1, 2, 5), slots=16, fold=True, ring=8),
-            MmaConfig((8, 2, 2), (8, 4, 2), slots=16, fold=True, ring=3),
-            MmaConfig((4, 1, 2), (4, 2, 2), slots=8, fold=True, ring=5, fold_f16=False)]
-
-
-@pytest.mark.parametrize("t,e", [(4, 8), (37, 32), (64, 8), (64, 32)])
-@pytest.mark.parametrize("config", range(5))
-def test_ring_launches_equal_register_batches(t, e, config):
-    """The weights through the shared-memory ring (MX_RING) feed the same mmas in the same order as the register
-    batches of the same shape: bit-identical outputs, eagerly and replayed from a CUDA graph on new inputs, and
-    within the reference's tolerance."""
-    import dataclasses
-
-    fwd = _mma()
-    ring = _ring_configs()[config]
-    plain = dataclasses.replace(ring, ring=0)
-    g = _seeded()
-    w = random_layer(e, g, DEV)
-    wp = w.to_packed()
-    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)])
-    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-    out = fwd(x, weights, ids, wp, grouped=True, config=ring)
-    assert torch.equal(out, fwd(x, weights, ids, wp, grouped=True, config=plain))
-    assert rel_l2(out, reference(x, weights, ids, w)) < 4e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = fwd(x, weights, ids, wp, grouped=True, config=ring)
-    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
-    ids.copy_(torch.stack([torch.randperm(e, device=DEV, generator=g)[:4] for _ in range(t)]))
-    graph.replay()
-    assert torch.equal(replayed, fwd(x, weights, ids, wp, grouped=True, config=plain))
-
-
 @pytest.mark.parametrize("t", [1, 4, 37, 64])
 def test_routing_launch_writes_the_rows_of_the_f16_fold(t):
     """The routing launch's f16 rows (align_routing's x_f16), with rows of zeros, rows spanning 2^-40 .. 2^20 and
