@@ -1,0 +1,322 @@
+"""A probe of the folded MXFP4 gate/up in Marlin's shape (docs/performance.md, thirty-sixth round): a resident
+grid whose CTAs walk (routing block, 64-row tile) units, each unit's K in tiles of KT steps (a step = 4 groups
+= 128 k) that stream through a ring of S stages in shared memory by cp.async: the 64 rows' packed words and
+scale words, and the block's 16 token rows (f16, as the routing launch writes them for the f16 fold), so that
+B comes from shared memory, shared by the CTA's four warps, not from L1. One barrier a stage. The arithmetic
+of a K step is the engine's folded one (kernels/cuda_moe_mxfp4.cu: decode, times 2^(s - 121) in f16, mma.sync
+f16 with float32 sums, B columns = 8 pairs), so only the data movement differs. Output: each pair's float32
+sums times its token's inverse factor (no bias, no SwiGLU: a few instructions a row in either kernel).
+
+    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--shapes 2x4,4x3,1x6] [--out FILE.json]
+
+Prints, per batch, us a layer of the routing launch + the probe's gate/up against the routing launch + the
+engine's folded gate/up launch alone (same routing sets, experts rotated past the L2, one CUDA graph), each
+against the copy floor of the touched gate/up bytes, and the probe's rel L2 against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from pdserve.bench.kernels import copy_bandwidth
+from pdserve.bench.moe_mxfp4 import graph_us, routing_sets
+from pdserve.kernels.mxfp4 import (PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, dequantize_mxfp4,
+                                   random_experts)
+from pdserve.kernels.nvrtc import HEADERS, compile_kernels, resident_ctas
+
+ROWS, SLOTS, THREADS = 64, 16, 128
+
+SOURCE = r"""
+#include "cuda_common.cuh"
+#include "mxfp4_packed.cuh"
+#define ROWS 64
+#define SLOTS 16
+#define CHUNKS ((KG + 3) / 4)
+#define KTILES ((CHUNKS + KT - 1) / KT)
+#define SCALE_WORDS (((KG + 15) / 16) * 4)
+#define BUNIT 20  // words of one (slot, group) of B: its 64 bytes and 16 of padding (conflict-free reads)
+#define W_WORDS (KT * ROWS * 16)             // [KT][ROWS][4 groups][4 words]
+#define S_WORDS (KT * ROWS)                  // [KT][ROWS] scale words
+#define B_WORDS (KT * SLOTS * 4 * BUNIT)     // [KT][SLOTS][4 groups][BUNIT]
+#define STAGE_WORDS (W_WORDS + S_WORDS + B_WORDS)
+#define UNITS_AHEAD 4
+static_assert(KTILES >= 3 || S <= 3, "the unit table holds the units the producer runs ahead by");
+
+struct Unit {
+  int expert, n;
+  int pair[SLOTS];
+  float inv[SLOTS];
+};
+
+__device__ __forceinline__ void cp16(u32* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp4(u32* dst, const void* src, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ u32 fold_factor(u32 s) {  // 2^(s - 121) in f16, both halves (the engine's MX_FOLD 2)
+  s = min(max(s & 0xFFu, 97u), 136u);
+  const u32 h = s >= 107u ? (s - 106u) << 10 : 1u << (s - 97u);
+  return h | (h << 16);
+}
+__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ void decode(u32 w, u32 f, u32 p[4]) {
+  u32 low, high;
+  e4m3_words(w, low, high);
+  e4m3x4_f16x2(low, p[0], p[1]);
+  e4m3x4_f16x2(high, p[2], p[3]);
+#pragma unroll
+  for (int i = 0; i < 4; i++) p[i] = mul_f16x2(p[i], f);
+}
+
+// Stage q of this CTA's sequence (unit q / KTILES of its stride, K tile q % KTILES) into its ring slot.
+__device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32* __restrict__ words,
+                                        const u32* __restrict__ scales, const u16* __restrict__ xf, int stride_x,
+                                        const float* __restrict__ x_inv, const int* __restrict__ item_expert,
+                                        const int* __restrict__ item_slots, int total, int tiles, int top_k,
+                                        int n_rows) {
+  const int ul = q / KTILES, kt = q % KTILES;
+  const int u = blockIdx.x + ul * gridDim.x;
+  if (u >= total) return;
+  const int b = u / tiles, tile = u % tiles;
+  const int expert = __ldg(item_expert + b);
+  Unit& un = units[ul % UNITS_AHEAD];
+  if (kt == 0 && threadIdx.x < 32) {
+    const int t = threadIdx.x;
+    const int pair = t < SLOTS ? __ldg(item_slots + b * SLOTS + t) : -1;
+    const unsigned live = __ballot_sync(0xFFFFFFFFu, expert >= 0 && pair >= 0);
+    if (t < SLOTS) {
+      un.pair[t] = pair;
+      un.inv[t] = pair >= 0 && expert >= 0 ? __ldg(x_inv + pair / top_k) : 0.f;
+    }
+    if (t == 0) un.expert = expert, un.n = __popc(live);
+  }
+  if (expert < 0) return;  // the routing layout's unused blocks come last: nothing after this either
+  u32* st = ring + (q % S) * STAGE_WORDS;
+  const u32* wbase = words + ((i64)expert * n_rows + (i64)tile * ROWS) * (KG * 4);
+  for (int j = threadIdx.x; j < ROWS * KT * 4; j += blockDim.x) {
+    const int r = j / (KT * 4), piece = j % (KT * 4), jj = piece / 4, qd = piece % 4;
+    const int grp = 4 * (kt * KT + jj) + qd;
+    const bool live = grp < KG;
+    cp16(st + ((jj * ROWS + r) * 4 + qd) * 4, wbase + (i64)r * (KG * 4) + (live ? grp : 0) * 4, live ? 16 : 0);
+  }
+  const u32* sbase = scales + ((i64)expert * n_rows + (i64)tile * ROWS) * SCALE_WORDS;
+  for (int j = threadIdx.x; j < ROWS * KT; j += blockDim.x) {
+    const int r = j / KT, jj = j % KT, c = kt * KT + jj;
+    cp4(st + W_WORDS + jj * ROWS + r, sbase + (i64)r * SCALE_WORDS + (c < CHUNKS ? c : 0), c < CHUNKS ? 4 : 0);
+  }
+  for (int j = threadIdx.x; j < SLOTS * KT * 16; j += blockDim.x) {
+    const int slot = j / (KT * 16), rem = j % (KT * 16), jj = rem / 16, qd = (rem / 4) % 4, v = rem % 4;
+    const int grp = 4 * (kt * KT + jj) + qd;
+    const int pair = __ldg(item_slots + b * SLOTS + slot);
+    const bool live = pair >= 0 && grp < KG;
+    const u16* src = xf + (i64)(live ? pair / top_k : 0) * stride_x + (live ? grp : 0) * 32 + v * 8;
+    cp16(st + W_WORDS + S_WORDS + ((jj * SLOTS + slot) * 4 + qd) * BUNIT + 4 * v, src, live ? 16 : 0);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const u16* __restrict__ xf,
+                 int stride_x, const float* __restrict__ x_inv, const int* __restrict__ item_expert,
+                 const int* __restrict__ item_slots, int items, int top_k, int n_rows, float* __restrict__ out) {
+  extern __shared__ __align__(16) u32 ring[];
+  __shared__ Unit units[UNITS_AHEAD];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
+  const int tiles = n_rows / ROWS, total = items * tiles;
+  const int row_l = warp * 16 + g;
+#pragma unroll
+  for (int q = 0; q < S - 1; q++) {
+    produce(ring, units, q, words, scales, xf, stride_x, x_inv, item_expert, item_slots, total, tiles, top_k, n_rows);
+    commit();
+  }
+  float acc[2][2][4];
+#pragma unroll
+  for (int i = 0; i < 16; i++) acc[i / 8][(i / 4) % 2][i % 4] = 0.f;
+#pragma unroll 1
+  for (int q = 0;; q++) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");  // stage q has landed (this thread's copies)
+    __syncthreads();  // everyone's copies of stage q, and stage q - 1 read by all: its slot is free
+    produce(ring, units, q + S - 1, words, scales, xf, stride_x, x_inv, item_expert, item_slots, total, tiles, top_k,
+            n_rows);
+    commit();
+    const int ul = q / KTILES, kt = q % KTILES;
+    const int u = blockIdx.x + ul * gridDim.x;
+    if (u >= total) break;
+    const Unit& un = units[ul % UNITS_AHEAD];
+    if (un.expert < 0) break;
+    const u32* st = ring + (q % S) * STAGE_WORDS;
+    const int nt = (un.n + 7) / 8;
+#pragma unroll
+    for (int jj = 0; jj < KT; jj++) {
+      if (kt * KT + jj >= CHUNKS) break;
+      const U4 wa = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l) * 4 + tig) * 4);
+      const U4 wb = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l + 8) * 4 + tig) * 4);
+      const u32 fa = fold_factor(st[W_WORDS + jj * ROWS + row_l] >> (8 * tig));
+      const u32 fb = fold_factor(st[W_WORDS + jj * ROWS + row_l + 8] >> (8 * tig));
+      u32 pa[4][4], pb[4][4];
+      decode(wa.x, fa, pa[0]); decode(wa.y, fa, pa[1]); decode(wa.z, fa, pa[2]); decode(wa.w, fa, pa[3]);
+      decode(wb.x, fb, pb[0]); decode(wb.y, fb, pb[1]); decode(wb.z, fb, pb[2]); decode(wb.w, fb, pb[3]);
+#pragma unroll
+      for (int n = 0; n < 2; n++) {
+        if (n >= nt) break;
+        const u32* xb = st + W_WORDS + S_WORDS + ((jj * SLOTS + 8 * n + g) * 4 + tig) * BUNIT;
+        U4 xv[4];
+#pragma unroll
+        for (int v = 0; v < 4; v++) xv[v] = *reinterpret_cast<const U4*>(xb + 4 * v);
+        mma<true>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+        mma<true>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+        mma<true>(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+        mma<true>(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+        mma<true>(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+        mma<true>(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+        mma<true>(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+        mma<true>(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+      }
+    }
+    if (kt == KTILES - 1) {  // the unit's sums: row g / g + 8 of the warp's tile, pairs 8n + 2 tig (+1)
+      const int row = (u % tiles) * ROWS + row_l;
+#pragma unroll
+      for (int n = 0; n < 2; n++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int xi = 8 * n + 2 * tig + h;
+          if (xi < un.n) {
+            const i64 at = (i64)un.pair[xi] * n_rows + row;
+            out[at] = (acc[n][0][h] + acc[n][1][h]) * un.inv[xi];
+            out[at + 8] = (acc[n][0][2 + h] + acc[n][1][2 + h]) * un.inv[xi];
+          }
+#pragma unroll
+          for (int c = 0; c < 2; c++) acc[n][c][h] = acc[n][c][2 + h] = 0.f;
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+"""
+
+
+def compile_options(kt: int, stages: int, k_groups: int = 90) -> list[str]:
+    return ["-std=c++17", f"-DKG={k_groups}", f"-DKT={kt}", f"-DS={stages}", f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u",
+            f"-DMX_HIGH_SHL_MASK={PACKED_HIGH_SHL_MASK:#010x}u", f"-DMX_HIGH_SHR_MASK={PACKED_HIGH_SHR_MASK:#010x}u"]
+
+
+def stage_bytes(kt: int) -> int:
+    """One stage of the ring: KT steps of 64 rows' words (1024 words a step), their scale words (64) and 16
+    token rows' groups at 20 words each (1280)."""
+    return kt * (ROWS * 16 + ROWS + SLOTS * 4 * 20) * 4
+
+
+class Probe:
+    def __init__(self, kt: int, stages: int, device: torch.device):
+        self.kt, self.stages = kt, stages
+        self.smem = stages * stage_bytes(kt)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.kernel = compile_kernels(SOURCE, ["mx_tiles_gate_up"], compile_options(kt, stages), index, self.smem,
+                                      include=HEADERS)["mx_tiles_gate_up"]
+        self.grid = resident_ctas(self.kernel, THREADS, self.smem, index)
+
+    def __call__(self, w, routing, xf: torch.Tensor, x_inv: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+        from pdserve.kernels.pdl import launch_cuda
+
+        launch_cuda(self.kernel, (self.grid, 1, 1), (THREADS, 1, 1), self.smem, pdl=False, args=[
+            w.gate_up_blocks, w.gate_up_scales, xf, xf.stride(0), x_inv, routing.block_expert, routing.sorted_slot,
+            routing.max_blocks, top_k, w.gate_up_blocks.shape[1], out])
+
+
+def fold_gate_up(w, routing, xf, x_inv, ids: torch.Tensor, top_k: int, act: torch.Tensor) -> None:
+    """The engine's folded gate/up launch alone (kernels.cuda_moe_mxfp4, FOLD_CONFIG, f16 fold), as
+    experts_forward_mxfp4_mma launches it."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+    from pdserve.kernels.pdl import launch_cuda
+
+    cfg, (_, n2, hg, _) = cm.FOLD_CONFIG, w.gate_up_blocks.shape
+    dev = xf.device.index if xf.device.index is not None else torch.cuda.current_device()
+    kernel = cm._kernels(dev, hg, cfg.slots, cfg.gate_up, False, cm.EARLY_DOWN, False, cm.EARLY_BIAS, False,
+                         2)["mx_gate_up"]
+    launch_cuda(kernel, (n2 // cfg.rows("gate_up"), routing.max_blocks, 1), (32 * cfg.gate_up[0], 1, 1),
+                cm._shared_bytes(hg, cfg.slots, cfg.gate_up, 2), pdl=False, args=[
+                    w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xf, xf.stride(0), x_inv,
+                    ids.view(-1), routing.block_expert, routing.sorted_slot, 1, top_k, n2, act, 7.0, 1.702,
+                    cm.act_shift(7.0)])
+
+
+def main() -> int:
+    from pdserve.kernels.triton_moe import align_routing
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--tokens", default="4,16,64")
+    ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3", help="KTxS: K steps a stage, stages")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    e, k, h, i = a.experts, 4, 2880, 2880
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = random_experts(e, g, dev, h=h, i=i)
+    wp = w.to_packed()
+    per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales))
+    probes = {}
+    for shape in a.shapes.split(","):
+        kt, s = (int(v) for v in shape.split("x"))
+        probes[f"tiles kt{kt} s{s}"] = Probe(kt, s, dev)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {e} experts; gate/up "
+          f"{per_expert / 1e6:.2f} MB each; grids " + ", ".join(f"{n} {p.grid} CTAs ({p.smem // 1024} KB)"
+                                                               for n, p in probes.items()), flush=True)
+    rows = []
+    for t in [int(v) for v in a.tokens.split(",")]:
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        id_sets = routing_sets(t, e, k, g)
+        touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+        floor_us = touched * per_expert / bw * 1e6
+        out = torch.zeros(t * k, 2 * i, device=dev)
+        act = torch.empty(t * k, i, dtype=torch.float16, device=dev)
+
+        def probe_run(s, p):
+            routing, xf, inv = align_routing(s, 0, e, SLOTS, x_f16=x)
+            p(wp, routing, xf, inv, k, out)
+
+        def engine_run(s):
+            routing, xf, inv = align_routing(s, 0, e, SLOTS, x_f16=x)
+            fold_gate_up(wp, routing, xf, inv, s, k, act)
+
+        s0 = id_sets[0]
+        ref = torch.zeros(t * k, 2 * i, dtype=torch.float64, device=dev)
+        for ex in s0.unique().tolist():  # one expert decoded at a time
+            pairs = (s0.view(-1) == ex).nonzero().view(-1)
+            wd = dequantize_mxfp4(*w.published("gate_up", ex), dtype=torch.float64)  # [2I, H]
+            ref[pairs] = x.double()[pairs // k] @ wd.t()
+        runs = {"engine fold gate/up": engine_run}
+        runs.update({n: (lambda s, p=p: probe_run(s, p)) for n, p in probes.items()})
+        graph_us(runs["engine fold gate/up"], id_sets)  # warm-up round
+        for name, fn in runs.items():
+            err = float("nan")
+            if name != "engine fold gate/up":
+                out.zero_()
+                fn(s0)
+                err = float((out.double() - ref).norm() / ref.norm())
+            us = graph_us(fn, id_sets)
+            rows.append(dict(tokens=t, run=name, us=us, floor_us=floor_us, of_floor=floor_us / us, rel_l2=err))
+            print(f"T={t:3d} {name:22s} {us:8.1f} us  floor {floor_us:7.1f} us  {floor_us / us:5.0%}  "
+                  f"rel L2 vs float64 {err:.1e}", flush=True)
+    if a.out:
+        from pathlib import Path
+
+        Path(a.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows),
+                                          indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
