@@ -130,6 +130,28 @@ def graph_us(fn, id_sets: list[torch.Tensor], reps: int = 20) -> float:
     return e0.elapsed_time(e1) * 1e3 / (reps * len(id_sets))
 
 
+def time_runs(runs: dict, errors: dict, t: int, floor_us: float, rows: list, against: str) -> None:
+    """Time each of runs {name: (fn(ids), routing sets)} with graph_us, append a row per run to `rows` and print
+    it beside its error (errors[name], against `against`) and the floor. Timed right after a reference that
+    decodes gigabytes of experts, the first config ran 9-12 % slow (H100, 2026-12-05): one untimed round goes
+    first, and the first config is timed again last as a control."""
+    first = next(iter(runs))
+    graph_us(*runs[first])
+    for n, name in enumerate([*runs, first]):
+        fn, sets = runs[name]
+        err, label = errors[name], name if n < len(runs) else name + ", again"
+        us = graph_us(fn, sets)
+        rows.append(dict(tokens=t, run=label, us=us, floor_us=floor_us, of_floor=floor_us / us, rel_l2=err))
+        print(f"T={t:3d} {label:22s} {us:8.1f} us  floor {floor_us:7.1f} us  {floor_us / us:5.0%}  "
+              f"rel L2 vs {against} {err:.1e}", flush=True)
+
+
+def save_rows(path: str | None, bw: float, rows: list) -> None:
+    if path:
+        Path(path).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows),
+                                         indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)

@@ -17,13 +17,12 @@ against the copy floor of the touched gate/up bytes, and the probe's rel L2 agai
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from pdserve.bench.kernels import copy_bandwidth
-from pdserve.bench.moe_mxfp4 import graph_us, routing_sets
+from pdserve.bench.moe_mxfp4 import routing_sets, save_rows, time_runs
 from pdserve.kernels.mxfp4 import (PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, dequantize_mxfp4,
                                    random_experts)
 from pdserve.kernels.nvrtc import HEADERS, compile_kernels, resident_ctas
@@ -297,24 +296,16 @@ def main() -> int:
             pairs = (s0.view(-1) == ex).nonzero().view(-1)
             wd = dequantize_mxfp4(*w.published("gate_up", ex), dtype=torch.float64)  # [2I, H]
             ref[pairs] = x.double()[pairs // k] @ wd.t()
-        runs = {"engine fold gate/up": engine_run}
-        runs.update({n: (lambda s, p=p: probe_run(s, p)) for n, p in probes.items()})
-        graph_us(runs["engine fold gate/up"], id_sets)  # warm-up round
-        for name, fn in runs.items():
-            err = float("nan")
-            if name != "engine fold gate/up":
-                out.zero_()
-                fn(s0)
-                err = float((out.double() - ref).norm() / ref.norm())
-            us = graph_us(fn, id_sets)
-            rows.append(dict(tokens=t, run=name, us=us, floor_us=floor_us, of_floor=floor_us / us, rel_l2=err))
-            print(f"T={t:3d} {name:22s} {us:8.1f} us  floor {floor_us:7.1f} us  {floor_us / us:5.0%}  "
-                  f"rel L2 vs float64 {err:.1e}", flush=True)
-    if a.out:
-        from pathlib import Path
-
-        Path(a.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows),
-                                          indent=1))
+        runs = {"engine fold gate/up": (engine_run, id_sets)}
+        runs.update({n: (lambda s, p=p: probe_run(s, p), id_sets) for n, p in probes.items()})
+        errors = {"engine fold gate/up": float("nan")}
+        for name, p in probes.items():
+            out.zero_()
+            probe_run(s0, p)
+            errors[name] = float((out.double() - ref).norm() / ref.norm())
+        del ref
+        time_runs(runs, errors, t, floor_us, rows, "float64")
+    save_rows(a.out, bw, rows)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
-from pdserve.bench.moe_mxfp4 import graph_us, routing_sets  # noqa: E402
+from pdserve.bench.moe_mxfp4 import routing_sets, save_rows, time_runs  # noqa: E402
 from pdserve.kernels.experts import experts_forward_mxfp4_ref  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.moe import MXFP4_MMA_GROUPED_FROM, experts_forward  # noqa: E402
@@ -218,21 +217,8 @@ def main() -> int:
         errors = {name: float("nan") if name == "marlin gemms" else
                   float((fn(sets[0]).float() - ref).norm() / ref.norm()) for name, (fn, sets) in runs.items()}
         del ref
-        # Timed right after the reference (gigabytes of experts decoded), the first config ran 9-12 % slow
-        # (H100, 2026-12-05); one untimed round first, and the first config timed again last as a control.
-        graph_us(*runs[next(iter(runs))])
-        order = list(runs) + [next(iter(runs))]
-        for n, name in enumerate(order):
-            fn, sets = runs[name]
-            err = errors[name]
-            name = name if n < len(runs) else name + ", again"
-            us = graph_us(fn, sets)
-            rows.append(dict(tokens=t, run=name, us=us, floor_us=floor_us, of_floor=floor_us / us, rel_l2=err))
-            print(f"T={t:3d} {name:22s} {us:8.1f} us  floor {floor_us:7.1f} us  {floor_us / us:5.0%}  "
-                  f"rel L2 vs reference {err:.1e}", flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=rows),
-                                          indent=1))
+        time_runs(runs, errors, t, floor_us, rows, "reference")
+    save_rows(a.out, bw, rows)
     return 0
 
 
