@@ -3,7 +3,7 @@ mma.sync, the weights repacked into Marlin's tile order, one launch for gate/up 
 each block of rows of an expert striped over the SMs) on the same experts, routing sets and timing
 as bench/moe_mxfp4.py, against the path pdserve's engine takes (`kernels.moe.experts_forward`).
 
-    python bench/peer_marlin.py --vllm DIR [--experts 128] [--tokens 1,2,4,8,16,64] [--pad 3072,3072]
+    python bench/peer_marlin.py --vllm DIR [--experts 128] [--tokens 1,2,4,8,16,64] [--pad 2944,2880]
 
 DIR is the `vllm/` folder of vLLM's wheel (`pip download --no-deps vllm`, then unzip it): the bench
 loads `_moe_C_stable_libtorch.abi3.so` from it (built on torch's stable ABI, so it loads into a torch
@@ -144,8 +144,8 @@ class MarlinMoE:
         return 64
 
     def gemms(self, x, wts, ids, m: MarlinExperts):
-        """The two GEMMs and the layout they read; returns the gate/up output and the down output
-        per pair (the activation between them is `forward`'s)."""
+        """The routing layout and the gate/up GEMM; returns its output per pair and the down GEMM as a
+        function of the activations (computed between them by `forward`)."""
         t, k = ids.shape
         bm = self.block_size(t, k, m.e)
         padded = min(ids.numel() + m.e * (bm - 1), ids.numel() * bm)
