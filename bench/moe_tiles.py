@@ -7,11 +7,14 @@ of a K step is the engine's folded one (kernels/cuda_moe_mxfp4.cu: decode, times
 f16 with float32 sums, B columns = 8 pairs), so only the data movement differs. Output: each pair's float32
 sums times its token's inverse factor (no bias, no SwiGLU: a few instructions a row in either kernel).
 
-    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--shapes 2x4,4x3,1x6] [--out FILE.json]
+    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--shapes 2x4,4x3,1x6] [--vllm DIR]
+        [--out FILE.json]
 
 Prints, per batch, us a layer of the routing launch + the probe's gate/up against the routing launch + the
 engine's folded gate/up launch alone (same routing sets, experts rotated past the L2, one CUDA graph), each
-against the copy floor of the touched gate/up bytes, and the probe's rel L2 against a float64 reference.
+against the copy floor of the touched gate/up bytes, and the probe's rel L2 against a float64 reference. With
+`--vllm DIR` (bench/peer_marlin.py) also Marlin's routing layout + gate/up GEMM, padded as little as Marlin
+takes (2944 / 2880), with its rel L2 against the same reference plus the bias.
 """
 
 from __future__ import annotations
@@ -257,6 +260,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="4,16,64")
     ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3", help="KTxS: K steps a stage, stages")
+    ap.add_argument("--vllm", default=None, help="the vllm/ folder of vLLM's unpacked wheel: Marlin's gate/up too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -269,6 +273,15 @@ def main() -> int:
     for shape in a.shapes.split(","):
         kt, s = (int(v) for v in shape.split("x"))
         probes[f"tiles kt{kt} s{s}"] = Probe(kt, s, dev)
+    marlin = None
+    if a.vllm:
+        from pathlib import Path
+
+        from pdserve.bench.peer_marlin import MarlinExperts, MarlinMoE
+
+        root = Path(a.vllm)
+        marlin = (MarlinMoE(root / "_moe_C_stable_libtorch.abi3.so", root / "scalar_type.py", dev),
+                  MarlinExperts(w, 2944, 2880))
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {e} experts; gate/up "
           f"{per_expert / 1e6:.2f} MB each; grids " + ", ".join(f"{n} {p.grid} CTAs ({p.smem // 1024} KB)"
@@ -303,6 +316,14 @@ def main() -> int:
             out.zero_()
             probe_run(s0, p)
             errors[name] = float((out.double() - ref).norm() / ref.norm())
+        if marlin is not None:
+            peer, mw = marlin
+            xp = torch.nn.functional.pad(x, (0, mw.hp - h))
+            wts = torch.full((t, k), 1.0 / k, dtype=torch.bfloat16, device=dev)  # gate/up does not read them
+            runs["marlin gate/up"] = (lambda s: peer.gemms(xp, wts, s, mw)[0], [s.to(torch.int32) for s in id_sets])
+            got = peer.gemms(xp, wts, s0.to(torch.int32), mw)[0][:, :2 * i].double()
+            with_bias = ref + w.gate_up_bias[s0.view(-1)].double()
+            errors["marlin gate/up"] = float((got - with_bias).norm() / with_bias.norm())
         del ref
         time_runs(runs, errors, t, floor_us, rows, "float64")
     save_rows(a.out, bw, rows)
