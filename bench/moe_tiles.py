@@ -62,23 +62,11 @@ __device__ __forceinline__ void cp4(u32* dst, const void* src, int bytes) {
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-__device__ __forceinline__ u32 fold_factor(u32 s) {  // 2^(s - 121) in f16, both halves (the engine's MX_FOLD 2)
-  s = min(max(s & 0xFFu, 97u), 136u);
-  const u32 h = s >= 107u ? (s - 106u) << 10 : 1u << (s - 97u);
-  return h | (h << 16);
-}
-__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
-  u32 d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
+// the engine's f16 fold of a packed word (kernels/mxfp4_packed.cuh): decoded, times its group's factor f
 __device__ __forceinline__ void decode(u32 w, u32 f, u32 p[4]) {
-  u32 low, high;
-  e4m3_words(w, low, high);
-  e4m3x4_f16x2(low, p[0], p[1]);
-  e4m3x4_f16x2(high, p[2], p[3]);
+  decode_word(w, p);
 #pragma unroll
-  for (int i = 0; i < 4; i++) p[i] = mul_f16x2(p[i], f);
+  for (int i = 0; i < 4; i++) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(p[i]) : "r"(p[i]), "r"(f));
 }
 
 // Stage q of this CTA's sequence (unit q / KTILES of its stride, K tile q % KTILES) into its ring slot.
@@ -163,8 +151,8 @@ mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, 
       if (kt * KT + jj >= CHUNKS) break;
       const U4 wa = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l) * 4 + tig) * 4);
       const U4 wb = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l + 8) * 4 + tig) * 4);
-      const u32 fa = fold_factor(st[W_WORDS + jj * ROWS + row_l] >> (8 * tig));
-      const u32 fb = fold_factor(st[W_WORDS + jj * ROWS + row_l + 8] >> (8 * tig));
+      const u32 fa = fold_factor_f16(st[W_WORDS + jj * ROWS + row_l] >> (8 * tig));
+      const u32 fb = fold_factor_f16(st[W_WORDS + jj * ROWS + row_l + 8] >> (8 * tig));
       u32 pa[4][4], pb[4][4];
       decode(wa.x, fa, pa[0]); decode(wa.y, fa, pa[1]); decode(wa.z, fa, pa[2]); decode(wa.w, fa, pa[3]);
       decode(wb.x, fb, pb[0]); decode(wb.y, fb, pb[1]); decode(wb.z, fb, pb[2]); decode(wb.w, fb, pb[3]);

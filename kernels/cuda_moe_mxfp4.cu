@@ -86,14 +86,6 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
 }
 
 
-// The four f16x2 pairs of a packed word: values 2q, 2q + 1 of the word in pair q, as e2m1 * 2^-6.
-__device__ __forceinline__ void decode_word(u32 w, u32 p[4]) {
-  u32 low, high;
-  e4m3_words(w, low, high);
-  e4m3x4_f16x2(low, p[0], p[1]);
-  e4m3x4_f16x2(high, p[2], p[3]);
-}
-
 // Bytes (sel) of an e4m3 word as a bf16x2 of e2m1 * 2^-126: the bytes into the high byte of each half
 // (sign at bit 15, magnitude at 12..10), the magnitude moved down to 8..6.
 __device__ __forceinline__ u32 bf16_pair(u32 e4m3, u32 sel) {
@@ -400,17 +392,14 @@ static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs
 #define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
 
 // Scale byte s -> the factor of its group's decoded pairs, in both halves. bf16 (MX_FOLD 1): 2^(s - 1) (the
-// bf16 decode's 2^-126 undone), a bf16 for s <= 128. f16 (MX_FOLD 2): 2^(s - 121) (the e4m3 decode's 2^-6
-// undone), normal from s = 107, subnormal below; s is clamped to 97 .. 136, where the factor is an f16:
-// bytes outside only scale groups of zeros (MxExperts.fold_f16_exact), which must not turn into 0 * inf.
+// bf16 decode's 2^-126 undone), a bf16 for s <= 128. f16 (MX_FOLD 2): fold_factor_f16 (mxfp4_packed.cuh).
 __device__ __forceinline__ u32 fold_factor(u32 s) {
 #if MX_FOLD == 2
-  s = min(max(s & 0xFFu, 97u), 136u);
-  const u32 h = s >= 107u ? (s - 106u) << 10 : 1u << (s - 97u);
+  return fold_factor_f16(s);
 #else
   const u32 h = ((s & 0xFFu) + 126u) << 7;
-#endif
   return h | (h << 16);
+#endif
 }
 
 // A packed word's pairs in the fold's type, and a pair times its factor
