@@ -32,7 +32,7 @@ from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import FOLD_CONFIG, MmaConfig, experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.experts import ExpertWeights  # noqa: E402
 from pdserve.kernels.moe import experts_forward  # noqa: E402
-from pdserve.kernels.mxfp4 import random_experts  # noqa: E402
+from pdserve.kernels.mxfp4 import MxExperts, random_experts  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4 import MxConfig, experts_forward_mxfp4  # noqa: E402
 from pdserve.kernels.triton_moe_mxfp4_grouped import GroupedConfig, experts_forward_mxfp4_grouped  # noqa: E402
 
@@ -100,6 +100,14 @@ MMA.update({"mma fold engine f16": (FOLD_CONFIG, True),
             "mma fold engine bf16": (dataclasses.replace(FOLD_CONFIG, fold_f16=False), True)})
 
 
+def random_layer(experts: int, dev: torch.device) -> tuple[MxExperts, MxExperts, torch.Generator]:
+    """The MoE benches' layer: `experts` random experts of gpt-oss' shape (2880 x 2880) drawn from a generator
+    seeded 0, in the published and the packed layout, and that generator (the routing sets draw from it next)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = random_experts(experts, g, dev, h=2880, i=2880)
+    return w, w.to_packed(), g
+
+
 def routing_sets(t: int, e: int, k: int, g: torch.Generator) -> list[torch.Tensor]:
     """Routing ids [t, k] of the rounds one timed graph replays: one token walks disjoint experts through all
     e; larger batches draw 4 uniform random sets (from g), so no round reads experts the round before left in
@@ -161,12 +169,10 @@ def main() -> int:
     ap.add_argument("--configs", default="", help="comma-separated prefixes of CONFIGS names to run (default all)")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    h = i = 2880
+    h = 2880
     e, k = a.experts, 4
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = random_experts(e, g, dev, h=h, i=i)
+    w, w_packed, g = random_layer(e, dev)
     gb, gs, db, ds = w.gate_up_blocks, w.gate_up_scales, w.down_blocks, w.down_scales
-    w_packed = w.to_packed()
     configs = {n: c for n, c in CONFIGS.items()
                if not a.configs or any(n.startswith(pre) for pre in a.configs.split(","))}
     per_expert = sum(t[0].numel() * t.element_size() for t in (gb, gs, db, ds, w.gate_up_bias, w.down_bias))

@@ -25,9 +25,8 @@ import sys
 import torch
 
 from pdserve.bench.kernels import copy_bandwidth
-from pdserve.bench.moe_mxfp4 import routing_sets, save_rows, time_runs
-from pdserve.kernels.mxfp4 import (PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, dequantize_mxfp4,
-                                   random_experts)
+from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_runs
+from pdserve.kernels.mxfp4 import PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, dequantize_mxfp4
 from pdserve.kernels.nvrtc import HEADERS, compile_kernels, resident_ctas
 
 ROWS, SLOTS, THREADS = 64, 16, 128
@@ -253,9 +252,7 @@ def main() -> int:
     a = ap.parse_args()
     dev = torch.device("cuda")
     e, k, h, i = a.experts, 4, 2880, 2880
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = random_experts(e, g, dev, h=h, i=i)
-    wp = w.to_packed()
+    w, wp, g = random_layer(e, dev)
     per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales))
     probes = {}
     for shape in a.shapes.split(","):

@@ -33,11 +33,11 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
-from pdserve.bench.moe_mxfp4 import routing_sets, save_rows, time_runs  # noqa: E402
+from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_runs  # noqa: E402
 from pdserve.kernels.experts import experts_forward_mxfp4_ref  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.moe import MXFP4_MMA_GROUPED_FROM, experts_forward  # noqa: E402
-from pdserve.kernels.mxfp4 import MxExperts, random_experts, unpack_fp4_codes  # noqa: E402
+from pdserve.kernels.mxfp4 import MxExperts, unpack_fp4_codes  # noqa: E402
 
 TILE = 16  # Marlin's weight tiles are 16 (K) x 64 (N) codes
 
@@ -183,11 +183,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    h = i = 2880
+    h = 2880
     e, k = a.experts, 4
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = random_experts(e, g, dev, h=h, i=i)
-    w_packed = w.to_packed()
+    w, w_packed, g = random_layer(e, dev)
     hp, ip = (int(v) for v in a.pad.split(","))
     peer = MarlinMoE(a.vllm / "_moe_C_stable_libtorch.abi3.so", a.vllm / "scalar_type.py", dev)
     marlin = MarlinExperts(w, hp, ip)
