@@ -15,3 +15,23 @@ def test_probe_builds_without_spills(kt, stages):
     _, log = compile_cuda(moe_tiles.SOURCE, moe_tiles.compile_options(kt, stages))
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
     assert stages * moe_tiles.stage_bytes(kt) <= 227 * 1024
+
+
+def test_the_engine_gate_up_it_times_gets_each_kernel_parameter(monkeypatch):
+    """The probe times the engine's folded gate/up launch on its own (moe_tiles.fold_gate_up, a copy of
+    experts_forward_mxfp4_mma's launch): it must hand the kernel as many arguments as its signature has."""
+    import torch
+
+    from pdserve.bench import moe_tiles
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+    from test_cuda_moe_mxfp4 import _kernel_params, _problem
+
+    launched = []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up"})
+    monkeypatch.setattr("pdserve.kernels.pdl.launch_cuda", lambda kernel, *a, args, **k: launched.append(
+        (kernel, len(args))))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w, x, ids, _ = _problem(t=2, h=128, i=128)
+    routing = type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})()
+    moe_tiles.fold_gate_up(w.to_packed(), routing, x.half(), torch.ones(2), ids, 4, torch.empty(8, 128))
+    assert launched == [("mx_gate_up", _kernel_params("mx_gate_up"))]
