@@ -141,7 +141,7 @@ class _Rank:
         cfg = model_config()
         heads = head_range(cfg.num_key_value_heads, tp, rank)
         if role == "src":  # a prefill worker: sliding pages for the whole prompt while it runs
-            blocks = sum(cdiv(n, PAGE) for n in lengths.values())
+            blocks = sum(PagedKVCache.prompt_blocks(cfg, n, PAGE) for n in lengths.values())
             self.cache = PagedKVCache(cfg, num_blocks=blocks, page_size=PAGE, num_kv_heads=heads[1] - heads[0],
                                       device=self.device)
             for name, n in lengths.items():
@@ -153,7 +153,8 @@ class _Rank:
             for pool in self.cache.pools.values():  # the KV the prompt computed: random bits
                 pool.view(self.torch.int16).random_(-2**15, 2**15, generator=gen)
         else:  # a decode worker: prompt + new tokens reserved at admission
-            need = sum(cdiv(n + MAX_NEW_TOKENS, PAGE) for n in lengths.values())
+            window = cdiv(cfg.sliding_window, PAGE) + 1 if cfg.sliding_window else 0  # sliding pages
+            need = sum(cdiv(n + MAX_NEW_TOKENS, PAGE) + window for n in lengths.values())
             self.cache = PagedKVCache(cfg, num_blocks=2 * need, page_size=PAGE, num_kv_heads=heads[1] - heads[0],
                                       device=self.device)
             order = list(lengths.items())
@@ -173,11 +174,9 @@ class _Rank:
         """Fill the free blocks with one-page requests and free every other one (the same on every
         rank: block ids agree across a worker's ranks): the worst a busy worker's allocator can
         do, the next reservation gets no two consecutive blocks."""
-        fillers = []
-        while self.cache.can_admit(PAGE):
-            fillers.append(self.cache.reserve(PAGE))
-        for s in fillers[::2]:
-            self.cache.release(s)
+        fillers = [self.cache.allocator.allocate(1) for _ in range(self.cache.num_free_blocks)]
+        for blocks in fillers[::2]:
+            self.cache.allocator.free(blocks)
 
     def placement(self, name: str, n: int) -> dict:
         """The decode side of a KVPlacement (what DecodeService.Reserve hands out)."""

@@ -163,7 +163,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _resize_cache(runner, full_blocks: int, sliding_blocks: int) -> None:
+def _resize_cache(runner, blocks: int) -> None:
     import gc
 
     import torch
@@ -174,49 +174,38 @@ def _resize_cache(runner, full_blocks: int, sliding_blocks: int) -> None:
     gc.collect()
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
-    runner.cache = PagedKVCache(runner.cfg, num_blocks=max(1, full_blocks), num_sliding_blocks=max(1, sliding_blocks),
-                                page_size=runner.model.page_size, num_kv_heads=runner.model.num_kv_heads,
-                                device=runner.device)
+    runner.cache = PagedKVCache(runner.cfg, num_blocks=max(1, blocks), page_size=runner.model.page_size,
+                                num_kv_heads=runner.model.num_kv_heads, device=runner.device)
 
 
-def _full_block_capacity(runner, sliding_blocks: int, margin_bytes: int) -> int:
-    """Full-pool blocks that fit next to `sliding_blocks` and a working margin, on every rank."""
+def _block_capacity(runner, margin_bytes: int) -> int:
+    """KV blocks that fit next to a working margin, on every rank."""
     import torch
     import torch.distributed as dist
 
     from pdserve.engine.kv_cache import PagedKVCache
 
     if runner.device.type != "cuda":
-        return 1 << 16
-    _resize_cache(runner, 1, 1)
-    cfg, kvh, page = runner.cfg, runner.model.num_kv_heads, runner.model.page_size
-    n_sliding = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i)) if cfg.sliding_window else 0
-    n_full = cfg.num_hidden_layers - n_sliding
+        return 1 << 17
+    _resize_cache(runner, 1)
     free, _ = torch.cuda.mem_get_info(runner.device)
-    per_full = PagedKVCache.bytes_per_block(cfg, page, kvh, n_full)
-    per_sliding = PagedKVCache.bytes_per_block(cfg, page, kvh, n_sliding)
-    cap = torch.tensor([max(0, (free - margin_bytes - sliding_blocks * per_sliding) // per_full)],
-                       device=runner.device)
+    per_block = PagedKVCache.bytes_per_block(runner.cfg, runner.model.page_size, runner.model.num_kv_heads)
+    cap = torch.tensor([max(0, (free - margin_bytes) // per_block)], device=runner.device)
     if dist.is_initialized():
         dist.all_reduce(cap, op=dist.ReduceOp.MIN)
     return int(cap.item())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _bench_prefill(runner, grid: Grid, device) -> list[dict]:
     from pdserve.engine.sampling import SamplingParams
     from pdserve.engine.sequence import Sequence
 
-    page = runner.model.page_size
     fits = [n for n in grid.lengths if n < runner.max_context]
     rows = [dict(input_tokens=n, skipped=f"longer than the model's context ({runner.max_context})")
             for n in grid.lengths if n not in fits]
     if not fits:
         return rows
-    _resize_cache(runner, _cdiv(max(fits), page) + 1, _cdiv(max(fits), page) + 1)
+    _resize_cache(runner, sum(runner.cache.blocks_needed(max(fits), max(fits))))
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_new_tokens=1)
     for i, n in enumerate(fits):
@@ -255,12 +244,10 @@ def _bench_decode(runner, grid: Grid, device, multi_rank_graphs: bool = False) -
     page = runner.model.page_size
     steps = grid.warmup_steps + grid.decode_steps
     cfg = runner.cfg
-    window_pages = _cdiv(cfg.sliding_window, page) + 1 if cfg.sliding_window else 0
-    need = {(c, b): b * _cdiv(c + steps + 1, page) for c in grid.contexts for b in grid.batches}
-    sliding = max(grid.batches) * window_pages
+    need = {(c, b): b * sum(runner.cache.blocks_needed(c + steps + 1)) for c in grid.contexts for b in grid.batches}
     margin = (8 << 30) if device.type == "cuda" else 0  # activations, logits, workspaces
-    full = min(max(need.values()), _full_block_capacity(runner, sliding, margin))
-    _resize_cache(runner, full + 1, sliding + 1)  # + the CUDA graphs' pad block of each pool
+    blocks = min(max(need.values()), _block_capacity(runner, margin))
+    _resize_cache(runner, blocks + len(runner.cache.pools))  # + the CUDA graphs' pad block of each group
     if (device.type == "cuda" and (runner.shard.world_size == 1 or multi_rank_graphs)
             and type(runner.attention["full"]).__name__ == "FlashInferSinkAttention"):
         from pdserve.engine.cuda_graphs import DecodeGraphs
@@ -280,8 +267,8 @@ def _bench_decode(runner, grid: Grid, device, multi_rank_graphs: bool = False) -
             if ctx + steps >= runner.max_context:
                 rows.append({**row, "skipped": f"beyond the model's context ({runner.max_context})"})
                 continue
-            if need[(ctx, b)] > full:
-                rows.append({**row, "skipped": f"KV of {b} x {ctx} tokens does not fit ({full} blocks of {page})"})
+            if need[(ctx, b)] > blocks:
+                rows.append({**row, "skipped": f"KV of {b} x {ctx} tokens does not fit ({blocks} blocks of {page})"})
                 continue
             seqs = []
             for i in range(b):

@@ -42,7 +42,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "when given: multi-rank capture is not yet proven on GPUs)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV blocks of --page-size tokens (none: sized from free memory)")
+                   help="KV blocks, each a --page-size page of the full-attention or of the sliding-window "
+                        "layers; a request takes one for each page of the first and a window's worth of the second "
+                        "(none: sized from free memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
                    help="share of the free GPU memory given to KV blocks (without --kv-blocks)")
     p.add_argument("--reservation-ttl", type=float, default=60.0, help="seconds a reservation waits for Decode")

@@ -199,7 +199,7 @@ class DecodeScheduler:
                 "reserved": len(self._requests),
                 "blocks_total": self.cache.num_total_blocks,
                 "blocks_free": self.cache.num_free_blocks,
-                "blocks_used": self.cache.allocators["full"].num_used,
+                "blocks_used": self.cache.num_used_blocks,
                 "blocks_fenced": self.cache.num_fenced_blocks,
             }
 

@@ -130,7 +130,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             kv_blocks_free=s["blocks_free"], max_batch_size=self.scheduler.max_batch_size,
             page_size=cache.page_size, max_context=self.scheduler.runner.max_context, draining=self.draining,
             kv_selftest_bytes_per_second=self.kv_selftest_bytes_per_second,
-            kv_blocks_fenced=s["blocks_fenced"],
+            kv_blocks_fenced=s["blocks_fenced"], sliding_window_pages=cache.sliding_window_pages,
         )
 
     def KVMetadata(self, request, context) -> pb.KVMetadataResponse:

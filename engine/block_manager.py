@@ -1,7 +1,10 @@
 """KV block bookkeeping: which blocks a request holds, which are free, when a freed one may be
 reused. No tensors here: `kv_cache.PagedKVCache` adds the pools these block ids index.
 
-A request's blocks live in two pools (full-attention and sliding-window layers). A request owns
+A request's pages live in two layer groups (full-attention and sliding-window layers) whose blocks
+come from one pool: a block holds one page of every layer of the group it serves, so the memory a
+sliding page does not need is there for full pages (gpt-oss: half the layers slide over 128 keys; a
+request of thousands of tokens needs a few sliding pages and hundreds of full ones). A request owns
 - full blocks for every page it can ever reach (prompt + max new tokens), taken at admission, so a
   running request never waits for memory;
 - a fixed quota of sliding blocks, enough for the pages a window of `sliding_window` keys can
@@ -53,7 +56,7 @@ def runs(ids) -> list[tuple[int, int]]:
 
 
 class BlockAllocator:
-    """The blocks of one pool: free, in use, or fenced (freed, not yet reusable).
+    """The blocks of the pool: free, in use, or fenced (freed, not yet reusable).
 
     Free blocks are kept as sorted runs of consecutive ids; `allocate(n)` hands out one run when a
     long enough one exists (the smallest that fits), else the longest runs first, so a request's
@@ -195,32 +198,31 @@ class SeqBlocks:
 
 
 class KVBlockManager:
-    """Per-request block tables over a full pool and (when the model has sliding-window layers
-    and `window` > 0) a sliding pool."""
+    """Per-request block tables of the full-attention layers and (when the model has
+    sliding-window layers: `window` > 0) of the sliding ones, over one pool of `num_blocks`."""
 
-    def __init__(self, *, page_size: int, num_blocks: int, window: int = 0,
-                 num_sliding_blocks: int | None = None):
-        """num_sliding_blocks: None = no sliding pool (no sliding-window layers)."""
+    def __init__(self, *, page_size: int, num_blocks: int, window: int = 0):
         if page_size < 1 or num_blocks < 1:
             raise ValueError("page_size and num_blocks must be positive")
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (0: no sliding-window layers), got {window}")
         self.page_size = page_size
         self.window = window
-        self.allocators = {"full": BlockAllocator(num_blocks)}
-        if num_sliding_blocks is not None:
-            if window < 1:
-                raise ValueError("a sliding pool needs a positive window")
-            self.allocators["sliding"] = BlockAllocator(num_sliding_blocks)
+        self.allocator = BlockAllocator(num_blocks)
 
     # -- sizing ---------------------------------------------------------------------------------
     @property
     def has_sliding(self) -> bool:
-        return "sliding" in self.allocators
+        return self.window > 0
+
+    @property
+    def sliding_window_pages(self) -> int:
+        """The most sliding blocks a request keeps (0: no sliding layers)."""
+        return cdiv(self.window, self.page_size) + 1 if self.has_sliding else 0
 
     def sliding_quota(self, max_tokens: int) -> int:
         """Sliding blocks a request keeps: the pages `window` consecutive keys can span."""
-        if not self.has_sliding:
-            return 0
-        return min(cdiv(self.window, self.page_size) + 1, cdiv(max_tokens, self.page_size))
+        return min(self.sliding_window_pages, cdiv(max_tokens, self.page_size))
 
     def blocks_needed(self, max_tokens: int, local_prompt_tokens: int = 0) -> tuple[int, int]:
         """(full, sliding) blocks a request of up to `max_tokens` positions needs at admission;
@@ -233,41 +235,38 @@ class KVBlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocators["full"].num_free
+        return self.allocator.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return sum(a.num_used for a in self.allocators.values())
+        return self.allocator.num_used
 
     @property
     def num_fenced_blocks(self) -> int:
-        return self.allocators["full"].num_fenced
+        return self.allocator.num_fenced
 
     @property
     def num_total_blocks(self) -> int:
-        return self.allocators["full"].num_total
+        return self.allocator.num_total
 
     def can_admit(self, max_tokens: int, local_prompt_tokens: int = 0) -> bool:
-        full, sliding = self.blocks_needed(max_tokens, local_prompt_tokens)
-        ok = self.allocators["full"].num_free >= full
-        if self.has_sliding:
-            ok &= self.allocators["sliding"].num_free >= sliding
-        return ok
+        return sum(self.blocks_needed(max_tokens, local_prompt_tokens)) <= self.allocator.num_free
+
+    def _short(self, what: str, full: int, sliding: int) -> KVCacheFull:
+        a = self.allocator
+        fenced = f" ({a.num_fenced} fenced until transfers into them end)" if a.num_fenced else ""
+        return KVCacheFull(f"{what} needs {full} full + {sliding} sliding KV blocks; "
+                           f"{a.num_free} of {a.num_total} free{fenced}")
 
     # -- per request ----------------------------------------------------------------------------
     def reserve(self, max_tokens: int, local_prompt_tokens: int = 0) -> SeqBlocks:
         """Take every block the request needs up front, or raise KVCacheFull taking none."""
         full, sliding = self.blocks_needed(max_tokens, local_prompt_tokens)
-        if not self.can_admit(max_tokens, local_prompt_tokens):
-            raise KVCacheFull(
-                f"request needs {full} full + {sliding} sliding KV blocks; free: "
-                + ", ".join(f"{g} {a.num_free}" + (f" ({a.num_fenced} fenced until transfers into "
-                                                   "them end)" if a.num_fenced else "")
-                            for g, a in self.allocators.items())
-            )
-        seq = SeqBlocks(full=self.allocators["full"].allocate(full), max_tokens=max_tokens)
+        if full + sliding > self.allocator.num_free:
+            raise self._short("request", full, sliding)
+        seq = SeqBlocks(full=self.allocator.allocate(full), max_tokens=max_tokens)
         if self.has_sliding:
-            seq.sliding_spare = self.allocators["sliding"].allocate(sliding)
+            seq.sliding_spare = self.allocator.allocate(sliding)
             seq.sliding_quota = self.sliding_quota(max_tokens)
         return seq
 
@@ -277,13 +276,11 @@ class KVBlockManager:
         own sliding quota. KVCacheFull taking none."""
         full = cdiv(max_tokens, self.page_size) - num_prompt_tokens // self.page_size
         sliding = self.sliding_quota(max_tokens)
-        free_sliding = self.allocators["sliding"].num_free if self.has_sliding else sliding
-        if self.allocators["full"].num_free < full or free_sliding < sliding:
-            raise KVCacheFull(f"another choice needs {full} full + {sliding} sliding KV blocks; free: "
-                              + ", ".join(f"{g} {a.num_free}" for g, a in self.allocators.items()))
-        seq = SeqBlocks(full=self.allocators["full"].allocate(full), max_tokens=max_tokens)
+        if full + sliding > self.allocator.num_free:
+            raise self._short("another choice", full, sliding)
+        seq = SeqBlocks(full=self.allocator.allocate(full), max_tokens=max_tokens)
         if self.has_sliding:
-            seq.sliding_spare = self.allocators["sliding"].allocate(sliding)
+            seq.sliding_spare = self.allocator.allocate(sliding)
             seq.sliding_quota = sliding
         return seq
 
@@ -295,7 +292,7 @@ class KVBlockManager:
         shared = num_tokens // self.page_size
         own = child.full
         child.full = parent.full[:shared] + own
-        self.allocators["full"].share(parent.full[:shared])
+        self.allocator.share(parent.full[:shared])
         copies: dict[str, list[tuple[int, int]]] = {"full": []}
         if num_tokens % self.page_size:
             copies["full"].append((parent.full[shared], own[0]))
@@ -310,14 +307,12 @@ class KVBlockManager:
 
     def release(self, seq: SeqBlocks, fence: Hashable | None = None) -> None:
         """Give back every block of `seq`; under `fence`, see `lift_fence`."""
-        self.allocators["full"].free(seq.full, fence)
-        if self.has_sliding:
-            self.allocators["sliding"].free(seq.owned_sliding(), fence)
+        self.allocator.free(seq.full + seq.owned_sliding(), fence)
         seq.full, seq.sliding, seq.sliding_spare = [], [], []
 
     def lift_fence(self, fence: Hashable) -> int:
         """Blocks released under `fence` become reusable (every write into them has ended)."""
-        return sum(a.lift_fence(fence) for a in self.allocators.values())
+        return self.allocator.lift_fence(fence)
 
     def prepare(self, seq: SeqBlocks, start: int, num_tokens: int, *, slide: bool = True) -> dict[str, torch.Tensor]:
         """Make pages for positions [start, start + num_tokens) writable; return the flat slot
@@ -374,7 +369,7 @@ class KVBlockManager:
         if excess > 0:
             give = seq.sliding_spare[len(seq.sliding_spare) - excess :]
             del seq.sliding_spare[len(seq.sliding_spare) - excess :]
-            self.allocators["sliding"].free(give)
+            self.allocator.free(give)
 
     def transfer_targets(self, seq: SeqBlocks, num_tokens: int) -> tuple[int, list[int]]:
         """(first sliding page, its blocks) that a remote prefill of `num_tokens` positions writes

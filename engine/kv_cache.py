@@ -1,11 +1,14 @@
-"""Paged KV cache: the pool tensors that `block_manager` block ids index.
+"""Paged KV cache: the pool tensor that `block_manager` block ids index.
 
-Pool tensors (bf16, one per layer group, the layout kernels.attention and kvtransfer address):
-    full    [n_full_layers,    num_blocks,         2, page_size, num_kv_heads, head_dim]
-    sliding [n_sliding_layers, num_sliding_blocks, 2, page_size, num_kv_heads, head_dim]
-Block b of a pool holds page b of every layer in the group. Which request holds which blocks,
-and when a freed block may be reused, is `KVBlockManager`'s business (inherited here, so one
-object answers both).
+One tensor holds every block (bf16; the layout kernels.attention and kvtransfer address):
+    storage [max(n_full_layers, n_sliding_layers), num_blocks, 2, page_size, num_kv_heads, head_dim]
+and each layer group sees it through a view of its own layer count, `pools[group]`:
+    full    [n_full_layers,    num_blocks, 2, page_size, num_kv_heads, head_dim]
+    sliding [n_sliding_layers, num_blocks, 2, page_size, num_kv_heads, head_dim]
+Block b, held for a group, holds page b of every layer in that group. The groups share the block
+ids (one allocator), never a block: which request holds which blocks for which group, and when a
+freed one may be reused, is `KVBlockManager`'s business (inherited here, so one object answers
+both). gpt-oss alternates the two kinds of layer, so the groups are equal and no memory is idle.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ class PagedKVCache(KVBlockManager):
         cfg: ModelConfig,
         *,
         num_blocks: int,
-        num_sliding_blocks: int | None = None,
         page_size: int = 16,
         num_kv_heads: int | None = None,
         device: torch.device | str = "cpu",
@@ -34,31 +36,36 @@ class PagedKVCache(KVBlockManager):
     ):
         self.cfg = cfg
         self.num_kv_heads = num_kv_heads or cfg.num_key_value_heads
+        counts = self.group_layers(cfg)
         self.layer_group: list[tuple[str, int]] = []
-        counts = {"full": 0, "sliding": 0}
+        seen = {"full": 0, "sliding": 0}
         for i in range(cfg.num_hidden_layers):
-            g = "sliding" if cfg.is_sliding(i) and cfg.sliding_window > 0 else "full"
-            self.layer_group.append((g, counts[g]))
-            counts[g] += 1
-        if counts["sliding"]:
-            num_sliding_blocks = num_blocks if num_sliding_blocks is None else num_sliding_blocks
-        else:
-            num_sliding_blocks = None
-        super().__init__(page_size=page_size, num_blocks=num_blocks, window=cfg.sliding_window,
-                         num_sliding_blocks=num_sliding_blocks)
+            g = "sliding" if counts["sliding"] and cfg.is_sliding(i) else "full"
+            self.layer_group.append((g, seen[g]))
+            seen[g] += 1
+        super().__init__(page_size=page_size, num_blocks=num_blocks,
+                         window=cfg.sliding_window if counts["sliding"] else 0)
         shape = (2, page_size, self.num_kv_heads, cfg.head_dim)
-        dev = torch.device(device)
-        self.pools: dict[str, torch.Tensor] = {
-            "full": torch.zeros(counts["full"], num_blocks, *shape, dtype=dtype, device=dev)
-        }
-        if counts["sliding"]:
-            self.pools["sliding"] = torch.zeros(
-                counts["sliding"], num_sliding_blocks, *shape, dtype=dtype, device=dev
-            )
+        self.storage = torch.zeros(max(counts.values()), num_blocks, *shape, dtype=dtype, device=torch.device(device))
+        self.pools: dict[str, torch.Tensor] = {g: self.storage[:n] for g, n in counts.items()
+                                               if n or g == "full"}
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, page_size: int, num_kv_heads: int, n_layers: int) -> int:
-        return n_layers * 2 * page_size * num_kv_heads * cfg.head_dim * 2
+    def group_layers(cfg: ModelConfig) -> dict[str, int]:
+        """Layers of each group: {"full": n, "sliding": m} (m = 0 without sliding-window layers)."""
+        sliding = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i)) if cfg.sliding_window > 0 else 0
+        return {"full": cfg.num_hidden_layers - sliding, "sliding": sliding}
+
+    @classmethod
+    def prompt_blocks(cls, cfg: ModelConfig, num_tokens: int, page_size: int) -> int:
+        """Blocks a local prefill of `num_tokens` holds while it runs: every page in each group
+        (the sliding layers' beyond the window go back when it ends)."""
+        return sum(1 for n in cls.group_layers(cfg).values() if n) * cdiv(num_tokens, page_size)
+
+    @classmethod
+    def bytes_per_block(cls, cfg: ModelConfig, page_size: int, num_kv_heads: int) -> int:
+        """Bytes of one block: a page of every layer of the larger group."""
+        return max(cls.group_layers(cfg).values()) * 2 * page_size * num_kv_heads * cfg.head_dim * 2
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         g, i = self.layer_group[layer]

@@ -52,8 +52,9 @@ class LLMEngine:
             params.max_new_tokens = self.runner.max_context - len(prompt_ids)
         cache = self.runner.cache
         full, sliding = cache.blocks_needed(seq.max_tokens, len(prompt_ids))
-        if full > cache.num_total_blocks:
-            raise InvalidRequest(f"request needs {full} KV blocks; the cache has {cache.num_total_blocks}")
+        if full + sliding > cache.num_total_blocks:
+            raise InvalidRequest(f"request needs {full} full + {sliding} sliding KV blocks; the cache has "
+                                 f"{cache.num_total_blocks}")
         self.waiting.append(seq)
         return seq
 

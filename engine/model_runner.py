@@ -89,7 +89,6 @@ class ModelRunner:
         precision: str | None = None,
         page_size: int = 16,
         num_kv_blocks: int | None = None,
-        num_sliding_blocks: int | None = None,
         kv_memory_fraction: float = 0.85,
         shard: ShardSpec = ShardSpec(),
         attention_backend: str = "auto",
@@ -123,7 +122,7 @@ class ModelRunner:
         if num_kv_blocks is None:
             num_kv_blocks = self._size_kv_cache(page_size, kv_memory_fraction)
         self.cache = PagedKVCache(
-            self.cfg, num_blocks=num_kv_blocks, num_sliding_blocks=num_sliding_blocks,
+            self.cfg, num_blocks=num_kv_blocks,
             page_size=page_size, num_kv_heads=self.model.num_kv_heads, device=self.device,
         )
         self.attention = self.model.make_attention()
@@ -144,12 +143,12 @@ class ModelRunner:
         return self.cfg.max_context
 
     def _size_kv_cache(self, page_size: int, fraction: float) -> int:
-        """Blocks that fit: on CUDA a fraction of free memory after the weights, split so that
-        full and sliding pools hold the same number of blocks; on CPU a fixed 64k tokens."""
+        """Blocks that fit: on CUDA a fraction of free memory after the weights; on CPU a fixed
+        64k tokens of a full-attention layer."""
         if self.device.type != "cuda":
             return max(1, 65536 // page_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        per_block = PagedKVCache.bytes_per_block(self.cfg, page_size, self.model.num_kv_heads, self.cfg.num_hidden_layers)
+        per_block = PagedKVCache.bytes_per_block(self.cfg, page_size, self.model.num_kv_heads)
         blocks = max(1, int(free * fraction) // per_block)
         if self.shard.world_size > 1:  # block ids are shared by all ranks: take what all can hold
             t = torch.tensor([blocks], dtype=torch.int64, device=self.device)

@@ -3,8 +3,8 @@
 Page p of a prompt (its tokens [p * page_size, (p + 1) * page_size)) is cached under
 key_p = H(key_{p-1} || tokens of page p), so one key names the whole prefix up to that page's end
 and two prompts share an entry exactly when they share every token before it. Only complete pages
-are cached. An entry holds the page's full-attention block and, while the sliding pool can spare
-it, its sliding-window block.
+are cached. An entry holds the page's full-attention block and, while the pool can spare it, its
+sliding-window block.
 
 A cached prefix of k pages is usable when the full blocks of all k pages are cached and the
 sliding blocks of the pages a query at position k * page_size can still see (the window at its
@@ -12,11 +12,11 @@ end) are too: the next position's sliding layers need exactly those, its full la
 A match is backed off to the longest prefix that has its window, and always leaves at least one
 token to compute (the first sampled token needs the last position's logits).
 
-Blocks come from the same `PagedKVCache` allocators the prompt runs in. A request holding a match
+Blocks come from the same `PagedKVCache` pool the prompt runs in. A request holding a match
 (a `PrefixLease`) pins its entries (exact reference counts); unpinned entries are evicted only
-when a pool runs short, least recently used first: whole entries from the leaves of the chain (so
-a chain never has a hole; among equally recent pages the deepest goes first), or, when only the
-sliding pool is short, an entry's sliding block alone (its page then still serves longer prefixes).
+when the pool runs short, least recently used first: whole entries from the leaves of the chain (so
+a chain never has a hole; among equally recent pages the deepest goes first), or, for a prompt's
+sliding pages, an entry's sliding block alone first (its page then still serves longer prefixes).
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ class PrefixCache:
     def num_pinned_pages(self) -> int:
         return self._pinned
 
-    @property
-    def num_evictable_pages(self) -> int:
-        """Cached pages no prompt holds: their blocks are as good as free (a full block each)."""
-        return len(self._entries) - self._pinned
+    def num_evictable_blocks(self) -> int:
+        """Blocks of the cached pages no prompt holds: as good as free (a full block each, and
+        its sliding block where the entry kept one). Walks the entries: for load reports."""
+        return sum(1 + (e.sliding_block is not None) for e in self._entries.values() if e.refs == 0)
 
     def cached_blocks(self) -> dict[str, set[int]]:
         """Blocks owned by cache entries, per pool (for accounting checks)."""
@@ -107,7 +107,7 @@ class PrefixCache:
     # -- per prompt -------------------------------------------------------------------------------
     def acquire(self, tokens: list[int], *, reuse: bool = True) -> PrefixLease:
         """Pin the longest usable cached prefix of `tokens` and take blocks for the rest of the
-        prompt (evicting unpinned entries as needed); KVCacheFull, holding nothing, when the pools
+        prompt (evicting unpinned entries as needed); KVCacheFull, holding nothing, when the pool
         cannot hold the prompt even after evicting everything unpinned. `reuse=False` matches
         nothing (a prompt whose every position needs its logits) but may still fill the cache."""
         n, ps = len(tokens), self.page_size
@@ -134,7 +134,7 @@ class PrefixCache:
             try:
                 own_sliding = self._allocate("sliding", pages - k) if self.kv.has_sliding else []
             except KVCacheFull:
-                self.kv.allocators["full"].free(own_full)
+                self.kv.allocator.free(own_full)
                 raise
         except KVCacheFull:
             self._unpin(matched)
@@ -150,16 +150,14 @@ class PrefixCache:
     def release(self, lease: PrefixLease, computed: bool) -> None:
         """Give the prompt's hold back. `computed`: its prefill ran to the end (with
         `ModelRunner.prefill(..., finish=False)`), so its complete pages join the cache;
-        otherwise, and for the partial last page, its own blocks go back to the pools."""
+        otherwise, and for the partial last page, its own blocks go back to the pool."""
         if lease.released:
             return
         lease.released = True
         if computed and self.enabled:
             self._insert(lease)
         self._unpin(lease.pinned)
-        self.kv.allocators["full"].free(lease.own_full)
-        if self.kv.has_sliding:
-            self.kv.allocators["sliding"].free(lease.own_sliding)
+        self.kv.allocator.free(lease.own_full + lease.own_sliding)
         lease.own_full, lease.own_sliding, lease.pinned = [], [], []
         lease.blocks.full, lease.blocks.sliding, lease.blocks.sliding_spare = [], [], []
 
@@ -261,10 +259,10 @@ class PrefixCache:
             e = item[3]
             e.alive = False
             del self._entries[e.key]
-            self.kv.allocators["full"].free([e.full_block])
+            self.kv.allocator.free([e.full_block])
             self.evicted_blocks += 1
             if e.sliding_block is not None:
-                self.kv.allocators["sliding"].free([e.sliding_block])
+                self.kv.allocator.free([e.sliding_block])
                 e.sliding_block = None
             if e.parent is not None:
                 e.parent.children -= 1
@@ -279,13 +277,13 @@ class PrefixCache:
             if not self._can_evict_sliding(item):
                 continue
             e = item[3]
-            self.kv.allocators["sliding"].free([e.sliding_block])
+            self.kv.allocator.free([e.sliding_block])
             e.sliding_block = None
             return True
         return False
 
     def _allocate(self, pool: str, count: int) -> list[int]:
-        alloc = self.kv.allocators[pool]
+        alloc = self.kv.allocator
         evict = self._evict_one_full if pool == "full" else self._evict_one_sliding
         while alloc.num_free < count and evict():
             pass

@@ -193,6 +193,16 @@ class TransferHandle:
         self._agent._inflight.discard(self)
 
 
+def _distinct_regions(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The non-empty tensors to register, one per memory region: of views starting at the same
+    address, the largest (the others lie inside it)."""
+    largest: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if t.numel() and (t.data_ptr() not in largest or t.nbytes > largest[t.data_ptr()].nbytes):
+            largest[t.data_ptr()] = t
+    return list(largest.values())
+
+
 class KVTransferAgent:
     """NIXL agent of one worker rank owning the KV ``pools`` for heads ``head_range``.
 
@@ -200,7 +210,9 @@ class KVTransferAgent:
     ----------
     name : unique agent name across the cluster (e.g. ``"decode-0-rank1"``).
     pools : pool name -> contiguous tensor ``[n_layers, n_blocks, 2, page_size,
-        num_kv_heads_local, head_dim]``, all on one device (CPU -> DRAM, CUDA -> VRAM).
+        num_kv_heads_local, head_dim]``, all on one device (CPU -> DRAM, CUDA -> VRAM); pools may
+        be views of one tensor (engine.kv_cache: the layer groups share their blocks' memory),
+        which is registered once.
     head_range : global KV heads ``[start, end)`` held by this rank.
     backend : NIXL backend plugin ("UCX").
     listen_host : address whose interface UCX may open TCP listeners on (see
@@ -265,9 +277,8 @@ class KVTransferAgent:
                                       f"(have {self._nixl.get_plugin_list()})")
             with _scoped_env(env):
                 self._nixl.create_backend(backend)
-            for t in list(self._pools.values()) + ([self._staging.buf] if self._staging else []):
-                if t.numel():
-                    self._reg.append(self._nixl.register_memory(t, backends=[backend]))
+            for t in _distinct_regions(list(self._pools.values())) + ([self._staging.buf] if self._staging else []):
+                self._reg.append(self._nixl.register_memory(t, backends=[backend]))
         except KVTransferError:
             raise
         except Exception as e:

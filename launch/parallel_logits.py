@@ -26,6 +26,8 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
                attention_precision: str, unembedding_precision: str) -> None:
     import torch
 
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.kv_cache import PagedKVCache
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.parallel import ShardSpec, destroy_worker_group, init_worker_group
 
@@ -35,7 +37,8 @@ def _rank_main(rank: int, world: int, init_method: str, model_dir: str, ids: lis
         for ep in eps:
             shard = ShardSpec(rank, world, ep)
             runner = ModelRunner(model_dir, device=group.device, precision=precision, shard=shard,
-                                 num_kv_blocks=-(-len(ids) // 16) + 1, prefill_chunk_tokens=prefill_chunk_tokens,
+                                 num_kv_blocks=PagedKVCache.prompt_blocks(ModelConfig.load(model_dir), len(ids), 16),
+                                 prefill_chunk_tokens=prefill_chunk_tokens,
                                  attention_precision=attention_precision,
                                  unembedding_precision=unembedding_precision)
             logits = runner.prompt_logits(ids)

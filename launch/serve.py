@@ -424,7 +424,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=64,
                    help="requests each decode worker decodes together; more wait for a slot")
     p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV blocks of 16 tokens per decode worker (none: sized from free memory)")
+                   help="KV blocks per decode worker, each a 16-token page of the full-attention or of the "
+                        "sliding-window layers (none: sized from free memory)")
     p.add_argument("--kv-memory-fraction", type=_fraction, default=None,
                    help="without --kv-blocks: share of the free GPU memory each decode worker gives to KV "
                         "blocks (none: the decode worker's default). Workers sharing a GPU start prefill "

@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.grammar import fill_masks, matcher_for
+from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.model_runner import ModelRunner, PrefillStopped
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.sampling import SamplingParams, TokenLogprob, sample
@@ -43,9 +45,10 @@ from pdserve.kvtransfer.notify import FAILED, OK, PUSH, kv_notification, push_no
 log = logging.getLogger(__name__)
 
 
-def prefill_kv_blocks(max_context: int, page_size: int, prefix_cache_tokens: int) -> int:
-    """KV blocks of a prefill worker: the longest prompt, plus room for cached prefixes."""
-    return -(-(max_context + max(0, prefix_cache_tokens)) // page_size)
+def prefill_kv_blocks(cfg: ModelConfig, page_size: int, prefix_cache_tokens: int) -> int:
+    """KV blocks of a prefill worker: the longest prompt, plus room for cached prefixes, in each
+    layer group (a local prefill holds the whole prompt in sliding pages too; so does the cache)."""
+    return PagedKVCache.prompt_blocks(cfg, cfg.max_context + max(0, prefix_cache_tokens), page_size)
 
 
 class QueueFull(RuntimeError):

@@ -41,10 +41,9 @@ def kv_staging_bytes(cache, tokens: int) -> int:
     from pdserve.kvtransfer.staging import ALIGN
 
     pages = -(-tokens // cache.page_size)
-    window = getattr(cache.cfg, "sliding_window", 0)
     total = 0
     for name, pool in cache.pools.items():
-        n = min(pages, -(-window // cache.page_size) + 1) if name == "sliding" else pages
+        n = min(pages, cache.sliding_window_pages) if name == "sliding" else pages
         total += n * pool[:, 0].numel() * pool.element_size() + 8 * ALIGN  # (8: regions' alignment)
     return total
 
@@ -60,7 +59,7 @@ def build_rank(a: argparse.Namespace, worker_id: str, group):
     from .executor import prefill_kv_blocks
 
     cfg = ModelConfig.load(a.model)
-    blocks = prefill_kv_blocks(cfg.max_context, a.page_size, a.prefix_cache_tokens)
+    blocks = prefill_kv_blocks(cfg, a.page_size, a.prefix_cache_tokens)
     runner = ModelRunner(a.model, device=group.device, precision=a.precision, page_size=a.page_size,
                          num_kv_blocks=blocks, shard=group.shard, prefill_chunk_tokens=a.prefill_chunk_tokens,
                          **projection_precisions(a))

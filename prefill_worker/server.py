@@ -101,12 +101,13 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def Load(self, request, context) -> pb.LoadReport:
         s = self.executor.load()
         cache = self.executor.runner.cache
-        idle_cached = self.executor.prefix_cache.num_evictable_pages  # reusable at once: not "used"
+        idle_cached = self.executor.prefix_cache.num_evictable_blocks()  # reusable at once: not "used"
         return pb.LoadReport(
             worker_id=self.worker_id, role="prefill", queued_requests=s["queued"],
             queued_prompt_tokens=s["queued_tokens"], kv_blocks_total=cache.num_total_blocks,
-            kv_blocks_used=cache.allocators["full"].num_used - idle_cached,
+            kv_blocks_used=cache.num_used_blocks - idle_cached,
             kv_blocks_free=cache.num_free_blocks + idle_cached,
             page_size=cache.page_size, max_context=self.executor.runner.max_context, draining=self.draining,
             kv_selftest_bytes_per_second=self.kv_selftest_bytes_per_second,
+            sliding_window_pages=cache.sliding_window_pages,
         )

@@ -186,29 +186,31 @@ class Orchestrator:
         lists (else they would wait for room that never comes, then get a 429); a default
         `max_new` is cut to what fits; else a 400 naming `n` (one choice would fit), `max_tokens`,
         or the prompt. No check while a decode worker does not report its pool."""
-        pools = [(w.load.kv_blocks_total, w.load.page_size) for w in self.registry.workers("decode")
-                 if w.load is not None]
-        if not pools or any(blocks <= 0 or page <= 0 for blocks, page in pools):
+        pools = [(w.load.kv_blocks_total, w.load.page_size, w.load.sliding_window_pages)
+                 for w in self.registry.workers("decode") if w.load is not None]
+        if not pools or any(blocks <= 0 or page <= 0 for blocks, page, _ in pools):
             return max_new
 
         def fits(choices: int) -> int:
-            return max(max_new_tokens_within(num_prompt_tokens, choices, blocks, page)
-                       for blocks, page in pools)
+            return max(max_new_tokens_within(num_prompt_tokens, choices, blocks, page, window)
+                       for blocks, page, window in pools)
 
         room = fits(n)
         if max_new <= room:
             return max_new
         if default and room >= 1:
             return room
-        blocks, page = max(pools, key=lambda pool: pool[0] * pool[1])
-        pool = (f"the largest decode worker's KV cache holds {blocks * page} tokens ({blocks} "
-                f"blocks of {page})")
+        blocks, page, window = max(pools, key=lambda pool: pool[0] * pool[1])
+        pool = f"the largest decode worker's KV cache holds {blocks} blocks of {page} tokens"
+        if window:
+            pool += (f" (a request takes one for each page of its full-attention layers and up to {window} for "
+                     "its sliding-window layers)")
         wanted = 1 if default else max_new
         if n > 1 and wanted <= fits(1):
-            need = kv_blocks_for_choices(num_prompt_tokens, wanted, n, page)
+            need = kv_blocks_for_choices(num_prompt_tokens, wanted, n, page, window)
             raise InvalidRequestError(
                 f"{n} choices of {num_prompt_tokens} prompt + {wanted} completion tokens need "
-                f"{need * page} tokens of KV cache, but {pool}. Reduce n or max_tokens.",
+                f"{need} blocks of KV cache, but {pool}. Reduce n or max_tokens.",
                 param="n", code="invalid_value")
         if default:
             raise InvalidRequestError(
@@ -506,8 +508,9 @@ class Generation:
             # counted on the worker now, not when Reserve returns: the next request of a burst
             # must already see it; choices after the first add their own pages (and a copy of
             # the prompt's last, partial one)
-            page_size = worker.load.page_size if worker.load else 0
-            blocks = kv_blocks_for_choices(num_prompt, max_new, self.num_choices, page_size)
+            load = worker.load or pdserve_pb2.LoadReport()
+            blocks = kv_blocks_for_choices(num_prompt, max_new, self.num_choices, load.page_size,
+                                           load.sliding_window_pages)
             placed = worker.pending_kv.add(blocks)
             worker.active_requests += 1
             call = worker.stub.Reserve(request, timeout=timeout)

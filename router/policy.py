@@ -21,17 +21,28 @@ def kv_blocks_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def kv_blocks_for_choices(num_prompt_tokens: int, max_new_tokens: int, n: int, page_size: int) -> int:
-    """Full-attention blocks a decode worker takes for `n` choices of prompt + max_new_tokens
-    (engine/block_manager.py): the first holds every page, each other one shares the prompt's
-    complete pages and holds the rest (its copy of the partial last page included)."""
+def kv_blocks_for_choices(num_prompt_tokens: int, max_new_tokens: int, n: int, page_size: int,
+                          sliding_window_pages: int) -> int:
+    """Blocks a decode worker takes for `n` choices of prompt + max_new_tokens
+    (engine/block_manager.py). Full-attention pages: the first choice holds every page, each other
+    one shares the prompt's complete pages and holds the rest (its copy of the partial last page
+    included). Sliding-window pages: each choice its own, as many as the window spans (at most
+    `sliding_window_pages`, the worker's LoadReport; 0 without sliding-window layers)."""
+    if page_size <= 0:
+        return 0
     pages = kv_blocks_needed(num_prompt_tokens + max_new_tokens, page_size)
-    return pages + (n - 1) * (pages - num_prompt_tokens // page_size) if page_size > 0 else 0
+    full = pages + (n - 1) * (pages - num_prompt_tokens // page_size)
+    return full + n * min(sliding_window_pages, pages)
 
 
-def max_new_tokens_within(num_prompt_tokens: int, n: int, kv_blocks: int, page_size: int) -> int:
-    """The largest max_new_tokens whose `n` choices fit `kv_blocks` (< 1: not even one token)."""
-    pages = (kv_blocks + (n - 1) * (num_prompt_tokens // page_size)) // n
+def max_new_tokens_within(num_prompt_tokens: int, n: int, kv_blocks: int, page_size: int,
+                          sliding_window_pages: int) -> int:
+    """The largest max_new_tokens whose `n` choices fit `kv_blocks` (< 1: not even one token):
+    the most pages P a choice may reach with n * (P + min(w, P)) - (n - 1) * shared <= kv_blocks."""
+    shared = num_prompt_tokens // page_size
+    room = (kv_blocks + (n - 1) * shared) // n  # P + min(w, P) per choice
+    w = sliding_window_pages
+    pages = room - w if room - w >= w else room // 2
     return pages * page_size - num_prompt_tokens
 
 
@@ -69,7 +80,7 @@ class LoadAwarePolicy(RoutingPolicy):
 
     Free blocks are what the last LoadReport said minus what this router reserved since; a worker
     fits when its context limit and free blocks cover prompt + max_new_tokens (full-attention
-    pages; the worker's own Reserve stays the authority), and while this router has fewer requests
+    and sliding-window pages; the worker's own Reserve stays the authority), and while this router has fewer requests
     on it than its batch slots plus `slot_headroom` of them (the few in prefill or about to start
     keep the batch full). Beyond that a request would only wait on the worker, already answered
     200, until a slot frees; it waits in the router's admission queue instead, where the wait is
@@ -93,7 +104,8 @@ class LoadAwarePolicy(RoutingPolicy):
                 continue
             if load.max_context and total > load.max_context:
                 continue
-            if worker.free_kv_blocks < kv_blocks_needed(total, load.page_size):
+            if worker.free_kv_blocks < kv_blocks_for_choices(num_prompt_tokens, max_new_tokens, 1, load.page_size,
+                                                             load.sliding_window_pages):
                 continue
             slots = self.slots(worker)
             if slots is not None and worker.active_requests >= slots:

@@ -131,9 +131,12 @@ class _Server:
 
 class FakeDecode(pbg.DecodeWorkerServicer):
     def __init__(self, name: str, fabric: KVFabric, script: Script, *, page_size: int = 16,
-                 kv_blocks_total: int = 4096, max_context: int = 8192) -> None:
+                 kv_blocks_total: int = 4096, max_context: int = 8192, sliding_window: int = 0) -> None:
+        """sliding_window > 0: the model has sliding-window layers of that many keys, whose pages
+        come from the same pool (engine/kv_cache.py)."""
         self.name, self.fabric, self.script = name, fabric, script
         self.page_size, self.kv_blocks_total, self.max_context = page_size, kv_blocks_total, max_context
+        self.sliding_window_pages = -(-sliding_window // page_size) + 1 if sliding_window else 0
         self.lock = threading.Lock()
         self.reservations: dict[str, int] = {}
         self.reserve_requests: list[pb.ReserveRequest] = []
@@ -176,8 +179,10 @@ class FakeDecode(pbg.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
         total = request.num_prompt_tokens + request.max_new_tokens
         pages = -(-total // self.page_size)
-        # as the block manager: each later choice shares the prompt's complete pages
+        # as the block manager: each later choice shares the prompt's complete pages; every choice
+        # holds its own sliding-window pages, as many as the window spans
         blocks = pages + (max(1, request.n) - 1) * (pages - request.num_prompt_tokens // self.page_size)
+        blocks += max(1, request.n) * min(self.sliding_window_pages, pages)
         with self.lock:
             used = sum(self.reservations.values())
             if used + blocks > self.kv_blocks_total:
@@ -263,7 +268,8 @@ class FakeDecode(pbg.DecodeWorkerServicer):
                              kv_blocks_free=self.kv_blocks_total - used,
                              max_batch_size=self.max_batch_size,
                              page_size=self.page_size, max_context=self.max_context,
-                             kv_selftest_bytes_per_second=self.kv_selftest)
+                             kv_selftest_bytes_per_second=self.kv_selftest,
+                             sliding_window_pages=self.sliding_window_pages)
 
     def KVMetadata(self, request, context):
         return pb.KVMetadataResponse(peers=[pb.KVPeerInfo(agent_name=f"{self.name}-rank0")])
@@ -392,7 +398,7 @@ class Cluster:
 
     def __init__(self, num_prefill: int = 2, num_decode: int = 2, *, script: list[int],
                  prefill_queued: list[int] | None = None, decode_kv_blocks: list[int] | None = None,
-                 max_context: int = 8192, router_config: dict | None = None) -> None:
+                 max_context: int = 8192, router_config: dict | None = None, sliding_window: int = 0) -> None:
         self.fabric = KVFabric()
         self.script = Script(script)
         queued = prefill_queued or [0] * num_prefill
@@ -400,7 +406,8 @@ class Cluster:
                                     queued_prompt_tokens=queued[i]) for i in range(num_prefill)]
         blocks = decode_kv_blocks or [4096] * num_decode
         self.decode = [FakeDecode(f"decode-{i}", self.fabric, self.script, max_context=max_context,
-                                  kv_blocks_total=blocks[i]) for i in range(num_decode)]
+                                  kv_blocks_total=blocks[i], sliding_window=sliding_window)
+                       for i in range(num_decode)]
         self.router = RouterThread([p.address for p in self.prefill],
                                    [d.address for d in self.decode], **(router_config or {}))
         self.router.wait_ready()

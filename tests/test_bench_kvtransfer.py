@@ -24,7 +24,7 @@ def test_request_bytes_are_the_pages_a_decode_worker_needs(bench):
     # the 12 sliding ones; 32 KiB per page and layer for 8 heads x 64 dims in bf16
     assert bench.request_kv_bytes(cfg, 1024) == 32768 * 12 * (64 + 8)
     for n in [1, 16, 17, 128, 129, 145, random.randrange(200, 5000)]:
-        cache = PagedKVCache(cfg, num_blocks=-(-n // 16), page_size=16, device="cpu")
+        cache = PagedKVCache(cfg, num_blocks=2 * -(-n // 16), page_size=16, device="cpu")
         seq = cache.reserve(n, local_prompt_tokens=n)
         cache.prepare(seq, 0, n)
         cache.finish_prefill(seq, n)

@@ -62,14 +62,14 @@ def test_random_churn_keeps_exact_accounting_and_prefers_runs():
 
 
 def test_fence_keeps_blocks_out_of_reach_until_lifted():
-    m = KVBlockManager(page_size=4, num_blocks=8, window=8, num_sliding_blocks=8)
-    seq = m.reserve(32)
+    m = KVBlockManager(page_size=4, num_blocks=11, window=8)
+    seq = m.reserve(32)  # 8 full blocks + the sliding quota (3 pages of a 8-key window)
     assert m.num_free_blocks == 0
     m.release(seq, fence="req-1")
-    assert (m.num_free_blocks, m.num_fenced_blocks, m.num_used_blocks) == (0, 8, 0)
+    assert (m.num_free_blocks, m.num_fenced_blocks, m.num_used_blocks) == (0, 11, 0)
     with pytest.raises(KVCacheFull, match="fenced"):
         m.reserve(4)
     assert m.lift_fence("unknown") == 0
-    assert m.lift_fence("req-1") == 8 + 3  # full blocks + the sliding quota (3 pages of a 8-key window)
-    assert m.num_free_blocks == 8 and m.num_fenced_blocks == 0
+    assert m.lift_fence("req-1") == 8 + 3
+    assert m.num_free_blocks == 11 and m.num_fenced_blocks == 0
     m.reserve(32)

@@ -46,7 +46,7 @@ def test_choices_run_as_rows_and_give_every_block_back(tiny_cfg):
     assert h.runner.steps[-1] == ["multi"] * n  # one row per choice
     copies = h.runner.copies[-1]
     assert len(copies["full"]) == (n - 1) * (prompt % h.runner.cache.page_size > 0)
-    assert h.runner.cache.allocators["full"].num_shared == shared
+    assert h.runner.cache.allocator.num_shared == shared
     for c in r.choices[1:]:
         assert c.blocks.full[:shared] == r.blocks.full[:shared]
         assert not set(c.blocks.full[shared:]) & set(r.blocks.full)
@@ -57,7 +57,7 @@ def test_choices_run_as_rows_and_give_every_block_back(tiny_cfg):
         mine = [e for e in events if e.choice == i]
         assert sum(len(e.tokens) for e in mine) == max_new - 1  # the first came from the prefill
         assert [e.finish_reason for e in mine][-1] == FinishReason.LENGTH
-    assert h.blocks()[0] == free_before and h.runner.cache.allocators["full"].num_shared == 0
+    assert h.blocks()[0] == free_before and h.runner.cache.allocator.num_shared == 0
     assert h.runner.cache.num_used_blocks == 0
 
 
@@ -104,4 +104,4 @@ def test_a_forked_choice_decodes_as_a_fresh_prefill_of_its_sequence(tiny_runner)
     finally:
         cache.release(child_blocks)
         cache.release(parent.blocks)
-    assert cache.num_used_blocks == 0 and cache.allocators["full"].num_shared == 0
+    assert cache.num_used_blocks == 0 and cache.allocator.num_shared == 0

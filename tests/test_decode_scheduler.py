@@ -79,7 +79,7 @@ class Harness:
 
     def blocks(self):
         c = self.runner.cache
-        return c.num_free_blocks, c.allocators["full"].num_used, c.num_fenced_blocks
+        return c.num_free_blocks, c.num_used_blocks, c.num_fenced_blocks
 
 
 @pytest.fixture
@@ -375,10 +375,11 @@ class DelayedWriter:
 @pytest.mark.parametrize("how", ["cancel", "expire"])
 def test_no_block_is_reused_before_the_delayed_write_into_it_ended(tiny_cfg, how):
     rng = random.Random()
-    blocks = rng.randint(8, 16)
+    pages = rng.randint(8, 16)
     page = 4
+    blocks = pages + -(-tiny_cfg.sliding_window // page) + 1  # + the sliding layers' window
     h = Harness(tiny_cfg, num_blocks=blocks)
-    r = h.s.reserve("victim", page * blocks - 3, 3, ttl_s=5)
+    r = h.s.reserve("victim", page * pages - 3, 3, ttl_s=5)  # the whole pool
     writer = DelayedWriter(h, "victim", r.blocks.full)
     h.s.run_once()
     if how == "cancel":
@@ -409,7 +410,7 @@ def test_cancel_without_a_writer_frees_at_once_and_silent_writers_at_the_deadlin
     h.s.run_once()
     assert h.blocks() == (512, 0, 0)
     r = h.s.reserve("silent", 9, 5, ttl_s=60)
-    n = len(r.blocks.full)
+    n = len(r.blocks.full) + len(r.blocks.owned_sliding())
     h.s.cancel("silent")  # a prefill worker may have it queued: fenced
     h.s.run_once()
     assert h.blocks() == (512 - n, 0, n)
@@ -505,7 +506,7 @@ def nixl_pair(tiny_cfg, request):
     from pdserve.kvtransfer import KVTransferAgent
     from pdserve.prefill_worker.executor import PrefillExecutor
 
-    h = Harness(tiny_cfg, num_blocks=24)
+    h = Harness(tiny_cfg, num_blocks=24 + -(-tiny_cfg.sliding_window // 4) + 1)  # 24 pages + a window
     tag = uuid.uuid4().hex[:6]
     dec = KVTransferAgent(f"dec-{tag}", h.runner.cache.pools, head_range=(0, 4))
     h.s.notification_source = lambda: [(0, n) for n in dec.take_notifications()]
@@ -573,7 +574,7 @@ def test_cancelled_push_over_nixl_keeps_blocks_fenced_until_the_prefill_side_let
         fut.result(timeout=60)
     assert h.log == ["landed"]
     _pump(h, lambda: h.blocks()[2] == 0, "the prefill side never said its push ended")
-    assert h.blocks() == (24, 0, 0)
+    assert h.blocks() == (h.runner.cache.num_total_blocks, 0, 0)
     nxt = h.s.reserve("greedy", 24 * 4 - 4, 4, ttl_s=60)
     for pool in h.runner.cache.pools.values():
         pool.zero_()
@@ -593,18 +594,18 @@ def test_push_over_nixl_notes_and_a_prefill_that_comes_after_its_cancel(nixl_pai
     assert h.s._requests["ok"].writes_settled()
     h.s.cancel("ok")
     h.s.run_once()
-    assert h.blocks() == (24, 0, 0)  # every write ended: no fence
+    assert h.blocks() == (h.runner.cache.num_total_blocks, 0, 0)  # every write ended: no fence
     assert not h.executor.cancel("ok", remember=False)  # its RPC ended: that is no Cancel
     job, fut = _submit(h, "ok", n)  # so a retry of the request (the router's, after a failed
     fut.result(timeout=60)          # decode worker) is served
     h.s.cancel("ok")
-    _pump(h, lambda: h.blocks() == (24, 0, 0), "the retried request did not end")
+    _pump(h, lambda: h.blocks() == (h.runner.cache.num_total_blocks, 0, 0), "the retried request did not end")
     # the router's Cancel reaches the prefill worker before its Prefill
     assert not h.executor.cancel("late")
     with pytest.raises(InterruptedError):
         _submit(h, "late", n)
     h.s.cancel("late")
-    _pump(h, lambda: h.blocks() == (24, 0, 0), "the refused prefill did not release the fence")
+    _pump(h, lambda: h.blocks() == (h.runner.cache.num_total_blocks, 0, 0), "the refused prefill did not release the fence")
 
 
 def test_decode_gets_the_prompt_length_and_a_migrated_streams_samples_only(h):
@@ -637,7 +638,7 @@ def test_a_prefill_that_fails_before_pushing_tells_the_decode_side(nixl_pair):
     with pytest.raises(RuntimeError):
         fut.result(timeout=60)
     h.s.cancel("doomed")  # the router gives up on the request
-    _pump(h, lambda: h.blocks() == (24, 0, 0), "the decode side was not told: blocks fenced")
+    _pump(h, lambda: h.blocks() == (h.runner.cache.num_total_blocks, 0, 0), "the decode side was not told: blocks fenced")
 
 
 # -- re-sharded KV (prefill TP4 -> decode TP2) into reused blocks, with a rank that polls late --------
@@ -659,8 +660,10 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
     from pdserve.prefill_worker.executor import KVPush, push_kv
 
     rng = random.Random()
-    nb = rng.randint(2, 6)  # the whole cache: the next request must take the victim's blocks
-    h = Harness(tiny_cfg, num_blocks=nb, head_ranges=[(0, 2), (2, 4)])
+    pages = rng.randint(2, 6)
+    nb = pages + min(-(-tiny_cfg.sliding_window // 4) + 1, pages)  # the whole cache (a victim's full
+    h = Harness(tiny_cfg, num_blocks=nb, head_ranges=[(0, 2), (2, 4)])  # + sliding pages): the next
+    # request must take the victim's blocks
     shape = h.runner.cache.pools["full"].shape  # (layers, blocks, 2, page, heads, dim)
     tag = uuid.uuid4().hex[:6]
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
@@ -706,7 +709,7 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
                 push_kv(a, p, timeout_s=30)
 
     try:
-        victim = list(h.s.reserve("victim", 4 * nb - 1, 1, ttl_s=60).blocks.full)
+        victim = list(h.s.reserve("victim", 4 * pages - 1, 1, ttl_s=60).blocks.full)
         push("victim", 0, PUSH)
         slots = [kv_notification("victim", (i, i + 1)) for i in range(4)]
         poll(0, push_notification("victim", PUSH, pre[0].name), *slots[:2])  # rank 1: not yet
@@ -723,7 +726,7 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
         h.s.run_once()
         assert h.blocks() == (nb, 0, 0)  # every write landed: the blocks may be handed out
 
-        nxt = h.s.reserve("next", 4 * nb - 1, 1, ttl_s=60)
+        nxt = h.s.reserve("next", 4 * pages - 1, 1, ttl_s=60)
         assert sorted(nxt.blocks.full) == sorted(victim)
         push("next", nb, PUSH)
         push("next", nb, OK)
@@ -734,7 +737,7 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
         assert h.state("next") is State.KV_READY and unpacked == [["next"]]
         for r, a in enumerate(dec):
             got = a._pools["full"][:, nxt.blocks.full].view(torch.int16)
-            want = truth[:, nb:2 * nb, ..., 2 * r:2 * r + 2, :].view(torch.int16)
+            want = truth[:, nb:nb + pages, ..., 2 * r:2 * r + 2, :].view(torch.int16)
             assert torch.equal(got, want), f"rank {r}: the next request's KV is not what its prefill wrote"
     finally:
         for a in pre + dec:

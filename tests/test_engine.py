@@ -114,7 +114,7 @@ def test_sliding_layers_hold_only_their_window(tiny_cfg):
     cache.prepare(seq, 0, 50)
     cache.finish_prefill(seq, 50)
     assert seq.sliding_first_page == sliding_first_page(50, 16, 4) == 8
-    assert len(seq.owned_sliding()) == 5 and cache.allocators["sliding"].num_used == 5
+    assert len(seq.owned_sliding()) == 5 and cache.num_used_blocks == 50 + 5
     for pos in range(50, 150):  # decode: the window slides, the quota is never exceeded
         slots = cache.prepare(seq, pos, 1)
         assert len(seq.sliding) <= 5

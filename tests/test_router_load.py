@@ -246,11 +246,12 @@ def test_a_completions_batch_of_more_prompts_than_batch_slots_finishes(stream):
 
 # ---- requests no decode worker's KV pool can ever hold: 400 at admission -----------------
 POOLS = [120, 200]  # KV blocks of 16 tokens on the two decode workers
+WINDOW_PAGES = 128 // 16 + 1  # gpt-oss' sliding-window layers: 128 keys span up to 9 pages
 
 
 @pytest.fixture(scope="module")
 def small_pools():
-    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=POOLS,
+    cluster = Cluster(script=harmony_ids(SCRIPT), decode_kv_blocks=POOLS, sliding_window=128,
                       router_config={"max_queued_requests": 64, "max_queue_wait": 2})
     r = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=10, json=_BODY)
     assert r.status_code == 200, r.text
@@ -258,10 +259,20 @@ def small_pools():
     cluster.close()
 
 
-def _largest_max_tokens(prompt: int, n: int, blocks: int, page: int = 16) -> int:
-    """Largest max_tokens whose n choices fit `blocks`: n * pages(prompt + max_tokens) minus
-    the prompt's complete pages the n - 1 later choices share (engine/block_manager.py)."""
-    return (blocks + (n - 1) * (prompt // page)) // n * page - prompt
+def _blocks(prompt: int, max_tokens: int, n: int, page: int = 16) -> int:
+    """Blocks n choices take (engine/block_manager.py): each its full-attention pages of prompt +
+    max_tokens, less the prompt's complete pages the n - 1 later ones share, and its own
+    sliding-window pages."""
+    pages = -(-(prompt + max_tokens) // page)
+    return n * pages - (n - 1) * (prompt // page) + n * min(WINDOW_PAGES, pages)
+
+
+def _largest_max_tokens(prompt: int, n: int, blocks: int) -> int:
+    """Largest max_tokens whose n choices fit `blocks` (0: none), by search."""
+    m = 0
+    while _blocks(prompt, m + 1, n) <= blocks:
+        m += 1
+    return m
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
@@ -280,7 +291,8 @@ def test_a_request_no_decode_pool_can_hold_is_400_at_once_and_one_that_fits_runs
     assert time.monotonic() - started < 1.5  # not after a wait for room that cannot come
     # n = 1 would fit: n is what to reduce; else max_tokens
     assert_error(r, 400, param="n" if n > 1 else "max_tokens")
-    assert str(max(POOLS) * 16) in r.json()["error"]["message"]
+    assert f"holds {max(POOLS)} blocks of 16 tokens" in r.json()["error"]["message"]
+    assert f"up to {WINDOW_PAGES} for its sliding-window layers" in r.json()["error"]["message"]
 
 
 def test_the_default_max_tokens_is_what_fits_the_largest_pool(small_pools):
@@ -296,7 +308,7 @@ def test_the_default_max_tokens_is_what_fits_the_largest_pool(small_pools):
 def test_a_prompt_that_leaves_no_room_in_any_pool_is_400_naming_n_or_the_prompt(small_pools):
     cluster, _ = small_pools
     cluster.reset()
-    ids = list(range(1000, 1000 + max(POOLS) * 16 - 8))  # one choice fits, 2 cannot
+    ids = list(range(1000, 1000 + (max(POOLS) - WINDOW_PAGES) * 16 - 8))  # one choice fits, 2 cannot
     r = httpx.post(cluster.base_url + "/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": ids, "n": 2})
     assert_error(r, 400, param="n")
@@ -310,29 +322,41 @@ def test_a_prompt_that_leaves_no_room_in_any_pool_is_400_naming_n_or_the_prompt(
 
 
 def test_the_routers_kv_need_is_what_the_block_manager_takes():
-    """The router's count of a request's full-attention blocks against engine/block_manager.py's
-    reservation (first choice: every page; each later one: the pages past the prompt's complete
-    ones), at random shapes, on both sides of the pool size."""
+    """The router's count of a request's blocks against engine/block_manager.py's reservation
+    (full-attention pages: the first choice every page, each later one the pages past the prompt's
+    complete ones; sliding-window pages: each choice its window's), at random shapes, on both sides
+    of the pool size; and the longest completion the router lets into a pool is the longest that
+    fits it."""
     from pdserve.engine.block_manager import KVBlockManager, KVCacheFull
-    from pdserve.router.policy import kv_blocks_for_choices
+    from pdserve.router.policy import kv_blocks_for_choices, max_new_tokens_within
+
+    def fits(manager, prompt, max_new, n):
+        held = []
+        try:
+            held.append(manager.reserve(prompt + max_new))
+            for _ in range(n - 1):
+                held.append(manager.reserve_choice(prompt, prompt + max_new))
+            return True
+        except KVCacheFull:
+            return False
+        finally:
+            for seq in held:
+                manager.release(seq)
 
     rng = random.Random()
     for _ in range(300):
-        page, n = rng.choice([1, 4, 16, 64]), rng.randint(1, 64)
+        page, n, window = rng.choice([1, 4, 16, 64]), rng.randint(1, 64), rng.choice([0, 16, 128])
         prompt, max_new = rng.randint(1, 600), rng.randint(1, 600)
-        need = kv_blocks_for_choices(prompt, max_new, n, page)
+        probe = KVBlockManager(page_size=page, num_blocks=1, window=window)
+        need = kv_blocks_for_choices(prompt, max_new, n, page, probe.sliding_window_pages)
         for blocks in (need - 1, need):
             if blocks < 1:
                 continue
-            manager = KVBlockManager(page_size=page, num_blocks=blocks)
-            try:
-                manager.reserve(prompt + max_new)
-                for _ in range(n - 1):
-                    manager.reserve_choice(prompt, prompt + max_new)
-                fitted = True
-            except KVCacheFull:
-                fitted = False
-            assert fitted == (blocks == need), (page, n, prompt, max_new, blocks)
+            manager = KVBlockManager(page_size=page, num_blocks=blocks, window=window)
+            assert fits(manager, prompt, max_new, n) == (blocks == need), (page, n, window, prompt, max_new, blocks)
+            longest = max_new_tokens_within(prompt, n, blocks, page, manager.sliding_window_pages)
+            assert longest < 1 or fits(manager, prompt, longest, n), (page, n, window, prompt, blocks, longest)
+            assert not fits(manager, prompt, max(1, longest + 1), n), (page, n, window, prompt, blocks, longest)
 
 
 def test_grpc_generate_counts_its_choices_against_the_pools(small_pools):
