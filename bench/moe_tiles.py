@@ -1,14 +1,15 @@
-"""A probe of the folded MXFP4 gate/up in Marlin's shape (docs/performance.md, thirty-sixth round): a resident
-grid whose CTAs walk (routing block, 64-row tile) units, each unit's K in tiles of KT steps (a step = 4 groups
-= 128 k) that stream through a ring of S stages in shared memory by cp.async: the 64 rows' packed words and
-scale words, and the block's 16 token rows (f16, as the routing launch writes them for the f16 fold), so that
-B comes from shared memory, shared by the CTA's four warps, not from L1. One barrier a stage. The arithmetic
-of a K step is the engine's folded one (kernels/cuda_moe_mxfp4.cu: decode, times 2^(s - 121) in f16, mma.sync
-f16 with float32 sums, B columns = 8 pairs), so only the data movement differs. Output: each pair's float32
-sums times its token's inverse factor (no bias, no SwiGLU: a few instructions a row in either kernel).
+"""A probe of the folded MXFP4 gate/up in Marlin's shape (docs/performance.md, thirty-sixth round): a
+resident grid whose CTAs walk (routing block, tile of 64 x RW rows) units, each unit's K in tiles of KT
+steps (a step = 4 groups = 128 k) that stream through a ring of S stages in shared memory by cp.async: the
+tile's packed words and scale words, and the block's live token rows of its 16 (f16, as the routing launch
+writes them for the f16 fold), so that B comes from shared memory, shared by the CTA's four warps, not
+from L1. One barrier a stage. The arithmetic of a K step is the engine's folded one
+(kernels/cuda_moe_mxfp4.cu: decode, times 2^(s - 121) in f16, mma.sync f16 with float32 sums, B columns
+= 8 pairs), so only the data movement differs. Output: each pair's float32 sums times its token's inverse
+factor (no bias, no SwiGLU: a few instructions a row in either kernel).
 
-    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--shapes 2x4,4x3,1x6] [--vllm DIR]
-        [--out FILE.json]
+    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--shapes 2x4,4x3,1x6,2x4x2]
+        [--vllm DIR] [--out FILE.json]
 
 Prints, per batch, us a layer of the routing launch + the probe's gate/up against the routing launch + the
 engine's folded gate/up launch alone (same routing sets, experts rotated past the L2, one CUDA graph), each
@@ -29,12 +30,12 @@ from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_
 from pdserve.kernels.mxfp4 import PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, dequantize_mxfp4
 from pdserve.kernels.nvrtc import HEADERS, compile_kernels, resident_ctas
 
-ROWS, SLOTS, THREADS = 64, 16, 128
+SLOTS, THREADS = 16, 128
 
 SOURCE = r"""
 #include "cuda_common.cuh"
 #include "mxfp4_packed.cuh"
-#define ROWS 64
+#define ROWS (64 * RW)  // RW m-tiles of 16 rows a warp, four warps
 #define SLOTS 16
 #define CHUNKS ((KG + 3) / 4)
 #define KTILES ((CHUNKS + KT - 1) / KT)
@@ -104,12 +105,16 @@ __device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32
     const int r = j / KT, jj = j % KT, c = kt * KT + jj;
     cp4(st + W_WORDS + jj * ROWS + r, sbase + (i64)r * SCALE_WORDS + (c < CHUNKS ? c : 0), c < CHUNKS ? 4 : 0);
   }
+  // token rows of the block's live slots only: a dead slot's column of B is never written out (an mma's
+  // columns do not mix), so whatever its shared memory holds is harmless; past K, zeros (the weights
+  // there are not)
   for (int j = threadIdx.x; j < SLOTS * KT * 16; j += blockDim.x) {
     const int slot = j / (KT * 16), rem = j % (KT * 16), jj = rem / 16, qd = (rem / 4) % 4, v = rem % 4;
     const int grp = 4 * (kt * KT + jj) + qd;
     const int pair = __ldg(item_slots + b * SLOTS + slot);
-    const bool live = pair >= 0 && grp < KG;
-    const u16* src = xf + (i64)(live ? pair / top_k : 0) * stride_x + (live ? grp : 0) * 32 + v * 8;
+    if (pair < 0) continue;
+    const bool live = grp < KG;
+    const u16* src = xf + (i64)(pair / top_k) * stride_x + (live ? grp : 0) * 32 + v * 8;
     cp16(st + W_WORDS + S_WORDS + ((jj * SLOTS + slot) * 4 + qd) * BUNIT + 4 * v, src, live ? 16 : 0);
   }
 }
@@ -122,15 +127,15 @@ mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, 
   __shared__ Unit units[UNITS_AHEAD];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int tiles = n_rows / ROWS, total = items * tiles;
-  const int row_l = warp * 16 + g;
+  const int row_w = warp * 16 * RW + g;  // row g of the warp's first m-tile (m-tile r: + 16 r)
 #pragma unroll
   for (int q = 0; q < S - 1; q++) {
     produce(ring, units, q, words, scales, xf, stride_x, x_inv, item_expert, item_slots, total, tiles, top_k, n_rows);
     commit();
   }
-  float acc[2][2][4];
+  float acc[RW][2][2][4];
 #pragma unroll
-  for (int i = 0; i < 16; i++) acc[i / 8][(i / 4) % 2][i % 4] = 0.f;
+  for (int i = 0; i < 16 * RW; i++) acc[i / 16][(i / 8) % 2][(i / 4) % 2][i % 4] = 0.f;
 #pragma unroll 1
   for (int q = 0;; q++) {
     asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");  // stage q has landed (this thread's copies)
@@ -148,44 +153,52 @@ mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, 
 #pragma unroll
     for (int jj = 0; jj < KT; jj++) {
       if (kt * KT + jj >= CHUNKS) break;
-      const U4 wa = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l) * 4 + tig) * 4);
-      const U4 wb = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l + 8) * 4 + tig) * 4);
-      const u32 fa = fold_factor_f16(st[W_WORDS + jj * ROWS + row_l] >> (8 * tig));
-      const u32 fb = fold_factor_f16(st[W_WORDS + jj * ROWS + row_l + 8] >> (8 * tig));
-      u32 pa[4][4], pb[4][4];
-      decode(wa.x, fa, pa[0]); decode(wa.y, fa, pa[1]); decode(wa.z, fa, pa[2]); decode(wa.w, fa, pa[3]);
-      decode(wb.x, fb, pb[0]); decode(wb.y, fb, pb[1]); decode(wb.z, fb, pb[2]); decode(wb.w, fb, pb[3]);
 #pragma unroll
-      for (int n = 0; n < 2; n++) {
-        if (n >= nt) break;
-        const u32* xb = st + W_WORDS + S_WORDS + ((jj * SLOTS + 8 * n + g) * 4 + tig) * BUNIT;
-        U4 xv[4];
+      for (int r = 0; r < RW; r++) {
+        const int row_l = row_w + 16 * r;
+        const U4 wa = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l) * 4 + tig) * 4);
+        const U4 wb = *reinterpret_cast<const U4*>(st + ((jj * ROWS + row_l + 8) * 4 + tig) * 4);
+        const u32 fa = fold_factor_f16(st[W_WORDS + jj * ROWS + row_l] >> (8 * tig));
+        const u32 fb = fold_factor_f16(st[W_WORDS + jj * ROWS + row_l + 8] >> (8 * tig));
+        u32 pa[4][4], pb[4][4];
+        decode(wa.x, fa, pa[0]); decode(wa.y, fa, pa[1]); decode(wa.z, fa, pa[2]); decode(wa.w, fa, pa[3]);
+        decode(wb.x, fb, pb[0]); decode(wb.y, fb, pb[1]); decode(wb.z, fb, pb[2]); decode(wb.w, fb, pb[3]);
 #pragma unroll
-        for (int v = 0; v < 4; v++) xv[v] = *reinterpret_cast<const U4*>(xb + 4 * v);
-        mma<true>(acc[n][0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
-        mma<true>(acc[n][1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
-        mma<true>(acc[n][0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
-        mma<true>(acc[n][1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
-        mma<true>(acc[n][0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
-        mma<true>(acc[n][1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
-        mma<true>(acc[n][0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
-        mma<true>(acc[n][1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+        for (int n = 0; n < 2; n++) {
+          if (n >= nt) break;
+          const u32* xb = st + W_WORDS + S_WORDS + ((jj * SLOTS + 8 * n + g) * 4 + tig) * BUNIT;
+          U4 xv[4];
+#pragma unroll
+          for (int v = 0; v < 4; v++) xv[v] = *reinterpret_cast<const U4*>(xb + 4 * v);
+          float (&c)[2][4] = acc[r][n];
+          mma<true>(c[0], pa[0][0], pb[0][0], pa[0][1], pb[0][1], xv[0].x, xv[0].y);
+          mma<true>(c[1], pa[2][0], pb[2][0], pa[2][1], pb[2][1], xv[2].x, xv[2].y);
+          mma<true>(c[0], pa[0][2], pb[0][2], pa[0][3], pb[0][3], xv[0].z, xv[0].w);
+          mma<true>(c[1], pa[2][2], pb[2][2], pa[2][3], pb[2][3], xv[2].z, xv[2].w);
+          mma<true>(c[0], pa[1][0], pb[1][0], pa[1][1], pb[1][1], xv[1].x, xv[1].y);
+          mma<true>(c[1], pa[3][0], pb[3][0], pa[3][1], pb[3][1], xv[3].x, xv[3].y);
+          mma<true>(c[0], pa[1][2], pb[1][2], pa[1][3], pb[1][3], xv[1].z, xv[1].w);
+          mma<true>(c[1], pa[3][2], pb[3][2], pa[3][3], pb[3][3], xv[3].z, xv[3].w);
+        }
       }
     }
-    if (kt == KTILES - 1) {  // the unit's sums: row g / g + 8 of the warp's tile, pairs 8n + 2 tig (+1)
-      const int row = (u % tiles) * ROWS + row_l;
+    if (kt == KTILES - 1) {  // the unit's sums: rows g / g + 8 of each m-tile, pairs 8n + 2 tig (+1)
 #pragma unroll
-      for (int n = 0; n < 2; n++) {
+      for (int r = 0; r < RW; r++) {
+        const int row = (u % tiles) * ROWS + row_w + 16 * r;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-          const int xi = 8 * n + 2 * tig + h;
-          if (xi < un.n) {
-            const i64 at = (i64)un.pair[xi] * n_rows + row;
-            out[at] = (acc[n][0][h] + acc[n][1][h]) * un.inv[xi];
-            out[at + 8] = (acc[n][0][2 + h] + acc[n][1][2 + h]) * un.inv[xi];
+        for (int n = 0; n < 2; n++) {
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            const int xi = 8 * n + 2 * tig + h;
+            float (&c)[2][4] = acc[r][n];
+            if (xi < un.n) {
+              const i64 at = (i64)un.pair[xi] * n_rows + row;
+              out[at] = (c[0][h] + c[1][h]) * un.inv[xi];
+              out[at + 8] = (c[0][2 + h] + c[1][2 + h]) * un.inv[xi];
+            }
+            c[0][h] = c[1][h] = c[0][2 + h] = c[1][2 + h] = 0.f;
           }
-#pragma unroll
-          for (int c = 0; c < 2; c++) acc[n][c][h] = acc[n][c][2 + h] = 0.f;
         }
       }
     }
@@ -195,29 +208,37 @@ mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, 
 """
 
 
-def compile_options(kt: int, stages: int, k_groups: int = 90) -> list[str]:
-    return ["-std=c++17", f"-DKG={k_groups}", f"-DKT={kt}", f"-DS={stages}", f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u",
+def rows(rw: int) -> int:
+    """Weight rows of a unit: RW m-tiles of 16 rows for each of the four warps."""
+    return 64 * rw
+
+
+def compile_options(kt: int, stages: int, rw: int = 1, k_groups: int = 90) -> list[str]:
+    return ["-std=c++17", f"-DKG={k_groups}", f"-DKT={kt}", f"-DS={stages}", f"-DRW={rw}",
+            f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u",
             f"-DMX_HIGH_SHL_MASK={PACKED_HIGH_SHL_MASK:#010x}u", f"-DMX_HIGH_SHR_MASK={PACKED_HIGH_SHR_MASK:#010x}u"]
 
 
-def stage_bytes(kt: int) -> int:
-    """One stage of the ring: KT steps of 64 rows' words (1024 words a step), their scale words (64) and 16
-    token rows' groups at 20 words each (1280)."""
-    return kt * (ROWS * 16 + ROWS + SLOTS * 4 * 20) * 4
+def stage_bytes(kt: int, rw: int = 1) -> int:
+    """One stage of the ring: KT steps of the unit's rows' words (16 words a row and step), their scale words
+    (one a row) and 16 token rows' groups at 20 words each (1280)."""
+    return kt * (rows(rw) * 16 + rows(rw) + SLOTS * 4 * 20) * 4
 
 
 class Probe:
-    def __init__(self, kt: int, stages: int, device: torch.device):
-        self.kt, self.stages = kt, stages
-        self.smem = stages * stage_bytes(kt)
+    def __init__(self, kt: int, stages: int, rw: int, device: torch.device):
+        self.kt, self.stages, self.rw = kt, stages, rw
+        self.smem = stages * stage_bytes(kt, rw)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.kernel = compile_kernels(SOURCE, ["mx_tiles_gate_up"], compile_options(kt, stages), index, self.smem,
-                                      include=HEADERS)["mx_tiles_gate_up"]
+        self.kernel = compile_kernels(SOURCE, ["mx_tiles_gate_up"], compile_options(kt, stages, rw), index,
+                                      self.smem, include=HEADERS)["mx_tiles_gate_up"]
         self.grid = resident_ctas(self.kernel, THREADS, self.smem, index)
 
     def __call__(self, w, routing, xf: torch.Tensor, x_inv: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
         from pdserve.kernels.pdl import launch_cuda
 
+        if w.gate_up_blocks.shape[1] % rows(self.rw):
+            raise ValueError(f"{w.gate_up_blocks.shape[1]} gate/up rows are not a multiple of {rows(self.rw)}")
         launch_cuda(self.kernel, (self.grid, 1, 1), (THREADS, 1, 1), self.smem, pdl=False, args=[
             w.gate_up_blocks, w.gate_up_scales, xf, xf.stride(0), x_inv, routing.block_expert, routing.sorted_slot,
             routing.max_blocks, top_k, w.gate_up_blocks.shape[1], out])
@@ -246,7 +267,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="4,16,64")
-    ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3", help="KTxS: K steps a stage, stages")
+    ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3,1x4x2,2x4x2",
+                    help="KTxS[xRW]: K steps a stage, stages, m-tiles of 16 rows a warp (default 1)")
     ap.add_argument("--vllm", default=None, help="the vllm/ folder of vLLM's unpacked wheel: Marlin's gate/up too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -256,8 +278,8 @@ def main() -> int:
     per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales))
     probes = {}
     for shape in a.shapes.split(","):
-        kt, s = (int(v) for v in shape.split("x"))
-        probes[f"tiles kt{kt} s{s}"] = Probe(kt, s, dev)
+        kt, s, rw = ([int(v) for v in shape.split("x")] + [1])[:3]
+        probes[f"tiles kt{kt} s{s} rw{rw}"] = Probe(kt, s, rw, dev)
     marlin = None
     if a.vllm:
         from pathlib import Path

@@ -8,13 +8,15 @@ import pytest
 from nvrtc_offline import compile_cuda
 
 
-@pytest.mark.parametrize("kt,stages", [(1, 4), (1, 6), (2, 4), (2, 6), (4, 3)])
-def test_probe_builds_without_spills(kt, stages):
+@pytest.mark.parametrize("kt,stages,rw", [(1, 4, 1), (1, 6, 1), (2, 4, 1), (2, 6, 1), (4, 3, 1), (1, 4, 2),
+                                          (2, 4, 2), (2, 3, 3)])
+def test_probe_builds_without_spills(kt, stages, rw):
     from pdserve.bench import moe_tiles
 
-    _, log = compile_cuda(moe_tiles.SOURCE, moe_tiles.compile_options(kt, stages))
+    _, log = compile_cuda(moe_tiles.SOURCE, moe_tiles.compile_options(kt, stages, rw))
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
-    assert stages * moe_tiles.stage_bytes(kt) <= 227 * 1024
+    assert stages * moe_tiles.stage_bytes(kt, rw) <= 227 * 1024
+    assert 5760 % moe_tiles.rows(rw) == 0  # gpt-oss' gate/up rows split into whole tiles
 
 
 def test_the_engine_gate_up_it_times_gets_each_kernel_parameter(monkeypatch):
