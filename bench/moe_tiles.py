@@ -107,7 +107,7 @@ __device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32
   }
   // token rows of the block's live slots only: a dead slot's column of B is never written out (an mma's
   // columns do not mix), so whatever its shared memory holds is harmless; past K, zeros (the weights
-  // there are not)
+  // there are zeros, and zero times stale shared memory, which may hold a NaN, is not always zero)
   for (int j = threadIdx.x; j < SLOTS * KT * 16; j += blockDim.x) {
     const int slot = j / (KT * 16), rem = j % (KT * 16), jj = rem / 16, qd = (rem / 4) % 4, v = rem % 4;
     const int grp = 4 * (kt * KT + jj) + qd;
