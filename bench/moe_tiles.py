@@ -1,22 +1,24 @@
-"""A probe of the folded MXFP4 gate/up in Marlin's shape (docs/performance.md, thirty-sixth round): a
-resident grid whose CTAs walk (routing block, tile of 64 x RW rows) units, each unit's K in tiles of KT
-steps (a step = 4 groups = 128 k) that stream through a ring of S stages in shared memory by cp.async: the
-tile's packed words and scale words, and the block's live token rows of its 16 (f16, as the routing launch
-writes them for the f16 fold), so that B comes from shared memory, shared by the CTA's four warps, not
-from L1. One barrier a stage. The arithmetic of a K step is the engine's folded one
-(kernels/cuda_moe_mxfp4.cu: decode, times 2^(s - 121) in f16, mma.sync f16 with float32 sums, B columns
-= 8 pairs), so only the data movement differs. Output: each pair's float32 sums times its token's inverse
-factor (no bias, no SwiGLU: a few instructions a row in either kernel).
+"""A probe of the folded MXFP4 GEMMs in Marlin's shape (docs/performance.md, thirty-sixth round): a resident
+grid whose CTAs walk (routing block, tile of 64 x RW rows) units, each unit's K in tiles of KT steps (a step
+= 4 groups = 128 k) that stream through a ring of S stages in shared memory by cp.async: the tile's packed
+words and scale words, and the B rows of the block's live slots of its 16 (f16: gate/up's are the pairs'
+tokens as the routing launch writes them for the f16 fold, down's the pairs' activation rows), so that B
+comes from shared memory, shared by the CTA's four warps, not from L1. One barrier a stage. The arithmetic
+of a K step is the engine's folded one (kernels/cuda_moe_mxfp4.cu: decode, times 2^(s - 121) in f16,
+mma.sync f16 with float32 sums, B columns = 8 pairs), so only the data movement differs. Output: each
+pair's float32 sums times its B row's inverse factor (no bias, SwiGLU or top-k sum: a few instructions a
+row, and for down the engine's last-CTA sum of a token's partials).
 
-    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--shapes 2x4,4x3,1x6,2x4x2]
-        [--vllm DIR] [--out FILE.json]
+    python -m pdserve.bench.moe_tiles [--experts 128] [--tokens 4,16,64] [--parts gate_up,down]
+        [--shapes 2x4,4x3,1x6,2x4x2] [--vllm DIR] [--out FILE.json]
 
-Prints, per batch, us a layer of the routing launch + the probe's gate/up against the routing launch + the
-engine's folded gate/up launch alone (same routing sets, experts rotated past the L2, one CUDA graph), each
-against the copy floor of the touched gate/up bytes, and the probe's rel L2 against a float64 reference. With
-`--vllm DIR` (bench/peer_marlin.py) also Marlin's routing layout + gate/up GEMM, padded as little as Marlin
-takes (2944 / 2880), with its rel L2 against the same reference plus the bias.
+Prints, per GEMM and batch, us a layer of the routing launch + each probe against the routing launch + the
+engine's folded launch of that GEMM alone (same routing sets, experts rotated past the L2, one CUDA graph),
+each against the copy floor of the touched bytes of that GEMM, and the probes' rel L2 against a float64
+reference. With `--vllm DIR` (bench/peer_marlin.py) also Marlin's routing layout + GEMMs, padded as little
+as Marlin takes (2944 / 2880): gate/up, and gate/up + down, whose difference is Marlin's down.
 """
+
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ SOURCE = r"""
 #include "mxfp4_packed.cuh"
 #define ROWS (64 * RW)  // RW m-tiles of 16 rows a warp, four warps
 #define SLOTS 16
+// B's rows: 0 = the pair's token (gate/up: x), 1 = the pair itself (down: its activation row)
+#define B_ROW(pair) (PER_PAIR ? (pair) : (pair) / top_k)
 #define CHUNKS ((KG + 3) / 4)
 #define KTILES ((CHUNKS + KT - 1) / KT)
 #define SCALE_WORDS (((KG + 15) / 16) * 4)
@@ -87,7 +91,7 @@ __device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32
     const unsigned live = __ballot_sync(0xFFFFFFFFu, expert >= 0 && pair >= 0);
     if (t < SLOTS) {
       un.pair[t] = pair;
-      un.inv[t] = pair >= 0 && expert >= 0 ? __ldg(x_inv + pair / top_k) : 0.f;
+      un.inv[t] = pair >= 0 && expert >= 0 ? __ldg(x_inv + B_ROW(pair)) : 0.f;
     }
     if (t == 0) un.expert = expert, un.n = __popc(live);
   }
@@ -114,7 +118,7 @@ __device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32
     const int pair = __ldg(item_slots + b * SLOTS + slot);
     if (pair < 0) continue;
     const bool live = grp < KG;
-    const u16* src = xf + (i64)(pair / top_k) * stride_x + (live ? grp : 0) * 32 + v * 8;
+    const u16* src = xf + (i64)B_ROW(pair) * stride_x + (live ? grp : 0) * 32 + v * 8;
     cp16(st + W_WORDS + S_WORDS + ((jj * SLOTS + slot) * 4 + qd) * BUNIT + 4 * v, src, live ? 16 : 0);
   }
 }
@@ -213,8 +217,9 @@ def rows(rw: int) -> int:
     return 64 * rw
 
 
-def compile_options(kt: int, stages: int, rw: int = 1, k_groups: int = 90) -> list[str]:
-    return ["-std=c++17", f"-DKG={k_groups}", f"-DKT={kt}", f"-DS={stages}", f"-DRW={rw}",
+def compile_options(kt: int, stages: int, rw: int = 1, k_groups: int = 90, per_pair: bool = False) -> list[str]:
+    """per_pair: B's rows are the pairs' (the down GEMM's activations), not their tokens' (gate/up's x)."""
+    return ["-std=c++17", f"-DKG={k_groups}", f"-DKT={kt}", f"-DS={stages}", f"-DRW={rw}", f"-DPER_PAIR={int(per_pair)}",
             f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u",
             f"-DMX_HIGH_SHL_MASK={PACKED_HIGH_SHL_MASK:#010x}u", f"-DMX_HIGH_SHR_MASK={PACKED_HIGH_SHR_MASK:#010x}u"]
 
@@ -226,22 +231,28 @@ def stage_bytes(kt: int, rw: int = 1) -> int:
 
 
 class Probe:
-    def __init__(self, kt: int, stages: int, rw: int, device: torch.device):
-        self.kt, self.stages, self.rw = kt, stages, rw
+    """The probe for one GEMM of the layer: `part` "gate_up" (B = the pairs' tokens, x) or "down" (B = the
+    pairs' activation rows)."""
+
+    def __init__(self, kt: int, stages: int, rw: int, part: str, k_groups: int, device: torch.device):
+        self.kt, self.stages, self.rw, self.part = kt, stages, rw, part
         self.smem = stages * stage_bytes(kt, rw)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.kernel = compile_kernels(SOURCE, ["mx_tiles_gate_up"], compile_options(kt, stages, rw), index,
-                                      self.smem, include=HEADERS)["mx_tiles_gate_up"]
+        options = compile_options(kt, stages, rw, k_groups, per_pair=part == "down")
+        self.kernel = compile_kernels(SOURCE, ["mx_tiles_gate_up"], options, index, self.smem,
+                                      include=HEADERS)["mx_tiles_gate_up"]
         self.grid = resident_ctas(self.kernel, THREADS, self.smem, index)
 
-    def __call__(self, w, routing, xf: torch.Tensor, x_inv: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+    def __call__(self, w, routing, b: torch.Tensor, b_inv: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+        """out[pair, row] = the pair's sums times b_inv of its B row (its token's for gate/up, its own for down)."""
         from pdserve.kernels.pdl import launch_cuda
 
-        if w.gate_up_blocks.shape[1] % rows(self.rw):
-            raise ValueError(f"{w.gate_up_blocks.shape[1]} gate/up rows are not a multiple of {rows(self.rw)}")
+        blocks, scales = getattr(w, self.part + "_blocks"), getattr(w, self.part + "_scales")
+        if blocks.shape[1] % rows(self.rw):
+            raise ValueError(f"{blocks.shape[1]} {self.part} rows are not a multiple of {rows(self.rw)}")
         launch_cuda(self.kernel, (self.grid, 1, 1), (THREADS, 1, 1), self.smem, pdl=False, args=[
-            w.gate_up_blocks, w.gate_up_scales, xf, xf.stride(0), x_inv, routing.block_expert, routing.sorted_slot,
-            routing.max_blocks, top_k, w.gate_up_blocks.shape[1], out])
+            blocks, scales, b, b.stride(0), b_inv, routing.block_expert, routing.sorted_slot, routing.max_blocks, top_k,
+            blocks.shape[1], out])
 
 
 def fold_gate_up(w, routing, xf, x_inv, ids: torch.Tensor, top_k: int, act: torch.Tensor) -> None:
@@ -261,25 +272,45 @@ def fold_gate_up(w, routing, xf, x_inv, ids: torch.Tensor, top_k: int, act: torc
                     cm.act_shift(7.0)])
 
 
+def fold_down(w, routing, act: torch.Tensor, ids: torch.Tensor, top_k: int, wts: torch.Tensor,
+              res: torch.Tensor) -> None:
+    """The engine's folded down launch alone (kernels.cuda_moe_mxfp4, FOLD_CONFIG, f16 fold, grouped: per-pair
+    float32 partials, then the last CTA of a (token, row tile) adds them), as experts_forward_mxfp4_mma
+    launches it. act: the pairs' f16 activation rows [T k, I]; wts: bf16 routing weights [T k]; res: bf16
+    [T, H]."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+    from pdserve.kernels.arrival import arrival_counters
+    from pdserve.kernels.pdl import launch_cuda
+
+    cfg, (_, h, ig, _) = cm.FOLD_CONFIG, w.down_blocks.shape
+    t = ids.shape[0]
+    dev = act.device.index if act.device.index is not None else torch.cuda.current_device()
+    kernel = cm._kernels(dev, ig, cfg.slots, cfg.down, False, cm.EARLY_DOWN, False, cm.EARLY_BIAS, False, 2)["mx_down"]
+    grid = (h // cfg.rows("down"), routing.max_blocks, 1)
+    part = torch.empty(t * top_k, h, dtype=torch.float32, device=act.device)
+    counters = arrival_counters(act.device, "mxfp4_mma_down", max(cm.MAX_TILES, t * grid[0]))
+    launch_cuda(kernel, grid, (32 * cfg.down[0], 1, 1), cm._shared_bytes(ig, cfg.slots, cfg.down, 2), pdl=False, args=[
+        w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids.view(-1), routing.block_expert,
+        routing.sorted_slot, 1, top_k, h, 1, wts, part, counters, res, res.stride(0), 0])
+
+
 def main() -> int:
     from pdserve.kernels.triton_moe import align_routing
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="4,16,64")
-    ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3,1x4x2,2x4x2",
-                    help="KTxS[xRW]: K steps a stage, stages, m-tiles of 16 rows a warp (default 1)")
-    ap.add_argument("--vllm", default=None, help="the vllm/ folder of vLLM's unpacked wheel: Marlin's gate/up too")
+    ap.add_argument("--parts", default="gate_up,down", help="the GEMMs to probe: gate_up, down or both")
+    ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3,1x4x2,2x4x2,2x3x3",
+                    help="KTxS[xRW]: K steps a stage, stages, m-tiles of 16 rows a warp (default 1); a part "
+                         "skips the shapes whose 64 x RW rows do not divide its rows")
+    ap.add_argument("--vllm", default=None, help="the vllm/ folder of vLLM's unpacked wheel: Marlin's GEMMs too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
     e, k, h, i = a.experts, 4, 2880, 2880
     w, wp, g = random_layer(e, dev)
-    per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales))
-    probes = {}
-    for shape in a.shapes.split(","):
-        kt, s, rw = ([int(v) for v in shape.split("x")] + [1])[:3]
-        probes[f"tiles kt{kt} s{s} rw{rw}"] = Probe(kt, s, rw, dev)
+    shapes = [([int(v) for v in shape.split("x")] + [1])[:3] for shape in a.shapes.split(",")]
     marlin = None
     if a.vllm:
         from pathlib import Path
@@ -290,51 +321,90 @@ def main() -> int:
         marlin = (MarlinMoE(root / "_moe_C_stable_libtorch.abi3.so", root / "scalar_type.py", dev),
                   MarlinExperts(w, 2944, 2880))
     bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {e} experts; gate/up "
-          f"{per_expert / 1e6:.2f} MB each; grids " + ", ".join(f"{n} {p.grid} CTAs ({p.smem // 1024} KB)"
-                                                               for n, p in probes.items()), flush=True)
-    rows = []
-    for t in [int(v) for v in a.tokens.split(",")]:
-        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
-        id_sets = routing_sets(t, e, k, g)
-        touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
-        floor_us = touched * per_expert / bw * 1e6
-        out = torch.zeros(t * k, 2 * i, device=dev)
-        act = torch.empty(t * k, i, dtype=torch.float16, device=dev)
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {e} experts", flush=True)
+    results = []
+    for part in a.parts.split(","):
+        blocks = getattr(wp, part + "_blocks")
+        per_expert = sum(t[0].numel() * t.element_size() for t in (blocks, getattr(wp, part + "_scales")))
+        probes = {f"{part} kt{kt} s{st} rw{rw}": Probe(kt, st, rw, part, blocks.shape[2], dev)
+                  for kt, st, rw in shapes if blocks.shape[1] % rows(rw) == 0}
+        print(f"{part}: {per_expert / 1e6:.2f} MB an expert; grids " + ", ".join(
+            f"{n} {p.grid} CTAs ({p.smem // 1024} KB)" for n, p in probes.items()), flush=True)
+        for t in [int(v) for v in a.tokens.split(",")]:
+            results += probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, per_expert * 1e6 / bw, align_routing)
+    save_rows(a.out, bw, results)
+    return 0
 
-        def probe_run(s, p):
+
+def probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, us_per_expert, align_routing) -> list:
+    """Time one GEMM of the layer at t tokens: the routing launch + the engine's folded launch, + each probe,
+    and Marlin's (gate/up; for down, gate/up + down, whose difference is printed), on the same routing sets."""
+    dev = wp.gate_up_blocks.device
+    x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+    act_in = (torch.randn(t * k, i, device=dev) * 0.5).to(torch.float16)  # down's B: its activation rows
+    ones = torch.ones(t * k, device=dev)
+    id_sets = routing_sets(t, e, k, g)
+    touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+    n_out = 2 * i if part == "gate_up" else h
+    out = torch.zeros(t * k, n_out, device=dev)
+    act = torch.empty(t * k, i, dtype=torch.float16, device=dev)
+    res = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    wts = torch.ones(t, k, dtype=torch.bfloat16, device=dev)  # routing weights (Marlin's down multiplies by them)
+
+    def probe_run(s, p):
+        if part == "gate_up":
             routing, xf, inv = align_routing(s, 0, e, SLOTS, x_f16=x)
             p(wp, routing, xf, inv, k, out)
+        else:
+            p(wp, align_routing(s, 0, e, SLOTS), act_in, ones, k, out)
 
-        def engine_run(s):
+    def engine_run(s):
+        if part == "gate_up":
             routing, xf, inv = align_routing(s, 0, e, SLOTS, x_f16=x)
             fold_gate_up(wp, routing, xf, inv, s, k, act)
+        else:
+            fold_down(wp, align_routing(s, 0, e, SLOTS), act_in, s, k, wts.view(-1), res)
 
-        s0 = id_sets[0]
-        ref = torch.zeros(t * k, 2 * i, dtype=torch.float64, device=dev)
-        for ex in s0.unique().tolist():  # one expert decoded at a time
-            pairs = (s0.view(-1) == ex).nonzero().view(-1)
-            wd = dequantize_mxfp4(*w.published("gate_up", ex), dtype=torch.float64)  # [2I, H]
-            ref[pairs] = x.double()[pairs // k] @ wd.t()
-        runs = {"engine fold gate/up": (engine_run, id_sets)}
-        runs.update({n: (lambda s, p=p: probe_run(s, p), id_sets) for n, p in probes.items()})
-        errors = {"engine fold gate/up": float("nan")}
-        for name, p in probes.items():
-            out.zero_()
-            probe_run(s0, p)
-            errors[name] = float((out.double() - ref).norm() / ref.norm())
-        if marlin is not None:
-            peer, mw = marlin
-            xp = torch.nn.functional.pad(x, (0, mw.hp - h))
-            wts = torch.full((t, k), 1.0 / k, dtype=torch.bfloat16, device=dev)  # gate/up does not read them
-            runs["marlin gate/up"] = (lambda s: peer.gemms(xp, wts, s, mw)[0], [s.to(torch.int32) for s in id_sets])
-            got = peer.gemms(xp, wts, s0.to(torch.int32), mw)[0][:, :2 * i].double()
-            with_bias = ref + w.gate_up_bias[s0.view(-1)].double()
-            errors["marlin gate/up"] = float((got - with_bias).norm() / with_bias.norm())
-        del ref
-        time_runs(runs, errors, t, floor_us, rows, "float64")
-    save_rows(a.out, bw, rows)
-    return 0
+    s0 = id_sets[0]
+    ref = torch.zeros(t * k, n_out, dtype=torch.float64, device=dev)
+    for ex in s0.unique().tolist():  # one expert decoded at a time
+        pairs = (s0.view(-1) == ex).nonzero().view(-1)
+        wd = dequantize_mxfp4(*w.published(part, ex), dtype=torch.float64)  # [rows, K]
+        b = x.double()[pairs // k] if part == "gate_up" else act_in.double()[pairs]
+        ref[pairs] = b @ wd.t()
+    engine = f"engine fold {part}"
+    runs = {engine: (engine_run, id_sets)}
+    runs.update({n: (lambda s, p=p: probe_run(s, p), id_sets) for n, p in probes.items()})
+    errors = {engine: float("nan")}
+    for name, p in probes.items():
+        out.zero_()
+        probe_run(s0, p)
+        errors[name] = float((out.double() - ref).norm() / ref.norm())
+    if marlin is not None:
+        peer, mw = marlin
+        xp = torch.nn.functional.pad(x, (0, mw.hp - h))
+        act_m = torch.nn.functional.pad(act_in.to(torch.bfloat16), (0, mw.ip - i))
+        id32 = [s.to(torch.int32) for s in id_sets]
+        runs["marlin gate/up"] = (lambda s: peer.gemms(xp, wts, s, mw)[0], id32)
+        gate_up, down = peer.gemms(xp, wts, s0.to(torch.int32), mw)
+        if part == "gate_up":
+            got, bias = gate_up[:, :2 * i].double(), w.gate_up_bias[s0.view(-1)].double()
+        else:
+            runs["marlin gate/up + down"] = (lambda s: (lambda gu, dn: dn(act_m))(*peer.gemms(xp, wts, s, mw)), id32)
+            got, bias = down(act_m)[:, :h].double(), w.down_bias[s0.view(-1)].double()
+            errors["marlin gate/up + down"] = float((got - ref - bias).norm() / (ref + bias).norm())
+        errors["marlin gate/up"] = float("nan") if part == "down" else float(
+            (got - ref - bias).norm() / (ref + bias).norm())
+    del ref
+    timed: list = []
+    time_runs(runs, errors, t, touched * us_per_expert, timed, "float64")
+    us = {r["run"]: r["us"] for r in timed}
+    if "marlin gate/up + down" in us:
+        print(f"T={t:3d} marlin down (the difference) {us['marlin gate/up + down'] - us['marlin gate/up']:8.1f} us",
+              flush=True)
+    for r in timed:
+        r["part"] = part
+    return timed
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The Marlin-shaped folded gate/up probe (bench/moe_tiles.py) builds for sm_90 with NVRTC at its default
+"""The Marlin-shaped folded probe (bench/moe_tiles.py, gate/up and down) builds for sm_90 with NVRTC at its
 shapes, without spills, and its ring fits one SM's shared memory."""
 
 import re
@@ -10,18 +10,20 @@ from nvrtc_offline import compile_cuda
 
 @pytest.mark.parametrize("kt,stages,rw", [(1, 4, 1), (1, 6, 1), (2, 4, 1), (2, 6, 1), (4, 3, 1), (1, 4, 2),
                                           (2, 4, 2), (2, 3, 3)])
-def test_probe_builds_without_spills(kt, stages, rw):
+@pytest.mark.parametrize("per_pair", [False, True], ids=["gate_up", "down"])
+def test_probe_builds_without_spills(kt, stages, rw, per_pair):
     from pdserve.bench import moe_tiles
 
-    _, log = compile_cuda(moe_tiles.SOURCE, moe_tiles.compile_options(kt, stages, rw))
+    _, log = compile_cuda(moe_tiles.SOURCE, moe_tiles.compile_options(kt, stages, rw, per_pair=per_pair))
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
     assert stages * moe_tiles.stage_bytes(kt, rw) <= 227 * 1024
     assert 5760 % moe_tiles.rows(rw) == 0  # gpt-oss' gate/up rows split into whole tiles
 
 
-def test_the_engine_gate_up_it_times_gets_each_kernel_parameter(monkeypatch):
-    """The probe times the engine's folded gate/up launch on its own (moe_tiles.fold_gate_up, a copy of
-    experts_forward_mxfp4_mma's launch): it must hand the kernel as many arguments as its signature has."""
+def test_the_engine_launches_it_times_get_each_kernel_parameter(monkeypatch):
+    """The probe times the engine's folded gate/up and down launches on their own (moe_tiles.fold_gate_up,
+    fold_down, copies of experts_forward_mxfp4_mma's launches): each must hand its kernel as many arguments
+    as the kernel's signature has."""
     import torch
 
     from pdserve.bench import moe_tiles
@@ -29,11 +31,13 @@ def test_the_engine_gate_up_it_times_gets_each_kernel_parameter(monkeypatch):
     from test_cuda_moe_mxfp4 import _kernel_params, _problem
 
     launched = []
-    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up"})
+    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
     monkeypatch.setattr("pdserve.kernels.pdl.launch_cuda", lambda kernel, *a, args, **k: launched.append(
         (kernel, len(args))))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     w, x, ids, _ = _problem(t=2, h=128, i=128)
     routing = type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})()
     moe_tiles.fold_gate_up(w.to_packed(), routing, x.half(), torch.ones(2), ids, 4, torch.empty(8, 128))
-    assert launched == [("mx_gate_up", _kernel_params("mx_gate_up"))]
+    moe_tiles.fold_down(w.to_packed(), routing, torch.empty(8, 128).half(), ids, 4, torch.ones(8).bfloat16(),
+                        torch.empty(2, 128).bfloat16())
+    assert launched == [("mx_gate_up", _kernel_params("mx_gate_up")), ("mx_down", _kernel_params("mx_down"))]
