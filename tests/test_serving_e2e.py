@@ -107,6 +107,17 @@ def test_greedy_and_seeded_output_equals_single_process(cluster, tiny_runner, n)
         assert len(ids) == 24
 
 
+def test_workers_report_the_blocks_a_request_needs(cluster, tiny_cfg):
+    """Every worker's LoadReport says how many sliding-window blocks a request may take beside one a page
+    of its full-attention layers (the router's admission estimate adds them), and the decode workers hold
+    the blocks `--kv-blocks` asked for, all free once no request runs."""
+    window_pages = -(-tiny_cfg.sliding_window // 16) + 1
+    loads = wait_kv_drained(cluster)
+    assert {name: load.sliding_window_pages for name, load in loads.items()} == {name: window_pages for name in loads}
+    decode = [load for name, load in loads.items() if name.startswith("decode")]
+    assert decode and all(load.kv_blocks_total == load.kv_blocks_free == 2048 for load in decode)
+
+
 def test_bad_inputs_get_openai_errors(cluster):
     url = cluster.url + "/v1/chat/completions"
     ok = {"model": "gpt-oss", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
