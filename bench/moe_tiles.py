@@ -50,6 +50,9 @@ SOURCE = r"""
 #define B_WORDS (KT * SLOTS * 4 * BUNIT)     // [KT][SLOTS][4 groups][BUNIT]
 #define STAGE_WORDS (W_WORDS + S_WORDS + B_WORDS)
 #define UNITS_AHEAD 4
+#ifndef EPI
+#define EPI 0  // 0: each pair's float32 sums (the probe); 1: gate/up + bias + clamped SwiGLU; 2: down + bias,
+#endif         // times the routing weight, summed over the token's pairs
 static_assert(KTILES >= 3 || S <= 3, "the unit table holds the units the producer runs ahead by");
 
 struct Unit {
@@ -91,7 +94,7 @@ __device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32
     const unsigned live = __ballot_sync(0xFFFFFFFFu, expert >= 0 && pair >= 0);
     if (t < SLOTS) {
       un.pair[t] = pair;
-      un.inv[t] = pair >= 0 && expert >= 0 ? __ldg(x_inv + B_ROW(pair)) : 0.f;
+      un.inv[t] = pair >= 0 && expert >= 0 ? (x_inv ? __ldg(x_inv + B_ROW(pair)) : 1.f) : 0.f;
     }
     if (t == 0) un.expert = expert, un.n = __popc(live);
   }
@@ -123,12 +126,27 @@ __device__ __forceinline__ void produce(u32* ring, Unit* units, int q, const u32
   }
 }
 
+// gpt-oss' clamped SwiGLU of a (glu, linear) pair, as f16 times 2^act_shift (the engine's mx_gate_up)
+__device__ __forceinline__ u16 swiglu(float glu, float lin, float limit, float alpha, int act_shift) {
+  glu = fminf(glu, limit);
+  lin = fminf(fmaxf(lin, -limit), limit);
+  return to_f16(glu / (1.f + expf(-alpha * glu)) * (lin + 1.f) * __int_as_float((127 + act_shift) << 23));
+}
+
+// B rows xf (stride_x) times x_inv of the row (none: 1). EPI 0: out[pair, row] float32. EPI 1 (gate/up, rows
+// interleaving glu and linear): act[pair, row / 2] f16 times 2^act_shift. EPI 2 (down, B = act): the pair's
+// (sums times 2^-act_shift + bias) times route_weight[pair] as float32 partials, and the last CTA of a (token,
+// row tile) to arrive (counters, reset by it) adds the token's top_k partials in order into y (bf16).
 extern "C" __global__ void __launch_bounds__(128)
-mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const u16* __restrict__ xf,
-                 int stride_x, const float* __restrict__ x_inv, const int* __restrict__ item_expert,
-                 const int* __restrict__ item_slots, int items, int top_k, int n_rows, float* __restrict__ out) {
+mx_tiles(const u32* __restrict__ words, const u32* __restrict__ scales, const u16* __restrict__ xf, int stride_x,
+         const float* __restrict__ x_inv, const int* __restrict__ item_expert, const int* __restrict__ item_slots,
+         int items, int top_k, int n_rows, float* __restrict__ out, const float* __restrict__ bias,
+         u16* __restrict__ act, double limit_d, double alpha_d, int act_shift, const u16* __restrict__ route_weight,
+         float* __restrict__ part, int* __restrict__ counters, u16* __restrict__ y, int stride_y) {
   extern __shared__ __align__(16) u32 ring[];
   __shared__ Unit units[UNITS_AHEAD];
+  __shared__ int last[SLOTS];
+  const float limit = (float)limit_d, alpha = (float)alpha_d;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int tiles = n_rows / ROWS, total = items * tiles;
   const int row_w = warp * 16 * RW + g;  // row g of the warp's first m-tile (m-tile r: + 16 r)
@@ -187,24 +205,66 @@ mx_tiles_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, 
       }
     }
     if (kt == KTILES - 1) {  // the unit's sums: rows g / g + 8 of each m-tile, pairs 8n + 2 tig (+1)
+      const int tile = u % tiles;
+      const i64 e = un.expert;
 #pragma unroll
       for (int r = 0; r < RW; r++) {
-        const int row = (u % tiles) * ROWS + row_w + 16 * r;
+        const int row = tile * ROWS + row_w + 16 * r;  // and row + 8 (the same parity: g's)
 #pragma unroll
         for (int n = 0; n < 2; n++) {
 #pragma unroll
           for (int h = 0; h < 2; h++) {
             const int xi = 8 * n + 2 * tig + h;
             float (&c)[2][4] = acc[r][n];
+            const float va = (c[0][h] + c[1][h]) * un.inv[xi], vb = (c[0][2 + h] + c[1][2 + h]) * un.inv[xi];
+#if EPI == 0
             if (xi < un.n) {
               const i64 at = (i64)un.pair[xi] * n_rows + row;
-              out[at] = (c[0][h] + c[1][h]) * un.inv[xi];
-              out[at + 8] = (c[0][2 + h] + c[1][2 + h]) * un.inv[xi];
+              out[at] = va;
+              out[at + 8] = vb;
             }
+#elif EPI == 1
+            // glu rows are even, each linear row the next: row g + 1's sums are lane + 4's (same tig)
+            const float la = __shfl_down_sync(0xFFFFFFFFu, va, 4), lb = __shfl_down_sync(0xFFFFFFFFu, vb, 4);
+            if ((g & 1) == 0 && xi < un.n) {
+              const float* bi = bias + e * n_rows + row;
+              u16* dst = act + (i64)un.pair[xi] * (n_rows / 2) + row / 2;
+              dst[0] = swiglu(va + bi[0], la + bi[1], limit, alpha, act_shift);
+              dst[4] = swiglu(vb + bi[8], lb + bi[9], limit, alpha, act_shift);
+            }
+#else
+            if (xi < un.n) {
+              const float unshift = __int_as_float((127 - act_shift) << 23);
+              const i64 pair = un.pair[xi];
+              const float wgt = from_bf16(route_weight[pair]);
+              part[pair * n_rows + row] = (va * unshift + bias[e * n_rows + row]) * wgt;
+              part[pair * n_rows + row + 8] = (vb * unshift + bias[e * n_rows + row + 8]) * wgt;
+            }
+#endif
             c[0][h] = c[1][h] = c[0][2 + h] = c[1][2 + h] = 0.f;
           }
         }
       }
+#if EPI == 2
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x < un.n) {
+        const int token = un.pair[threadIdx.x] / top_k;
+        last[threadIdx.x] = atomicAdd(counters + (i64)token * tiles + tile, 1) == top_k - 1;
+      }
+      __syncthreads();
+      for (int t = threadIdx.x; t < un.n * ROWS; t += blockDim.x) {
+        const int i = t / ROWS, rr = t % ROWS;
+        if (!last[i]) continue;
+        __threadfence();
+        const int token = un.pair[i] / top_k;
+        const int row = tile * ROWS + rr;
+        float v = 0.f;
+        for (int k = 0; k < top_k; k++) v += __ldcg(part + ((i64)token * top_k + k) * n_rows + row);
+        y[(i64)token * stride_y + row] = to_bf16(v);
+        if (rr == 0) counters[(i64)token * tiles + tile] = 0;
+      }
+#endif
     }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
@@ -217,9 +277,12 @@ def rows(rw: int) -> int:
     return 64 * rw
 
 
-def compile_options(kt: int, stages: int, rw: int = 1, k_groups: int = 90, per_pair: bool = False) -> list[str]:
-    """per_pair: B's rows are the pairs' (the down GEMM's activations), not their tokens' (gate/up's x)."""
+def compile_options(kt: int, stages: int, rw: int = 1, k_groups: int = 90, per_pair: bool = False,
+                    epilogue: int = 0) -> list[str]:
+    """per_pair: B's rows are the pairs' (the down GEMM's activations), not their tokens' (gate/up's x);
+    epilogue: the kernel's EPI (0: float32 sums, 1: gate/up's SwiGLU, 2: down's weighted top-k sum)."""
     return ["-std=c++17", f"-DKG={k_groups}", f"-DKT={kt}", f"-DS={stages}", f"-DRW={rw}", f"-DPER_PAIR={int(per_pair)}",
+            f"-DEPI={epilogue}",
             f"-DMX_LOW_MASK={PACKED_LOW_MASK:#010x}u",
             f"-DMX_HIGH_SHL_MASK={PACKED_HIGH_SHL_MASK:#010x}u", f"-DMX_HIGH_SHR_MASK={PACKED_HIGH_SHR_MASK:#010x}u"]
 
@@ -231,20 +294,26 @@ def stage_bytes(kt: int, rw: int = 1) -> int:
 
 
 class Probe:
-    """The probe for one GEMM of the layer: `part` "gate_up" (B = the pairs' tokens, x) or "down" (B = the
-    pairs' activation rows)."""
+    """The kernel for one GEMM of the layer: `part` "gate_up" (B = the pairs' tokens, x) or "down" (B = the
+    pairs' activation rows), with the epilogue `epilogue` (compile_options)."""
 
-    def __init__(self, kt: int, stages: int, rw: int, part: str, k_groups: int, device: torch.device):
+    def __init__(self, kt: int, stages: int, rw: int, part: str, k_groups: int, device: torch.device,
+                 epilogue: int = 0):
         self.kt, self.stages, self.rw, self.part = kt, stages, rw, part
         self.smem = stages * stage_bytes(kt, rw)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        options = compile_options(kt, stages, rw, k_groups, per_pair=part == "down")
-        self.kernel = compile_kernels(SOURCE, ["mx_tiles_gate_up"], options, index, self.smem,
-                                      include=HEADERS)["mx_tiles_gate_up"]
+        options = compile_options(kt, stages, rw, k_groups, per_pair=part == "down", epilogue=epilogue)
+        self.kernel = compile_kernels(SOURCE, ["mx_tiles"], options, index, self.smem, include=HEADERS)["mx_tiles"]
         self.grid = resident_ctas(self.kernel, THREADS, self.smem, index)
 
-    def __call__(self, w, routing, b: torch.Tensor, b_inv: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
-        """out[pair, row] = the pair's sums times b_inv of its B row (its token's for gate/up, its own for down)."""
+    def __call__(self, w, routing, b: torch.Tensor, b_inv: torch.Tensor | None, top_k: int,
+                 out: torch.Tensor | None = None, *, act: torch.Tensor | None = None, limit: float = 7.0,
+                 alpha: float = 1.702, act_shift: int = 0, route_weight: torch.Tensor | None = None,
+                 partials: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 y: torch.Tensor | None = None) -> None:
+        """EPI 0: out[pair, row] = the pair's sums times b_inv of its B row (its token's for gate/up, its own
+        for down; None: 1). EPI 1: act (f16, times 2^act_shift). EPI 2: y (bf16 [T, H]) through partials
+        [T k, H] float32 and counters (T x row tiles, zero)."""
         from pdserve.kernels.pdl import launch_cuda
 
         blocks, scales = getattr(w, self.part + "_blocks"), getattr(w, self.part + "_scales")
@@ -252,7 +321,39 @@ class Probe:
             raise ValueError(f"{blocks.shape[1]} {self.part} rows are not a multiple of {rows(self.rw)}")
         launch_cuda(self.kernel, (self.grid, 1, 1), (THREADS, 1, 1), self.smem, pdl=False, args=[
             blocks, scales, b, b.stride(0), b_inv, routing.block_expert, routing.sorted_slot, routing.max_blocks, top_k,
-            blocks.shape[1], out])
+            blocks.shape[1], out, getattr(w, self.part + "_bias").contiguous(), act, float(limit), float(alpha),
+            act_shift, route_weight, partials, counters, y, y.stride(0) if y is not None else 0])
+
+
+class Layer:
+    """A whole MoE layer on these kernels: the routing launch (align_routing, which also writes the tokens as
+    f16 for the fold), gate/up + SwiGLU, down + the weighted top-k sum; shapes (KT, S, RW) per GEMM."""
+
+    def __init__(self, gate_up: tuple[int, int, int], down: tuple[int, int, int], k_groups: int,
+                 device: torch.device):
+        self.gate_up = Probe(*gate_up, "gate_up", k_groups, device, epilogue=1)
+        self.down = Probe(*down, "down", k_groups, device, epilogue=2)
+        self.name = "tiles layer {}x{}x{} / {}x{}x{}".format(*gate_up, *down)
+
+    def __call__(self, w, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float = 7.0,
+                 alpha: float = 1.702) -> torch.Tensor:
+        """x [T, H] bf16, ids [T, k], wts [T, k] -> [T, H] bf16."""
+        from pdserve.kernels import cuda_moe_mxfp4 as cm
+        from pdserve.kernels.arrival import arrival_counters
+        from pdserve.kernels.triton_moe import align_routing
+
+        (t, h), k, e = x.shape, ids.shape[1], w.gate_up_blocks.shape[0]
+        i = w.down_blocks.shape[2] * 32
+        routing, xf, inv = align_routing(ids, 0, e, SLOTS, x_f16=x)
+        shift = cm.act_shift(limit)
+        act = torch.empty(t * k, i, dtype=torch.float16, device=x.device)
+        self.gate_up(w, routing, xf, inv, k, act=act, limit=limit, alpha=alpha, act_shift=shift)
+        y = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+        partials = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, "mx_tiles_down", t * (h // rows(self.down.rw)))
+        self.down(w, routing, act, None, k, act_shift=shift, route_weight=wts.to(torch.bfloat16).contiguous().view(-1),
+                  partials=partials, counters=counters, y=y)
+        return y
 
 
 def fold_gate_up(w, routing, xf, x_inv, ids: torch.Tensor, top_k: int, act: torch.Tensor) -> None:
@@ -300,7 +401,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="4,16,64")
-    ap.add_argument("--parts", default="gate_up,down", help="the GEMMs to probe: gate_up, down or both")
+    ap.add_argument("--parts", default="gate_up,down,layer",
+                    help="what to time: gate_up, down (each GEMM alone), layer (the whole MoE)")
+    ap.add_argument("--layer-shapes", default="2x4x2/2x4x1,1x4x1/1x4x1",
+                    help="whole-layer kernels, gate/up KTxSxRW / down KTxSxRW, comma-separated")
     ap.add_argument("--shapes", default="1x4,1x6,2x4,2x6,4x3,1x4x2,2x4x2,2x3x3",
                     help="KTxS[xRW]: K steps a stage, stages, m-tiles of 16 rows a warp (default 1); a part "
                          "skips the shapes whose 64 x RW rows do not divide its rows")
@@ -324,6 +428,16 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {e} experts", flush=True)
     results = []
     for part in a.parts.split(","):
+        if part == "layer":
+            layers = [Layer(*[tuple(int(v) for v in half.split("x")) for half in pair.split("/")],
+                            wp.gate_up_blocks.shape[2], dev) for pair in a.layer_shapes.split(",")]
+            per_expert = sum(t[0].numel() * t.element_size() for t in (
+                wp.gate_up_blocks, wp.gate_up_scales, wp.down_blocks, wp.down_scales, wp.gate_up_bias, wp.down_bias))
+            print(f"layer: {per_expert / 1e6:.2f} MB an expert; " + ", ".join(
+                f"{m.name}: {m.gate_up.grid} / {m.down.grid} CTAs" for m in layers), flush=True)
+            for t in [int(v) for v in a.tokens.split(",")]:
+                results += time_layer(t, e, k, h, w, wp, g, layers, marlin, per_expert * 1e6 / bw)
+            continue
         blocks = getattr(wp, part + "_blocks")
         per_expert = sum(t[0].numel() * t.element_size() for t in (blocks, getattr(wp, part + "_scales")))
         probes = {f"{part} kt{kt} s{st} rw{rw}": Probe(kt, st, rw, part, blocks.shape[2], dev)
@@ -334,6 +448,32 @@ def main() -> int:
             results += probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, per_expert * 1e6 / bw, align_routing)
     save_rows(a.out, bw, results)
     return 0
+
+
+def time_layer(t, e, k, h, w, wp, g, layers, marlin, us_per_expert) -> list:
+    """Time the whole MoE layer at t tokens: the engine's path (kernels.moe.experts_forward), each Layer and
+    Marlin's whole MoE, each against kernels.experts' reference (rel L2)."""
+    from pdserve.kernels.experts import experts_forward_mxfp4_ref
+    from pdserve.kernels.moe import experts_forward
+
+    dev = wp.gate_up_blocks.device
+    x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+    wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
+    id_sets = routing_sets(t, e, k, g)
+    touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+    ref = experts_forward_mxfp4_ref(x, wts, id_sets[0], w).float()
+    runs = {"pdserve (engine path)": (lambda s: experts_forward(x, wts, s, wp), id_sets)}
+    runs.update({m.name: (lambda s, m=m: m(wp, x, s, wts), id_sets) for m in layers})
+    if marlin is not None:
+        peer, mw = marlin
+        runs["marlin whole"] = (lambda s: peer.forward(x, wts, s, mw), [s.to(torch.int32) for s in id_sets])
+    errors = {name: float((fn(sets[0]).float() - ref).norm() / ref.norm()) for name, (fn, sets) in runs.items()}
+    del ref
+    timed: list = []
+    time_runs(runs, errors, t, touched * us_per_expert, timed, "reference")
+    for r in timed:
+        r["part"] = "layer"
+    return timed
 
 
 def probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, us_per_expert, align_routing) -> list:
