@@ -342,6 +342,8 @@ class Layer:
         from pdserve.kernels.arrival import arrival_counters
         from pdserve.kernels.triton_moe import align_routing
 
+        if not w.fold_f16_exact:
+            raise ValueError("these experts have scale bytes outside the f16 fold's exact range")
         (t, h), k, e = x.shape, ids.shape[1], w.gate_up_blocks.shape[0]
         i = w.down_blocks.shape[2] * 32
         routing, xf, inv = align_routing(ids, 0, e, SLOTS, x_f16=x)
