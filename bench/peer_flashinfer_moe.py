@@ -1,0 +1,118 @@
+"""Same-run peer for the MXFP4 decode MoE named by the decode-floor issue: FlashInfer's `cutlass_fused_moe`
+on Hopper (MXFP4 weights x bf16 activations through CUTLASS' SM90 mixed-input grouped GEMM,
+`use_w4_group_scaling=True`, with expert biases and gpt-oss' clamped SwiGLU), on the same experts, routing
+sets and timing as bench/moe_mxfp4.py and bench/peer_marlin.py, against the path pdserve's engine takes
+(`kernels.moe.experts_forward`).
+
+    python -m pdserve.bench.peer_flashinfer_moe [--experts 128] [--tokens 1,4,16,64] [--no-autotune]
+
+FlashInfer compiles the module (`fused_moe_90`) at first use, which takes hours on a few cores: build it
+ahead (`flashinfer.jit.fused_moe.gen_cutlass_fused_moe_sm90_module(use_fast_build=True)`, with nvcc and
+the cuBLAS headers; no GPU needed) and put `fused_moe_90.so` where FlashInfer looks for prebuilt modules
+(`flashinfer/data/aot/fused_moe_90/`).
+
+The weights are handed over as FlashInfer takes them: gate/up as [linear rows; glu rows] (the published
+layout interleaves them: glu even, linear odd), bytes and E8M0 scales interleaved for the SM90 GEMM by
+FlashInfer's own helpers. The tactic of each batch is picked by FlashInfer's autotuner first (its default
+is slower at small batches). rel L2 is each output against `experts_forward_mxfp4_ref` (the experts
+decoded exactly), so a wrong layout shows; of floor = the routed experts' MXFP4 bytes / copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from pdserve.bench.kernels import copy_bandwidth
+from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_runs
+from pdserve.kernels.experts import experts_forward_mxfp4_ref
+from pdserve.kernels.moe import experts_forward
+from pdserve.kernels.mxfp4 import MxExperts
+
+GROUP = 32  # MXFP4: one E8M0 scale a group of 32 weights
+
+
+def linear_first(t: torch.Tensor) -> torch.Tensor:
+    """Gate/up rows (dim 1) from the published interleave (glu even, linear odd) to FlashInfer's
+    [linear; glu] halves."""
+    return torch.cat([t[:, 1::2], t[:, 0::2]], dim=1).contiguous()
+
+
+class FlashInferExperts:
+    """`w` (published layout) as FlashInfer's SM90 mixed-input MoE takes it."""
+
+    def __init__(self, w: MxExperts, fused_moe):
+        e, n2, kg, _ = w.gate_up_blocks.shape
+        self.e = e
+        self.fc1 = fused_moe.interleave_moe_weights_for_sm90_mixed_gemm(
+            linear_first(w.gate_up_blocks.reshape(e, n2, kg * 16)), "fp4")
+        self.fc2 = fused_moe.interleave_moe_weights_for_sm90_mixed_gemm(
+            w.down_blocks.reshape(e, w.down_blocks.shape[1], -1).contiguous(), "fp4")
+        self.scales = [fused_moe.interleave_moe_scales_for_sm90_mixed_gemm(s, group_size=GROUP)
+                       for s in (linear_first(w.gate_up_scales), w.down_scales.contiguous())]
+        self.fc1_bias = linear_first(w.gate_up_bias.to(torch.bfloat16))
+        self.fc2_bias = w.down_bias.to(torch.bfloat16).contiguous()
+        dev = w.gate_up_blocks.device
+        self.alpha, self.beta, self.limit = (torch.full((e,), v, dtype=torch.float32, device=dev)
+                                             for v in (1.702, 1.0, 7.0))
+
+
+def forward(fused_moe, fw: FlashInferExperts, x: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor,
+            out: torch.Tensor) -> torch.Tensor:
+    return fused_moe.cutlass_fused_moe(
+        input=x, token_selected_experts=ids, token_final_scales=wts, fc1_expert_weights=fw.fc1,
+        fc2_expert_weights=fw.fc2, output_dtype=torch.bfloat16, quant_scales=[s.view(torch.int32) for s in fw.scales],
+        fc1_expert_biases=fw.fc1_bias, fc2_expert_biases=fw.fc2_bias, swiglu_alpha=fw.alpha, swiglu_beta=fw.beta,
+        swiglu_limit=fw.limit, use_w4_group_scaling=True, output=out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--tokens", default="1,4,16,64")
+    ap.add_argument("--no-autotune", action="store_true", help="FlashInfer's default tactic at every batch")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import flashinfer.fused_moe as fused_moe
+
+    dev = torch.device("cuda")
+    h, k = 2880, 4
+    w, w_packed, g = random_layer(a.experts, dev)
+    fw = FlashInferExperts(w, fused_moe)
+    per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales, w.down_blocks,
+                                                                 w.down_scales, w.gate_up_bias, w.down_bias))
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {a.experts} experts, "
+          f"{per_expert / 1e6:.2f} MB each; flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}",
+          flush=True)
+    rows = []
+    for t in [int(v) for v in a.tokens.split(",")]:
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
+        wts32 = wts.float()
+        id_sets = routing_sets(t, a.experts, k, g)
+        ids32 = [s.to(torch.int32) for s in id_sets]
+        touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        if not a.no_autotune:
+            from flashinfer.autotuner import autotune
+
+            with autotune(True):  # picks and keeps the tactic of this shape
+                forward(fused_moe, fw, x, wts32, ids32[0], out)
+            torch.cuda.synchronize()
+        ref = experts_forward_mxfp4_ref(x, wts, id_sets[0], w).float()
+        runs = {
+            "pdserve (engine path)": (lambda s: experts_forward(x, wts, s, w_packed), id_sets),
+            "flashinfer cutlass": (lambda s: forward(fused_moe, fw, x, wts32, s, out), ids32),
+        }
+        errors = {name: float((fn(sets[0]).float() - ref).norm() / ref.norm()) for name, (fn, sets) in runs.items()}
+        del ref
+        time_runs(runs, errors, t, touched * per_expert / bw * 1e6, rows, "reference")
+    save_rows(a.out, bw, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
