@@ -43,6 +43,11 @@ class _Entry:
     alive: bool = True
 
 
+def _blocks(e: _Entry) -> int:
+    """Blocks an entry holds: its full block and, where it kept one, its sliding block."""
+    return 1 + (e.sliding_block is not None)
+
+
 @dataclass(eq=False)
 class PrefixLease:
     """One prompt's hold on the cache: its blocks (cached prefix first, then its own) and pins.
@@ -83,6 +88,7 @@ class PrefixCache:
         self._evict_sliding: list[tuple] = []
         self.evicted_blocks = 0
         self._pinned = 0  # entries with refs > 0
+        self._idle_blocks = 0  # blocks of the entries with refs == 0
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -92,10 +98,11 @@ class PrefixCache:
     def num_pinned_pages(self) -> int:
         return self._pinned
 
+    @property
     def num_evictable_blocks(self) -> int:
         """Blocks of the cached pages no prompt holds: as good as free (a full block each, and
-        its sliding block where the entry kept one). Walks the entries: for load reports."""
-        return sum(1 + (e.sliding_block is not None) for e in self._entries.values() if e.refs == 0)
+        its sliding block where the entry kept one)."""
+        return self._idle_blocks
 
     def cached_blocks(self) -> dict[str, set[int]]:
         """Blocks owned by cache entries, per pool (for accounting checks)."""
@@ -125,7 +132,9 @@ class PrefixCache:
         k = len(matched)
         now = next(self._clock)
         for e in matched:
-            self._pinned += e.refs == 0
+            if e.refs == 0:
+                self._pinned += 1
+                self._idle_blocks -= _blocks(e)
             e.refs += 1
             e.last_used = now
         pages = cdiv(n, ps)
@@ -198,6 +207,7 @@ class PrefixCache:
             if e is None:
                 e = _Entry(lease.keys[p], p, parent, full, sliding, last_used=now)
                 self._entries[e.key] = e
+                self._idle_blocks += _blocks(e)
                 if parent is not None:
                     parent.children += 1
                 adopted_full.add(full)
@@ -206,6 +216,7 @@ class PrefixCache:
                 e.last_used = now
                 if e.sliding_block is None and sliding is not None:
                     e.sliding_block = sliding
+                    self._idle_blocks += e.refs == 0
                     adopted_sliding.add(sliding)
             if e.refs == 0:
                 self._push_evictable(e)
@@ -220,6 +231,7 @@ class PrefixCache:
                 raise RuntimeError(f"prefix cache page {e.page} unpinned twice")
             self._pinned -= e.refs == 0
             if e.refs == 0 and e.alive:
+                self._idle_blocks += _blocks(e)
                 self._push_evictable(e)
 
     def _push_evictable(self, e: _Entry) -> None:
@@ -260,10 +272,10 @@ class PrefixCache:
             e.alive = False
             del self._entries[e.key]
             self.kv.allocator.free([e.full_block])
+            self._idle_blocks -= 1
             self.evicted_blocks += 1
             if e.sliding_block is not None:
-                self.kv.allocator.free([e.sliding_block])
-                e.sliding_block = None
+                self.drop_sliding(e)
             if e.parent is not None:
                 e.parent.children -= 1
                 if e.parent.children == 0 and e.parent.refs == 0 and e.parent.alive:
@@ -276,11 +288,18 @@ class PrefixCache:
             item = heapq.heappop(self._evict_sliding)
             if not self._can_evict_sliding(item):
                 continue
-            e = item[3]
-            self.kv.allocator.free([e.sliding_block])
-            e.sliding_block = None
+            self.drop_sliding(item[3])
             return True
         return False
+
+    def drop_sliding(self, e: _Entry) -> None:
+        """Give an entry's sliding block back (no prompt holds the entry); its page still serves
+        longer prefixes, not one whose window reaches it."""
+        if e.refs or e.sliding_block is None:
+            raise RuntimeError(f"prefix cache page {e.page}: no idle sliding block to drop")
+        self.kv.allocator.free([e.sliding_block])
+        e.sliding_block = None
+        self._idle_blocks -= 1
 
     def _allocate(self, pool: str, count: int) -> list[int]:
         alloc = self.kv.allocator

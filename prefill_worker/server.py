@@ -101,7 +101,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
     def Load(self, request, context) -> pb.LoadReport:
         s = self.executor.load()
         cache = self.executor.runner.cache
-        idle_cached = self.executor.prefix_cache.num_evictable_blocks()  # reusable at once: not "used"
+        idle_cached = self.executor.prefix_cache.num_evictable_blocks  # reusable at once: not "used"
         return pb.LoadReport(
             worker_id=self.worker_id, role="prefill", queued_requests=s["queued"],
             queued_prompt_tokens=s["queued_tokens"], kv_blocks_total=cache.num_total_blocks,

@@ -76,8 +76,7 @@ def test_missing_sliding_window_backs_off_to_a_whole_window(runner):
     probe = cache.acquire(prompt)
     victim = cache._entries[probe.keys[7]]
     cache.release(probe, computed=False)
-    victim.sliding_block, freed = None, victim.sliding_block
-    runner.cache.allocator.free([freed])
+    cache.drop_sliding(victim)
     longer = prompt + _ids(6, rng)
     cached, logits = _prefill(runner, cache, longer)
     assert cached == 7 * PAGE  # windows ending after page 8 or 9 need page 7's sliding block
@@ -111,6 +110,8 @@ def test_random_reuse_and_eviction_keep_exact_accounting(tiny_cfg):
             held.append(lease)
         _check_ownership(kv, cache, held)
         assert cache.num_pinned_pages() == sum(1 for e in cache._entries.values() if e.refs)
+        assert cache.num_evictable_blocks == sum(1 + (e.sliding_block is not None)
+                                                 for e in cache._entries.values() if not e.refs)
     for lease in held:
         cache.release(lease, computed=True)
     _check_ownership(kv, cache, [])
