@@ -7,8 +7,9 @@ sets and timing as bench/moe_mxfp4.py and bench/peer_marlin.py, against the path
     python -m pdserve.bench.peer_flashinfer_moe [--experts 128] [--tokens 1,4,16,64] [--no-autotune]
 
 FlashInfer compiles the module (`fused_moe_90`) at first use, which takes hours on a few cores: build it
-ahead (`flashinfer.jit.fused_moe.gen_cutlass_fused_moe_sm90_module(use_fast_build=True)`, with nvcc and
-the cuBLAS headers; no GPU needed) and put `fused_moe_90.so` where FlashInfer looks for prebuilt modules
+ahead (`flashinfer.jit.fused_moe.gen_cutlass_fused_moe_sm90_module(use_fast_build=True)` writes the ninja
+file; nvcc and the cuBLAS, cuRAND and NVRTC headers, no GPU; docs/kernels.md, item 52, says which objects
+the MXFP4 x bf16 path needs) and put `fused_moe_90.so` where FlashInfer looks for prebuilt modules
 (`flashinfer/data/aot/fused_moe_90/`).
 
 The weights are handed over as FlashInfer takes them: gate/up as [linear rows; glu rows] (the published
