@@ -108,6 +108,24 @@ def random_layer(experts: int, dev: torch.device) -> tuple[MxExperts, MxExperts,
     return w, w.to_packed(), g
 
 
+def expert_bytes(w: MxExperts, parts: tuple[str, ...] = ("gate_up", "down"), biases: bool = True) -> int:
+    """Bytes one expert of `w` reads in the given GEMMs (MXFP4 blocks and scales, and the biases): the MoE
+    benches' floors are the routed experts' bytes over the copy bandwidth."""
+    names = [f"{p}_{kind}" for p in parts for kind in ("blocks", "scales")] + (
+        [f"{p}_bias" for p in parts] if biases else [])
+    return sum(getattr(w, n)[0].numel() * getattr(w, n).element_size() for n in names)
+
+
+def layer_batch(t: int, e: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list, float]:
+    """A batch of t tokens for the whole-layer peers: x [t, 2880] and softmaxed routing weights [t, k] in
+    bf16 (the global generator), the routing sets (from g) and how many experts a set touches on average."""
+    dev = g.device
+    x = torch.randn(t, 2880, device=dev).to(torch.bfloat16)
+    wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
+    id_sets = routing_sets(t, e, k, g)
+    return x, wts, id_sets, sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+
+
 def routing_sets(t: int, e: int, k: int, g: torch.Generator) -> list[torch.Tensor]:
     """Routing ids [t, k] of the rounds one timed graph replays: one token walks disjoint experts through all
     e; larger batches draw 4 uniform random sets (from g), so no round reads experts the round before left in

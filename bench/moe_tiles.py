@@ -28,7 +28,7 @@ import sys
 import torch
 
 from pdserve.bench.kernels import copy_bandwidth
-from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_runs
+from pdserve.bench.moe_mxfp4 import expert_bytes, layer_batch, random_layer, routing_sets, save_rows, time_runs
 from pdserve.kernels.mxfp4 import PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, dequantize_mxfp4
 from pdserve.kernels.nvrtc import HEADERS, compile_kernels, resident_ctas
 
@@ -433,15 +433,14 @@ def main() -> int:
         if part == "layer":
             layers = [Layer(*[tuple(int(v) for v in half.split("x")) for half in pair.split("/")],
                             wp.gate_up_blocks.shape[2], dev) for pair in a.layer_shapes.split(",")]
-            per_expert = sum(t[0].numel() * t.element_size() for t in (
-                wp.gate_up_blocks, wp.gate_up_scales, wp.down_blocks, wp.down_scales, wp.gate_up_bias, wp.down_bias))
+            per_expert = expert_bytes(wp)
             print(f"layer: {per_expert / 1e6:.2f} MB an expert; " + ", ".join(
                 f"{m.name}: {m.gate_up.grid} / {m.down.grid} CTAs" for m in layers), flush=True)
             for t in [int(v) for v in a.tokens.split(",")]:
                 results += time_layer(t, e, k, h, w, wp, g, layers, marlin, per_expert * 1e6 / bw)
             continue
         blocks = getattr(wp, part + "_blocks")
-        per_expert = sum(t[0].numel() * t.element_size() for t in (blocks, getattr(wp, part + "_scales")))
+        per_expert = expert_bytes(wp, (part,), biases=False)
         probes = {f"{part} kt{kt} s{st} rw{rw}": Probe(kt, st, rw, part, blocks.shape[2], dev)
                   for kt, st, rw in shapes if blocks.shape[1] % rows(rw) == 0}
         print(f"{part}: {per_expert / 1e6:.2f} MB an expert; grids " + ", ".join(
@@ -458,11 +457,7 @@ def time_layer(t, e, k, h, w, wp, g, layers, marlin, us_per_expert) -> list:
     from pdserve.kernels.experts import experts_forward_mxfp4_ref
     from pdserve.kernels.moe import experts_forward
 
-    dev = wp.gate_up_blocks.device
-    x = torch.randn(t, h, device=dev).to(torch.bfloat16)
-    wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
-    id_sets = routing_sets(t, e, k, g)
-    touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+    x, wts, id_sets, touched = layer_batch(t, e, k, g)
     ref = experts_forward_mxfp4_ref(x, wts, id_sets[0], w).float()
     runs = {"pdserve (engine path)": (lambda s: experts_forward(x, wts, s, wp), id_sets)}
     runs.update({m.name: (lambda s, m=m: m(wp, x, s, wts), id_sets) for m in layers})

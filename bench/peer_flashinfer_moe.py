@@ -27,7 +27,7 @@ import sys
 import torch
 
 from pdserve.bench.kernels import copy_bandwidth
-from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_runs
+from pdserve.bench.moe_mxfp4 import expert_bytes, layer_batch, random_layer, save_rows, time_runs
 from pdserve.kernels.experts import experts_forward_mxfp4_ref
 from pdserve.kernels.moe import experts_forward
 from pdserve.kernels.mxfp4 import MxExperts
@@ -82,20 +82,16 @@ def main() -> int:
     h, k = 2880, 4
     w, w_packed, g = random_layer(a.experts, dev)
     fw = FlashInferExperts(w, fused_moe)
-    per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales, w.down_blocks,
-                                                                 w.down_scales, w.gate_up_bias, w.down_bias))
+    per_expert = expert_bytes(w)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {a.experts} experts, "
           f"{per_expert / 1e6:.2f} MB each; flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}",
           flush=True)
     rows = []
     for t in [int(v) for v in a.tokens.split(",")]:
-        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
-        wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
+        x, wts, id_sets, touched = layer_batch(t, a.experts, k, g)
         wts32 = wts.float()
-        id_sets = routing_sets(t, a.experts, k, g)
         ids32 = [s.to(torch.int32) for s in id_sets]
-        touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         if not a.no_autotune:
             from flashinfer.autotuner import autotune

@@ -33,7 +33,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import copy_bandwidth  # noqa: E402
-from pdserve.bench.moe_mxfp4 import random_layer, routing_sets, save_rows, time_runs  # noqa: E402
+from pdserve.bench.moe_mxfp4 import expert_bytes, layer_batch, random_layer, save_rows, time_runs  # noqa: E402
 from pdserve.kernels.experts import experts_forward_mxfp4_ref  # noqa: E402
 from pdserve.kernels.cuda_moe_mxfp4 import experts_forward_mxfp4_mma  # noqa: E402
 from pdserve.kernels.moe import MXFP4_MMA_GROUPED_FROM, experts_forward  # noqa: E402
@@ -189,17 +189,13 @@ def main() -> int:
     hp, ip = (int(v) for v in a.pad.split(","))
     peer = MarlinMoE(a.vllm / "_moe_C_stable_libtorch.abi3.so", a.vllm / "scalar_type.py", dev)
     marlin = MarlinExperts(w, hp, ip)
-    per_expert = sum(t[0].numel() * t.element_size() for t in (w.gate_up_blocks, w.gate_up_scales, w.down_blocks,
-                                                                 w.down_scales, w.gate_up_bias, w.down_bias))
+    per_expert = expert_bytes(w)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s; {e} experts, "
           f"{per_expert / 1e6:.2f} MB each; Marlin padded to {hp},{ip}", flush=True)
     rows = []
     for t in [int(v) for v in a.tokens.split(",")]:
-        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
-        wts = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
-        id_sets = routing_sets(t, e, k, g)
-        touched = sum(len(set(s.flatten().tolist())) for s in id_sets) / len(id_sets)
+        x, wts, id_sets, touched = layer_batch(t, e, k, g)
         floor_us = touched * per_expert / bw * 1e6
         ref = experts_forward_mxfp4_ref(x, wts, id_sets[0], w).float()
         xp = torch.nn.functional.pad(x, (0, hp - h))
