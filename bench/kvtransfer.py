@@ -135,7 +135,7 @@ class _Rank:
         """Build the pools, reserve each request in `lengths` (name -> prompt tokens) as the worker
         of `role` does, start the agent."""
         from pdserve.kvtransfer.notify import KVArrivals
-        from pdserve.engine.kv_cache import PagedKVCache, cdiv
+        from pdserve.engine.kv_cache import KVBlockManager, PagedKVCache
         from pdserve.kvtransfer import KVTransferAgent, head_range
 
         cfg = model_config()
@@ -153,8 +153,8 @@ class _Rank:
             for pool in self.cache.pools.values():  # the KV the prompt computed: random bits
                 pool.view(self.torch.int16).random_(-2**15, 2**15, generator=gen)
         else:  # a decode worker: prompt + new tokens reserved at admission
-            window = cdiv(cfg.sliding_window, PAGE) + 1 if cfg.sliding_window else 0  # sliding pages
-            need = sum(cdiv(n + MAX_NEW_TOKENS, PAGE) + window for n in lengths.values())
+            blocks = KVBlockManager(page_size=PAGE, num_blocks=1, window=cfg.sliding_window)  # the arithmetic
+            need = sum(sum(blocks.blocks_needed(n + MAX_NEW_TOKENS)) for n in lengths.values())
             self.cache = PagedKVCache(cfg, num_blocks=2 * need, page_size=PAGE, num_kv_heads=heads[1] - heads[0],
                                       device=self.device)
             order = list(lengths.items())

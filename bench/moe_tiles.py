@@ -398,8 +398,6 @@ def fold_down(w, routing, act: torch.Tensor, ids: torch.Tensor, top_k: int, wts:
 
 
 def main() -> int:
-    from pdserve.kernels.triton_moe import align_routing
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tokens", default="4,16,64")
@@ -437,7 +435,7 @@ def main() -> int:
             print(f"layer: {per_expert / 1e6:.2f} MB an expert; " + ", ".join(
                 f"{m.name}: {m.gate_up.grid} / {m.down.grid} CTAs" for m in layers), flush=True)
             for t in [int(v) for v in a.tokens.split(",")]:
-                results += time_layer(t, e, k, h, w, wp, g, layers, marlin, per_expert * 1e6 / bw)
+                results += time_layer(t, e, k, w, wp, g, layers, marlin, per_expert * 1e6 / bw)
             continue
         blocks = getattr(wp, part + "_blocks")
         per_expert = expert_bytes(wp, (part,), biases=False)
@@ -446,12 +444,12 @@ def main() -> int:
         print(f"{part}: {per_expert / 1e6:.2f} MB an expert; grids " + ", ".join(
             f"{n} {p.grid} CTAs ({p.smem // 1024} KB)" for n, p in probes.items()), flush=True)
         for t in [int(v) for v in a.tokens.split(",")]:
-            results += probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, per_expert * 1e6 / bw, align_routing)
+            results += probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, per_expert * 1e6 / bw)
     save_rows(a.out, bw, results)
     return 0
 
 
-def time_layer(t, e, k, h, w, wp, g, layers, marlin, us_per_expert) -> list:
+def time_layer(t, e, k, w, wp, g, layers, marlin, us_per_expert) -> list:
     """Time the whole MoE layer at t tokens: the engine's path (kernels.moe.experts_forward), each Layer and
     Marlin's whole MoE, each against kernels.experts' reference (rel L2)."""
     from pdserve.kernels.experts import experts_forward_mxfp4_ref
@@ -473,9 +471,11 @@ def time_layer(t, e, k, h, w, wp, g, layers, marlin, us_per_expert) -> list:
     return timed
 
 
-def probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, us_per_expert, align_routing) -> list:
+def probe_part(part, t, e, k, h, i, w, wp, g, probes, marlin, us_per_expert) -> list:
     """Time one GEMM of the layer at t tokens: the routing launch + the engine's folded launch, + each probe,
     and Marlin's (gate/up; for down, gate/up + down, whose difference is printed), on the same routing sets."""
+    from pdserve.kernels.triton_moe import align_routing
+
     dev = wp.gate_up_blocks.device
     x = torch.randn(t, h, device=dev).to(torch.bfloat16)
     act_in = (torch.randn(t * k, i, device=dev) * 0.5).to(torch.float16)  # down's B: its activation rows

@@ -124,7 +124,7 @@ class DecodeGraphs:
         self.capture = capture
         self.sizes = capture_sizes(max_batch)
         self.pools = list(cache.pools)
-        # one block per pool that no request ever gets: the padded rows' KV lives there
+        # one block per layer group that no request ever gets: the padded rows' KV lives there
         self.pad_block = {g: cache.allocator.allocate(1)[0] for g in self.pools}
         self.max_pages = {"full": cdiv(max_context, cache.page_size)}
         if cache.has_sliding:  # a request's sliding table never exceeds its quota (+1 for slack)
