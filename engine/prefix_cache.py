@@ -12,11 +12,18 @@ end) are too: the next position's sliding layers need exactly those, its full la
 A match is backed off to the longest prefix that has its window, and always leaves at least one
 token to compute (the first sampled token needs the last position's logits).
 
-Blocks come from the same `PagedKVCache` pool the prompt runs in. A request holding a match
-(a `PrefixLease`) pins its entries (exact reference counts); unpinned entries are evicted only
-when the pool runs short, least recently used first: whole entries from the leaves of the chain (so
-a chain never has a hole; among equally recent pages the deepest goes first), or, for a prompt's
-sliding pages, an entry's sliding block alone first (its page then still serves longer prefixes).
+Blocks come from the same `PagedKVCache` pool the prompt runs in (one allocator serves both layer
+groups). A request holding a match (a `PrefixLease`) pins its entries (exact reference counts);
+unpinned entries give blocks back only when the pool runs short, least recently used first, in two
+classes:
+1. sliding blocks of pages that end no window a match has used or will likely use (the page keeps
+   its full block and still serves longer prefixes): a page is *anchored* when it lies in the
+   window at the end of a cached prompt (where the next turn of a conversation resumes) or at the
+   end of a match (where prompts sharing a system prompt diverge);
+2. whole entries from the leaves of the chain (so a chain never has a hole; among equally recent
+   pages the deepest goes first), their sliding blocks with them.
+So under pressure a conversation first loses the windows in its middle, which no continuation
+reads, and keeps the one its next turn needs.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class _Entry:
     children: int = 0
     last_used: int = 0
     alive: bool = True
+    anchored: bool = False  # in a window where a match ended or will likely end: sliding kept
 
 
 def _blocks(e: _Entry) -> int:
@@ -84,8 +92,8 @@ class PrefixCache:
         self._entries: dict[bytes, _Entry] = {}
         self._clock = itertools.count(1)
         self._order = itertools.count()
-        self._evict_full: list[tuple] = []  # lazy heaps of (last_used, -page, n, entry)
-        self._evict_sliding: list[tuple] = []
+        self._evict_full: list[tuple] = []  # lazy heaps of (last_used, -page, n, entry): leaves
+        self._evict_sliding: list[tuple] = []  # and idle un-anchored entries holding a sliding block
         self.evicted_blocks = 0
         self._pinned = 0  # entries with refs > 0
         self._idle_blocks = 0  # blocks of the entries with refs == 0
@@ -137,17 +145,14 @@ class PrefixCache:
                 self._idle_blocks -= _blocks(e)
             e.refs += 1
             e.last_used = now
+        self._anchor(matched, k)  # where this prompt diverges from the cached chain
         pages = cdiv(n, ps)
         try:
-            own_full = self._allocate("full", pages - k)
-            try:
-                own_sliding = self._allocate("sliding", pages - k) if self.kv.has_sliding else []
-            except KVCacheFull:
-                self.kv.allocator.free(own_full)
-                raise
+            own = self._allocate((pages - k) * (2 if self.kv.has_sliding else 1))
         except KVCacheFull:
             self._unpin(matched)
             raise
+        own_full, own_sliding = own[:pages - k], own[pages - k:]
         first = sliding_first_page(k * ps, self.kv.window, ps) if self.kv.has_sliding else 0
         blocks = SeqBlocks(
             full=[e.full_block for e in matched] + own_full,
@@ -197,6 +202,7 @@ class PrefixCache:
         parent = lease.pinned[-1] if lease.pinned else None
         now = next(self._clock)
         adopted_full, adopted_sliding = set(), set()
+        chain = list(lease.pinned)
         for p in range(k, len(lease.keys)):
             full = blocks.full[p]
             sliding = None
@@ -218,9 +224,13 @@ class PrefixCache:
                     e.sliding_block = sliding
                     self._idle_blocks += e.refs == 0
                     adopted_sliding.add(sliding)
+            chain.append(e)
+            parent = e
+        self._anchor(chain, len(chain) - 1)  # where its next turn resumes (or a repeat ends)
+        self._anchor(chain, len(chain))
+        for e in chain[k:]:
             if e.refs == 0:
                 self._push_evictable(e)
-            parent = e
         lease.own_full = [b for b in lease.own_full if b not in adopted_full]
         lease.own_sliding = [b for b in lease.own_sliding if b not in adopted_sliding]
 
@@ -238,7 +248,7 @@ class PrefixCache:
         item = (e.last_used, -e.page, next(self._order), e)
         if e.children == 0:
             heapq.heappush(self._evict_full, item)
-        if e.sliding_block is not None:
+        if e.sliding_block is not None and not e.anchored:
             heapq.heappush(self._evict_sliding, item)
         live = 4 * len(self._entries) + 64
         if len(self._evict_full) > live or len(self._evict_sliding) > live:
@@ -261,7 +271,7 @@ class PrefixCache:
         return self._fresh(item) and item[3].children == 0
 
     def _can_evict_sliding(self, item) -> bool:
-        return self._fresh(item) and item[3].sliding_block is not None
+        return self._fresh(item) and item[3].sliding_block is not None and not item[3].anchored
 
     def _evict_one_full(self) -> bool:
         while self._evict_full:
@@ -301,12 +311,14 @@ class PrefixCache:
         e.sliding_block = None
         self._idle_blocks -= 1
 
-    def _allocate(self, pool: str, count: int) -> list[int]:
+    def _anchor(self, chain: list[_Entry], end: int) -> None:
+        """Mark the pages of the window a query at page `end` reads (its sliding blocks stay)."""
+        if self.kv.has_sliding and end > 0:
+            for e in chain[sliding_first_page(end * self.page_size, self.kv.window, self.page_size):end]:
+                e.anchored = True
+
+    def _allocate(self, count: int) -> list[int]:
         alloc = self.kv.allocator
-        evict = self._evict_one_full if pool == "full" else self._evict_one_sliding
-        while alloc.num_free < count and evict():
+        while alloc.num_free < count and (self._evict_one_sliding() or self._evict_one_full()):
             pass
-        if pool == "sliding":  # whole entries hold sliding blocks too
-            while alloc.num_free < count and self._evict_one_full():
-                pass
         return alloc.allocate(count)  # KVCacheFull when even eviction left too few

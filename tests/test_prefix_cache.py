@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from numerics import rel_l2
 from pdserve.engine.kv_cache import KVCacheFull, PagedKVCache
@@ -133,3 +132,42 @@ def _check_ownership(kv: PagedKVCache, cache: PrefixCache, held) -> None:
             assert cache._entries[e.key] is e
         n_cached = lease.num_cached // PAGE
         assert [e.full_block for e in lease.pinned] == lease.blocks.full[:n_cached]
+
+
+def _cache_prompt(cache: PrefixCache, tokens: list[int]) -> int:
+    """Lease, take the prefill's tables and cache the pages (the KV bytes do not matter here)."""
+    lease = cache.acquire(tokens)
+    cache.kv.prepare(lease.blocks, lease.num_cached, len(tokens) - lease.num_cached)
+    cache.release(lease, computed=True)
+    return lease.num_cached
+
+
+def test_pressure_takes_middle_windows_before_a_conversations_end(tiny_cfg):
+    """A cached conversation and an unrelated prompt that does not fit beside it: the pool gives
+    back sliding blocks from the conversation's middle, so its next turn resumes at its end."""
+    rng = random.Random()
+    kv = PagedKVCache(tiny_cfg, num_blocks=24, page_size=PAGE)
+    assert kv.window == 16
+    cache = PrefixCache(kv)
+    turn = _ids(40, rng)  # 10 pages, 20 blocks
+    assert _cache_prompt(cache, turn) == 0
+    assert _cache_prompt(cache, _ids(12, rng)) == 0  # 6 blocks where 4 are free
+    assert cache.num_cached_pages == 13  # no page was given up, two middle windows were
+    assert _cache_prompt(cache, turn + _ids(5, rng)) == 40
+    cache.clear()
+    assert kv.num_used_blocks == 0
+
+
+def test_pressure_keeps_the_window_where_prompts_diverge(tiny_cfg):
+    """Two conversations sharing a long system prompt mark the window at its end; pressure from an
+    unrelated prompt takes other windows first, and a third conversation still reuses all of it."""
+    rng = random.Random()
+    kv = PagedKVCache(tiny_cfg, num_blocks=54, page_size=PAGE)
+    cache = PrefixCache(kv)
+    system = _ids(60, rng)  # 15 pages
+    assert _cache_prompt(cache, system + _ids(10, rng)) == 0
+    assert _cache_prompt(cache, system + _ids(9, rng)) == 60
+    assert _cache_prompt(cache, _ids(40, rng)) == 0  # 20 blocks where 16 are free
+    assert _cache_prompt(cache, system + _ids(7, rng)) == 60
+    cache.clear()
+    assert kv.num_used_blocks == 0
