@@ -50,6 +50,14 @@ class ChatWorkload:
     def user_turn(self, conversation: int, turn: int) -> list[int]:
         return self._ids(self.user_len, 1, conversation, turn)
 
+    def stand_in_reply(self, conversation: int, turn: int) -> list[int]:
+        """Reply ids for runs without a model (bench/prefix_pressure.py); served runs use the server's."""
+        return self._ids(self.output_len, 2, conversation, turn)
+
+    def prompt_len(self, turn: int) -> int:
+        """Tokens of a conversation's prompt at `turn` (0-based): everything said before, plus the new user turn."""
+        return self.system_len + self.user_len + turn * (self.output_len + self.user_len)
+
     def describe(self) -> str:
         start = "all at once" if math.isinf(self.rate) else f"{1 / self.rate:g} s apart"
         return (f"{self.conversations} conversations x {self.turns} turns, started {start}; shared system "
@@ -124,15 +132,8 @@ async def run_chat(target: str, w: ChatWorkload, temperature: float, timeout_s: 
 
 def shares(w: ChatWorkload) -> tuple[int, float, float]:
     """(prompt tokens of the whole workload, conversation share, ideal share)."""
-    total = repeated = 0
-    for _ in range(w.conversations):
-        length = w.system_len + w.user_len
-        for t in range(w.turns):
-            total += length
-            if t:
-                repeated += previous
-            previous = length
-            length += w.output_len + w.user_len
+    total = w.conversations * sum(w.prompt_len(t) for t in range(w.turns))
+    repeated = w.conversations * sum(w.prompt_len(t - 1) for t in range(1, w.turns))
     ideal = repeated + (w.conversations - 1) * w.system_len
     return total, repeated / total, ideal / total
 
@@ -226,7 +227,7 @@ def run_chat_bench(a, argv: list[str]) -> dict:
                                     a.temperature, a.request_timeout))
     else:
         if not a.grpc_target:
-            from pdserve.bench.serving import BenchError, scrape_metrics
+            from pdserve.bench.serving import BenchError
 
             raise BenchError("--workload chat with --url needs --grpc-target host:port")
         runs.append(measure(a.url, a.grpc_target, w, "as served", a.temperature, a.request_timeout))

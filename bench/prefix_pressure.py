@@ -31,7 +31,7 @@ def run(w: ChatWorkload, cache_tokens: int, page_size: int = 16) -> tuple[int, i
     cfg = dataclasses.replace(preset("20b"), num_hidden_layers=2,
                               layer_types=("sliding_attention", "full_attention"))
     system = w.system_prompt()
-    longest = w.system_len + w.turns * (w.user_len + w.output_len)
+    longest = w.prompt_len(w.turns - 1) + w.output_len  # the longest prompt and its reply: the max context
     blocks = PagedKVCache.prompt_blocks(cfg, longest + cache_tokens, page_size)
     kv = PagedKVCache(cfg, num_blocks=blocks, page_size=page_size, num_kv_heads=1)
     cache = PrefixCache(kv)
@@ -44,8 +44,7 @@ def run(w: ChatWorkload, cache_tokens: int, page_size: int = 16) -> tuple[int, i
             kv.prepare(lease.blocks, lease.num_cached, len(prompt) - lease.num_cached)
             cache.release(lease, computed=True)
             sent, cached = sent + len(prompt), cached + lease.num_cached
-            reply = w._ids(w.output_len, 2, c, t)
-            history[c] = prompt + reply + w.user_turn(c, t + 1)
+            history[c] = prompt + w.stand_in_reply(c, t) + w.user_turn(c, t + 1)
     cache.clear()
     if kv.num_used_blocks:
         raise RuntimeError(f"{kv.num_used_blocks} blocks left after clearing the cache")
@@ -58,11 +57,8 @@ def ideal(w: ChatWorkload, page_size: int = 16) -> int:
     total = 0
     for t in range(w.turns):
         for c in range(w.conversations):
-            n = w.system_len + w.user_len + t * (w.output_len + w.user_len)
-            if t:
-                shared = n - w.output_len - w.user_len  # the previous turn's whole prompt
-            else:
-                shared = w.system_len if c else 0
+            n = w.prompt_len(t)
+            shared = w.prompt_len(t - 1) if t else (w.system_len if c else 0)  # the previous turn's prompt
             total += min(shared, n - 1) // page_size * page_size
     return total
 

@@ -145,7 +145,7 @@ class PrefixCache:
                 self._idle_blocks -= _blocks(e)
             e.refs += 1
             e.last_used = now
-        self._anchor(matched, k)  # where this prompt diverges from the cached chain
+        self._anchor(matched, k, k)  # where this prompt diverges from the cached chain
         pages = cdiv(n, ps)
         try:
             own = self._allocate((pages - k) * (2 if self.kv.has_sliding else 1))
@@ -226,8 +226,7 @@ class PrefixCache:
                     adopted_sliding.add(sliding)
             chain.append(e)
             parent = e
-        self._anchor(chain, len(chain) - 1)  # where its next turn resumes (or a repeat ends)
-        self._anchor(chain, len(chain))
+        self._anchor(chain, len(chain) - 1, len(chain))  # where its next turn resumes (or a repeat ends)
         for e in chain[k:]:
             if e.refs == 0:
                 self._push_evictable(e)
@@ -311,10 +310,10 @@ class PrefixCache:
         e.sliding_block = None
         self._idle_blocks -= 1
 
-    def _anchor(self, chain: list[_Entry], end: int) -> None:
-        """Mark the pages of the window a query at page `end` reads (its sliding blocks stay)."""
-        if self.kv.has_sliding and end > 0:
-            for e in chain[sliding_first_page(end * self.page_size, self.kv.window, self.page_size):end]:
+    def _anchor(self, chain: list[_Entry], first_end: int, end: int) -> None:
+        """Mark the pages the windows of queries at pages first_end..end read (their sliding blocks stay)."""
+        if self.kv.has_sliding:
+            for e in chain[sliding_first_page(first_end * self.page_size, self.kv.window, self.page_size):end]:
                 e.anchored = True
 
     def _allocate(self, count: int) -> list[int]:

@@ -9,12 +9,8 @@ from pdserve.bench.prefix_pressure import ideal, run
 
 def test_room_for_everything_serves_the_ideal_and_less_room_serves_less():
     w = ChatWorkload(conversations=4, turns=3, system_len=300, user_len=40, output_len=50, rate=float("inf"), seed=1)
-    sent, cached = run(w, cache_tokens=w.conversations * longest_prompt(w))
+    sent, cached = run(w, cache_tokens=w.conversations * (w.prompt_len(w.turns - 1) + w.output_len))
     assert sent == sum(w.system_len + w.user_len + t * (w.output_len + w.user_len) for t in range(3)) * 4
     assert cached == ideal(w) > 0
     _, tight = run(w, cache_tokens=256)
     assert 0 < tight < cached
-
-
-def longest_prompt(w: ChatWorkload) -> int:
-    return w.system_len + w.turns * (w.user_len + w.output_len)
