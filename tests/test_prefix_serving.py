@@ -112,14 +112,18 @@ def test_kill_9_of_a_decode_worker_migrates_every_stream(cluster):
             t.join(300)
         return outs, (at_kill, moved if kill else 0)
 
+    migrated_before = _metric(cluster, 'pdserve_migrations_total{outcome="migrated"}')
     reference, _ = run_all(kill=False)
     assert all(len(o) == MAX_NEW for o in reference)
-    migrated_before = _metric(cluster, 'pdserve_migrations_total{outcome="migrated"}')
+    # a stream that moved in the uninterrupted run would not be a reference
+    assert _metric(cluster, 'pdserve_migrations_total{outcome="migrated"}') == migrated_before
     outs, (at_kill, moved) = run_all(kill=True)
     assert all(len(o) == MAX_NEW for o in outs), [len(o) for o in outs]
     same = 0
-    for o, r, k in zip(outs, reference, at_kill):
-        assert o[:k] == r[:k]  # nothing before the kill changed
+    for p, o, r, k in zip(prompts, outs, reference, at_kill):
+        # nothing before the kill changed
+        assert o[:k] == r[:k], dict(prompt_tokens=len(p), at_kill=k, first_difference=next(
+            j for j in range(k) if o[j] != r[j]), stream=o, reference=r)
         if o == r:
             same += 1
             continue
