@@ -16,10 +16,13 @@ Blocks come from the same `PagedKVCache` pool the prompt runs in (one allocator 
 groups). A request holding a match (a `PrefixLease`) pins its entries (exact reference counts);
 unpinned entries give blocks back only when the pool runs short, least recently used first, in two
 classes:
-1. sliding blocks of pages that end no window a match has used or will likely use (the page keeps
-   its full block and still serves longer prefixes): a page is *anchored* when it lies in the
-   window at the end of a cached prompt (where the next turn of a conversation resumes) or at the
-   end of a match (where prompts sharing a system prompt diverge);
+1. sliding blocks of pages in no *protected* window (the page keeps its full block and still
+   serves longer prefixes). Protected are the windows where the next match will likely end, read
+   off the shape of the chains: at a leaf (the end of a cached prompt, where a conversation's next
+   turn resumes; with the window one page earlier, where an exact repeat ends) and at a branch
+   (where cached prompts diverge, as after a shared system prompt). A page inside a chain that
+   one longer prompt extends is neither: when a conversation's next turn is cached, the window at
+   its previous end stops being protected;
 2. whole entries from the leaves of the chain (so a chain never has a hole; among equally recent
    pages the deepest goes first), their sliding blocks with them.
 So under pressure a conversation first loses the windows in its middle, which no continuation
@@ -48,7 +51,7 @@ class _Entry:
     children: int = 0
     last_used: int = 0
     alive: bool = True
-    anchored: bool = False  # in a window where a match ended or will likely end: sliding kept
+    protected: int = 0  # protected windows (at a leaf or a branch) this page lies in: sliding kept
 
 
 def _blocks(e: _Entry) -> int:
@@ -93,7 +96,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._order = itertools.count()
         self._evict_full: list[tuple] = []  # lazy heaps of (last_used, -page, n, entry): leaves
-        self._evict_sliding: list[tuple] = []  # and idle un-anchored entries holding a sliding block
+        self._evict_sliding: list[tuple] = []  # and idle unprotected entries holding a sliding block
         self.evicted_blocks = 0
         self._pinned = 0  # entries with refs > 0
         self._idle_blocks = 0  # blocks of the entries with refs == 0
@@ -145,7 +148,6 @@ class PrefixCache:
                 self._idle_blocks -= _blocks(e)
             e.refs += 1
             e.last_used = now
-        self._anchor(matched, k, k)  # where this prompt diverges from the cached chain
         pages = cdiv(n, ps)
         try:
             own = self._allocate((pages - k) * (2 if self.kv.has_sliding else 1))
@@ -203,6 +205,7 @@ class PrefixCache:
         now = next(self._clock)
         adopted_full, adopted_sliding = set(), set()
         chain = list(lease.pinned)
+        new_leaf = None
         for p in range(k, len(lease.keys)):
             full = blocks.full[p]
             sliding = None
@@ -210,14 +213,17 @@ class PrefixCache:
                 i = p - blocks.sliding_first_page
                 sliding = blocks.sliding[i] if 0 <= i < len(blocks.sliding) else None
             e = self._entries.get(lease.keys[p])
-            if e is None:
+            if e is None:  # new pages are the chain's tail (a new key's successors are new)
                 e = _Entry(lease.keys[p], p, parent, full, sliding, last_used=now)
                 self._entries[e.key] = e
                 self._idle_blocks += _blocks(e)
-                if parent is not None:
-                    parent.children += 1
+                if parent is not None and parent is new_leaf:
+                    parent.children += 1  # inside the new tail: protected only at its end, below
+                elif parent is not None:
+                    self._add_children(parent, 1)
                 adopted_full.add(full)
                 adopted_sliding.add(sliding)
+                new_leaf = e
             else:  # recomputed (match backed off or capped): keep the entry, fill its window gap
                 e.last_used = now
                 if e.sliding_block is None and sliding is not None:
@@ -226,7 +232,8 @@ class PrefixCache:
                     adopted_sliding.add(sliding)
             chain.append(e)
             parent = e
-        self._anchor(chain, len(chain) - 1, len(chain))  # where its next turn resumes (or a repeat ends)
+        if new_leaf is not None:  # the tail's inner pages have one child each: only its end is a leaf
+            self._protect(new_leaf, self._role(new_leaf), +1)
         for e in chain[k:]:
             if e.refs == 0:
                 self._push_evictable(e)
@@ -247,7 +254,7 @@ class PrefixCache:
         item = (e.last_used, -e.page, next(self._order), e)
         if e.children == 0:
             heapq.heappush(self._evict_full, item)
-        if e.sliding_block is not None and not e.anchored:
+        if e.sliding_block is not None and not e.protected:
             heapq.heappush(self._evict_sliding, item)
         live = 4 * len(self._entries) + 64
         if len(self._evict_full) > live or len(self._evict_sliding) > live:
@@ -270,7 +277,7 @@ class PrefixCache:
         return self._fresh(item) and item[3].children == 0
 
     def _can_evict_sliding(self, item) -> bool:
-        return self._fresh(item) and item[3].sliding_block is not None and not item[3].anchored
+        return self._fresh(item) and item[3].sliding_block is not None and not item[3].protected
 
     def _evict_one_full(self) -> bool:
         while self._evict_full:
@@ -278,6 +285,7 @@ class PrefixCache:
             if not self._can_evict_full(item):
                 continue
             e = item[3]
+            self._protect(e, self._role(e), -1)
             e.alive = False
             del self._entries[e.key]
             self.kv.allocator.free([e.full_block])
@@ -286,7 +294,7 @@ class PrefixCache:
             if e.sliding_block is not None:
                 self.drop_sliding(e)
             if e.parent is not None:
-                e.parent.children -= 1
+                self._add_children(e.parent, -1)
                 if e.parent.children == 0 and e.parent.refs == 0 and e.parent.alive:
                     heapq.heappush(self._evict_full, (e.parent.last_used, -e.parent.page, next(self._order), e.parent))
             return True
@@ -310,11 +318,35 @@ class PrefixCache:
         e.sliding_block = None
         self._idle_blocks -= 1
 
-    def _anchor(self, chain: list[_Entry], first_end: int, end: int) -> None:
-        """Mark the pages the windows of queries at pages first_end..end read (their sliding blocks stay)."""
-        if self.kv.has_sliding:
-            for e in chain[sliding_first_page(first_end * self.page_size, self.kv.window, self.page_size):end]:
-                e.anchored = True
+    @staticmethod
+    def _role(e: _Entry) -> str | None:
+        """Where matches will likely end: a leaf (a cached prompt's end), a branch (prompts
+        diverge after it), or neither (one longer prompt goes on)."""
+        return "leaf" if e.children == 0 else "branch" if e.children > 1 else None
+
+    def _add_children(self, e: _Entry, delta: int) -> None:
+        """Count a child linked (+1) or evicted (-1), moving the protection of the windows at e."""
+        before = self._role(e)
+        e.children += delta
+        after = self._role(e)
+        if after != before:
+            self._protect(e, before, -1)
+            self._protect(e, after, +1)
+
+    def _protect(self, end: _Entry, role: str | None, delta: int) -> None:
+        """Add `delta` to the protection of the pages the window at `end` covers (as a branch:
+        a query right after it; as a leaf: also one a page earlier, where an exact repeat of
+        a page-aligned prompt ends); a page left unprotected may give its sliding block."""
+        if role is None or not self.kv.has_sliding:
+            return
+        depth = end.page + 1 - (role == "leaf")
+        pages = end.page + 1 - sliding_first_page(depth * self.page_size, self.kv.window, self.page_size)
+        e = end
+        for _ in range(pages):
+            e.protected += delta
+            if not e.protected and e.refs == 0 and e.alive and e.sliding_block is not None:
+                self._push_evictable(e)
+            e = e.parent
 
     def _allocate(self, count: int) -> list[int]:
         alloc = self.kv.allocator

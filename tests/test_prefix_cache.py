@@ -108,6 +108,7 @@ def test_random_reuse_and_eviction_keep_exact_accounting(tiny_cfg):
             kv.prepare(lease.blocks, lease.num_cached, n - lease.num_cached)  # the prefill's tables
             held.append(lease)
         _check_ownership(kv, cache, held)
+        _check_protection(cache)
         assert cache.num_pinned_pages() == sum(1 for e in cache._entries.values() if e.refs)
         assert cache.num_evictable_blocks == sum(1 + (e.sliding_block is not None)
                                                  for e in cache._entries.values() if not e.refs)
@@ -132,6 +133,35 @@ def _check_ownership(kv: PagedKVCache, cache: PrefixCache, held) -> None:
             assert cache._entries[e.key] is e
         n_cached = lease.num_cached // PAGE
         assert [e.full_block for e in lease.pinned] == lease.blocks.full[:n_cached]
+
+
+def _check_protection(cache: PrefixCache) -> None:
+    """The counts kept as chains change equal the ones read off the chains now: each page is
+    protected once per leaf or branch whose window covers it; an idle unprotected page holding a
+    sliding block can give it back (it is in the eviction heap)."""
+    entries = list(cache._entries.values())
+    children = {id(e): 0 for e in entries}
+    for e in entries:
+        if e.parent is not None:
+            children[id(e.parent)] += 1
+    want = {id(e): 0 for e in entries}
+    window = cache.kv.window
+    for end in entries:
+        n = children[id(end)]
+        assert end.children == n
+        if n == 1:
+            continue
+        depth = end.page + (n > 0)  # a leaf's window reaches one page further back
+        first = max(0, depth * PAGE - window + 1) // PAGE
+        e = end
+        while e is not None and e.page >= first:
+            want[id(e)] += 1
+            e = e.parent
+    assert {id(e): e.protected for e in entries} == want
+    evictable = {id(it[3]) for it in cache._evict_sliding if cache._can_evict_sliding(it)}
+    for e in entries:
+        if not e.refs and not e.protected and e.sliding_block is not None:
+            assert id(e) in evictable, e.page
 
 
 def _cache_prompt(cache: PrefixCache, tokens: list[int]) -> int:
@@ -169,5 +199,27 @@ def test_pressure_keeps_the_window_where_prompts_diverge(tiny_cfg):
     assert _cache_prompt(cache, system + _ids(9, rng)) == 60
     assert _cache_prompt(cache, _ids(40, rng)) == 0  # 20 blocks where 16 are free
     assert _cache_prompt(cache, system + _ids(7, rng)) == 60
+    cache.clear()
+    assert kv.num_used_blocks == 0
+
+
+def test_pressure_takes_a_long_conversations_earlier_ends_before_pages(tiny_cfg):
+    """A conversation of three cached turns and an unrelated cached prompt; a third prompt does
+    not fit beside them. The windows at the conversation's earlier turn ends (which only a
+    repeat of an earlier turn would read) give their sliding blocks, so no page goes: its fourth
+    turn resumes at its third's end and the other prompt stays whole."""
+    rng = random.Random()
+    kv = PagedKVCache(tiny_cfg, num_blocks=48, page_size=PAGE)
+    cache = PrefixCache(kv)
+    conversation = _ids(24, rng)  # 6 pages a turn: 36 blocks after three
+    for turn in range(3):
+        assert _cache_prompt(cache, conversation) == 6 * PAGE * turn
+        conversation += _ids(24, rng)
+    other = _ids(16, rng)  # 8 blocks
+    assert _cache_prompt(cache, other) == 0
+    assert _cache_prompt(cache, _ids(20, rng)) == 0  # 10 blocks where 4 are free
+    assert cache.num_cached_pages == 18 + 4 + 5
+    assert _cache_prompt(cache, other + _ids(3, rng)) == 16
+    assert _cache_prompt(cache, conversation[:72] + _ids(8, rng)) == 72
     cache.clear()
     assert kv.num_used_blocks == 0
