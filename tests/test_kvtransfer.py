@@ -395,6 +395,10 @@ def _peer_main(conn):
                        for g, t in pools[name].items()}
             elif cmd == "pools":
                 out = {g: t.view(torch.int16).cpu().numpy() for g, t in pools[name].items()}
+            elif cmd == "wait_then_read":  # the blocks' bytes the moment the notification is seen
+                notif, pool, blocks, timeout = args
+                arrived = agents[name].wait_notification(notif, timeout)
+                out = arrived, pools[name][pool][:, blocks].view(torch.int16).cpu().numpy()
             else:
                 out = getattr(agents[name], cmd)(*args)
             conn.send(("ok", out))
@@ -524,6 +528,41 @@ def _assert_pages_moved(peer, dec: dict, before: dict, truth: dict, pages: dict)
             for sb, db in pages[g]:
                 expect[:, db] = _i16(truth[g])[:, sb, ..., hr[0]:hr[1], :]
             np.testing.assert_array_equal(after[g], expect)
+
+
+@pytest.mark.slow
+def test_notification_follows_every_byte_and_source_pages_are_free_once_done(peer):
+    """What the decode and prefill workers rely on: the receiver reads a WRITE's pages the moment
+    its notification arrives, without waiting for anything else, and finds every byte; the
+    sender overwrites its source pages as soon as the write is done (a prefill frees its own
+    blocks then, and the next prompt may write them at once) and the receiver's copy keeps the
+    old bytes. Scattered pages and long contiguous runs (one large descriptor a layer)."""
+    rng = np.random.default_rng()
+    spec = {"full": (4, 64, 16, 64)}  # 32 KiB a block and layer: runs of up to 768 KiB
+    blob = peer("create", "b-order", int(rng.integers(1 << 30)), spec, (0, 8))
+    pools = _make_pools(int(rng.integers(1 << 30)), spec, (0, 8))
+    src_i16 = pools["full"].view(torch.int16)
+    with KVTransferAgent("a-order", pools, head_range=(0, 8)) as a:
+        name = a.add_peer(blob)
+        for i in range(300):
+            n = int(rng.integers(1, 24))
+            if i % 2:
+                s0, d0 = (int(x) for x in rng.integers(0, 64 - n, 2))
+                src, dst = list(range(s0, s0 + n)), list(range(d0, d0 + n))
+            else:
+                src, dst = rng.permutation(64)[:n].tolist(), rng.permutation(64)[:n].tolist()
+            src_i16[:, src] = torch.from_numpy(rng.integers(-2**15, 2**15, src_i16[:, src].shape, dtype=np.int16))
+            want = src_i16[:, src].numpy().copy()
+            notif = f"order-{i}".encode()
+            peer.conn.send(("wait_then_read", "b-order", (notif, "full", dst, 30)))  # waits first
+            a.write_pages(name, {"full": list(zip(src, dst))}, notif).wait(30)
+            src_i16[:, src] = 7  # reused at once
+            assert peer.conn.poll(60)
+            status, out = peer.conn.recv()
+            assert status == "ok", out
+            arrived, got = out
+            assert arrived, i
+            np.testing.assert_array_equal(got, want, err_msg=f"write {i}: {n} pages")
 
 
 @pytest.mark.slow
