@@ -285,8 +285,8 @@ class PrefixCache:
             if not self._can_evict_full(item):
                 continue
             e = item[3]
+            e.alive = False  # first: the protection it drops below must not queue the page itself
             self._protect(e, self._role(e), -1)
-            e.alive = False
             del self._entries[e.key]
             self.kv.allocator.free([e.full_block])
             self._idle_blocks -= 1
