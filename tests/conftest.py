@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -26,6 +27,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # a marker, not a keyword: a folder named gpu matches those
             item.add_marker(skip)
+
+
+SEED_ENV = "PDSERVE_TEST_SEED"
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """Fresh random inputs for each test, replayable: a failing test's report names its seed, and
+    PDSERVE_TEST_SEED=<seed> makes the same inputs again."""
+    seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 32))
+    request.node.user_properties.append((SEED_ENV, seed))
+    return random.Random(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seeds = [v for k, v in item.user_properties if k == SEED_ENV]
+    if report.failed and seeds:
+        report.sections.append(("random inputs", f"replay with {SEED_ENV}={seeds[0]}"))
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ category (the same code a GPU host runs; no timing is asserted), its figures in 
 from __future__ import annotations
 
 import json
-import random
 import sys
 
 import pytest
@@ -94,8 +93,7 @@ def test_peer_triton_missing_says_what_to_install(tmp_path, capsys, monkeypatch)
     assert "pip install gpt-oss" in err and "triton_kernels" in err and "import failed" in err
 
 
-def test_peer_prefill_chunks_cover_the_context_in_bounded_calls():
-    rng = random.Random()
+def test_peer_prefill_chunks_cover_the_context_in_bounded_calls(rng):
     for _ in range(500):
         context, batch = rng.randint(64, 40_000), rng.randint(1, 256)
         chunks = peer_triton.prefill_chunks(context, batch)

@@ -1,6 +1,5 @@
 """bench/hf_tokenizer.py: the Hugging Face tokenizer it writes encodes exactly as the server."""
 
-import random
 
 from tokenizers import Tokenizer
 
@@ -10,9 +9,8 @@ from router_harness import codec
 _ALPHABET = "abcXYZ019 .,;:!?'\"()[]{}<>/\\_-+=*&^%$#@~`\t\n\r  äöüßéñ東京大阪🙂🌧\u0301"
 
 
-def test_hf_tokenizer_matches_the_server_encoding(tmp_path):
+def test_hf_tokenizer_matches_the_server_encoding(tmp_path, rng):
     tokenizer = Tokenizer.from_file(str(build(tmp_path) / "tokenizer.json"))
-    rng = random.Random()
     for _ in range(100):
         text = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(1, 200)))
         assert tokenizer.encode(text, add_special_tokens=False).ids == codec().encode(text), text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 
 from pdserve.bench.multiturn import ChatRun, ChatWorkload, Turn, render, shares
 
@@ -20,8 +19,7 @@ def _prompts(w: ChatWorkload) -> list[list[list[int]]]:
     return out
 
 
-def test_shares_count_what_repeats():
-    rng = random.Random()
+def test_shares_count_what_repeats(rng):
     w = ChatWorkload(rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 50), rng.randint(1, 20),
                      rng.randint(1, 20), math.inf, rng.randrange(100))
     prompts = _prompts(w)

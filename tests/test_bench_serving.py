@@ -16,8 +16,7 @@ from pdserve.bench import serving as bs
 
 
 # ---- statistics ----------------------------------------------------------------------------------
-def test_percentile_matches_numpy_linear():
-    rng = random.Random()
+def test_percentile_matches_numpy_linear(rng):
     for n in (1, 2, 7, 100, 1001):
         values = [rng.expovariate(1.0) for _ in range(n)]
         for q in (0, 1, 25, 50, 90, 99, 99.9, 100):

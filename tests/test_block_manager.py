@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -20,8 +19,7 @@ def test_fresh_allocator_hands_out_consecutive_runs_and_best_fit_holes():
     assert a.allocate(2) == [8, 9]
 
 
-def test_random_churn_keeps_exact_accounting_and_prefers_runs():
-    rng = random.Random()
+def test_random_churn_keeps_exact_accounting_and_prefers_runs(rng):
     n = rng.randint(50, 400)
     a = BlockAllocator(n)
     held: list[list[int]] = []

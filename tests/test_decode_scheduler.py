@@ -257,10 +257,9 @@ def test_kv_arrives_when_every_head_of_every_rank_has():
 
 
 # -- the scheduler driving it ------------------------------------------------------------------------
-def test_started_requests_wait_for_a_batch_slot_past_the_kv_deadline(h):
+def test_started_requests_wait_for_a_batch_slot_past_the_kv_deadline(h, rng):
     """Issue 13: with a full batch, a request whose KV is in waits for a slot however long the
     others run; it used to fail with "KV transfer did not arrive" 30 s after Decode."""
-    rng = random.Random()
     reqs = []
     for i in range(3):
         n = rng.randint(3, 20)
@@ -373,8 +372,7 @@ class DelayedWriter:
 
 
 @pytest.mark.parametrize("how", ["cancel", "expire"])
-def test_no_block_is_reused_before_the_delayed_write_into_it_ended(tiny_cfg, how):
-    rng = random.Random()
+def test_no_block_is_reused_before_the_delayed_write_into_it_ended(tiny_cfg, how, rng):
     pages = rng.randint(8, 16)
     page = 4
     blocks = pages + -(-tiny_cfg.sliding_window // page) + 1  # + the sliding layers' window
@@ -643,7 +641,7 @@ def test_a_prefill_that_fails_before_pushing_tells_the_decode_side(nixl_pair):
 
 # -- re-sharded KV (prefill TP4 -> decode TP2) into reused blocks, with a rank that polls late --------
 @pytest.mark.parametrize("how", ["cancel", "expire"])
-def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request(tiny_cfg, how):
+def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request(tiny_cfg, how, rng):
     """Each decode rank gets its heads as two slotted writes to put in place (kvtransfer.reshard).
     The victim ends and its blocks are freed on the prefill side's "ok" to rank 0, while rank 1
     has not yet polled the victim's slots; the next request gets the very same blocks and its KV
@@ -659,7 +657,6 @@ def test_a_rank_polling_late_never_touches_the_reused_blocks_of_an_ended_request
     from pdserve.kvtransfer import KVTransferAgent
     from pdserve.prefill_worker.executor import KVPush, push_kv
 
-    rng = random.Random()
     pages = rng.randint(2, 6)
     nb = pages + min(-(-tiny_cfg.sliding_window // 4) + 1, pages)  # the whole cache (a victim's full
     h = Harness(tiny_cfg, num_blocks=nb, head_ranges=[(0, 2), (2, 4)])  # + sliding pages): the next

@@ -5,7 +5,6 @@ refused by the draining one (a refusal would show as a retried Reserve)."""
 
 from __future__ import annotations
 
-import random
 import signal
 import threading
 import time
@@ -39,8 +38,7 @@ def metric_lines(cluster: LocalCluster, prefix: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(prefix)]
 
 
-def test_decode_worker_stopped_under_10_streams_finishes_them_and_gets_nothing_new(tiny_mxfp4, tmp_path):
-    rng = random.Random()
+def test_decode_worker_stopped_under_10_streams_finishes_them_and_gets_nothing_new(tiny_mxfp4, tmp_path, rng):
     spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(), decode_workers=2,
                        max_batch_size=16, extra_worker_args=["--drain-timeout", "120"])
     cluster = LocalCluster(spec, tmp_path)

@@ -53,8 +53,7 @@ def _walk(grammar: str, budget: int, rng: random.Random) -> list[int]:
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
-def test_random_walks_end_in_valid_json_within_the_budget(schema, codec):
-    rng = random.Random()
+def test_random_walks_end_in_valid_json_within_the_budget(schema, codec, rng):
     grammar = structured_output.grammar({"type": "json_schema", "json_schema": {"schema": schema}})
     for _ in range(2):
         budget = rng.randrange(40, 120)
@@ -64,8 +63,7 @@ def test_random_walks_end_in_valid_json_within_the_budget(schema, codec):
         assert len(out) <= budget and out[-1] == RETURN
 
 
-def test_a_forced_tool_call_validates_against_the_tool(codec):
-    rng = random.Random()
+def test_a_forced_tool_call_validates_against_the_tool(codec, rng):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for choice in ("required", {"type": "function", "function": {"name": "g"}}):
         out = _walk(structured_output.grammar(None, tools=TOOLS, tool_choice=choice), rng.randrange(80, 200), rng)
@@ -74,12 +72,12 @@ def test_a_forced_tool_call_validates_against_the_tool(codec):
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
 
 
-def test_the_way_out_is_forced_when_the_budget_is_short():
+def test_the_way_out_is_forced_when_the_budget_is_short(rng):
     grammar = structured_output.grammar({"type": "json_object"})
     m = G.Matcher(grammar, 12)
     path = m.way_out(100)
     assert len(path) <= 12 and m.num_generated == 0  # computing it moves nothing
-    out = _walk(grammar, len(path), random.Random())
+    out = _walk(grammar, len(path), rng)
     assert out == path  # no room for anything else
 
 

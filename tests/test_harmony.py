@@ -16,7 +16,7 @@ import openai_harmony as oh
 import pytest
 
 from pdserve.router.harmony import (VOCAB_FILE_NAME, VOCAB_SHA256, Delta, HarmonyCodec, HarmonyError,
-                            HarmonyVocabError, ParsedCompletion, _extract_vocab)
+                            ParsedCompletion, _extract_vocab)
 
 REPO = Path(__file__).resolve().parents[1]
 DATE = "2025-08-08"
@@ -37,13 +37,6 @@ def codec() -> HarmonyCodec:
 def enc(codec) -> oh.HarmonyEncoding:
     """openai-harmony's own encoding, to build model replies independently of the codec."""
     return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**32)
-    print(f"random seed {seed}")
-    return random.Random(seed)
 
 
 _ALPHABET = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'"

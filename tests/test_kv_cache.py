@@ -67,11 +67,10 @@ def test_a_short_pool_refuses_what_both_groups_need_together(tiny_cfg):
     cache.release(seq)
 
 
-def test_layers_of_the_two_groups_never_write_into_each_others_pages(tiny_cfg):
+def test_layers_of_the_two_groups_never_write_into_each_others_pages(tiny_cfg, rng):
     """Random requests come and go through a pool that is always nearly full; every position of
     every live request, written in every layer with values of its own, reads back intact however
     the blocks were dealt between the groups."""
-    rng = random.Random()
     cache = PagedKVCache(tiny_cfg, num_blocks=48, page_size=PAGE)
     kvh, hd = tiny_cfg.num_key_value_heads, tiny_cfg.head_dim
     live: dict[int, tuple] = {}  # id -> (blocks, written positions)

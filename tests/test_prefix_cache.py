@@ -85,10 +85,9 @@ def test_missing_sliding_window_backs_off_to_a_whole_window(runner):
     assert runner.cache.num_used_blocks == 0
 
 
-def test_random_reuse_and_eviction_keep_exact_accounting(tiny_cfg):
+def test_random_reuse_and_eviction_keep_exact_accounting(tiny_cfg, rng):
     """Random prompts sharing prefixes, leases held across others, a pool too small for all:
     a pinned block is never handed out again, every block is owned exactly once, nothing leaks."""
-    rng = random.Random()
     kv = PagedKVCache(tiny_cfg, num_blocks=40, page_size=PAGE)
     cache = PrefixCache(kv)
     roots = [_ids(rng.randrange(4, 30), rng) for _ in range(4)]
@@ -172,10 +171,9 @@ def _cache_prompt(cache: PrefixCache, tokens: list[int]) -> int:
     return lease.num_cached
 
 
-def test_pressure_takes_middle_windows_before_a_conversations_end(tiny_cfg):
+def test_pressure_takes_middle_windows_before_a_conversations_end(tiny_cfg, rng):
     """A cached conversation and an unrelated prompt that does not fit beside it: the pool gives
     back sliding blocks from the conversation's middle, so its next turn resumes at its end."""
-    rng = random.Random()
     kv = PagedKVCache(tiny_cfg, num_blocks=24, page_size=PAGE)
     assert kv.window == 16
     cache = PrefixCache(kv)
@@ -188,10 +186,9 @@ def test_pressure_takes_middle_windows_before_a_conversations_end(tiny_cfg):
     assert kv.num_used_blocks == 0
 
 
-def test_pressure_keeps_the_window_where_prompts_diverge(tiny_cfg):
+def test_pressure_keeps_the_window_where_prompts_diverge(tiny_cfg, rng):
     """Two conversations sharing a long system prompt mark the window at its end; pressure from an
     unrelated prompt takes other windows first, and a third conversation still reuses all of it."""
-    rng = random.Random()
     kv = PagedKVCache(tiny_cfg, num_blocks=54, page_size=PAGE)
     cache = PrefixCache(kv)
     system = _ids(60, rng)  # 15 pages
@@ -203,12 +200,11 @@ def test_pressure_keeps_the_window_where_prompts_diverge(tiny_cfg):
     assert kv.num_used_blocks == 0
 
 
-def test_pressure_takes_a_long_conversations_earlier_ends_before_pages(tiny_cfg):
+def test_pressure_takes_a_long_conversations_earlier_ends_before_pages(tiny_cfg, rng):
     """A conversation of three cached turns and an unrelated cached prompt; a third prompt does
     not fit beside them. The windows at the conversation's earlier turn ends (which only a
     repeat of an earlier turn would read) give their sliding blocks, so no page goes: its fourth
     turn resumes at its third's end and the other prompt stays whole."""
-    rng = random.Random()
     kv = PagedKVCache(tiny_cfg, num_blocks=48, page_size=PAGE)
     cache = PrefixCache(kv)
     conversation = _ids(24, rng)  # 6 pages a turn: 36 blocks after three

@@ -20,8 +20,7 @@ def _ids(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(201088) for _ in range(n)]
 
 
-def test_index_matches_longest_recorded_prefix_per_worker():
-    rng = random.Random()
+def test_index_matches_longest_recorded_prefix_per_worker(rng):
     index = PrefixIndex(chunk_tokens=4, capacity_tokens=1 << 20)
     system = _ids(rng.randrange(8, 40), rng)
     a = system + _ids(rng.randrange(8, 40), rng)
@@ -38,8 +37,7 @@ def test_index_matches_longest_recorded_prefix_per_worker():
     assert index.match(turn, ["w1"]) == {"w1": 0}
 
 
-def test_index_forgets_least_recently_sent_beyond_capacity():
-    rng = random.Random()
+def test_index_forgets_least_recently_sent_beyond_capacity(rng):
     index = PrefixIndex(chunk_tokens=4, capacity_tokens=40)  # 10 chunks per worker
     old, new = _ids(24, rng), _ids(24, rng)
     index.record("w", old)
@@ -60,9 +58,8 @@ def _prefill_worker(name: str, queued: int) -> Worker:
 
 
 @pytest.mark.parametrize("gap,expect_holder", [(0, True), (100, True), (5000, False)])
-def test_policy_prefers_the_holder_unless_it_is_loaded_past_the_threshold(gap, expect_holder):
+def test_policy_prefers_the_holder_unless_it_is_loaded_past_the_threshold(gap, expect_holder, rng):
     async def run():
-        rng = random.Random()
         policy = CacheAwarePolicy(PrefixIndex(chunk_tokens=4), imbalance_tokens=1000)
         idle, holder = _prefill_worker("idle", 0), _prefill_worker("holder", gap)
         conversation = _ids(50, rng)

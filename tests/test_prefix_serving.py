@@ -5,7 +5,6 @@ report cached tokens; kill -9 of a decode worker under 20 streams loses no strea
 from __future__ import annotations
 
 import json
-import random
 import re
 import threading
 import time
@@ -53,11 +52,10 @@ def _complete(cluster: LocalCluster, prompt: list[int], stream: bool = False) ->
     return usage
 
 
-def test_conversations_return_to_the_worker_that_caches_them(cluster):
+def test_conversations_return_to_the_worker_that_caches_them(cluster, rng):
     """Four conversations with their own long system prompt, interleaved turn by turn: every
     turn after the first finds the whole previous prompt (its complete pages) cached, which only
     the worker that ran it has."""
-    rng = random.Random()
     conversations = [[rng.randrange(201088) for _ in range(rng.randrange(40, 90))] for _ in range(4)]
     cached_before = _metric(cluster, "pdserve_prefill_cached_tokens_total")
     expected, previous = 0, []
@@ -87,11 +85,10 @@ def _generate(cluster: LocalCluster, prompt: list[int], seed: int, out: list[int
             out.extend(msg.token_ids)
 
 
-def test_kill_9_of_a_decode_worker_migrates_every_stream(cluster):
+def test_kill_9_of_a_decode_worker_migrates_every_stream(cluster, rng):
     """20 seeded streams; decode-0 is killed once every stream is under way. Every stream still
     ends with all its tokens, continuing its own seeded sequence (compared with an uninterrupted
     run of the same requests), and each moved stream counts as one migration."""
-    rng = random.Random()
     prompts = [[rng.randrange(201088) for _ in range(rng.randrange(5, 60))] for _ in range(20)]
     seeds = [rng.randrange(1 << 31) for _ in prompts]
 

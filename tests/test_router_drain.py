@@ -8,7 +8,6 @@ connection after `graceful_shutdown_timeout`).
 
 from __future__ import annotations
 
-import random
 import threading
 
 import httpx
@@ -33,8 +32,7 @@ def stream_chat(base_url: str, out: dict, key: int) -> None:
     out[key] = ("".join(text), finish)
 
 
-def test_departed_decode_worker_finishes_its_streams_and_gets_nothing_new():
-    rng = random.Random()
+def test_departed_decode_worker_finishes_its_streams_and_gets_nothing_new(rng):
     story = " ".join(f"w{rng.randrange(10**6)}" for _ in range(40))
     script = Script(harmony_ids(f"<|channel|>final<|message|>{story}<|return|>"))
     fabric = KVFabric()

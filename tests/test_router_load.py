@@ -3,7 +3,6 @@
 import asyncio
 import contextlib
 import json
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -321,7 +320,7 @@ def test_a_prompt_that_leaves_no_room_in_any_pool_is_400_naming_n_or_the_prompt(
     assert not any(d.reserve_requests for d in cluster.decode)
 
 
-def test_the_routers_kv_need_is_what_the_block_manager_takes():
+def test_the_routers_kv_need_is_what_the_block_manager_takes(rng):
     """The router's count of a request's blocks against engine/block_manager.py's reservation
     (full-attention pages: the first choice every page, each later one the pages past the prompt's
     complete ones; sliding-window pages: each choice its window's), at random shapes, on both sides
@@ -343,7 +342,6 @@ def test_the_routers_kv_need_is_what_the_block_manager_takes():
             for seq in held:
                 manager.release(seq)
 
-    rng = random.Random()
     for _ in range(300):
         page, n, window = rng.choice([1, 4, 16, 64]), rng.randint(1, 64), rng.choice([0, 16, 128])
         prompt, max_new = rng.randint(1, 600), rng.randint(1, 600)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import httpx
@@ -32,8 +31,7 @@ def gauge(text: str, name: str) -> float:
     return value
 
 
-def test_decode_kv_usage_ratio_is_the_pool_share_in_use(cluster):
-    rng = random.Random()
+def test_decode_kv_usage_ratio_is_the_pool_share_in_use(cluster, rng):
     a, b = cluster.decode
     used_a, used_b = rng.randrange(1, 4096), rng.randrange(1, 2048)
     a.reservations["x"], b.reservations["y"] = used_a, used_b

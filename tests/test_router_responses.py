@@ -238,12 +238,11 @@ def test_a_worker_dying_mid_stream_fails_the_response():
         cluster.close()
 
 
-def test_random_item_sequences_render_every_turn_in_order():
+def test_random_item_sequences_render_every_turn_in_order(rng):
     """Input items -> chat messages -> Harmony prompt: user text, calls, their outputs and answers
     all land in the prompt, in order (reasoning before the last answer is dropped, by design)."""
     from pdserve.router.responses import _ITEMS, to_chat_messages
 
-    rng = random.Random()
     for _ in range(30):
         items, expected, calls = [], [], 0
         for turn in range(rng.randint(1, 4)):

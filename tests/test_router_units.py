@@ -26,8 +26,7 @@ def random_pieces(text: str, rng: random.Random) -> list[str]:
 
 
 @pytest.mark.parametrize("trial", range(20))
-def test_stop_strings_cut_at_the_first_match_however_text_is_split(trial):
-    rng = random.Random()
+def test_stop_strings_cut_at_the_first_match_however_text_is_split(trial, rng):
     alphabet = "abc "
     text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(2, 80)))
     stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5)))
@@ -127,8 +126,7 @@ def test_circuit_breaker():
     assert breaker.state is BreakerState.OPEN
 
 
-def test_backoff_is_jittered_and_capped():
-    rng = random.Random()
+def test_backoff_is_jittered_and_capped(rng):
     for attempt in range(6):
         delays = [backoff_delay(attempt, 0.1, 1.0, rng) for _ in range(200)]
         bound = min(1.0, 0.1 * 2 ** attempt)

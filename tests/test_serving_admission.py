@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 
 import httpx
 import pytest
@@ -41,13 +40,12 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], seed: int) -> tu
         return 200, "cut", tokens
 
 
-def test_streams_beyond_slots_and_kv_room_wait_and_all_finish(tiny_mxfp4, tmp_path):
+def test_streams_beyond_slots_and_kv_room_wait_and_all_finish(tiny_mxfp4, tmp_path, rng):
     # 2 batch slots and KV room for 4 requests; 10 at once: 2 decode, 1 waits for a slot on the
     # decode worker (its KV already there: the router places up to slots + 25%), 7 wait at the
     # router
     spec = ClusterSpec(model=str(tiny_mxfp4), **server_ports(),
                        max_batch_size=2, kv_blocks=4 * 3)
-    rng = random.Random()
     prompts = [[rng.randrange(1000, 200_000) for _ in range(PROMPT_TOKENS)] for _ in range(10)]
 
     async def run() -> list[tuple[int, str, int]]:
