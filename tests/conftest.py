@@ -32,13 +32,20 @@ def pytest_collection_modifyitems(config, items):
 SEED_ENV = "PDSERVE_TEST_SEED"
 
 
-@pytest.fixture
-def rng(request) -> random.Random:
-    """Fresh random inputs for each test, replayable: a failing test's report names its seed, and
-    PDSERVE_TEST_SEED=<seed> makes the same inputs again."""
+@pytest.fixture(autouse=True)
+def test_seed(request) -> int:
+    """Fresh random inputs for each test, replayable: torch's generators and the `rng` fixture draw
+    from one seed per test, a failing test's report names it, and PDSERVE_TEST_SEED=<seed> makes
+    the same inputs again (tests that seed torch themselves keep their own seed)."""
     seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 32))
     request.node.user_properties.append((SEED_ENV, seed))
-    return random.Random(seed)
+    torch.manual_seed(seed)
+    return seed
+
+
+@pytest.fixture
+def rng(test_seed) -> random.Random:
+    return random.Random(test_seed)
 
 
 @pytest.hookimpl(wrapper=True)
