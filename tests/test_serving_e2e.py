@@ -18,13 +18,14 @@ from ports import free_ports
 pytestmark = pytest.mark.slow
 
 
-def worker_loads(cluster: LocalCluster) -> dict:
+def worker_loads(cluster: LocalCluster, names: tuple[str, ...] = ()) -> dict:
+    """LoadReport of each live worker (of `names` only, when given)."""
     from pdserve.proto import pdserve_pb2 as pb
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
     out = {}
     for name, addr in cluster.addresses.items():
-        if cluster.procs[name].poll() is not None:
+        if names and name not in names or cluster.procs[name].poll() is not None:
             continue
         with grpc.insecure_channel(addr) as ch:
             stub = (pb_grpc.PrefillWorkerStub if name.startswith("prefill") else pb_grpc.DecodeWorkerStub)(ch)
