@@ -33,7 +33,7 @@ SEED_ENV = "PDSERVE_TEST_SEED"
 
 
 @pytest.fixture(autouse=True)
-def test_seed(request) -> int:
+def random_seed(request) -> int:
     """Fresh random inputs for each test, replayable: torch's generators and the `rng` fixture draw
     from one seed per test, a failing test's report names it, and PDSERVE_TEST_SEED=<seed> makes
     the same inputs again (tests that seed torch themselves keep their own seed)."""
@@ -44,8 +44,8 @@ def test_seed(request) -> int:
 
 
 @pytest.fixture
-def rng(test_seed) -> random.Random:
-    return random.Random(test_seed)
+def rng(random_seed) -> random.Random:
+    return random.Random(random_seed)
 
 
 @pytest.hookimpl(wrapper=True)
