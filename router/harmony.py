@@ -465,14 +465,18 @@ class HarmonyCodec:
                                param="prompt")
         return self._encoding.decode(ids)
 
+    def decode_bytes(self, token_ids: list[int]) -> bytes:
+        """Raw bytes of ids (they may end, or begin, inside a UTF-8 character)."""
+        return self._encoding.decode(token_ids, errors="surrogateescape").encode(
+            "utf-8", errors="surrogateescape")
+
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (what logprobs report as `bytes`)."""
         return self._token_bytes(token_id)
 
     def _token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (a token may hold part of a UTF-8 character)."""
-        return self._encoding.decode([token_id], errors="surrogateescape").encode(
-            "utf-8", errors="surrogateescape")
+        return self.decode_bytes([token_id])
 
 
 # ----------------------------------------------------------------------------------------------

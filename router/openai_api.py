@@ -192,7 +192,7 @@ class TextOutput:
     """Turns one choice's sampled ids into completion text; stop strings cut it."""
 
     def __init__(self, codec: HarmonyCodec, stops: list[str]) -> None:
-        self._detok = IncrementalDetokenizer(codec.token_bytes)
+        self._detok = IncrementalDetokenizer(codec.decode_bytes)
         self._stops = StopStringMatcher(stops)
         self._first_special_id = codec.first_special_id
         self._held: list[int] = []

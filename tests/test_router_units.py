@@ -72,7 +72,7 @@ def test_incremental_detokenizer_matches_full_decode():
         rng = random.Random(seed)
         text = "".join(rng.choice(pool) for _ in range(30))
         ids = codec().encode(text)
-        detok = IncrementalDetokenizer(codec().token_bytes)
+        detok = IncrementalDetokenizer(codec().decode_bytes)
         out, i = [], 0
         while i < len(ids):
             n = rng.randrange(1, 4)
@@ -88,7 +88,7 @@ def test_incremental_detokenizer_replaces_bytes_that_never_form_a_character_like
     rocket = codec().encode("🚀")  # two ids: three bytes of the character, then its last byte
     assert len(rocket) == 2
     ids = rocket[:1] + codec().encode(" plain") + rocket[:1]  # a cut character, and one at the end
-    detok = IncrementalDetokenizer(codec().token_bytes)
+    detok = IncrementalDetokenizer(codec().decode_bytes)
     streamed = [detok.push([t]) for t in ids] + [detok.flush()]
     assert "".join(streamed) == codec().decode(ids) == "\ufffd plain\ufffd"
     assert streamed[-1] == "\ufffd"  # the unfinished tail is held until the stream ends
