@@ -471,11 +471,8 @@ class HarmonyCodec:
             "utf-8", errors="surrogateescape")
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes of one token (what logprobs report as `bytes`)."""
-        return self._token_bytes(token_id)
-
-    def _token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes of one token (a token may hold part of a UTF-8 character)."""
+        """Raw bytes of one token (what logprobs report as `bytes`; it may hold part of a UTF-8
+        character)."""
         return self.decode_bytes([token_id])
 
 
@@ -592,7 +589,7 @@ class HarmonyStreamParser:
             if tok == c.start_id or tok == c.channel_id:
                 self._open_header(out, role_known=tok == c.channel_id, first=tok)
             elif not special:
-                self._loose_text(self._loose_kind, c._token_bytes(tok), out)
+                self._loose_text(self._loose_kind, c.token_bytes(tok), out)
 
     def _may_be_header(self) -> bool:
         """Whether the open header can still become one: text that cannot is released at once
@@ -732,7 +729,7 @@ class HarmonyStreamParser:
             self._loose_kind = kind
         for t in header:
             if t < c.first_special_id:
-                self._loose_text(kind, c._token_bytes(t), out)
+                self._loose_text(kind, c.token_bytes(t), out)
         self._state = _BETWEEN
 
     # -- text sinks ----------------------------------------------------------------------------

@@ -156,8 +156,8 @@ def test_resharded_32k_prompt_is_a_few_ranges_per_layer(p, d):
     assert one_run.num_descs == layers
 
 
-def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered():
-    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered(random_seed):
+    gen = torch.Generator().manual_seed(random_seed)
     blocks = np.array([5, 6, 7, 2, 9, 10], dtype=np.int64)
     assert np.array_equal(decode_blocks(encode_blocks({"full": blocks}))["full"], blocks)
     assert encode_blocks({"full": blocks}) == b"full=5+3.2+1.9+2"
@@ -195,12 +195,12 @@ def test_slotted_blocks_round_trip_and_arrivals_unpack_once_covered():
     assert arrivals.feed(b"x#0:4") == [b"x#0:4"] and len(arrivals) == 0
 
 
-def test_deferred_slotted_arrivals_unpack_only_when_told_and_only_in_the_blocks_held():
+def test_deferred_slotted_arrivals_unpack_only_when_told_and_only_in_the_blocks_held(random_seed):
     """A decode rank (unpack_on_arrival=False) releases the notifications once its slots are all
     here but moves nothing until its leader says so, naming the blocks the request holds; a later
     write for the request, or the TTL, drops what was ready."""
-    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
-    blocks = np.random.default_rng().permutation(12)[:5].astype(np.int64)
+    gen = torch.Generator().manual_seed(random_seed)
+    blocks = np.random.default_rng(random_seed).permutation(12)[:5].astype(np.int64)
     truth = torch.randint(-2**15, 2**15, (2, 5, 2, 4, 4, 8), generator=gen, dtype=torch.int16).view(torch.bfloat16)
     pool = torch.zeros(2, 12, 2, 4, 4, 8, dtype=torch.bfloat16)
     dst = PoolLayout.from_tensor("full", pool, (0, 4))
@@ -461,8 +461,8 @@ def _i16(t: torch.Tensor) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_write_pages_lands_bit_exact_and_notifies(peer):
-    rng = np.random.default_rng()
+def test_write_pages_lands_bit_exact_and_notifies(peer, random_seed):
+    rng = np.random.default_rng(random_seed)
     spec_a, spec_b = {"full": (3, 10), "sliding": (2, 6)}, {"full": (3, 12), "sliding": (2, 7)}
     blob_b = peer("create", "b-write", int(rng.integers(1 << 30)), spec_b, (0, 4))
     before = peer("pools", "b-write")
@@ -502,11 +502,11 @@ def test_write_pages_lands_bit_exact_and_notifies(peer):
         np.testing.assert_array_equal(_i16(pools_a["full"])[:, 9], after["full"][:, 11])
 
 
-def _tp_agents(peer, p: int, d: int, tag: str, truth: dict, dst_spec: dict, staging: int):
+def _tp_agents(peer, p: int, d: int, tag: str, truth: dict, dst_spec: dict, staging: int,
+               rng: np.random.Generator):
     """Decode TP=d agents in the peer process ({name: (heads, peer-info blob)}, their pools before)
     and prefill TP=p agents here holding their heads of `truth`."""
     nh = next(iter(truth.values())).shape[4]
-    rng = np.random.default_rng()
     dec = {}
     for r in range(d):
         hr = head_range(nh, d, r)
@@ -531,13 +531,13 @@ def _assert_pages_moved(peer, dec: dict, before: dict, truth: dict, pages: dict)
 
 
 @pytest.mark.slow
-def test_notification_follows_every_byte_and_source_pages_are_free_once_done(peer):
+def test_notification_follows_every_byte_and_source_pages_are_free_once_done(peer, random_seed):
     """What the decode and prefill workers rely on: the receiver reads a WRITE's pages the moment
     its notification arrives, without waiting for anything else, and finds every byte; the
     sender overwrites its source pages as soon as the write is done (a prefill frees its own
     blocks then, and the next prompt may write them at once) and the receiver's copy keeps the
     old bytes. Scattered pages and long contiguous runs (one large descriptor a layer)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(random_seed)
     spec = {"full": (4, 64, 16, 64)}  # 32 KiB a block and layer: runs of up to 768 KiB
     blob = peer("create", "b-order", int(rng.integers(1 << 30)), spec, (0, 8))
     pools = _make_pools(int(rng.integers(1 << 30)), spec, (0, 8))
@@ -568,15 +568,15 @@ def test_notification_follows_every_byte_and_source_pages_are_free_once_done(pee
 @pytest.mark.slow
 @pytest.mark.parametrize("p,d,staging", [(2, 1, 1 << 20), (1, 2, 0), (1, 2, 1 << 20),
                                          (1, 2, 1024)])
-def test_tp_resharding_over_nixl(peer, p, d, staging):
+def test_tp_resharding_over_nixl(peer, p, d, staging, random_seed):
     """Prefill TP=p (agents in this process) -> decode TP=d (agents in the peer process), with
     notifications that name no request (per-token descriptors), packed pages (staging), or
     staging too small (falls back)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(random_seed)
     truth = _make_pools(int(rng.integers(1 << 30)), {"full": (2, 6), "sliding": (1, 5)}, (0, 4))
     pages = {"full": [(1, 7), (4, 0), (5, 3)], "sliding": [(2, 4), (0, 1)]}
     dec, before, pre = _tp_agents(peer, p, d, f"{p}{d}{staging}", truth, {"full": (2, 8), "sliding": (1, 5)},
-                                  staging)
+                                  staging, rng)
     try:
         handles = []
         for a in pre:
@@ -605,15 +605,16 @@ def test_tp_resharding_over_nixl(peer, p, d, staging):
 @pytest.mark.slow
 @pytest.mark.parametrize("p", [1, 2, 4])
 @pytest.mark.parametrize("d", [1, 2, 4])
-def test_tp_resharding_over_nixl_is_one_range_per_layer(peer, p, d):
+def test_tp_resharding_over_nixl_is_one_range_per_layer(peer, p, d, random_seed):
     """Workers' notifications (request id + heads) and a staging buffer on the senders: every
     prefill TP p -> decode TP d pairing moves consecutive blocks as one range per layer and pool
     (packed when d > p, slotted and unpacked by the receiver when p > d), bit-exact."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(random_seed)
     truth = _make_pools(int(rng.integers(1 << 30)), {"full": (2, 6), "sliding": (1, 5)}, (0, 4))
     pages = {"full": [(1, 3), (2, 4), (3, 5)], "sliding": [(2, 1), (3, 2)]}
     rid = f"req-{p}{d}-{rng.integers(1 << 20)}"
-    dec, before, pre = _tp_agents(peer, p, d, rid, truth, {"full": (2, 8), "sliding": (1, 5)}, 1 << 20)
+    dec, before, pre = _tp_agents(peer, p, d, rid, truth, {"full": (2, 8), "sliding": (1, 5)}, 1 << 20,
+                                  rng)
     try:
         sent = []
         for a in pre:
@@ -637,8 +638,8 @@ def test_tp_resharding_over_nixl_is_one_range_per_layer(peer, p, d):
 
 
 @pytest.mark.slow
-def test_bad_requests_and_dead_peer_raise_and_agent_survives(peer, doomed_peer):
-    rng = np.random.default_rng()
+def test_bad_requests_and_dead_peer_raise_and_agent_survives(peer, doomed_peer, random_seed):
+    rng = np.random.default_rng(random_seed)
     blob_ok = peer("create", "b-alive", int(rng.integers(1 << 30)), {"full": (2, 4)}, (0, 4))
     doomed = doomed_peer
     blob_dead = doomed("create", "b-doomed", 1, {"full": (2, 4096)}, (0, 4))
@@ -771,11 +772,11 @@ def test_agent_listens_on_listen_host_only_and_idles_quietly():
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_vram_pools_write_and_reshard_between_processes(peer):
+def test_vram_pools_write_and_reshard_between_processes(peer, random_seed):
     """CUDA pools register as VRAM; whole-page and head-resharded writes land bit-exact."""
     dev_a = "cuda:0"
     dev_b = f"cuda:{torch.cuda.device_count() - 1}"
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(random_seed)
     spec = {"full": (3, 16, 16, 64), "sliding": (2, 8, 16, 64)}
     pools = _make_pools(int(rng.integers(1 << 30)), spec, (0, 4), dev_a)
     dec = {n: (hr, peer("create", n, int(rng.integers(1 << 30)), spec, hr, dev_b))
@@ -799,12 +800,12 @@ def test_vram_pools_write_and_reshard_between_processes(peer):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_vram_slotted_writes_are_unpacked_on_the_receiving_gpu(peer):
+def test_vram_slotted_writes_are_unpacked_on_the_receiving_gpu(peer, random_seed):
     """TP2 -> TP1 in VRAM: both senders' whole pages land in slots and the receiving agent puts
     the heads in place on its GPU before the notifications show; bit-exact, one range per layer."""
     dev_a = "cuda:0"
     dev_b = f"cuda:{torch.cuda.device_count() - 1}"
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(random_seed)
     spec = {"full": (3, 16, 16, 64), "sliding": (2, 8, 16, 64)}
     truth = _make_pools(int(rng.integers(1 << 30)), spec, (0, 4), dev_a)
     blob = peer("create", "g-slots", int(rng.integers(1 << 30)), spec, (0, 4), dev_b)

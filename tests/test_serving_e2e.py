@@ -25,7 +25,7 @@ def worker_loads(cluster: LocalCluster, names: tuple[str, ...] = ()) -> dict:
 
     out = {}
     for name, addr in cluster.addresses.items():
-        if names and name not in names or cluster.procs[name].poll() is not None:
+        if (names and name not in names) or cluster.procs[name].poll() is not None:
             continue
         with grpc.insecure_channel(addr) as ch:
             stub = (pb_grpc.PrefillWorkerStub if name.startswith("prefill") else pb_grpc.DecodeWorkerStub)(ch)
