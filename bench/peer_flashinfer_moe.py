@@ -7,16 +7,18 @@ sets and timing as bench/moe_mxfp4.py and bench/peer_marlin.py, against the path
     python -m pdserve.bench.peer_flashinfer_moe [--experts 128] [--tokens 1,4,16,64] [--no-autotune]
 
 FlashInfer compiles the module (`fused_moe_90`) at first use, which takes hours on a few cores: build it
-ahead (`flashinfer.jit.fused_moe.gen_cutlass_fused_moe_sm90_module(use_fast_build=True)` writes the ninja
-file; nvcc and the cuBLAS, cuRAND and NVRTC headers, no GPU; docs/kernels.md, item 52, says which objects
-the MXFP4 x bf16 path needs) and put `fused_moe_90.so` where FlashInfer looks for prebuilt modules
-(`flashinfer/data/aot/fused_moe_90/`).
+ahead on any x86-64 host, no GPU needed (`bash bench/build_flashinfer_moe90.sh FLASHINFER_WHEEL OUT_DIR`:
+the 38 objects of the MXFP4 x bf16 path, about 50 minutes on two cores), put `fused_moe_90.so` where
+FlashInfer looks for prebuilt modules (`flashinfer/data/aot/fused_moe_90/`) and set
+FLASHINFER_DISABLE_JIT=1 so that a failed load says so instead of starting the build.
 
 The weights are handed over as FlashInfer takes them: gate/up as [linear rows; glu rows] (the published
 layout interleaves them: glu even, linear odd), bytes and E8M0 scales interleaved for the SM90 GEMM by
-FlashInfer's own helpers. The tactic of each batch is picked by FlashInfer's autotuner first (its default
-is slower at small batches). rel L2 is each output against `experts_forward_mxfp4_ref` (the experts
-decoded exactly), so a wrong layout shows; of floor = the routed experts' MXFP4 bytes / copy bandwidth.
+FlashInfer's own helpers, whose scale interleave takes K in whole 128-wide blocks: gpt-oss' 2880 (hidden
+and intermediate) runs as 2944, padded with zero weights and biases, so the layer's output is the first
+2880 columns. The tactic of each batch is picked by FlashInfer's autotuner first (its default is slower
+at small batches). rel L2 is each output against `experts_forward_mxfp4_ref` (the experts decoded
+exactly), so a wrong layout shows; of floor = the routed experts' unpadded MXFP4 bytes / copy bandwidth.
 """
 
 from __future__ import annotations
@@ -33,28 +35,48 @@ from pdserve.kernels.moe import experts_forward
 from pdserve.kernels.mxfp4 import MxExperts
 
 GROUP = 32  # MXFP4: one E8M0 scale a group of 32 weights
+BLOCK = 128  # K block of the SM90 scale interleave: K / GROUP a multiple of 4
 
 
-def linear_first(t: torch.Tensor) -> torch.Tensor:
-    """Gate/up rows (dim 1) from the published interleave (glu even, linear odd) to FlashInfer's
-    [linear; glu] halves."""
-    return torch.cat([t[:, 1::2], t[:, 0::2]], dim=1).contiguous()
+def pad_to(t: torch.Tensor, dim: int, size: int, value: int = 0) -> torch.Tensor:
+    """t with dim `dim` padded at its end to `size` with `value` (FlashInfer's SM90 scale interleave takes K
+    in whole blocks of BLOCK: gpt-oss' 2880 is 22.5 of them)."""
+    extra = size - t.shape[dim]
+    if extra == 0:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=dim)
+
+
+def halves_padded(t: torch.Tensor, rows: int, value: int = 0) -> torch.Tensor:
+    """Gate/up rows (dim 1) from the published interleave (glu even, linear odd) to FlashInfer's [linear; glu]
+    halves, each half padded with `value` to `rows`."""
+    return torch.cat([pad_to(t[:, 1::2], 1, rows, value), pad_to(t[:, 0::2], 1, rows, value)], dim=1).contiguous()
 
 
 class FlashInferExperts:
-    """`w` (published layout) as FlashInfer's SM90 mixed-input MoE takes it."""
+    """`w` (published layout) as FlashInfer's SM90 mixed-input MoE takes it: the hidden and intermediate sizes
+    padded to whole K blocks (BLOCK) with zero weights (codes 0, scale 2^0) and zero biases, so the padded
+    activations are SwiGLU(0, 0) = 0 and the padded output columns 0."""
 
     def __init__(self, w: MxExperts, fused_moe):
         e, n2, kg, _ = w.gate_up_blocks.shape
-        self.e = e
-        self.fc1 = fused_moe.interleave_moe_weights_for_sm90_mixed_gemm(
-            linear_first(w.gate_up_blocks.reshape(e, n2, kg * 16)), "fp4")
-        self.fc2 = fused_moe.interleave_moe_weights_for_sm90_mixed_gemm(
-            w.down_blocks.reshape(e, w.down_blocks.shape[1], -1).contiguous(), "fp4")
+        hidden, inter = kg * GROUP, n2 // 2
+        self.e, self.hidden = e, hidden
+        self.padded = hp = -(-hidden // BLOCK) * BLOCK  # the input and output width it runs at
+        ip = -(-inter // BLOCK) * BLOCK
+        unit = 127  # E8M0 code of 2^0
+        gu_blocks = pad_to(w.gate_up_blocks.reshape(e, n2, kg * 16), 2, hp // 2)
+        dn_blocks = pad_to(pad_to(w.down_blocks.reshape(e, hidden, -1), 2, ip // 2), 1, hp)
+        self.fc1 = fused_moe.interleave_moe_weights_for_sm90_mixed_gemm(halves_padded(gu_blocks, ip), "fp4")
+        self.fc2 = fused_moe.interleave_moe_weights_for_sm90_mixed_gemm(dn_blocks, "fp4")
+        gu_scales = halves_padded(pad_to(w.gate_up_scales, 2, hp // GROUP, unit), ip, unit)
+        dn_scales = pad_to(pad_to(w.down_scales, 2, ip // GROUP, unit), 1, hp, unit)
         self.scales = [fused_moe.interleave_moe_scales_for_sm90_mixed_gemm(s, group_size=GROUP)
-                       for s in (linear_first(w.gate_up_scales), w.down_scales.contiguous())]
-        self.fc1_bias = linear_first(w.gate_up_bias.to(torch.bfloat16))
-        self.fc2_bias = w.down_bias.to(torch.bfloat16).contiguous()
+                       for s in (gu_scales, dn_scales)]
+        self.fc1_bias = halves_padded(w.gate_up_bias.to(torch.bfloat16), ip)
+        self.fc2_bias = pad_to(w.down_bias.to(torch.bfloat16), 1, hp)
         dev = w.gate_up_blocks.device
         self.alpha, self.beta, self.limit = (torch.full((e,), v, dtype=torch.float32, device=dev)
                                              for v in (1.702, 1.0, 7.0))
@@ -62,11 +84,14 @@ class FlashInferExperts:
 
 def forward(fused_moe, fw: FlashInferExperts, x: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor,
             out: torch.Tensor) -> torch.Tensor:
-    return fused_moe.cutlass_fused_moe(
+    """One MoE layer; x [t, padded] (zeros past the hidden size), out [t, padded]; the first `hidden` columns
+    are the layer's output."""
+    fused_moe.cutlass_fused_moe(
         input=x, token_selected_experts=ids, token_final_scales=wts, fc1_expert_weights=fw.fc1,
         fc2_expert_weights=fw.fc2, output_dtype=torch.bfloat16, quant_scales=[s.view(torch.int32) for s in fw.scales],
         fc1_expert_biases=fw.fc1_bias, fc2_expert_biases=fw.fc2_bias, swiglu_alpha=fw.alpha, swiglu_beta=fw.beta,
         swiglu_limit=fw.limit, use_w4_group_scaling=True, output=out)
+    return out[:, :fw.hidden]
 
 
 def main() -> int:
@@ -79,7 +104,7 @@ def main() -> int:
     import flashinfer.fused_moe as fused_moe
 
     dev = torch.device("cuda")
-    h, k = 2880, 4
+    k = 4
     w, w_packed, g = random_layer(a.experts, dev)
     fw = FlashInferExperts(w, fused_moe)
     per_expert = expert_bytes(w)
@@ -92,17 +117,18 @@ def main() -> int:
         x, wts, id_sets, touched = layer_batch(t, a.experts, k, g)
         wts32 = wts.float()
         ids32 = [s.to(torch.int32) for s in id_sets]
-        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        xp = pad_to(x, 1, fw.padded)
+        out = torch.empty(t, fw.padded, dtype=torch.bfloat16, device=dev)
         if not a.no_autotune:
             from flashinfer.autotuner import autotune
 
             with autotune(True):  # picks and keeps the tactic of this shape
-                forward(fused_moe, fw, x, wts32, ids32[0], out)
+                forward(fused_moe, fw, xp, wts32, ids32[0], out)
             torch.cuda.synchronize()
         ref = experts_forward_mxfp4_ref(x, wts, id_sets[0], w).float()
         runs = {
             "pdserve (engine path)": (lambda s: experts_forward(x, wts, s, w_packed), id_sets),
-            "flashinfer cutlass": (lambda s: forward(fused_moe, fw, x, wts32, s, out), ids32),
+            f"flashinfer cutlass ({fw.padded} wide)": (lambda s: forward(fused_moe, fw, xp, wts32, s, out), ids32),
         }
         errors = {name: float((fn(sets[0]).float() - ref).norm() / ref.norm()) for name, (fn, sets) in runs.items()}
         del ref
