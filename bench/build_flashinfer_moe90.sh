@@ -3,7 +3,7 @@
 # bench/peer_flashinfer_moe.py uses: MXFP4 weights x bf16 activations
 # (`flashinfer.fused_moe.cutlass_fused_moe(..., use_w4_group_scaling=True)`), for sm_90a (H100/H200).
 #
-#     bench/build_flashinfer_moe90.sh FLASHINFER [OUT_DIR] [WORK_DIR]
+#     [PTXAS_VERSION=12.9] bench/build_flashinfer_moe90.sh FLASHINFER [OUT_DIR] [WORK_DIR]
 #
 # FLASHINFER: the flashinfer_python wheel (the apache_tvm_ffi wheel is taken from the same folder) or
 # a site folder that already holds flashinfer/ and tvm_ffi/. OUT_DIR (default ./fi-out) receives
@@ -25,6 +25,15 @@
 # torch 2.11.0 (flashinfer imports it; its CUDA 13 libraries come along) and cuda-toolkit 13.0.2's
 # nvcc 13.0.88, crt, nvvm, cccl, cudart, cuBLAS, cuRAND and NVRTC (headers and libraries, all in
 # nvidia/cu13, which serves as CUDA_HOME), plus flashinfer's pure-Python imports. No GPU is used.
+#
+# PTXAS_VERSION=12.9 (default 13.0) assembles the device code with CUDA 12.9's ptxas (12.9.86, pip
+# nvidia-cuda-nvcc-cu12, into WORK_DIR/ptxas-12.9) instead of 13.0's; everything else stays CUDA
+# 13.0 (nvcc, cicc, headers, libcudart.so.13), so the module needs nothing new on the GPU host. No
+# full CUDA 12.9 nvcc is on PyPI: nvidia-cuda-nvcc-cu12 ships ptxas, libnvvm and the crt headers
+# only (no nvcc, cicc, cudafe++, fatbinary). CUDA_HOME is then WORK_DIR/cuda-ptxas-12.9: symlinks to
+# nvidia/cu13, but bin/ptxas (nvcc runs the ptxas beside it) is a wrapper that rewrites the PTX
+# file's ".version 9.0" (cicc 13.0's PTX ISA) to 8.8, the newest ptxas 12.9 takes, and calls ptxas
+# 12.9. Give each version its own WORK_DIR: switching in one rebuilds every object.
 #
 # Install on the GPU host (sm_90, torch 2.11+cu130, same flashinfer 0.6.18.post1): copy the .so to
 #     <site-packages>/flashinfer/data/aot/fused_moe_90/fused_moe_90.so
@@ -62,10 +71,44 @@ if [ ! -x "$DEPS/nvidia/cu13/bin/nvcc" ]; then
     numpy packaging einops click requests tabulate tqdm nvidia-ml-py ninja
 fi
 export CUDA_HOME=$DEPS/nvidia/cu13
+case ${PTXAS_VERSION:=13.0} in
+  13.0) ;;
+  12.9)
+    P129=$W/ptxas-12.9/nvidia/cuda_nvcc/bin/ptxas
+    if [ ! -x "$P129" ]; then
+      log "installing CUDA 12.9's ptxas into $W/ptxas-12.9"
+      "$PYTHON" -m pip install -q --no-deps --no-compile --target "$W/ptxas-12.9" nvidia-cuda-nvcc-cu12==12.9.86
+    fi
+    CU13=$CUDA_HOME
+    export CUDA_HOME=$W/cuda-ptxas-12.9
+    mkdir -p "$CUDA_HOME/bin"
+    for f in "$CU13"/*; do [ "${f##*/}" = bin ] || ln -sfn "$f" "$CUDA_HOME/"; done
+    ln -sf "$CU13"/bin/* "$CUDA_HOME/bin/"
+    rm "$CUDA_HOME/bin/ptxas"
+    cat > "$CUDA_HOME/bin/ptxas" <<EOF
+#!/bin/bash
+# ptxas 12.9 on the PTX of nvcc 13.0's cicc, its ".version 9.0" rewritten to 8.8 (ptxas 12.9's newest)
+args=() tmp=()
+for a in "\$@"; do
+  if [[ \$a == *.ptx ]]; then
+    t=\${a%.ptx}.isa88.ptx
+    sed '0,/^\.version 9\.0\$/s//.version 8.8/' "\$a" > "\$t"
+    a=\$t tmp+=("\$t")
+  fi
+  args+=("\$a")
+done
+"$P129" "\${args[@]}"; rc=\$?
+rm -f "\${tmp[@]}"
+exit \$rc
+EOF
+    chmod +x "$CUDA_HOME/bin/ptxas" ;;
+  *) echo "PTXAS_VERSION must be 13.0 or 12.9" >&2; exit 2 ;;
+esac
 export PATH=$CUDA_HOME/bin:$DEPS/bin:$PATH
 export PYTHONPATH=$SITE:$DEPS
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=$W/ws
 nvcc --version | tail -2
+ptxas --version | tail -2
 
 # FlashInfer links with -L$cuda_home/lib64 -L$cuda_home/lib64/stubs -lcudart -lcuda -lnvrtc (and
 # gcc passes --as-needed). The wheels have lib/ with versioned names only and no libcuda: add the
