@@ -30,6 +30,7 @@ a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence fo
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
+        [--resident-gate-up "4,4,3,4,1;..."]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
         [--rounds 15] [--replays 20] [--fp8] [--timeline] [--controls 1] [--layers 36 [--alias-layers]] [--kv-blocks 8192]
         [--out FILE.json]
@@ -245,7 +246,9 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         def launch_unless_skipped(kernel, *a, **k):
             return None if kernel is _SKIPPED else launch(kernel, *a, **k)
 
-        return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped)]
+        # one token's gate/up launches mx_gate_up, the kernel skipped here, not its resident grid
+        return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped),
+                (cuda_moe_mxfp4, "RESIDENT_GATE_UP", None)]
 
     m, cfg, dev = runner.model, runner.cfg, runner.device
     hq, d = m.num_q_heads, cfg.head_dim
@@ -329,6 +332,10 @@ def main() -> int:
     ap.add_argument("--pair-configs", default=None,
                     help="also the default with each of these launch shapes of the per-pair MXFP4 mma launches "
                          "(cuda_moe_mxfp4.PAIR_CONFIG), ';'-separated, each as --mma-config")
+    ap.add_argument("--resident-gate-up", default=None,
+                    help="also the default with one token's gate/up as a resident grid in each of these kernel "
+                         "shapes (cuda_moe_mxfp4.RESIDENT_GATE_UP), ';'-separated, each 'warps,ksplit,batch,"
+                         "CTAs an SM[,zero row]'; 'off': the launch of one CTA a tile")
     ap.add_argument("--gemv-configs", default=None,
                     help="also the default with each of these one-token bf16 GEMV shapes, ';'-separated, each as "
                          "'NxK:block_n,block_k,warps,stages[,programs per SM]' (kernels/triton_bf16_gemv.GemvConfig)")
@@ -363,6 +370,9 @@ def main() -> int:
         settings[f"mma {a.mma_config}"] = _setting({(cuda_moe_mxfp4, "CONFIG"): _mma(a.mma_config)})
     for cfg in (a.pair_configs.split(";") if a.pair_configs else []):
         settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
+    for spec in (a.resident_gate_up.split(";") if a.resident_gate_up else []):
+        shape = None if spec.strip() == "off" else tuple(int(v) for v in spec.split(","))
+        settings[f"gate/up resident {spec}"] = _setting({(cuda_moe_mxfp4, "RESIDENT_GATE_UP"): shape})
     for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
         settings[f"gemv {spec}"] = _setting(_gemv(spec))
     settings, controls = with_controls(settings, a.controls)

@@ -556,6 +556,15 @@ __device__ __forceinline__ float row_sum(const float* red, int i, int r) {
   return v;
 }
 
+// gpt-oss' clamped SwiGLU of a row pair's sums (biases added), as gate/up stores it: f16 times
+// 2^act_shift, or bf16 in bf16-folded launches
+__device__ __forceinline__ u16 swiglu_out(float glu, float lin, float limit, float alpha, int act_shift) {
+  glu = fminf(glu, limit);
+  lin = fminf(fmaxf(lin, -limit), limit);
+  const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
+  return MX_FOLD == 1 ? to_bf16(out) : to_f16(out * __int_as_float((127 + act_shift) << 23));
+}
+
 // gate/up + bias + gpt-oss' clamped SwiGLU: act[pair, (ROWS bx + 2j) / 2] for the item's pairs, as
 // f16 times 2^act_shift (down stages them as they are; the caller picks act_shift so that the clamped
 // SwiGLU's range stays below 2^15), or as bf16 in bf16-folded launches (down's B operand, read directly).
@@ -602,14 +611,119 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
     float glu = row_sum(red, i, 2 * j) + bias_glu;
     float lin = row_sum(red, i, 2 * j + 1) + bias_lin;
 #endif
-    glu = fminf(glu, limit);
-    lin = fminf(fmaxf(lin, -limit), limit);
-    const float out = glu / (1.f + expf(-alpha * glu)) * (lin + 1.f);
-    act[(i64)it.slot[i] * (n_rows / 2) + row / 2] =
-        MX_FOLD == 1 ? to_bf16(out) : to_f16(out * __int_as_float((127 + act_shift) << 23));
+    act[(i64)it.slot[i] * (n_rows / 2) + row / 2] = swiglu_out(glu, lin, limit, alpha, act_shift);
   }
   TRACE_END();
 }
+
+#ifndef MX_RESIDENT
+#define MX_RESIDENT 0
+#endif
+#if MX_RESIDENT
+static_assert(SLOTS == 1 && !MX_FOLD && !MX_TRACE, "the resident gate/up serves one token's per-pair launch");
+#define TILE_BATCHES ((CHUNKS + D * KSPLIT - 1) / (D * KSPLIT))  // register batches of a warp's K share
+
+// One token's gate/up as a resident grid (MX_RESIDENT): CTA b takes tiles b, b + G, b + 2G, ... (G =
+// gridDim.x, what the SMs hold at once) of the (live pair, 16-row tile) list, and each warp streams its
+// K share of one tile after the other through the same two register batches: the next tile's weights are
+// requested as soon as a batch is summed, so they are in flight while this tile's sums meet across the
+// warps and its epilogue runs. mx_gate_up's launch of one CTA a tile comes in 2.2 waves at one token:
+// a wave's CTAs request their bytes together and then sum them, with nothing of the next wave in
+// flight. Same K shares, order of sums and epilogue as mx_gate_up's per-pair launch: bit-identical.
+// x: the token's row; pair_expert: the token's top_k experts (negative: not here, nothing written).
+extern "C" __global__ void MX_BOUNDS
+mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
+                    const u16* __restrict__ x, const i64* __restrict__ pair_expert, int n_pairs, int n_rows,
+                    u16* __restrict__ act, double limit_d, double alpha_d, int act_shift) {
+  extern __shared__ __align__(16) u32 xs[];
+  __shared__ float red[2][NW * 16];  // a tile's K shares, by tile parity (one barrier a tile keeps them apart)
+  __shared__ int live_expert[32], live_pair[32], n_live;
+  const U4* row = reinterpret_cast<const U4*>(x);
+  if (GATE_UP_EARLY_X) stage_rows<true, false>(xs, &row, 1);
+  enter_pdl();
+  if (!GATE_UP_EARLY_X) stage_rows<false, false>(xs, &row, 1);
+  if (threadIdx.x < 32) {  // the pairs with an expert here, in pair order
+    const int p = threadIdx.x;
+    const int e = p < n_pairs ? (int)__ldcg(pair_expert + p) : -1;
+    const unsigned live = __ballot_sync(0xFFFFFFFFu, e >= 0);
+    if (e >= 0) live_expert[__popc(live & ((1u << p) - 1u))] = e, live_pair[__popc(live & ((1u << p) - 1u))] = p;
+    if (p == 0) n_live = __popc(live);
+  }
+  __syncthreads();
+  const int row_tiles = n_rows / ROWS, tiles = n_live * row_tiles, G = gridDim.x;
+  if ((int)blockIdx.x >= tiles) return;
+  const int my_tiles = (tiles - (int)blockIdx.x + G - 1) / G;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3, ks = warp % KSPLIT;
+  const int tile_row = (warp / KSPLIT) * 16 + g;  // and + 8
+  constexpr int NB = TILE_BATCHES, STEP = D * KSPLIT;
+  const int units = my_tiles * NB;  // (tile, batch) in stream order
+  // this CTA's tile i: its live pair and first weight row (expert e's rows start at e * n_rows)
+  auto tile_at = [&](int i, int& live, i64& first_row) {
+    const int tile = (int)blockIdx.x + i * G;
+    live = tile / row_tiles;
+    first_row = (i64)live_expert[live] * n_rows + (tile - live * row_tiles) * ROWS;
+  };
+  auto load_unit = [&](Batch& b, int u) {
+    int live;
+    i64 r0;
+    tile_at(u / NB, live, r0);
+    r0 += tile_row;
+    load_batch<false>(b, reinterpret_cast<const U4*>(words + r0 * (KG * 4)),
+                      reinterpret_cast<const U4*>(words + (r0 + 8) * (KG * 4)), scales + r0 * SCALE_WORDS,
+                      scales + (r0 + 8) * SCALE_WORDS, ks + (u % NB) * STEP, tig);
+  };
+  // threads < ROWS / 2 write output column j = threadIdx.x of each tile: its biases, a tile ahead
+  float bias_glu = 0.f, bias_lin = 0.f;
+  auto load_bias = [&](int i) {
+    int live;
+    i64 r0;
+    tile_at(i, live, r0);
+    bias_glu = bias[r0 + 2 * threadIdx.x], bias_lin = bias[r0 + 2 * threadIdx.x + 1];
+  };
+  Batch b0, b1;
+  load_unit(b0, 0);
+  if (units > 1) load_unit(b1, 1);
+  if (threadIdx.x < ROWS / 2) load_bias(0);
+  float acc[1][2] = {{0.f, 0.f}};
+  const float limit = (float)limit_d, alpha = (float)alpha_d;
+  auto sum_unit = [&](const Batch& b, int u) {
+    const int first = ks + (u % NB) * STEP;
+    use_batch(b, first, xs, b_rows(1, g, tig, first), 1, tig, acc);
+  };
+  // after unit u: where it was its tile's last batch, the K shares meet and the epilogue stores the tile
+  auto end_unit = [&](int u) {
+    if (u % NB != NB - 1) return;
+    const int i = u / NB;
+    float* r = red[i & 1];
+    const float v0 = acc[0][0] + __shfl_xor_sync(0xFFFFFFFFu, acc[0][0], 1);
+    const float v1 = acc[0][1] + __shfl_xor_sync(0xFFFFFFFFu, acc[0][1], 1);
+    if (tig == 0) r[warp * 16 + g] = v0, r[warp * 16 + g + 8] = v1;
+    acc[0][0] = acc[0][1] = 0.f;
+    __syncthreads();
+    if (threadIdx.x < ROWS / 2) {
+      const int j = threadIdx.x;
+      int live;
+      i64 r0;
+      tile_at(i, live, r0);
+      const float glu = row_sum(r, 0, 2 * j) + bias_glu, lin = row_sum(r, 0, 2 * j + 1) + bias_lin;
+      if (i + 1 < my_tiles) load_bias(i + 1);
+      const int out_row = (int)(r0 - (i64)live_expert[live] * n_rows) + 2 * j;
+      act[(i64)live_pair[live] * (n_rows / 2) + out_row / 2] = swiglu_out(glu, lin, limit, alpha, act_shift);
+    }
+  };
+#pragma unroll 1
+  for (int u = 0;;) {
+    sum_unit(b0, u);
+    if (u + 2 < units) load_unit(b0, u + 2);
+    end_unit(u);
+    if (++u >= units) break;
+    sum_unit(b1, u);
+    if (u + 2 < units) load_unit(b1, u + 2);
+    end_unit(u);
+    if (++u >= units) break;
+  }
+}
+#endif
 
 #if MX_CLUSTER_SUM
 // The cluster's top_k CTAs (one token's pairs, rank = the pair's k; the same row tile) each hold

@@ -31,7 +31,7 @@ import torch
 from .arrival import arrival_counters
 from .mxfp4 import (FOLD_F16_MAX_SCALE, FOLD_F16_MIN_SCALE, FOLD_MAX_SCALE, FOLD_MIN_SCALE, PACKED_HIGH_SHL_MASK,
                     PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, MxExperts)
-from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels
+from .nvrtc import PORTABLE_CLUSTER, builds_on, load_kernels, resident_ctas
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 
@@ -121,6 +121,13 @@ MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
+# One token's per-pair gate/up as a resident grid (the .cu file's mx_gate_up_resident) in this launch shape
+# (an MmaConfig kernel shape; its CTAs an SM, where given, cap the grid): each CTA streams its tiles in turn,
+# so that the next tile's weights are in flight while a tile is summed. It serves per-pair launches whose
+# gate/up splits K as it does (PAIR_CONFIG's), so their sums are the same bit for bit. None: one CTA a tile
+# (mx_gate_up, in waves). 120b step at 8k keys and 20b step at 1k, one token (8 / 24 layers, H100,
+# bench/launch_ab.py): x0.978 / x0.986 a replay against mx_gate_up; (4, 4, 3, 5 | 3, 1) level with it.
+RESIDENT_GATE_UP: tuple[int, ...] | None = (4, 4, 3, 4, 1)
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -149,14 +156,22 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
                         _shared_bytes(k_groups, slots, shape, fold))
 
 
+@functools.cache
+def _resident_gate_up(device_index: int, k_groups: int, shape: tuple[int, ...], early_x: bool):
+    """mx_gate_up_resident compiled for K = 32 * k_groups and a per-pair launch shape."""
+    return load_kernels(SOURCE, ["mx_gate_up_resident"],
+                        compile_options(k_groups, 1, shape, early_x=early_x, resident=True), device_index,
+                        _shared_bytes(k_groups, 1, shape))["mx_gate_up_resident"]
+
+
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: int = 0) -> list[str]:
+                    fold: int = 0, resident: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_ZERO_ROW={int(bool(zero_row))}", f"-DMX_SLOTS={slots}",
-            f"-DMX_TRACE={int(trace)}",
+            f"-DMX_TRACE={int(trace)}", f"-DMX_RESIDENT={int(resident)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
             f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
             f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
@@ -182,6 +197,13 @@ def act_shift(limit: float) -> int:
     if not 0 < limit <= 128:
         raise ValueError(f"the MXFP4 mma kernels stage the SwiGLU outputs in f16: limit must be in (0, 128], not {limit}")
     return math.floor(math.log2(2.0**15 / (max(limit, 0.3) * (limit + 1))))
+
+
+def resident_serves(config: MmaConfig, tokens: int, grouped: bool, top_k: int) -> bool:
+    """Whether RESIDENT_GATE_UP serves this launch's gate/up: one token per pair, in a config whose gate/up
+    splits K over as many warps (so the same sums, bit for bit)."""
+    return (RESIDENT_GATE_UP is not None and tokens == 1 and not grouped and top_k <= 32
+            and RESIDENT_GATE_UP[1] == config.gate_up[1])
 
 
 def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
@@ -260,9 +282,23 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold), pdl=pdl, args=[
-                w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids, item_expert,
-                item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
+    threads_gu, smem_gu = (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold)
+    if resident_serves(config, t, grouped, k) and trace is None:
+        threads_gu, smem_gu = (32 * RESIDENT_GATE_UP[0], 1, 1), _shared_bytes(hg, 1, RESIDENT_GATE_UP)
+        if n2 % MmaConfig(gate_up=RESIDENT_GATE_UP).rows("gate_up"):
+            raise ValueError(f"the resident gate/up takes rows in tiles of its shape {RESIDENT_GATE_UP}: 2I = {n2}")
+        resident = _resident_gate_up(dev, hg, RESIDENT_GATE_UP, early_x)
+        ctas = min(n2 // MmaConfig(gate_up=RESIDENT_GATE_UP).rows("gate_up") * k,
+                   resident_ctas(resident, threads_gu[0], smem_gu, dev))
+        if len(RESIDENT_GATE_UP) > 3 and RESIDENT_GATE_UP[3] > 0:  # the shape's CTAs an SM, where fewer fit
+            ctas = min(ctas, RESIDENT_GATE_UP[3] * torch.cuda.get_device_properties(dev).multi_processor_count)
+        launch_cuda(resident, (ctas, 1, 1), threads_gu, smem_gu, pdl=pdl, args=[
+            w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, ids, k, n2, act, float(limit),
+            float(alpha), shift])
+    else:
+        launch_cuda(gate_up, grid_gu, threads_gu, smem_gu, pdl=pdl, args=[
+            w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids,
+            item_expert, item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:

@@ -104,23 +104,32 @@ def test_trace_buffers_too_small_are_refused_before_any_launch():
 ])
 def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(monkeypatch, dtype, grouped, vouched,
                                                                              early):
-    """The build each launch gets (MX_EARLY_X), with the compile and the launches stubbed out."""
+    """The build each launch gets (MX_EARLY_X), with the compile and the launches stubbed out; one token's
+    resident gate/up (RESIDENT_GATE_UP) gets the same flag in its own build."""
+    from types import SimpleNamespace
+
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     builds, launched = [], []
     monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x: builds.append(early_x) or "gu")
+    monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
     monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     w, x, ids, wts = _problem(t=1, h=128, i=128)
-    cfg = cm.MmaConfig((4, 1, 2), (4, 2, 2))
+    cfg = cm.MmaConfig((4, 1, 2) if grouped else (4, 4, 3), (4, 2, 2))
     if grouped:
         monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing",
                             lambda *a: type("R", (), {"max_blocks": 1, "block_expert": ids, "sorted_slot": ids})())
     cm.experts_forward_mxfp4_mma(x.to(dtype), wts, ids, w.to_packed(), config=cfg, grouped=grouped,
                                  x_before_routing=vouched)
     assert launched == ["gu", "dn"]
-    assert builds == [early, early]  # gate/up's and down's builds alike (one compile where shapes match)
+    if cm.resident_serves(cfg, 1, grouped, 4):  # the resident gate/up's build, then down's and gate/up's
+        assert builds == [early, early, early]
+    else:
+        assert builds == [early, early]  # gate/up's and down's builds alike (one compile where shapes match)
 
 
 @pytest.mark.parametrize("grouped,top_k,cluster_sum", [
@@ -234,3 +243,31 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
     assert [k for k, _ in launched] == ["mx_gate_up", "mx_down", "mx_gate_up"]
     for kernel, n in launched:
         assert n == _kernel_params(kernel), (kernel, n)
+
+
+def test_one_token_launches_the_resident_gate_up_with_its_parameters(monkeypatch):
+    """With RESIDENT_GATE_UP set, one token's per-pair gate/up is mx_gate_up_resident on a grid of at most
+    what the SMs hold (and the shape's CTAs an SM), handed as many arguments as its signature has; two
+    tokens and a gate/up that splits K over another number of warps keep mx_gate_up."""
+    from types import SimpleNamespace
+
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    launched = []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: "mx_gate_up_resident")
+    monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: 7)
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, args, **k: launched.append((kernel, grid, len(args))))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
+    w, x, ids, wts = _problem(t=2, h=128, i=128)
+    wp = w.to_packed()
+    monkeypatch.setattr(cm, "RESIDENT_GATE_UP", (4, 4, 3, 5, 1))
+    cm.experts_forward_mxfp4_mma(x[:1], wts[:1], ids[:1], wp, config=cm.MmaConfig((4, 4, 3), (4, 4, 3)))
+    kernel, grid, n = launched[0]
+    # 2I = 256 rows in 16-row tiles for 4 pairs = 64 tiles; 7 CTAs fit, the shape asks for 5 an SM
+    assert (kernel, grid) == ("mx_gate_up_resident", (5, 1, 1)) and n == _kernel_params(kernel)
+    for t, config in ((2, cm.MmaConfig((4, 4, 3), (4, 4, 3))), (1, cm.MmaConfig((4, 2, 3), (4, 4, 3)))):
+        launched.clear()  # two tokens; one token in a gate/up that splits K otherwise (other sums)
+        cm.experts_forward_mxfp4_mma(x[:t], wts[:t], ids[:t], wp, config=config)
+        assert launched[0][0] == "mx_gate_up"

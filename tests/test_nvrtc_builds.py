@@ -44,6 +44,9 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
             for fold, dtype in ((1, "bf16"), (2, "f16")):
                 builds[f"mxfp4 folded {dtype} {which}"] = (mx.SOURCE, mx.compile_options(
                     90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=fold, **flags))
+    if mx.RESIDENT_GATE_UP is not None:
+        builds["mxfp4 resident gate_up"] = (mx.SOURCE, mx.compile_options(
+            90, 1, mx.RESIDENT_GATE_UP, early_x=mx.EARLY_X, resident=True, **flags))
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):
@@ -72,7 +75,7 @@ def _spills(log: str) -> dict[str, int]:
 def _launched(name: str, entries: set[str]) -> set[str]:
     """The entries of a build the engine launches (a MXFP4 build compiles both kernels for one of them)."""
     if name.startswith("mxfp4"):
-        return {"mx_gate_up" if "gate_up" in name else "mx_down"}
+        return {("mx_gate_up_resident" if "resident" in name else "mx_gate_up") if "gate_up" in name else "mx_down"}
     return entries
 
 

@@ -121,6 +121,42 @@ def test_cluster_sum_equals_the_counter_sum(t, monkeypatch):
     assert torch.equal(replayed, fwd(x, weights, ids, wp))
 
 
+@pytest.mark.parametrize("shape", [(4, 4, 3, 4, 1), (4, 4, 2, 5, 1), (4, 4, 3, 5, 1), (4, 4, 2, 6, 1),
+                                   (4, 4, 3, 1, 1), (8, 4, 2, 0, 1), (4, 4, 1, 2, 0)])
+@pytest.mark.parametrize("early_x", [False, True])
+def test_resident_gate_up_equals_the_per_pair_launch(shape, early_x, monkeypatch):
+    """One token's gate/up as a resident grid (RESIDENT_GATE_UP: each CTA streams several tiles, one CTA
+    an SM in (4, 4, 3, 1, 1), so about 11 tiles a CTA) sums the same K shares in the same order as the
+    per-pair launch (K split over 4 warps): bit-identical, with pairs that have no expert here (nothing
+    written, down adds zeros), eager and replayed from a CUDA graph on new routing."""
+    from pdserve.kernels import cuda_moe_mxfp4
+
+    fwd = _mma()
+    g = _seeded()
+    w = random_layer(32, g, DEV)
+    wp = w.to_packed()
+    x = torch.randn(1, 2880, device=DEV, generator=g).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(1, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    routings = [torch.randperm(32, device=DEV, generator=g)[:4].view(1, 4) for _ in range(2)]
+    routings.append(torch.tensor([[-1, 5, -1, 30]], device=DEV))
+    ids = routings[0].clone()
+    monkeypatch.setattr(cuda_moe_mxfp4, "RESIDENT_GATE_UP", None)
+    waves = [fwd(x, weights, r, wp, x_before_routing=early_x) for r in routings]
+    monkeypatch.setattr(cuda_moe_mxfp4, "RESIDENT_GATE_UP", shape)
+    resident = [fwd(x, weights, r, wp, x_before_routing=early_x) for r in routings]
+    for got, want in zip(resident, waves):
+        assert torch.equal(got, want)
+    local = routings[2] >= 0
+    assert rel_l2(resident[2], reference(x, torch.where(local, weights, 0), torch.where(local, routings[2], 0), w)) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fwd(x, weights, ids, wp, x_before_routing=early_x)
+    for r, want in zip(routings[1:], waves[1:]):
+        ids.copy_(r)
+        graph.replay()
+        assert torch.equal(replayed, want)
+
+
 def test_cluster_sum_pairs_without_a_local_expert_add_zeros():
     """A pair whose expert id is negative (no expert here) adds nothing, while its cluster's other
     pairs still sum: the CTA takes part in the cluster's syncs with zero rows."""
