@@ -1,12 +1,16 @@
 // MXFP4 expert GEMV for decode batches on the tensor cores (mma.sync m16n8k16, f16 in (bf16 in launches
 // folded in bf16), float32 accumulate). Compiled at run time by NVRTC (kernels/cuda_moe_mxfp4.py).
 //
+// Kernels: mx_gate_up and mx_down (a CTA a tile), and with MX_RESIDENT mx_gate_up_resident (one token's gate/up
+// on a grid the SMs hold at once, each CTA streaming several tiles; below mx_gate_up).
+//
 // Macros set by the compiler call: MX_KG (32-groups along K), MX_NW (warps per CTA), MX_KSPLIT (warps
 // that split one 16-row tile's K), MX_D (K steps per register batch), MX_MIN_CTAS (0, or CTAs an SM
 // must hold at once: a register bound), MX_SLOTS (most (token, expert) pairs
 // one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
 // buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
-// bench/moe_trace.py, never in the engine), MX_ZERO_ROW (use_batch), MX_SHARED_BYTES (the launch's dynamic
+// bench/moe_trace.py, never in the engine), MX_RESIDENT (1: also mx_gate_up_resident), MX_ZERO_ROW (use_batch),
+// MX_SHARED_BYTES (the launch's dynamic
 // shared memory, checked against the staging layout), and the packed word layout of kernels/mxfp4.py
 // (one source for every decode): MX_LOW_MASK, MX_HIGH_SHL_MASK, MX_HIGH_SHR_MASK.
 //

@@ -11,7 +11,8 @@ The same decode serves up to 8 tokens of one expert (grouped launches), so batch
 share experts read each expert once.
 
 Two launches, no host synchronisation (CUDA-graph capturable): gate/up + bias + SwiGLU -> bf16
-activations per pair; down + bias, times the routing weight, with the token's pairs summed in slot
+activations per pair (one token's as a resident grid whose CTAs stream several tiles each,
+RESIDENT_GATE_UP); down + bias, times the routing weight, with the token's pairs summed in slot
 order (deterministic): per-pair launches run a token's pairs as one thread-block cluster that adds
 them in distributed shared memory, grouped ones leave it to the last CTA to finish a row tile
 (float32 partials and an arrival counter). Grouped launches add the routing layout
