@@ -650,7 +650,8 @@ mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scale
     const int p = threadIdx.x;
     const int e = p < n_pairs ? (int)__ldcg(pair_expert + p) : -1;
     const unsigned live = __ballot_sync(0xFFFFFFFFu, e >= 0);
-    if (e >= 0) live_expert[__popc(live & ((1u << p) - 1u))] = e, live_pair[__popc(live & ((1u << p) - 1u))] = p;
+    const int at = __popc(live & ((1u << p) - 1u));  // live pairs before this one
+    if (e >= 0) live_expert[at] = e, live_pair[at] = p;
     if (p == 0) n_live = __popc(live);
   }
   __syncthreads();

@@ -200,6 +200,21 @@ def act_shift(limit: float) -> int:
     return math.floor(math.log2(2.0**15 / (max(limit, 0.3) * (limit + 1))))
 
 
+def _resident_launch(dev: int, k_groups: int, rows: int, pairs: int, early_x: bool) -> tuple:
+    """(kernel, grid, block, dynamic shared memory) of RESIDENT_GATE_UP for `pairs` pairs of `rows` (2I) weight
+    rows: as many CTAs as the SMs hold (at most the shape's CTAs an SM, where given), no more than tiles."""
+    shape = RESIDENT_GATE_UP
+    tile = MmaConfig(gate_up=shape).rows("gate_up")
+    if rows % tile:
+        raise ValueError(f"the resident gate/up takes rows in tiles of its shape {shape}: 2I = {rows}")
+    threads, smem = 32 * shape[0], _shared_bytes(k_groups, 1, shape)
+    kernel = _resident_gate_up(dev, k_groups, shape, early_x)
+    ctas = min(rows // tile * pairs, resident_ctas(kernel, threads, smem, dev))
+    if len(shape) > 3 and shape[3] > 0:  # the shape's CTAs an SM, where more would fit
+        ctas = min(ctas, shape[3] * torch.cuda.get_device_properties(dev).multi_processor_count)
+    return kernel, (ctas, 1, 1), (threads, 1, 1), smem
+
+
 def resident_serves(config: MmaConfig, tokens: int, grouped: bool, top_k: int) -> bool:
     """Whether RESIDENT_GATE_UP serves this launch's gate/up: one token per pair, in a config whose gate/up
     splits K over as many warps (so the same sums, bit for bit)."""
@@ -283,21 +298,13 @@ def experts_forward_mxfp4_mma(
     shift = act_shift(limit)
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
-    threads_gu, smem_gu = (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold)
     if resident_serves(config, t, grouped, k) and trace is None:
-        threads_gu, smem_gu = (32 * RESIDENT_GATE_UP[0], 1, 1), _shared_bytes(hg, 1, RESIDENT_GATE_UP)
-        if n2 % MmaConfig(gate_up=RESIDENT_GATE_UP).rows("gate_up"):
-            raise ValueError(f"the resident gate/up takes rows in tiles of its shape {RESIDENT_GATE_UP}: 2I = {n2}")
-        resident = _resident_gate_up(dev, hg, RESIDENT_GATE_UP, early_x)
-        ctas = min(n2 // MmaConfig(gate_up=RESIDENT_GATE_UP).rows("gate_up") * k,
-                   resident_ctas(resident, threads_gu[0], smem_gu, dev))
-        if len(RESIDENT_GATE_UP) > 3 and RESIDENT_GATE_UP[3] > 0:  # the shape's CTAs an SM, where fewer fit
-            ctas = min(ctas, RESIDENT_GATE_UP[3] * torch.cuda.get_device_properties(dev).multi_processor_count)
-        launch_cuda(resident, (ctas, 1, 1), threads_gu, smem_gu, pdl=pdl, args=[
+        launch_cuda(*_resident_launch(dev, hg, n2, k, early_x), pdl=pdl, args=[
             w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, ids, k, n2, act, float(limit),
             float(alpha), shift])
     else:
-        launch_cuda(gate_up, grid_gu, threads_gu, smem_gu, pdl=pdl, args=[
+        launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold),
+                    pdl=pdl, args=[
             w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids,
             item_expert, item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
