@@ -3,11 +3,9 @@ each gets its own copy of the partial last page and of its sliding pages, and al
 
 from __future__ import annotations
 
-import random
-
 import pytest
+import torch
 
-from numerics import rel_l2
 from pdserve.engine.block_manager import BlockAllocator
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import FinishReason, Sequence
@@ -31,14 +29,14 @@ def test_shared_blocks_return_to_the_pool_with_their_last_holder():
         a.share([5])
 
 
-def test_choices_run_as_rows_and_give_every_block_back(tiny_cfg):
+def test_choices_run_as_rows_and_give_every_block_back(tiny_cfg, rng):
     h = Harness(tiny_cfg, max_batch_size=8)
-    n, prompt, max_new = 3, random.randint(5, 30), 6
+    n, prompt, max_new = 3, rng.randint(5, 30), 6
     free_before = h.blocks()[0]
     r = h.s.reserve("multi", prompt, max_new, ttl_s=60, n=n)
     assert len(r.choice_blocks) == n - 1
     h.kv("multi")
-    params = SamplingParams(max_new_tokens=max_new, temperature=0, n=n, seed=random.getrandbits(63))
+    params = SamplingParams(max_new_tokens=max_new, temperature=0, n=n, seed=rng.getrandbits(63))
     h.s.start("multi", [NEXT_TOKEN] * n, prompt, params)
     assert [c.params.seed for c in r.choices] == [(params.seed + i) % 2**64 for i in range(n)]
     shared = prompt // h.runner.cache.page_size
@@ -75,33 +73,41 @@ def test_a_refused_reservation_takes_nothing_and_a_wrong_start_is_refused(tiny_c
         h.s.reserve("many", 5, 3, ttl_s=60, n=9)  # more choices than batch rows
 
 
-def test_a_forked_choice_decodes_as_a_fresh_prefill_of_its_sequence(tiny_runner):
+def test_a_forked_choice_decodes_as_a_fresh_prefill_of_its_sequence(tiny_runner, rng):
     """Real KV: prefill once, fork a choice (shared pages, copied partial and sliding pages), feed
-    the two different tokens; each one's logits equal a full recomputation of its sequence, at
-    that step and the next."""
+    the two different tokens; the logits equal, bit for bit, those of the same decode batch over two
+    sequences that each prefilled the prompt themselves, at that step and the next.
+
+    The reference is that decode, not a prefill of each whole sequence: the two compute the router's
+    logits in different matmul shapes, so where a token's 4th and 5th expert logits lie within bf16
+    rounding of each other (a gap of a few 1e-3; about one prompt in 300 for this model) they pick
+    different experts and the logits differ by several percent, however exact the fork."""
     cache = tiny_runner.cache
-    prompt = [random.randrange(1000, 100000) for _ in range(random.randint(33, 60))]
+    prompt = [rng.randrange(1000, 100000) for _ in range(rng.randint(33, 60))]
+    first = [rng.randrange(1000, 100000) for _ in range(2)]
+    nxt = rng.randrange(1000, 100000)
     max_tokens = len(prompt) + 8
     params = SamplingParams(temperature=0, max_new_tokens=8)
     parent = Sequence("p", list(prompt), params)
     parent.blocks = cache.reserve(max_tokens, local_prompt_tokens=len(prompt))
     child_blocks = cache.reserve_choice(len(prompt), max_tokens)
+    fresh = [Sequence(f"fresh{i}", list(prompt), params) for i in range(2)]  # the same tokens, no fork
     try:
         tiny_runner.prefill(parent)
         child = Sequence("c", list(prompt), params, blocks=child_blocks, num_cached=len(prompt))
         copies = cache.fork(parent.blocks, child.blocks, len(prompt))
-        first = [random.randrange(1000, 100000) for _ in range(2)]
-        parent.output_ids, child.output_ids = [first[0]], [first[1]]
-        logits = tiny_runner.decode([parent, child], block_copies=copies)
-        for seq, row in zip((parent, child), logits):
-            full = tiny_runner.prompt_logits(seq.prompt_ids + seq.output_ids)[-1]
-            assert rel_l2(row, full) <= 1e-2
-        nxt = random.randrange(1000, 100000)
-        parent.output_ids.append(nxt), child.output_ids.append(nxt)
-        logits = tiny_runner.decode([parent, child])
-        full = tiny_runner.prompt_logits(child.prompt_ids + child.output_ids)[-1]
-        assert rel_l2(logits[1], full) <= 1e-2
+        for seq in fresh:
+            seq.blocks = cache.reserve(max_tokens, local_prompt_tokens=len(prompt))
+            tiny_runner.prefill(seq)
+        for seqs in ((parent, child), fresh):
+            for seq, token in zip(seqs, first):
+                seq.output_ids = [token]
+        assert torch.equal(tiny_runner.decode([parent, child], block_copies=copies), tiny_runner.decode(fresh))
+        for seq in (parent, child, *fresh):
+            seq.output_ids.append(nxt)
+        assert torch.equal(tiny_runner.decode([parent, child]), tiny_runner.decode(fresh))
     finally:
         cache.release(child_blocks)
-        cache.release(parent.blocks)
-    assert cache.num_used_blocks == 0 and cache.allocator.num_shared == 0
+        for seq in (parent, *fresh):
+            if seq.blocks is not None:
+                cache.release(seq.blocks)
