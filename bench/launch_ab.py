@@ -30,7 +30,7 @@ a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence fo
 
     python bench/launch_ab.py --ckpt DIR [--precision mxfp4] [--batches 1,16,64] [--context 1024]
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
-        [--resident-gate-up "4,4,3,4,1;..."]
+        [--resident-gate-up "4,4,3,4,1;..."] [--resident-max-tokens "1;3@4,4,3,3,1"]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
         [--rounds 15] [--replays 20] [--fp8] [--timeline] [--controls 1] [--layers 36 [--alias-layers]] [--kv-blocks 8192]
         [--out FILE.json]
@@ -336,6 +336,10 @@ def main() -> int:
                     help="also the default with one token's gate/up as a resident grid in each of these kernel "
                          "shapes (cuda_moe_mxfp4.RESIDENT_GATE_UP), ';'-separated, each 'warps,ksplit,batch,"
                          "CTAs an SM[,zero row]'; 'off': the launch of one CTA a tile")
+    ap.add_argument("--resident-max-tokens", default=None,
+                    help="also the default with the resident gate/up taking per-pair launches of up to each of "
+                         "these many tokens (cuda_moe_mxfp4.RESIDENT_MAX_TOKENS), ';'-separated, each 'N' or "
+                         "'N@warps,ksplit,batch,CTAs an SM,zero row' (in that shape)")
     ap.add_argument("--gemv-configs", default=None,
                     help="also the default with each of these one-token bf16 GEMV shapes, ';'-separated, each as "
                          "'NxK:block_n,block_k,warps,stages[,programs per SM]' (kernels/triton_bf16_gemv.GemvConfig)")
@@ -373,6 +377,12 @@ def main() -> int:
     for spec in (a.resident_gate_up.split(";") if a.resident_gate_up else []):
         shape = None if spec.strip() == "off" else tuple(int(v) for v in spec.split(","))
         settings[f"gate/up resident {spec}"] = _setting({(cuda_moe_mxfp4, "RESIDENT_GATE_UP"): shape})
+    for spec in (a.resident_max_tokens.split(";") if a.resident_max_tokens else []):
+        tokens, _, shape = spec.partition("@")
+        patch = {(cuda_moe_mxfp4, "RESIDENT_MAX_TOKENS"): int(tokens)}
+        if shape:
+            patch[(cuda_moe_mxfp4, "RESIDENT_GATE_UP")] = tuple(int(v) for v in shape.split(","))
+        settings[f"gate/up resident to {spec} tokens"] = _setting(patch)
     for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
         settings[f"gemv {spec}"] = _setting(_gemv(spec))
     settings, controls = with_controls(settings, a.controls)

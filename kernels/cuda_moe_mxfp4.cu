@@ -320,14 +320,16 @@ struct BRows {
   int n, g;  // the item's pairs and the thread's mma column (without MX_ZERO_ROW)
 };
 
-__device__ __forceinline__ BRows b_rows(int n, int g, int tig, int c) {
+// zero_at: the row of zeros' word offset from the xs the batches read (the resident grid's token regions
+// each read it at their own offset).
+__device__ __forceinline__ BRows b_rows(int n, int g, int tig, int c, int zero_at = XZERO_AT) {
   BRows r;
   r.n = n, r.g = g;
 #pragma unroll
   for (int p = 0; p < TP; p++) {
     const int xi = 2 * p + (g >> 2);
     const bool live = (g & 3) == tig && xi < n;
-    r.at[p] = MX_ZERO_ROW ? opaque((live ? xi * XROW + 16 * tig : XZERO_AT + ((4 * xi + 8) & 31)) + 64 * c) : 0;
+    r.at[p] = MX_ZERO_ROW ? opaque((live ? xi * XROW + 16 * tig : zero_at + ((4 * xi + 8) & 31)) + 64 * c) : 0;
   }
   r.fx = MX_ZERO_ROW ? opaque(SLOTS * XROW + 2 * (tig & 1) + 4 * c) : 0;
   return r;
@@ -389,8 +391,12 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
 #ifndef MX_FOLD
 #define MX_FOLD 0
 #endif
+#ifndef MX_RESIDENT
+#define MX_RESIDENT 0
+#endif
 // the dynamic shared memory the launch gives (MX_SHARED_BYTES, kernels/cuda_moe_mxfp4.py) is this layout's
-static_assert(MX_FOLD || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
+// (the resident gate/up's, below, is its own)
+static_assert(MX_FOLD || MX_RESIDENT || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
               "the host's dynamic shared memory size differs from the staging layout");
 static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs in mma columns of 8");
 #define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
@@ -620,38 +626,81 @@ mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const 
   TRACE_END();
 }
 
-#ifndef MX_RESIDENT
-#define MX_RESIDENT 0
-#endif
 #if MX_RESIDENT
-static_assert(SLOTS == 1 && !MX_FOLD && !MX_TRACE, "the resident gate/up serves one token's per-pair launch");
+#ifndef MX_RESIDENT_TOKENS
+#define MX_RESIDENT_TOKENS 1
+#endif
+static_assert(SLOTS == 1 && !MX_FOLD && !MX_TRACE && MX_RESIDENT_TOKENS >= 1,
+              "the resident gate/up serves the per-pair launch of a few tokens");
 #define TILE_BATCHES ((CHUNKS + D * KSPLIT - 1) / (D * KSPLIT))  // register batches of a warp's K share
+// Shared memory: each token's region (its staged row, then its groups' factors: a per-pair CTA's layout),
+// TOKEN_WORDS apart (a multiple of 32, so every region's words sit in the banks of the per-pair layout's),
+// then the row of zeros.
+#define TOKEN_WORDS ((XROW + XF_WORDS + 31) / 32 * 32)
+#define RESIDENT_ZERO_AT (MX_RESIDENT_TOKENS * TOKEN_WORDS)
+static_assert((RESIDENT_ZERO_AT + XZERO_WORDS) * 4 == MX_SHARED_BYTES,
+              "the host's dynamic shared memory size differs from the resident staging layout");
 
-// One token's gate/up as a resident grid (MX_RESIDENT): CTA b takes tiles b, b + G, b + 2G, ... (G =
+// The tokens' rows (n <= MX_RESIDENT_TOKENS, contiguous, KG * 32 bf16 values each), each into its own region
+// exactly as stage_rows stages a per-pair CTA's one row (its groups' powers of two from that row alone, so the
+// sums are the per-pair launch's), with every row's loads in flight together; then the row of zeros. EARLY:
+// read before the CTA's PDL wait. Ends with the CTA synchronised.
+template <bool EARLY>
+__device__ __forceinline__ void stage_token_rows(u32* xs, const U4* x, int n) {
+  constexpr int per_row = CHUNKS * 16, in_row = KG * 4;  // 16-byte chunks, staged and in a row
+  const U4 zero = U4{0u, 0u, 0u, 0u};
+  for (int c0 = 0; c0 < per_row; c0 += NW * 32) {  // the same trip count in every lane: they shuffle
+    const int c = c0 + (int)threadIdx.x;
+    U4 v[MX_RESIDENT_TOKENS];
+#pragma unroll
+    for (int i = 0; i < MX_RESIDENT_TOKENS; i++)
+      v[i] = i < n && c < in_row ? (EARLY ? load_early(x + i * in_row + c) : load_cached(x + i * in_row + c)) : zero;
+#pragma unroll
+    for (int i = 0; i < MX_RESIDENT_TOKENS; i++) {
+      if (i >= n) break;
+      u32 m = max_bits(v[i]);
+      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+      const u32 e = staged_exponent(m);
+      if (c >= per_row) continue;
+      u32* region = xs + i * TOKEN_WORDS;
+      if ((c & 3) == 0) reinterpret_cast<float*>(region + XROW)[c >> 2] = unstage_factor(e);
+      const float up = stage_factor(e);
+      *reinterpret_cast<U4*>(region + 4 * c) =
+          U4{f16x2_scaled(v[i].x, up), f16x2_scaled(v[i].y, up), f16x2_scaled(v[i].z, up), f16x2_scaled(v[i].w, up)};
+    }
+  }
+  if constexpr (XZERO_WORDS > 0)
+    for (int w = threadIdx.x; w < XZERO_WORDS; w += NW * 32) xs[RESIDENT_ZERO_AT + w] = 0u;
+  __syncthreads();
+}
+
+// A few tokens' gate/up as a resident grid (MX_RESIDENT): CTA b takes tiles b, b + G, b + 2G, ... (G =
 // gridDim.x, what the SMs hold at once) of the (live pair, 16-row tile) list, and each warp streams its
 // K share of one tile after the other through the same two register batches: the next tile's weights are
 // requested as soon as a batch is summed, so they are in flight while this tile's sums meet across the
-// warps and its epilogue runs. mx_gate_up's launch of one CTA a tile comes in 2.2 waves at one token:
-// a wave's CTAs request their bytes together and then sum them, with nothing of the next wave in
-// flight. Same K shares, order of sums and epilogue as mx_gate_up's per-pair launch: bit-identical.
-// x: the token's row; pair_expert: the token's top_k experts (negative: not here, nothing written).
+// warps and its epilogue runs. mx_gate_up's launch of one CTA a tile comes in waves (2.2 of them at one
+// token, 4.4 at two): a wave's CTAs request their bytes together and then sum them, with nothing of the
+// next wave in flight. Every CTA stages all the tokens' rows, each as the per-pair launch stages its pair's
+// one row; same K shares, order of sums and epilogue as mx_gate_up's per-pair launch: bit-identical.
+// x: the n_tokens rows; pair_expert: each token's top_k experts (negative: not here, nothing written).
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
-                    const u16* __restrict__ x, const i64* __restrict__ pair_expert, int n_pairs, int n_rows,
-                    u16* __restrict__ act, double limit_d, double alpha_d, int act_shift) {
+                    const u16* __restrict__ x, const i64* __restrict__ pair_expert, int n_tokens, int top_k,
+                    int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift) {
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[2][NW * 16];  // a tile's K shares, by tile parity (one barrier a tile keeps them apart)
-  __shared__ int live_expert[32], live_pair[32], n_live;
-  const U4* row = reinterpret_cast<const U4*>(x);
-  if (GATE_UP_EARLY_X) stage_rows<true, false>(xs, &row, 1);
+  __shared__ int live_expert[32], live_pair[32], live_region[32], n_live;
+  const U4* rows = reinterpret_cast<const U4*>(x);
+  if (GATE_UP_EARLY_X) stage_token_rows<true>(xs, rows, n_tokens);
   enter_pdl();
-  if (!GATE_UP_EARLY_X) stage_rows<false, false>(xs, &row, 1);
+  if (!GATE_UP_EARLY_X) stage_token_rows<false>(xs, rows, n_tokens);
   if (threadIdx.x < 32) {  // the pairs with an expert here, in pair order
     const int p = threadIdx.x;
-    const int e = p < n_pairs ? (int)__ldcg(pair_expert + p) : -1;
+    const int e = p < n_tokens * top_k ? (int)__ldcg(pair_expert + p) : -1;
     const unsigned live = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int at = __popc(live & ((1u << p) - 1u));  // live pairs before this one
-    if (e >= 0) live_expert[at] = e, live_pair[at] = p;
+    if (e >= 0) live_expert[at] = e, live_pair[at] = p, live_region[at] = p / top_k * TOKEN_WORDS;
     if (p == 0) n_live = __popc(live);
   }
   __syncthreads();
@@ -691,9 +740,12 @@ mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scale
   if (threadIdx.x < ROWS / 2) load_bias(0);
   float acc[1][2] = {{0.f, 0.f}};
   const float limit = (float)limit_d, alpha = (float)alpha_d;
+  // the token region of the tile being summed (one token: always the first), moved on at each tile's end
+  auto region_of = [&](int i) { return live_region[((int)blockIdx.x + i * G) / row_tiles]; };
+  int region = MX_RESIDENT_TOKENS == 1 ? 0 : region_of(0);
   auto sum_unit = [&](const Batch& b, int u) {
     const int first = ks + (u % NB) * STEP;
-    use_batch(b, first, xs, b_rows(1, g, tig, first), 1, tig, acc);
+    use_batch(b, first, xs + region, b_rows(1, g, tig, first, RESIDENT_ZERO_AT - region), 1, tig, acc);
   };
   // after unit u: where it was its tile's last batch, the K shares meet and the epilogue stores the tile
   auto end_unit = [&](int u) {
@@ -704,6 +756,7 @@ mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scale
     const float v1 = acc[0][1] + __shfl_xor_sync(0xFFFFFFFFu, acc[0][1], 1);
     if (tig == 0) r[warp * 16 + g] = v0, r[warp * 16 + g + 8] = v1;
     acc[0][0] = acc[0][1] = 0.f;
+    if (MX_RESIDENT_TOKENS > 1 && i + 1 < my_tiles) region = region_of(i + 1);
     __syncthreads();
     if (threadIdx.x < ROWS / 2) {
       const int j = threadIdx.x;

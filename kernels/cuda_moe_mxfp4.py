@@ -11,7 +11,7 @@ The same decode serves up to 8 tokens of one expert (grouped launches), so batch
 share experts read each expert once.
 
 Two launches, no host synchronisation (CUDA-graph capturable): gate/up + bias + SwiGLU -> bf16
-activations per pair (one token's as a resident grid whose CTAs stream several tiles each,
+activations per pair (a per-pair launch's as a resident grid whose CTAs stream several tiles each,
 RESIDENT_GATE_UP); down + bias, times the routing weight, with the token's pairs summed in slot
 order (deterministic): per-pair launches run a token's pairs as one thread-block cluster that adds
 them in distributed shared memory, grouped ones leave it to the last CTA to finish a row tile
@@ -122,13 +122,17 @@ MAX_CLUSTER = PORTABLE_CLUSTER  # larger top_k take the arrival counters
 # per-pair gate/up stages its token's row before the PDL wait, where the caller vouches that the row
 # predates the routing (experts_forward_mxfp4_mma's x_before_routing; the .cu file's MX_EARLY_X)
 EARLY_X = True
-# One token's per-pair gate/up as a resident grid (the .cu file's mx_gate_up_resident) in this launch shape
-# (an MmaConfig kernel shape; its CTAs an SM, where given, cap the grid): each CTA streams its tiles in turn,
-# so that the next tile's weights are in flight while a tile is summed. It serves per-pair launches whose
-# gate/up splits K as it does (PAIR_CONFIG's), so their sums are the same bit for bit. None: one CTA a tile
-# (mx_gate_up, in waves). 120b step at 8k keys and 20b step at 1k, one token (8 / 24 layers, H100,
+# A per-pair gate/up of 1..RESIDENT_MAX_TOKENS tokens as a resident grid (the .cu file's mx_gate_up_resident) in
+# this launch shape (an MmaConfig kernel shape; its CTAs an SM, where given, cap the grid): each CTA streams its
+# tiles in turn, so that the next tile's weights are in flight while a tile is summed. It serves per-pair
+# launches whose gate/up splits K as it does (PAIR_CONFIG's), so their sums are the same bit for bit. None: one
+# CTA a tile (mx_gate_up, in waves). 120b step at 8k keys and 20b step at 1k, one token (8 / 24 layers, H100,
 # bench/launch_ab.py): x0.978 / x0.986 a replay against mx_gate_up; (4, 4, 3, 5 | 3, 1) level with it.
 RESIDENT_GATE_UP: tuple[int, ...] | None = (4, 4, 3, 4, 1)
+# The most tokens a per-pair launch takes the resident gate/up for (each CTA stages every token's row, in a
+# region of shared memory of its own); more go to mx_gate_up. H100, bench/launch_ab.py, against one token only
+# (120b 8 layers at 8k keys / 20b at 1k): two tokens x0.989 / x0.998 a replay, three x1.005 / x1.020.
+RESIDENT_MAX_TOKENS = 2
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -158,24 +162,28 @@ def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...
 
 
 @functools.cache
-def _resident_gate_up(device_index: int, k_groups: int, shape: tuple[int, ...], early_x: bool):
-    """mx_gate_up_resident compiled for K = 32 * k_groups and a per-pair launch shape."""
+def _resident_gate_up(device_index: int, k_groups: int, shape: tuple[int, ...], early_x: bool, tokens: int):
+    """mx_gate_up_resident compiled for K = 32 * k_groups, a per-pair launch shape and `tokens` tokens."""
     return load_kernels(SOURCE, ["mx_gate_up_resident"],
-                        compile_options(k_groups, 1, shape, early_x=early_x, resident=True), device_index,
-                        _shared_bytes(k_groups, 1, shape))["mx_gate_up_resident"]
+                        compile_options(k_groups, 1, shape, early_x=early_x, resident=tokens), device_index,
+                        _resident_shared_bytes(k_groups, shape, tokens))["mx_gate_up_resident"]
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: int = 0, resident: bool = False) -> list[str]:
-    """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too)."""
+                    fold: int = 0, resident: int = 0) -> list[str]:
+    """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too);
+    resident: the tokens of a resident gate/up build (MX_RESIDENT), 0 for the other kernels' builds."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
+    smem = (_resident_shared_bytes(k_groups, shape, resident) if resident
+            else _shared_bytes(k_groups, slots, shape, fold))
     return [f"-DMX_KG={k_groups}", f"-DMX_NW={nw}", f"-DMX_KSPLIT={ksplit}", f"-DMX_D={batch}",
             f"-DMX_MIN_CTAS={min_ctas}", f"-DMX_ZERO_ROW={int(bool(zero_row))}", f"-DMX_SLOTS={slots}",
-            f"-DMX_TRACE={int(trace)}", f"-DMX_RESIDENT={int(resident)}",
+            f"-DMX_TRACE={int(trace)}", f"-DMX_RESIDENT={int(bool(resident))}",
+            f"-DMX_RESIDENT_TOKENS={max(resident, 1)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
             f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
-            f"-DMX_SHARED_BYTES={_shared_bytes(k_groups, slots, shape, fold)}", "-std=c++17", *_LAYOUT_MACROS]
+            f"-DMX_SHARED_BYTES={smem}", "-std=c++17", *_LAYOUT_MACROS]
 
 
 def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: int = 0) -> int:
@@ -190,6 +198,16 @@ def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: int =
     return (zero_at + steps * 64 + 32 if zero_row else slots * (steps * 64 + 4) + steps * 4) * 4
 
 
+def _resident_shared_bytes(k_groups: int, shape: tuple[int, ...], tokens: int) -> int:
+    """The resident gate/up's dynamic shared memory: a region a token (its staged row and groups' factors,
+    padded to whole 32-word rows of banks: the .cu file's TOKEN_WORDS), then the row of zeros where the shape
+    has one."""
+    steps = (k_groups + 3) // 4
+    region = (steps * 64 + 4 + steps * 4 + 31) // 32 * 32
+    zero_row = (*shape, 0, 0)[4]
+    return (tokens * region + (steps * 64 + 32 if zero_row else 0)) * 4
+
+
 def act_shift(limit: float) -> int:
     """The power of two gate/up multiplies its f16 SwiGLU outputs by (down stages them as they are):
     the largest that keeps them below 2^15, where |glu * sigmoid(alpha glu)| <= max(limit, 0.3) (glu is
@@ -200,26 +218,28 @@ def act_shift(limit: float) -> int:
     return math.floor(math.log2(2.0**15 / (max(limit, 0.3) * (limit + 1))))
 
 
-def _resident_launch(dev: int, k_groups: int, rows: int, pairs: int, early_x: bool) -> tuple:
-    """(kernel, grid, block, dynamic shared memory) of RESIDENT_GATE_UP for `pairs` pairs of `rows` (2I) weight
-    rows: as many CTAs as the SMs hold (at most the shape's CTAs an SM, where given), no more than tiles."""
+def _resident_launch(dev: int, k_groups: int, rows: int, tokens: int, top_k: int, early_x: bool) -> tuple:
+    """(kernel, grid, block, dynamic shared memory) of RESIDENT_GATE_UP for `tokens` x `top_k` pairs of `rows`
+    (2I) weight rows: as many CTAs as the SMs hold (at most the shape's CTAs an SM, where given), no more than
+    tiles."""
     shape = RESIDENT_GATE_UP
     tile = MmaConfig(gate_up=shape).rows("gate_up")
     if rows % tile:
         raise ValueError(f"the resident gate/up takes rows in tiles of its shape {shape}: 2I = {rows}")
-    threads, smem = 32 * shape[0], _shared_bytes(k_groups, 1, shape)
-    kernel = _resident_gate_up(dev, k_groups, shape, early_x)
-    ctas = min(rows // tile * pairs, resident_ctas(kernel, threads, smem, dev))
+    threads, smem = 32 * shape[0], _resident_shared_bytes(k_groups, shape, tokens)
+    kernel = _resident_gate_up(dev, k_groups, shape, early_x, tokens)
+    ctas = min(rows // tile * tokens * top_k, resident_ctas(kernel, threads, smem, dev))
     if len(shape) > 3 and shape[3] > 0:  # the shape's CTAs an SM, where more would fit
         ctas = min(ctas, shape[3] * torch.cuda.get_device_properties(dev).multi_processor_count)
     return kernel, (ctas, 1, 1), (threads, 1, 1), smem
 
 
 def resident_serves(config: MmaConfig, tokens: int, grouped: bool, top_k: int) -> bool:
-    """Whether RESIDENT_GATE_UP serves this launch's gate/up: one token per pair, in a config whose gate/up
-    splits K over as many warps (so the same sums, bit for bit)."""
-    return (RESIDENT_GATE_UP is not None and tokens == 1 and not grouped and top_k <= 32
-            and RESIDENT_GATE_UP[1] == config.gate_up[1])
+    """Whether RESIDENT_GATE_UP serves this launch's gate/up: a per-pair launch of up to RESIDENT_MAX_TOKENS
+    tokens (their pairs read by one warp), in a config whose gate/up splits K over as many warps (so the same
+    sums, bit for bit)."""
+    return (RESIDENT_GATE_UP is not None and 1 <= tokens <= RESIDENT_MAX_TOKENS and not grouped
+            and tokens * top_k <= 32 and RESIDENT_GATE_UP[1] == config.gate_up[1])
 
 
 def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
@@ -299,8 +319,8 @@ def experts_forward_mxfp4_mma(
     act = torch.empty(t * k, i, dtype=torch.bfloat16 if fold == 1 else torch.float16, device=x.device)
     pdl = pdl_enabled(x.device)
     if resident_serves(config, t, grouped, k) and trace is None:
-        launch_cuda(*_resident_launch(dev, hg, n2, k, early_x), pdl=pdl, args=[
-            w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, ids, k, n2, act, float(limit),
+        launch_cuda(*_resident_launch(dev, hg, n2, t, k, early_x), pdl=pdl, args=[
+            w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, ids, t, k, n2, act, float(limit),
             float(alpha), shift])
     else:
         launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold),

@@ -112,7 +112,7 @@ def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(mon
 
     builds, launched = [], []
     monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
-    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x: builds.append(early_x) or "gu")
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x, tokens: builds.append(early_x) or "gu")
     monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
@@ -245,29 +245,40 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
         assert n == _kernel_params(kernel), (kernel, n)
 
 
-def test_one_token_launches_the_resident_gate_up_with_its_parameters(monkeypatch):
-    """With RESIDENT_GATE_UP set, one token's per-pair gate/up is mx_gate_up_resident on a grid of at most
-    what the SMs hold (and the shape's CTAs an SM), handed as many arguments as its signature has; two
-    tokens and a gate/up that splits K over another number of warps keep mx_gate_up."""
+def test_per_pair_launches_of_a_few_tokens_take_the_resident_gate_up_with_its_parameters(monkeypatch):
+    """With RESIDENT_GATE_UP set, the per-pair gate/up of 1..RESIDENT_MAX_TOKENS tokens is mx_gate_up_resident,
+    built for that many tokens, on a grid of at most what the SMs hold (and the shape's CTAs an SM) and no more
+    than its tiles, handed as many arguments as its signature has; more tokens and a gate/up that splits K over
+    another number of warps keep mx_gate_up."""
     from types import SimpleNamespace
 
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
-    launched = []
+    launched, builds = [], []
     monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
-    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: "mx_gate_up_resident")
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: builds.append(a[-1]) or "mx_gate_up_resident")
     monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: 7)
-    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, args, **k: launched.append((kernel, grid, len(args))))
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, args, **k: launched.append((kernel, grid, args)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
-    w, x, ids, wts = _problem(t=2, h=128, i=128)
+    monkeypatch.setattr(cm, "RESIDENT_MAX_TOKENS", 3)
+    w, x, ids, wts = _problem(t=4, h=128, i=128)
     wp = w.to_packed()
-    monkeypatch.setattr(cm, "RESIDENT_GATE_UP", (4, 4, 3, 5, 1))
-    cm.experts_forward_mxfp4_mma(x[:1], wts[:1], ids[:1], wp, config=cm.MmaConfig((4, 4, 3), (4, 4, 3)))
-    kernel, grid, n = launched[0]
-    # 2I = 256 rows in 16-row tiles for 4 pairs = 64 tiles; 7 CTAs fit, the shape asks for 5 an SM
-    assert (kernel, grid) == ("mx_gate_up_resident", (5, 1, 1)) and n == _kernel_params(kernel)
-    for t, config in ((2, cm.MmaConfig((4, 4, 3), (4, 4, 3))), (1, cm.MmaConfig((4, 2, 3), (4, 4, 3)))):
-        launched.clear()  # two tokens; one token in a gate/up that splits K otherwise (other sums)
+    per_pair = cm.MmaConfig((4, 4, 3), (4, 4, 3))
+    for shape, t, ctas in (((4, 4, 3, 5, 1), 1, 5), ((4, 4, 3, 5, 1), 3, 5), ((4, 4, 3, 0, 1), 2, 7),
+                           ((4, 4, 3, 0, 1), 1, 7)):
+        # 2I = 256 rows in 16-row tiles: 16 a pair, 64 at one token; 7 CTAs fit, the shape asks for 5 an SM
+        monkeypatch.setattr(cm, "RESIDENT_GATE_UP", shape)
+        launched.clear()
+        cm.experts_forward_mxfp4_mma(x[:t], wts[:t], ids[:t], wp, config=per_pair)
+        kernel, grid, args = launched[0]
+        assert (kernel, grid, builds[-1]) == ("mx_gate_up_resident", (ctas, 1, 1), t)
+        assert len(args) == _kernel_params(kernel) and args[5:7] == [t, 4]  # n_tokens, top_k
+    monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: 100)
+    launched.clear()  # fewer tiles than would fit: one CTA a tile
+    cm.experts_forward_mxfp4_mma(x[:1], wts[:1], ids[:1], wp, config=per_pair)
+    assert launched[0][1] == (64, 1, 1)
+    for t, config in ((4, per_pair), (1, cm.MmaConfig((4, 2, 3), (4, 4, 3)))):
+        launched.clear()  # four tokens; one token in a gate/up that splits K otherwise (other sums)
         cm.experts_forward_mxfp4_mma(x[:t], wts[:t], ids[:t], wp, config=config)
         assert launched[0][0] == "mx_gate_up"

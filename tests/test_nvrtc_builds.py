@@ -45,8 +45,9 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
                 builds[f"mxfp4 folded {dtype} {which}"] = (mx.SOURCE, mx.compile_options(
                     90, mx.FOLD_CONFIG.slots, getattr(mx.FOLD_CONFIG, which), fold=fold, **flags))
     if mx.RESIDENT_GATE_UP is not None:
-        builds["mxfp4 resident gate_up"] = (mx.SOURCE, mx.compile_options(
-            90, 1, mx.RESIDENT_GATE_UP, early_x=mx.EARLY_X, resident=True, **flags))
+        for tokens in range(1, mx.RESIDENT_MAX_TOKENS + 1):
+            builds[f"mxfp4 resident gate_up, {tokens} tokens"] = (mx.SOURCE, mx.compile_options(
+                90, 1, mx.RESIDENT_GATE_UP, early_x=mx.EARLY_X, resident=tokens, **flags))
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):

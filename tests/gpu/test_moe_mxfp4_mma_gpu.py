@@ -121,25 +121,34 @@ def test_cluster_sum_equals_the_counter_sum(t, monkeypatch):
     assert torch.equal(replayed, fwd(x, weights, ids, wp))
 
 
-@pytest.mark.parametrize("shape", [(4, 4, 3, 4, 1), (4, 4, 2, 5, 1), (4, 4, 3, 5, 1), (4, 4, 2, 6, 1),
-                                   (4, 4, 3, 1, 1), (8, 4, 2, 0, 1), (4, 4, 1, 2, 0)])
+_RESIDENT_SHAPES = [(4, 4, 3, 4, 1), (4, 4, 2, 5, 1), (4, 4, 3, 5, 1), (4, 4, 2, 6, 1), (4, 4, 3, 1, 1), (8, 4, 2, 0, 1),
+                    (4, 4, 1, 2, 0)]
+
+
+@pytest.mark.parametrize("shape,tokens", [*((s, 1) for s in _RESIDENT_SHAPES),
+                                          *((s, t) for s in ((4, 4, 3, 4, 1), (4, 4, 3, 1, 1), (4, 4, 1, 2, 0))
+                                            for t in (2, 3))])
 @pytest.mark.parametrize("early_x", [False, True])
-def test_resident_gate_up_equals_the_per_pair_launch(shape, early_x, monkeypatch):
-    """One token's gate/up as a resident grid (RESIDENT_GATE_UP: each CTA streams several tiles, one CTA
-    an SM in (4, 4, 3, 1, 1), so about 11 tiles a CTA) sums the same K shares in the same order as the
-    per-pair launch (K split over 4 warps): bit-identical, with pairs that have no expert here (nothing
-    written, down adds zeros), eager and replayed from a CUDA graph on new routing."""
+def test_resident_gate_up_equals_the_per_pair_launch(shape, tokens, early_x, monkeypatch):
+    """A per-pair gate/up of 1-3 tokens as a resident grid (RESIDENT_GATE_UP: each CTA streams several tiles,
+    one CTA an SM in (4, 4, 3, 1, 1), so about 11 tiles a CTA at one token; every CTA stages each token's row
+    in a region of its own) sums the same K shares in the same order as the per-pair launch (K split over 4
+    warps): bit-identical, with pairs that have no expert here (nothing written, down adds zeros), eager and
+    replayed from a CUDA graph on new routing."""
     from pdserve.kernels import cuda_moe_mxfp4
 
     fwd = _mma()
     g = _seeded()
     w = random_layer(32, g, DEV)
     wp = w.to_packed()
-    x = torch.randn(1, 2880, device=DEV, generator=g).to(torch.bfloat16)
-    weights = torch.softmax(torch.randn(1, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-    routings = [torch.randperm(32, device=DEV, generator=g)[:4].view(1, 4) for _ in range(2)]
-    routings.append(torch.tensor([[-1, 5, -1, 30]], device=DEV))
+    # tokens of different magnitudes: each row staged at its own powers of two
+    x = (torch.randn(tokens, 2880, device=DEV, generator=g) * torch.logspace(0, 3, tokens, device=DEV)[:, None]
+         ).to(torch.bfloat16)
+    weights = torch.softmax(torch.randn(tokens, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
+    routings = [torch.stack([torch.randperm(32, device=DEV, generator=g)[:4] for _ in range(tokens)]) for _ in range(2)]
+    routings.append(torch.tensor([[-1, 5, -1, 30], [7, -1, 2, 11], [-1, -1, -1, 4]][:tokens], device=DEV))
     ids = routings[0].clone()
+    monkeypatch.setattr(cuda_moe_mxfp4, "RESIDENT_MAX_TOKENS", 3)
     monkeypatch.setattr(cuda_moe_mxfp4, "RESIDENT_GATE_UP", None)
     waves = [fwd(x, weights, r, wp, x_before_routing=early_x) for r in routings]
     monkeypatch.setattr(cuda_moe_mxfp4, "RESIDENT_GATE_UP", shape)
