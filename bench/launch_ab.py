@@ -246,7 +246,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         def launch_unless_skipped(kernel, *a, **k):
             return None if kernel is _SKIPPED else launch(kernel, *a, **k)
 
-        # one token's gate/up launches mx_gate_up, the kernel skipped here, not its resident grid
+        # per-pair gate/up launches mx_gate_up, the kernel skipped here, not the resident grid
         return [(cuda_moe_mxfp4, "_kernels", kernels_without), (cuda_moe_mxfp4, "launch_cuda", launch_unless_skipped),
                 (cuda_moe_mxfp4, "RESIDENT_GATE_UP", None)]
 
@@ -333,9 +333,9 @@ def main() -> int:
                     help="also the default with each of these launch shapes of the per-pair MXFP4 mma launches "
                          "(cuda_moe_mxfp4.PAIR_CONFIG), ';'-separated, each as --mma-config")
     ap.add_argument("--resident-gate-up", default=None,
-                    help="also the default with one token's gate/up as a resident grid in each of these kernel "
-                         "shapes (cuda_moe_mxfp4.RESIDENT_GATE_UP), ';'-separated, each 'warps,ksplit,batch,"
-                         "CTAs an SM[,zero row]'; 'off': the launch of one CTA a tile")
+                    help="also the default with the per-pair gate/up (up to RESIDENT_MAX_TOKENS tokens) as a resident "
+                         "grid in each of these kernel shapes (cuda_moe_mxfp4.RESIDENT_GATE_UP), ';'-separated, each "
+                         "'warps,ksplit,batch,CTAs an SM[,zero row]'; 'off': the launch of one CTA a tile")
     ap.add_argument("--resident-max-tokens", default=None,
                     help="also the default with the resident gate/up taking per-pair launches of up to each of "
                          "these many tokens (cuda_moe_mxfp4.RESIDENT_MAX_TOKENS), ';'-separated, each 'N' or "
