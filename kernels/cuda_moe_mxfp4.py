@@ -131,7 +131,8 @@ EARLY_X = True
 RESIDENT_GATE_UP: tuple[int, ...] | None = (4, 4, 3, 4, 1)
 # The most tokens a per-pair launch takes the resident gate/up for (each CTA stages every token's row, in a
 # region of shared memory of its own); more go to mx_gate_up. H100, bench/launch_ab.py, against one token only
-# (120b 8 layers at 8k keys / 20b at 1k): two tokens x0.989 / x0.998 a replay, three x1.005 / x1.020.
+# (120b 8 layers at 8k keys / 20b at 1k; two runs, controls within 0.3 %): two tokens x0.989-0.996 / x0.998-1.008
+# a replay, three x1.005-1.010 / x1.020-1.022 (three CTAs an SM, or no row of zeros, did not make it pay).
 RESIDENT_MAX_TOKENS = 2
 
 
