@@ -396,7 +396,8 @@ __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* 
 #endif
 // the dynamic shared memory the launch gives (MX_SHARED_BYTES, kernels/cuda_moe_mxfp4.py) is this layout's
 // (the resident gate/up's, below, is its own)
-static_assert(MX_FOLD || MX_RESIDENT || (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
+static_assert(MX_FOLD || MX_RESIDENT ||
+                  (MX_ZERO_ROW ? XZERO_AT + XZERO_WORDS : SLOTS * XROW + XF_WORDS) * 4 == MX_SHARED_BYTES,
               "the host's dynamic shared memory size differs from the staging layout");
 static_assert(!MX_FOLD || SLOTS % 8 == 0, "folded launches take the item's pairs in mma columns of 8");
 #define NT ((SLOTS + 7) / 8)  // MX_FOLD: the item's pairs in groups of 8 (one mma's columns)
