@@ -313,9 +313,14 @@ def _gemv(spec: str) -> dict:
     return {(triton_bf16_gemv, "CONFIGS"): {**triton_bf16_gemv.CONFIGS, (n, k, 1): gemv}}
 
 
+def _kernel_shape(spec: str) -> tuple[int, ...]:
+    """'warps,ksplit,batch[,min CTAs[,zero row]]' -> one kernel's launch shape (cuda_moe_mxfp4.MmaConfig)."""
+    return tuple(int(v) for v in spec.split(","))
+
+
 def _mma(spec: str) -> cuda_moe_mxfp4.MmaConfig:
     """'warps,ksplit,batch[,min CTAs[,zero row]]/...' (gate/up, then down) -> MmaConfig(gate_up, down)."""
-    gu, dn = (tuple(int(v) for v in part.split(",")) for part in spec.split("/"))
+    gu, dn = (_kernel_shape(part) for part in spec.split("/"))
     return cuda_moe_mxfp4.MmaConfig(gu, dn)
 
 
@@ -375,13 +380,13 @@ def main() -> int:
     for cfg in (a.pair_configs.split(";") if a.pair_configs else []):
         settings[f"pair {cfg}"] = _setting({(cuda_moe_mxfp4, "PAIR_CONFIG"): _mma(cfg)})
     for spec in (a.resident_gate_up.split(";") if a.resident_gate_up else []):
-        shape = None if spec.strip() == "off" else tuple(int(v) for v in spec.split(","))
+        shape = None if spec.strip() == "off" else _kernel_shape(spec)
         settings[f"gate/up resident {spec}"] = _setting({(cuda_moe_mxfp4, "RESIDENT_GATE_UP"): shape})
     for spec in (a.resident_max_tokens.split(";") if a.resident_max_tokens else []):
         tokens, _, shape = spec.partition("@")
         patch = {(cuda_moe_mxfp4, "RESIDENT_MAX_TOKENS"): int(tokens)}
         if shape:
-            patch[(cuda_moe_mxfp4, "RESIDENT_GATE_UP")] = tuple(int(v) for v in shape.split(","))
+            patch[(cuda_moe_mxfp4, "RESIDENT_GATE_UP")] = _kernel_shape(shape)
         settings[f"gate/up resident to {spec} tokens"] = _setting(patch)
     for spec in (a.gemv_configs.split(";") if a.gemv_configs else []):
         settings[f"gemv {spec}"] = _setting(_gemv(spec))

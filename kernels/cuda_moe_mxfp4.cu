@@ -217,6 +217,16 @@ __device__ __forceinline__ const float* group_factors(const u32* xs) {
 __device__ __forceinline__ u32 staged_exponent(u32 m) { return max(m >> 23, 15u); }
 __device__ __forceinline__ float stage_factor(u32 e) { return __int_as_float((268u - e) << 23); }
 __device__ __forceinline__ float unstage_factor(u32 e) { return __int_as_float((e - 14u) << 23); }
+// e of a group whose 16-byte chunks sit in 4 consecutive lanes, from each lane's max_bits: two shuffles
+__device__ __forceinline__ u32 group_exponent(u32 m) {
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+  return staged_exponent(m);
+}
+// a chunk of 8 bf16 values times `up` (stage_factor) as f16 pairs
+__device__ __forceinline__ U4 staged_chunk(U4 v, float up) {
+  return U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
+}
 
 // The item's activation rows (KG * 32 values each) into shared memory as f16, with the factor that
 // multiplies each group's sums (use_batch). bf16 rows (gate/up's tokens): each group of 32 values
@@ -254,16 +264,13 @@ __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n
         m = max(m, max_bits(v));
         if (i == 0) first = v;
       }
-      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-      const u32 e = staged_exponent(m);
+      const u32 e = group_exponent(m);
       const float up = stage_factor(e);
       if (!in) continue;
       if ((c & 3) == 0) fx[c >> 2] = unstage_factor(e);
       for (int i = 0; i < n; i++) {
         const U4 v = i == 0 || c >= in_row ? first : (EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c));
-        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
-            U4{f16x2_scaled(v.x, up), f16x2_scaled(v.y, up), f16x2_scaled(v.z, up), f16x2_scaled(v.w, up)};
+        *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) = staged_chunk(v, up);
       }
     }
   }
@@ -659,16 +666,11 @@ __device__ __forceinline__ void stage_token_rows(u32* xs, const U4* x, int n) {
 #pragma unroll
     for (int i = 0; i < MX_RESIDENT_TOKENS; i++) {
       if (i >= n) break;
-      u32 m = max_bits(v[i]);
-      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-      m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-      const u32 e = staged_exponent(m);
+      const u32 e = group_exponent(max_bits(v[i]));
       if (c >= per_row) continue;
       u32* region = xs + i * TOKEN_WORDS;
-      if ((c & 3) == 0) reinterpret_cast<float*>(region + XROW)[c >> 2] = unstage_factor(e);
-      const float up = stage_factor(e);
-      *reinterpret_cast<U4*>(region + 4 * c) =
-          U4{f16x2_scaled(v[i].x, up), f16x2_scaled(v[i].y, up), f16x2_scaled(v[i].z, up), f16x2_scaled(v[i].w, up)};
+      if ((c & 3) == 0) group_factors(region)[c >> 2] = unstage_factor(e);
+      *reinterpret_cast<U4*>(region + 4 * c) = staged_chunk(v[i], stage_factor(e));
     }
   }
   if constexpr (XZERO_WORDS > 0)

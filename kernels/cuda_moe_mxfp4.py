@@ -187,26 +187,35 @@ def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bo
             f"-DMX_SHARED_BYTES={smem}", "-std=c++17", *_LAYOUT_MACROS]
 
 
+def _staging_words(k_groups: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """The .cu file's staging sizes in words: a staged row (XROW: whole K steps), the groups' factors (XF_WORDS)
+    and the row of zeros (XZERO_WORDS, 0 where the shape has none)."""
+    steps = (k_groups + 3) // 4
+    zero_row = (*shape, 0, 0)[4]
+    return steps * 64 + 4, steps * 4, steps * 64 + 32 if zero_row else 0
+
+
+def _whole_bank_rows(words: int) -> int:
+    """words rounded up to whole rows of the 32 banks (the .cu file's XZERO_AT and TOKEN_WORDS)."""
+    return (words + 31) // 32 * 32
+
+
 def _shared_bytes(k_groups: int, slots: int, shape: tuple[int, ...], fold: int = 0) -> int:
     """Dynamic shared memory: the staged activation rows (the .cu file's XROW words each, whole K
     steps), the groups' factors (XF_WORDS floats) and, with MX_ZERO_ROW, the row of zeros at XZERO_AT;
     folded launches read the rows from global memory."""
     if fold:
         return 0
-    steps = (k_groups + 3) // 4
-    zero_row = (*shape, 0, 0)[4]
-    zero_at = (slots * (steps * 64 + 4) + steps * 4 + 31) // 32 * 32
-    return (zero_at + steps * 64 + 32 if zero_row else slots * (steps * 64 + 4) + steps * 4) * 4
+    row, factors, zeros = _staging_words(k_groups, shape)
+    staged = slots * row + factors
+    return (_whole_bank_rows(staged) + zeros if zeros else staged) * 4
 
 
 def _resident_shared_bytes(k_groups: int, shape: tuple[int, ...], tokens: int) -> int:
     """The resident gate/up's dynamic shared memory: a region a token (its staged row and groups' factors,
-    padded to whole 32-word rows of banks: the .cu file's TOKEN_WORDS), then the row of zeros where the shape
-    has one."""
-    steps = (k_groups + 3) // 4
-    region = (steps * 64 + 4 + steps * 4 + 31) // 32 * 32
-    zero_row = (*shape, 0, 0)[4]
-    return (tokens * region + (steps * 64 + 32 if zero_row else 0)) * 4
+    padded to whole rows of banks: the .cu file's TOKEN_WORDS), then the row of zeros where the shape has one."""
+    row, factors, zeros = _staging_words(k_groups, shape)
+    return (tokens * _whole_bank_rows(row + factors) + zeros) * 4
 
 
 def act_shift(limit: float) -> int:
