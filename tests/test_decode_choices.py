@@ -111,3 +111,4 @@ def test_a_forked_choice_decodes_as_a_fresh_prefill_of_its_sequence(tiny_runner,
         for seq in (parent, *fresh):
             if seq.blocks is not None:
                 cache.release(seq.blocks)
+    assert cache.num_used_blocks == 0 and cache.allocator.num_shared == 0
