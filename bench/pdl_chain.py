@@ -16,8 +16,16 @@ threads (a norm, one CTA an SM, the FP8 QKV GEMV, one token's MXFP4 gate/up). Ti
 captured in one CUDA graph, median of replays, per kernel; with PDL and without.
 
     python -m pdserve.bench.pdl_chain [--kernels 64] [--out FILE.json]
+    python -m pdserve.bench.pdl_chain --counters [--out FILE.json]
     python -m pdserve.bench.pdl_chain --overlap [--out FILE.json]
     python -m pdserve.bench.pdl_chain --carveout [--out FILE.json]
+
+`--counters` asks what a boundary would cost without the grid-wide wait: the engine's order (wait,
+then let the next kernel launch), the next kernel launched first (then wait), and a hand-off through
+counters in global memory, where each kernel lets the next launch at its start and each CTA of the next
+spins on a counter that every CTA of the one before increments when done (release / acquire at GPU
+scope), with and without a pause between polls. A kernel whose CTAs are all placed can let the next
+launch at its start without deadlock: the next is launched only once every CTA of this one has started.
 
 `--overlap` asks instead whether a dependent kernel is placed while the kernel before it still runs,
 which every read "ahead of the PDL wait" in the engine's kernels relies on: a one-CTA kernel that
@@ -48,13 +56,43 @@ import torch
 SOURCE = r"""
 #include "cuda_common.cuh"
 
-// prev: the value the kernel before wrote; ring [n] of next indices (n a power of two); row: bytes staged
+// prev: the value the kernel before wrote; ring [n] of next indices (n a power of two); row: bytes staged.
+// sync: 0 none, 1 PDL as the engine's kernels (wait, then let the next launch), 2 PDL letting the next
+// launch first, 3 counters: the next launches at once and each CTA spins (thread 0, `ld.acquire`, then
+// `sleep_ns` between polls) until every CTA of the link before has counted itself (`red.release`) into
+// counts[link - 1]. Link 0 waits as 1 does (whatever ran before the chain has no counter), resets the last
+// two counters of the chain before it counts itself, link i >= 2 resets counts[i - 2] (every reader of it
+// has finished): a replay leaves them zero.
 extern "C" __global__ void __launch_bounds__(128) link(const u32* __restrict__ prev, u32* __restrict__ next,
                                                        const u32* __restrict__ ring, int n, int hops,
-                                                       const unsigned char* __restrict__ row, int stage, int pdl) {
-  if (pdl) {
+                                                       const unsigned char* __restrict__ row, int stage, int sync,
+                                                       u32* counts, int index, int links, int prev_ctas,
+                                                       int sleep_ns) {
+  if (sync == 1 || (sync == 3 && index == 0)) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  } else if (sync == 2) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  } else if (sync == 3) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0) {
+      u32 c;
+      while (true) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(counts + index - 1) : "memory");
+        if ((int)c >= prev_ctas) break;
+        if (sleep_ns) __nanosleep(sleep_ns);
+      }
+    }
+    __syncthreads();
+  }
+  if (sync == 3 && blockIdx.x == 0 && threadIdx.x == 0) {
+    if (index == 0) {
+      counts[links - 2] = 0;
+      counts[links - 1] = 0;
+    } else if (index >= 2) {
+      counts[index - 2] = 0;
+    }
   }
   u32 v = load_early_u32(prev);
   if (threadIdx.x == 0) {  // this CTA's chain of dependent reads
@@ -72,6 +110,8 @@ extern "C" __global__ void __launch_bounds__(128) link(const u32* __restrict__ p
   atomicAdd(&acc, v);
   __syncthreads();
   if (blockIdx.x == 0 && threadIdx.x == 0) *next = acc & 1u;  // 0 or 1: the next kernel's start stays small
+  if (sync == 3 && threadIdx.x == 0)  // after this thread's writes (and, by the barrier, the CTA's reads)
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counts + index) : "memory");
 }
 """
 
@@ -110,6 +150,7 @@ PROBES = {"1 CTA": (1, 0), "1 CTA, 76 KB shared": (1, PROBE_SMEM), "cluster of 1
 GRIDS = (1, 132, 640, 1440)
 HOPS = (0, 1, 2, 4)
 STAGES = (0, 5760, 23040)  # bytes a CTA: one token row of 2880 bf16, four of them
+COUNTER_SLEEP_NS = 100
 
 
 @functools.cache
@@ -119,8 +160,12 @@ def _kernel():
     return compile_kernels(SOURCE, ["link"], [], torch.cuda.current_device())["link"]
 
 
-def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays: int = 20) -> float:
-    """Median us a kernel of a graph-captured chain of `kernels` links."""
+SYNCS = {"none": 0, "pdl": 1, "pdl, next launched first": 2, "counters": 3}
+
+
+def chain_us(kernels: int, ctas: int, hops: int, stage: int, sync: str, replays: int = 20,
+             sleep_ns: int = 0) -> float:
+    """Median us a kernel of a graph-captured chain of `kernels` links, synchronised as SYNCS[sync]."""
     from pdserve.bench.kernels import graphed, time_it
     from pdserve.kernels.pdl import launch_cuda
 
@@ -128,14 +173,21 @@ def chain_us(kernels: int, ctas: int, hops: int, stage: int, pdl: bool, replays:
     ring = torch.randperm(n, device="cuda", dtype=torch.int64).to(torch.int32)
     row = torch.randint(0, 255, (max(stage, 16),), device="cuda", dtype=torch.uint8)
     vals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(kernels, dtype=torch.int32, device="cuda")
     k = _kernel()
+    mode = SYNCS[sync]
 
     def run():
         for i in range(kernels):
-            launch_cuda(k, (ctas, 1, 1), (128, 1, 1), 0, pdl=pdl,
-                        args=[vals[i % 2:], vals[(i + 1) % 2:], ring, n, hops, row, stage, int(pdl)])
+            launch_cuda(k, (ctas, 1, 1), (128, 1, 1), 0, pdl=mode > 0,
+                        args=[vals[i % 2:], vals[(i + 1) % 2:], ring, n, hops, row, stage, mode,
+                              counts, i, kernels, ctas, sleep_ns])
 
-    return time_it(graphed(run), reps=replays, warmup=1, flush=False) * 1e6 / kernels
+    us = time_it(graphed(run), reps=replays, warmup=1, flush=False) * 1e6 / kernels
+    torch.cuda.synchronize()
+    if mode == 3 and (counts[:-2].count_nonzero().item() or counts[-2:].tolist() != [ctas, ctas]):
+        raise RuntimeError(f"counters left at {counts.tolist()} after a replay")
+    return us
 
 
 @functools.cache
@@ -259,6 +311,8 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=64, help="links a chain")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--overlap", action="store_true", help="whether a dependent launch is placed early (see above)")
+    ap.add_argument("--counters", action="store_true", help="the engine's PDL boundary against a hand-off "
+                    "through counters in global memory (see above)")
     ap.add_argument("--carveout", action="store_true", help="whether a dependent is placed beside CTAs of "
                     "another shared-memory split (see above)")
     a = ap.parse_args()
@@ -270,15 +324,19 @@ def main() -> None:
         return
     rows = []
     print(f"us a kernel, chains of {a.kernels}; columns: CTAs", flush=True)
-    print(f"{'pdl':>4} {'hops':>4} {'stage B':>8} " + " ".join(f"{c:>7}" for c in GRIDS), flush=True)
-    for pdl in (True, False):
-        for hops in HOPS:
-            for stage in STAGES:
-                if hops and stage:
-                    continue
-                us = [chain_us(a.kernels, c, hops, stage, pdl) for c in GRIDS]
-                rows.append({"pdl": pdl, "hops": hops, "stage": stage, "us": dict(zip(GRIDS, us))})
-                print(f"{int(pdl):>4} {hops:>4} {stage:>8} " + " ".join(f"{u:7.2f}" for u in us), flush=True)
+    print(f"{'sync':>30} {'hops':>4} {'stage B':>8} " + " ".join(f"{c:>7}" for c in GRIDS), flush=True)
+    if a.counters:
+        cases = [(sync, sleep, hops, stage) for hops, stage in ((0, 0), (0, 5760), (2, 0))
+                 for sync, sleep in (("pdl", 0), ("pdl, next launched first", 0), ("counters", 0),
+                                     ("counters", COUNTER_SLEEP_NS))]
+    else:
+        cases = [(sync, 0, hops, stage) for sync in ("pdl", "none") for hops in HOPS for stage in STAGES
+                 if not (hops and stage)]
+    for sync, sleep, hops, stage in cases:
+        us = [chain_us(a.kernels, c, hops, stage, sync, sleep_ns=sleep) for c in GRIDS]
+        name = sync + (f", polls {sleep} ns apart" if sleep else "")
+        rows.append({"sync": name, "hops": hops, "stage": stage, "us": dict(zip(GRIDS, us))})
+        print(f"{name:>30} {hops:>4} {stage:>8} " + " ".join(f"{u:7.2f}" for u in us), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -354,8 +354,9 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
 
 
 def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
-    """bench/pdl_chain.py's link kernel (what a boundary costs): every load after `griddepcontrol.wait`,
-    the next kernel's launch right after it, no spills; so its chain measures dependent kernels."""
+    """bench/pdl_chain.py's link kernel (what a boundary costs): in the engine's order (its first
+    branch) every load after `griddepcontrol.wait`, the next kernel's launch right after it, no spills;
+    so its chain measures dependent kernels."""
     from pdserve.bench.pdl_chain import SOURCE
 
     cubin, report = compile_cuda(SOURCE, [])
@@ -364,6 +365,23 @@ def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
     wait = ops.index("ACQBULK")
     assert not [op for op in ops[:wait] if op.startswith("LDG")], ops[:wait]
     assert "PREEXIT" in ops[wait:] and any(op.startswith("LDG") for op in ops[wait:])
+
+
+def test_pdl_chain_bench_counters_hand_off_release_and_acquire(tmp_path):
+    """bench/pdl_chain.py --counters: a CTA counts itself with a release at GPU scope (a fence, then the
+    reduction) and the next kernel's CTAs poll with acquire loads, pausing between polls; without these
+    the counters would hand off data that is not yet visible."""
+    from pdserve.bench.pdl_chain import SOURCE
+
+    cubin, _ = compile_cuda(SOURCE, [])
+    ops = _sass(cubin, tmp_path, "link")
+    red = [i for i, op in enumerate(ops) if op.startswith("REDG.E.ADD.STRONG.GPU")]
+    assert len(red) == 1, red
+    stores = [i for i, op in enumerate(ops) if op.startswith("STG")]
+    assert any(op.startswith("MEMBAR.ALL.GPU") for op in ops[max(stores):red[0]]), ops[max(stores):red[0] + 1]
+    poll = ops.index("NANOSLEEP")
+    loads = [op for op in ops[poll - 6:poll + 4] if op.startswith("LDG")]
+    assert loads and all(op.startswith("LDG.E.STRONG.GPU") for op in loads), ops[poll - 6:poll + 4]
 
 
 def test_pdl_overlap_probe_triggers_at_the_spin_start_and_waits_in_the_probe(tmp_path):
