@@ -63,7 +63,7 @@ from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SamplingParams  # noqa: E402
 from pdserve.kernels import (  # noqa: E402
     cuda_decode_attention, cuda_gemv_fp8, cuda_gemv_staged, cuda_moe_mxfp4, cuda_router, flashinfer_attention, moe,
-    triton_bf16_gemv, triton_decode_attention, triton_router,
+    triton_bf16_gemv, triton_decode_attention, triton_norm, triton_router,
 )
 
 # reads ahead of the PDL wait (kernels/pdl.py), per kernel
@@ -73,6 +73,7 @@ EARLY = {
     "down": (cuda_moe_mxfp4, "EARLY_DOWN"),
     "gemv": (triton_bf16_gemv, "EARLY_WEIGHTS"),
     "gate/up x": (cuda_moe_mxfp4, "EARLY_X"),
+    "norm": (triton_norm, "EARLY_READS"),
 }
 
 
@@ -135,6 +136,8 @@ SETTINGS = {
     "early attention+router+down": _setting(_early("attention", "router", "down")),
     "no early gate/up x": _setting({EARLY["gate/up x"]: False}),
     "no early down": _setting({EARLY["down"]: False}),
+    # the residual add + RMSNorm reading its weights and the residual after its wait, with the block's output
+    "norm reads late": _setting({EARLY["norm"]: False}),
     # the MXFP4 kernels' bias (and down's routing weights) requested after the sums, not with the weights
     "late bias": _setting({(cuda_moe_mxfp4, "EARLY_BIAS"): False}),
     # the attention output projection through the Triton bf16 GEMV, not the one that stages its

@@ -55,7 +55,8 @@ def _compile(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_st
 
     names = fn.arg_names
     sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in names}
-    div = [a for a in names if sig[a].startswith("*") or (sig[a] == "i32" and a.startswith(("stride", "K", "N")))]
+    div = [a for a in names
+           if sig[a].startswith("*") or (sig[a] == "i32" and (a.startswith(("stride", "K", "N")) or a == "H"))]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -129,17 +130,27 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
     assert not late, f"{name}: loads before the wait with early reads off: {late}"
 
 
+@pytest.mark.parametrize("early_reads", [True, False])
 @pytest.mark.parametrize("early_launch", [True, False])
-def test_norm_lets_the_next_kernel_launch_before_its_wait_only_when_asked(early_launch, tmp_path):
+def test_norm_lets_the_next_kernel_launch_before_its_wait_only_when_asked(early_launch, early_reads, tmp_path):
     """kernels/triton_norm.py: with EARLY_LAUNCH the launch of the next kernel (PREEXIT) comes before
-    the wait (ACQBULK), else after it; no load either way before the wait."""
+    the wait (ACQBULK), else after it; with EARLY_READS the weights and the residual row are requested
+    before the wait and the block's output after it, else every load after it."""
     from pdserve.kernels import triton_norm as tn
 
-    types = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+    types = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16",
              "inv_h": "fp32", "eps": "fp32"}
-    consts = dict(HAS_DELTA=True, BLOCK=4096, ACCURATE=True, EARLY_LAUNCH=early_launch, PDL=True)
+    consts = dict(HAS_DELTA=True, BLOCK=4096, ACCURATE=True, EARLY_LAUNCH=early_launch, EARLY_READS=early_reads,
+                  PDL=True)
     ops = _sass(_compile(tn._add_rms_norm_kernel, types, consts, 16), tmp_path)
-    assert not _loads_before_wait(ops)
+    early = _loads_before_wait(ops)
+    late = [op for op in ops[ops.index("ACQBULK"):] if op.startswith("LDG")]
+    if early_reads:  # per thread 8 float32 weights (2 x 16 bytes) and 8 bf16 of x (16 bytes), then 8 of delta
+        assert len(early) == 3 and all(op.startswith("LDG.E.128") for op in early), early
+        assert sum(op.startswith("LDG.E.128.STRONG.GPU") for op in early) == 1, early  # x through L2 only
+        assert len(late) == 1, late
+    else:
+        assert not early and len(late) == 4, late
     assert "PREEXIT" in ops
     assert (ops.index("PREEXIT") < ops.index("ACQBULK")) == early_launch
 

@@ -67,6 +67,21 @@ def test_add_rms_norm(t):
     assert ok and same >= 0.99, same
 
 
+@pytest.mark.parametrize("t", [1, 300])
+def test_add_rms_norm_reads_ahead_of_its_wait_without_changing_a_bit(t, monkeypatch):
+    """EARLY_READS moves the weights' and the residual's loads ahead of the PDL wait, nothing else."""
+    from pdserve.kernels import triton_norm
+
+    g = _gen()
+    x = (torch.randn(t, 2880, device=DEV, generator=g) * 2).to(BF16)
+    d = torch.randn(t, 2880, device=DEV, generator=g).to(BF16)
+    w = 1 + 0.2 * torch.randn(2880, device=DEV, generator=g)
+    early = triton_norm.add_rms_norm(x, d, w, 1e-5)
+    monkeypatch.setattr(triton_norm, "EARLY_READS", False)
+    late = triton_norm.add_rms_norm(x, d, w, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(early, late))
+
+
 @pytest.mark.parametrize("t", [1, 5, 64, 513])
 @pytest.mark.parametrize("preset_name", ["20b", "120b"])
 def test_rope_kv_write(t, preset_name):
