@@ -152,13 +152,6 @@ SETTINGS = {
         gate_up=(4, 4, 3), down=cuda_moe_mxfp4.PAIR_CONFIG.down)}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
-    # the cluster router with 12 or 15 CTAs a token (clusters past the portable 8), not CLUSTER's 8
-    "router 12 CTAs": _setting({(cuda_router, "CLUSTERS"): {32: 12, 128: 12}}),
-    "router 15 CTAs": _setting({(cuda_router, "CLUSTERS"): {32: 15, 128: 15}}),
-    # the cluster router's top 4 by merging sorted lists across a warp, not four arg-max butterflies
-    "router top-4 merged": _setting({(cuda_router, "TOP4_MERGE"): True}),
-    "router 12 CTAs + top-4 merged": _setting({(cuda_router, "CLUSTERS"): {32: 12, 128: 12},
-                                              (cuda_router, "TOP4_MERGE"): True}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),

@@ -2,8 +2,7 @@
 // over the selected four (kernels/cuda_router.py says why; kernels/triton_router.py has the same
 // numerics in Triton). Compiled at run time by NVRTC.
 //
-// Macros: RT_H (hidden size), RT_E (experts), RT_C (CTAs a token: the cluster), RT_NW (warps a CTA),
-// RT_MERGE (the top 4 by merging sorted lists across the warp, not by four arg-max rounds; same picks).
+// Macros: RT_H (hidden size), RT_E (experts), RT_C (CTAs a token: the cluster), RT_NW (warps a CTA).
 //
 // Token t is cluster t (grid (RT_C, T)). CTA c of it owns columns [c KC, (c + 1) KC) of every
 // expert's weight row: warp w the experts w EPW .. + EPW, each lane 16-byte vectors lane, lane + 32,
@@ -43,48 +42,6 @@ __device__ __forceinline__ float dot8(float s, U4 a, U4 b) {
 
 // (v, id) beats (u, jd): a larger logit, or an equal one with a lower expert id
 __device__ __forceinline__ bool beats(float v, int id, float u, int jd) { return v > u || (v == u && id < jd); }
-
-#if RT_MERGE
-// (v[i], d[i]) and (v[j], d[j]) in `beats` order
-__device__ __forceinline__ void order(float* v, int* d, int i, int j) {
-  if (beats(v[j], d[j], v[i], d[i])) {
-    const float tv = v[i];
-    const int td = d[i];
-    v[i] = v[j], d[i] = d[j], v[j] = tv, d[j] = td;
-  }
-}
-
-// The warp's top 4 of logit[0 .. RT_E) by `beats`, in that order, in every lane: each lane sorts its own
-// EPL logits (ids lane + 32 i; padding -inf with an id past every expert, so it loses to each of them), then
-// five butterfly steps each keep the better 4 of two sorted lists of 4: the better of a[k] and b[3 - k] for
-// each k (a bitonic sequence), sorted by two rounds of compare-exchanges. The order is total (ids differ),
-// so every lane ends with the same 4, and they are the sequential arg-max's four, ties to the lower id.
-__device__ __forceinline__ void top4_merged(const float* logit, int lane, float* v, int* d) {
-  static_assert(EPL <= TOP_K, "a lane sorts at most 4 logits of its own");
-#pragma unroll
-  for (int k = 0; k < TOP_K; k++) {
-    const int e = lane + 32 * k;
-    const bool real = k < EPL && e < RT_E;
-    v[k] = real ? logit[e] : -__int_as_float(0x7f800000u);
-    d[k] = real ? e : 0x7fffffff;
-  }
-  order(v, d, 0, 1), order(v, d, 2, 3), order(v, d, 0, 2), order(v, d, 1, 3), order(v, d, 1, 2);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float pv[TOP_K];
-    int pd[TOP_K];
-#pragma unroll
-    for (int k = 0; k < TOP_K; k++) {
-      pv[k] = __shfl_xor_sync(0xFFFFFFFFu, v[k], o);
-      pd[k] = __shfl_xor_sync(0xFFFFFFFFu, d[k], o);
-    }
-#pragma unroll
-    for (int k = 0; k < TOP_K; k++)
-      if (beats(pv[TOP_K - 1 - k], pd[TOP_K - 1 - k], v[k], d[k])) v[k] = pv[TOP_K - 1 - k], d[k] = pd[TOP_K - 1 - k];
-    order(v, d, 0, 2), order(v, d, 1, 3), order(v, d, 0, 1), order(v, d, 2, 3);
-  }
-}
-#endif
 
 // x [T, RT_H] bf16 (row stride stride_x), w [RT_E, RT_H] bf16, bias [RT_E] bf16 -> weights [T, 4]
 // bf16 and ids [T, 4] int64 by descending logit; logits [T, RT_E] bf16 where not null (for tests).
@@ -135,11 +92,6 @@ route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const 
     }
     __syncthreads();
     if (warp == 0) {
-#if RT_MERGE
-      float val[TOP_K];
-      int id[TOP_K];
-      top4_merged(logit, lane, val, id);
-#else
       const float neg_inf = -__int_as_float(0x7f800000u);
       float cur[EPL];
       u32 taken = 0u;  // bit i: expert lane + 32 i is picked already
@@ -168,7 +120,6 @@ route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const 
         for (int i = 0; i < EPL; i++)
           if (lane + 32 * i == bi) taken |= 1u << i;
       }
-#endif
       if (lane < TOP_K) {
         const float m = val[0];
         float ex[TOP_K];

@@ -27,12 +27,6 @@ TOP_K = 4
 # CTAs a token (the cluster; 8 is the portable size); a CTA's warps (8 up to 32 experts, else 16)
 # hold E / warps expert rows' shares of the weights each, in registers, read before the PDL wait
 CLUSTER = 8
-# CTAs a token by the number of experts where it is not CLUSTER (up to 16, which Hopper allows on request):
-# more CTAs read a share of the weights each, so the weights land sooner after the launch
-CLUSTERS: dict[int, int] = {}
-# CTA 0's last warp picks the top 4 by merging each lane's sorted logits across the warp (5 butterfly
-# steps) instead of four arg-max butterflies: the same picks in the same order (up to 128 experts)
-TOP4_MERGE = False
 # route_fused takes these kernels where they apply (False: the Triton router always)
 ENABLED = True
 # Most tokens a launch, by the number of experts (others: any batch route_fused takes): a token's
@@ -46,10 +40,9 @@ MAX_TOKENS = {128: 8}
 def shape(num_experts: int, hidden: int) -> tuple[int, int] | None:
     """(CTAs a token, warps a CTA) for this router, or None where the kernel does not apply."""
     warps = 8 if num_experts <= 32 else 16
-    cluster = CLUSTERS.get(num_experts, CLUSTER)
-    if num_experts % warps or hidden % (cluster * 8) or num_experts < TOP_K or num_experts > 32 * warps:
+    if num_experts % warps or hidden % (CLUSTER * 8) or num_experts < TOP_K or num_experts > 32 * warps:
         return None
-    return cluster, warps
+    return CLUSTER, warps
 
 
 def applies(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor) -> bool:
@@ -68,16 +61,14 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "CUDA router", lambda index: _kernel(index, 32, 2880, *shape(32, 2880)))
 
 
-def compile_options(num_experts: int, hidden: int, cluster: int, warps: int, merge: bool = False) -> list[str]:
+def compile_options(num_experts: int, hidden: int, cluster: int, warps: int) -> list[str]:
     """The compiler options of a build of cuda_router.cu (nvcc takes them too)."""
-    return [f"-DRT_E={num_experts}", f"-DRT_H={hidden}", f"-DRT_C={cluster}", f"-DRT_NW={warps}",
-            f"-DRT_MERGE={int(merge and num_experts <= 128)}", "-std=c++17"]
+    return [f"-DRT_E={num_experts}", f"-DRT_H={hidden}", f"-DRT_C={cluster}", f"-DRT_NW={warps}", "-std=c++17"]
 
 
 @functools.cache
-def _kernel(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int, merge: bool = False):
-    return load_kernels(SOURCE, ["route"], compile_options(num_experts, hidden, cluster, warps, merge), device_index,
-                        0, cluster=cluster)["route"]
+def _kernel(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int):
+    return load_kernels(SOURCE, ["route"], compile_options(num_experts, hidden, cluster, warps), device_index, 0)["route"]
 
 
 def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,
@@ -88,6 +79,6 @@ def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: tor
     e, h = router_weight.shape
     cluster, warps = shape(e, h)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch_cuda(_kernel(dev, e, h, cluster, warps, TOP4_MERGE), (cluster, t, 1), (32 * warps, 1, 1), 0,
+    launch_cuda(_kernel(dev, e, h, cluster, warps), (cluster, t, 1), (32 * warps, 1, 1), 0,
                 pdl=pdl_enabled(x.device), cluster=(cluster, 1, 1),
                 args=[x, x.stride(0), router_weight, router_bias, weights, ids, logits])
