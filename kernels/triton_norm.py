@@ -35,19 +35,19 @@ def _add_rms_norm_kernel(
     x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, H, inv_h, eps,
     stride_x, stride_d, stride_r, stride_o,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: tl.constexpr,
-    EARLY_LAUNCH: tl.constexpr, EARLY_READS: tl.constexpr, PDL: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < H
-    if EARLY_READS:  # through L2 only: x was written by a kernel of the step (kernels/pdl.py)
+    if EARLY:  # EARLY_READS; x through L2 only: x was written by a kernel of the step (kernels/pdl.py)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0, cache_modifier=".cg")
     if EARLY_LAUNCH:
         launch_then_wait(PDL)
     else:
         enter(PDL)
-    if not EARLY_READS:
+    if not EARLY:
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0)
@@ -56,7 +56,7 @@ def _add_rms_norm_kernel(
     t = x.to(tl.float32)
     mean = tl.sum(t * t, axis=0) * inv_h
     r = rsqrt_f32(mean + eps, ACCURATE)
-    if not EARLY_READS:
+    if not EARLY:
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, ((t * r) * w).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -89,7 +89,7 @@ def add_rms_norm(
             x, d, weight, res, out, h, float(np.float32(1) / np.float32(h)), eps,
             x.stride(0), sd, res.stride(0), out.stride(0),
             HAS_DELTA=delta is not None, BLOCK=block, ACCURATE=not INTERPRET, EARLY_LAUNCH=early_launch,
-            EARLY_READS=EARLY_READS and delta is not None,
+            EARLY=EARLY_READS and delta is not None,
             num_warps=max(1, min(16, block // 256)),
             **launch_options(x.device),
         )

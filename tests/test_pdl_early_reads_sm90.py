@@ -134,13 +134,13 @@ def test_triton_kernels_read_ahead_of_the_wait_only_when_asked(name, tmp_path):
 @pytest.mark.parametrize("early_launch", [True, False])
 def test_norm_lets_the_next_kernel_launch_before_its_wait_only_when_asked(early_launch, early_reads, tmp_path):
     """kernels/triton_norm.py: with EARLY_LAUNCH the launch of the next kernel (PREEXIT) comes before
-    the wait (ACQBULK), else after it; with EARLY_READS the weights and the residual row are requested
+    the wait (ACQBULK), else after it; with EARLY (EARLY_READS) the weights and the residual row are requested
     before the wait and the block's output after it, else every load after it."""
     from pdserve.kernels import triton_norm as tn
 
     types = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "res_ptr": "*bf16", "out_ptr": "*bf16",
              "inv_h": "fp32", "eps": "fp32"}
-    consts = dict(HAS_DELTA=True, BLOCK=4096, ACCURATE=True, EARLY_LAUNCH=early_launch, EARLY_READS=early_reads,
+    consts = dict(HAS_DELTA=True, BLOCK=4096, ACCURATE=True, EARLY_LAUNCH=early_launch, EARLY=early_reads,
                   PDL=True)
     ops = _sass(_compile(tn._add_rms_norm_kernel, types, consts, 16), tmp_path)
     early = _loads_before_wait(ops)
