@@ -152,6 +152,12 @@ SETTINGS = {
         gate_up=(4, 4, 3), down=cuda_moe_mxfp4.PAIR_CONFIG.down)}),
     # the router through the Triton kernel (partial logits meet in global memory), not the clusters
     "router triton": _setting({(cuda_router, "ENABLED"): False}),
+    # the cluster router with 12 CTAs a token (not CLUSTER's 8); launched at the start of the norm before it
+    # (not after that norm's wait); both
+    "router 12 CTAs": _setting({(cuda_router, "CLUSTERS"): {32: 12, 128: 12}}),
+    "router launch early": _setting(early_router_launch=True),
+    "router launch early + 12 CTAs": _setting({(cuda_router, "CLUSTERS"): {32: 12, 128: 12}},
+                                              early_router_launch=True),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),

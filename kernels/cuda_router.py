@@ -27,6 +27,9 @@ TOP_K = 4
 # CTAs a token (the cluster; 8 is the portable size); a CTA's warps (8 up to 32 experts, else 16)
 # hold E / warps expert rows' shares of the weights each, in registers, read before the PDL wait
 CLUSTER = 8
+# CTAs a token by the number of experts where it is not CLUSTER (up to 16, which Hopper allows on request):
+# each CTA reads and holds a smaller share of the weights (at 12 CTAs for 120b: 54 registers a thread, not 104)
+CLUSTERS: dict[int, int] = {}
 # route_fused takes these kernels where they apply (False: the Triton router always)
 ENABLED = True
 # Most tokens a launch, by the number of experts (others: any batch route_fused takes): a token's
@@ -40,9 +43,10 @@ MAX_TOKENS = {128: 8}
 def shape(num_experts: int, hidden: int) -> tuple[int, int] | None:
     """(CTAs a token, warps a CTA) for this router, or None where the kernel does not apply."""
     warps = 8 if num_experts <= 32 else 16
-    if num_experts % warps or hidden % (CLUSTER * 8) or num_experts < TOP_K or num_experts > 32 * warps:
+    cluster = CLUSTERS.get(num_experts, CLUSTER)
+    if num_experts % warps or hidden % (cluster * 8) or num_experts < TOP_K or num_experts > 32 * warps:
         return None
-    return CLUSTER, warps
+    return cluster, warps
 
 
 def applies(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor) -> bool:
@@ -68,7 +72,8 @@ def compile_options(num_experts: int, hidden: int, cluster: int, warps: int) -> 
 
 @functools.cache
 def _kernel(device_index: int, num_experts: int, hidden: int, cluster: int, warps: int):
-    return load_kernels(SOURCE, ["route"], compile_options(num_experts, hidden, cluster, warps), device_index, 0)["route"]
+    return load_kernels(SOURCE, ["route"], compile_options(num_experts, hidden, cluster, warps), device_index, 0,
+                        cluster=cluster)["route"]
 
 
 def route_cluster(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor,

@@ -26,6 +26,16 @@ def test_launch_shapes():
     assert shape(1024, 2880) is None  # more experts than CTA 0 has threads
 
 
+def test_wider_clusters_by_the_number_of_experts(monkeypatch):
+    from pdserve.kernels import cuda_router
+
+    monkeypatch.setattr(cuda_router, "CLUSTERS", {128: 12})
+    assert cuda_router.shape(128, 2880) == (12, 16)  # 240 columns a CTA
+    assert cuda_router.shape(32, 2880) == (8, 8)  # others keep CLUSTER
+    monkeypatch.setattr(cuda_router, "CLUSTERS", {128: 16})
+    assert cuda_router.shape(128, 2880) is None  # 180 columns a CTA: not whole 16-byte vectors
+
+
 def test_route_fused_takes_the_triton_kernel_off_the_gpu():
     from pdserve.kernels import cuda_router
 

@@ -52,6 +52,8 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):
         builds[f"router, {experts} experts"] = (rt.SOURCE, rt.compile_options(experts, 2880, *rt.shape(experts, 2880)))
+        builds[f"router, {experts} experts, 12 CTAs"] = (
+            rt.SOURCE, rt.compile_options(experts, 2880, 12, rt.shape(experts, 2880)[1]))
     return builds
 
 

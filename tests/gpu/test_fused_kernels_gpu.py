@@ -150,8 +150,9 @@ def _router_cases():
     limit (cuda_router.MAX_TOKENS; test_cluster_router_token_limit checks the limit itself)."""
     from pdserve.kernels.cuda_router import MAX_TOKENS
 
-    return [(t, e, k) for t in (1, 8, 64, 256) for e in (8, 32, 128) for k in ("cuda cluster", "triton")
-            if k == "triton" or t <= MAX_TOKENS.get(e, t)]
+    return [(t, e, k) for t in (1, 8, 64, 256) for e in (8, 32, 128)
+            for k in ("cuda cluster", "cuda cluster of 12", "triton")
+            if k == "triton" or (t <= MAX_TOKENS.get(e, t) and (k == "cuda cluster" or e != 8))]
 
 
 @pytest.mark.parametrize("t,experts,kernel", _router_cases())
@@ -162,13 +163,15 @@ def test_router(t, experts, kernel, monkeypatch):
     from pdserve.kernels.experts import route
     from pdserve.kernels.triton_router import route_fused
 
-    monkeypatch.setattr(cuda_router, "ENABLED", kernel == "cuda cluster")
+    monkeypatch.setattr(cuda_router, "ENABLED", kernel.startswith("cuda cluster"))
+    if kernel == "cuda cluster of 12":
+        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
     g = _gen()
     h = 2880
     x = torch.randn(t, h, device=DEV, generator=g).to(BF16)
     w = (torch.randn(experts, h, device=DEV, generator=g) * 0.02).to(BF16)
     b = (torch.randn(experts, device=DEV, generator=g) * 0.1).to(BF16)
-    if kernel == "cuda cluster" and not cuda_router.applies(x, w, b):
+    if kernel.startswith("cuda cluster") and not cuda_router.applies(x, w, b):
         pytest.skip("the cluster router needs Hopper and NVRTC")
     weights, ids, logits = route_fused(x, w, b, 4, return_logits=True)
     ref = torch.nn.functional.linear(x, w, b)
@@ -213,7 +216,7 @@ def test_cluster_router_token_limit():
     assert cuda_router.applies(x, w32, w32[:, 0])
 
 
-@pytest.mark.parametrize("kernel", ["cuda cluster", "triton"])
+@pytest.mark.parametrize("kernel", ["cuda cluster", "cuda cluster of 12", "triton"])
 @pytest.mark.parametrize("experts", [32, 128])
 def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypatch):
     """NaN and -inf logits (a row of NaN activations, a NaN weight row, -inf biases): every pick is
@@ -222,7 +225,9 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     from pdserve.kernels import cuda_router
     from pdserve.kernels.triton_router import route_fused
 
-    monkeypatch.setattr(cuda_router, "ENABLED", kernel == "cuda cluster")
+    monkeypatch.setattr(cuda_router, "ENABLED", kernel.startswith("cuda cluster"))
+    if kernel == "cuda cluster of 12":
+        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
     g = _gen()
     x = torch.randn(3, 2880, device=DEV, generator=g).to(BF16)
     x[0] = float("nan")
@@ -230,7 +235,7 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     w[5] = float("nan")
     b = torch.zeros(experts, device=DEV, dtype=BF16)
     b[:experts - 2] = float("-inf")
-    if kernel == "cuda cluster" and not cuda_router.applies(x, w, b):
+    if kernel.startswith("cuda cluster") and not cuda_router.applies(x, w, b):
         pytest.skip("the cluster router needs Hopper and NVRTC")
     weights, ids = route_fused(x, w, b)
     assert ((ids >= 0) & (ids < experts)).all(), ids

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 pytest.importorskip("flashinfer")
 
 
-def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int) -> list[torch.Tensor]:
+def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int,
+                   early_router: bool = False) -> list[torch.Tensor]:
     batch_size = len(prompts)
     r = ModelRunner(str(ckpt), device="cuda", precision=precision, num_kv_blocks=512,
                     cuda_graph_max_batch=batch_size if graphs else 0)
+    r.model.early_router_launch = early_router
     seqs = []
     for i, p in enumerate(prompts):
         s = Sequence(f"r{i}", list(p), SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True))
@@ -59,3 +61,22 @@ def test_pdl_decode_is_bit_identical(narrow_ckpt, monkeypatch, precision, graphs
     for step, (a, b) in enumerate(zip(with_pdl, without)):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b), f"step {step}: PDL changed the logits"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("batch", [1, 6])
+def test_router_launched_at_the_norms_start_keeps_the_decode_step(narrow_ckpt, monkeypatch, precision, batch):
+    """GptOssModel.early_router_launch (off by default; the benchmark's A/B): the norm before each MoE block
+    lets the router launch at the norm's start, as kernels/pdl.py's exception allows for a kernel that reads
+    only weights ahead of its wait. The eager step's logits equal those with PDL off, bit for bit."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    monkeypatch.delenv("PDSERVE_PDL", raising=False)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 300, (batch,), generator=gen)]
+    early = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6, early_router=True)
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    without = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6)
+    for step, (a, b) in enumerate(zip(early, without)):
+        assert torch.equal(a, b), f"step {step}: the early router launch changed the logits"
