@@ -280,22 +280,23 @@ class GptOssModel:
         a, _ = self.w.layers[layer]
         return self.early_qkv_launch and _fp8_gemv_takes(x, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
 
+    def _routes_fused(self, t: torch.Tensor) -> bool:
+        """Whether these tokens are routed by route_fused (the cluster or the Triton router), not the torch path."""
+        from pdserve.kernels.triton_router import MAX_TOKENS
+
+        return self.fused and self.cfg.experts_per_token == 4 and t.shape[0] <= MAX_TOKENS
+
     def _router_launches_early(self, x: torch.Tensor) -> bool:
         """Whether the norm before the MoE block lets the router launch at the norm's start (kernels/pdl.py's
         exception): both fused routers read nothing but weights ahead of their PDL wait."""
-        from pdserve.kernels.triton_router import MAX_TOKENS
-
-        return (self.early_router_launch and self.fused and self.cfg.experts_per_token == 4
-                and x.shape[0] <= MAX_TOKENS)
+        return self.early_router_launch and self._routes_fused(x)
 
     def _route(self, t: torch.Tensor, m) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.cfg.experts_per_token
-        if self.fused and k == 4:
-            from pdserve.kernels.triton_router import MAX_TOKENS, route_fused
+        if self._routes_fused(t):
+            from pdserve.kernels.triton_router import route_fused
 
-            if t.shape[0] <= MAX_TOKENS:
-                return route_fused(t, m.router_weight, m.router_bias, k)
-        return route(t, m.router_weight, m.router_bias, k)
+            return route_fused(t, m.router_weight, m.router_bias, 4)
+        return route(t, m.router_weight, m.router_bias, self.cfg.experts_per_token)
 
     def _moe(self, layer: int, t: torch.Tensor) -> torch.Tensor:
         # TP dispatch/combine: x is replicated on every rank and routed with the full router;

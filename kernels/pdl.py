@@ -34,7 +34,9 @@ tail instead of after it. It is safe: the GEMV reads nothing else before its wai
 completion releases, and that follows the kernel two back; and it cannot starve that kernel of SMs,
 because the norm launches only once every CTA of the kernel before it has started. Measured
 (docs/performance.md, twentieth round), it pays there only: before the bf16 QKV kernels (which read
-one weight tile ahead) and before the router it made the step slower.
+one weight tile ahead) and before the router it made the step slower. `GptOssModel.early_router_launch` (off by
+default) takes the exception before the router again, whose fused kernels read only weights ahead of their
+waits, for the benchmark's A/B beside a router of more, smaller CTAs.
 
 `PDSERVE_PDL=0` turns it off (the benchmark's A/B); it is off on the CPU, under Triton's
 interpreter and before Hopper.
