@@ -158,6 +158,11 @@ SETTINGS = {
     "router launch early": _setting(early_router_launch=True),
     "router launch early + 12 CTAs": _setting({(cuda_router, "CLUSTERS"): {32: 12, 128: 12}},
                                               early_router_launch=True),
+    # the attention output projection (where it is the FP8 or the staged bf16 GEMV, which read only weights
+    # ahead of their wait) launched at the cluster decode attention's start, not after its wait; with the
+    # router launched early too
+    "O launch early": _setting(early_o_launch=True),
+    "O launch early + router launch early": _setting(early_o_launch=True, early_router_launch=True),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),

@@ -75,11 +75,11 @@ def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale:
 
         return gemv_fp8(x, w, scale, bias)
     if scale is None:
-        if gemv and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1:
-            if staged and _staged_gemv_fits(x, w, bias):
-                from pdserve.kernels.cuda_gemv_staged import gemv_staged
+        if staged and _staged_gemv_takes(x, w, bias, gemv):
+            from pdserve.kernels.cuda_gemv_staged import gemv_staged
 
-                return gemv_staged(x, w, bias)
+            return gemv_staged(x, w, bias)
+        if gemv and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1:
             from pdserve.kernels.triton_bf16_gemv import bf16_gemv, gemv_wins
 
             if gemv_wins(x.shape[0], *w.shape):
@@ -104,7 +104,11 @@ def _unembed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fused
     return linear_fp8(x, w, scale)
 
 
-def _staged_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _staged_gemv_takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> bool:
+    """Whether `_project` (with `gemv` and `staged`) sends this bf16 projection to the GEMV that stages its
+    weights in shared memory ahead of its PDL wait (kernels.cuda_gemv_staged)."""
+    if not (gemv and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1):
+        return False
     from pdserve.kernels import cuda_gemv_staged as gs
 
     return (x.shape[0] <= gs.MAX_TOKENS and gs.fits(x.shape[0], *w.shape) and x.is_contiguous() and w.is_contiguous()
@@ -178,6 +182,10 @@ class GptOssModel:
         # weights (read ahead of its wait) stream during the attention block's end (`_router_launches_early`;
         # off: it measured slower in the twentieth round; the benchmark's A/B)
         self.early_router_launch = False
+        # with `fused`: the decode attention lets the output projection launch at the attention's start, where
+        # that projection is one of the GEMVs that read nothing but weights ahead of their PDL wait, so that
+        # its weights stream during the QKV launch's end and the attention (`_o_launches_early`; the benchmark's A/B)
+        self.early_o_launch = False
 
     def make_attention(
         self,
@@ -225,7 +233,7 @@ class GptOssModel:
         group, _ = step.cache.layer_group[layer]
         cache = step.cache.layer_cache(layer)
         q = self._rotated_q(layer, t, positions, step, group, cache)
-        o = step.attention[group].run(q, cache, a.sinks)
+        o = step.attention[group].run(q, cache, a.sinks, early_launch=self._o_launches_early(layer, q))
         o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
                      self.fused, staged=True)
         return all_reduce(o, self.shard)
@@ -279,6 +287,18 @@ class GptOssModel:
         (kernels/pdl.py; measured a gain only there)."""
         a, _ = self.w.layers[layer]
         return self.early_qkv_launch and _fp8_gemv_takes(x, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
+
+    def _o_launches_early(self, layer: int, q: torch.Tensor) -> bool:
+        """Whether the attention of these queries [T, Hq, D] may let the output projection launch at its start
+        (kernels/pdl.py's exception): `_project` sends the projection of the attention's output to the FP8 GEMV
+        or the staged bf16 GEMV, both of which read only weights ahead of their wait. The output has q's shape
+        and strides (the kernels that honour the flag allocate it like q), so q's rows stand in for it."""
+        if not (self.early_o_launch and self.fused):
+            return False
+        a, _ = self.w.layers[layer]
+        rows = q.reshape(q.shape[0], -1)
+        return (_fp8_gemv_takes(rows, a.o_weight, a.o_bias, a.o_scale, True)
+                or (a.o_scale is None and _staged_gemv_takes(rows, a.o_weight, a.o_bias, True)))
 
     def _routes_fused(self, t: torch.Tensor) -> bool:
         """Whether these tokens are routed by route_fused (the cluster or the Triton router), not the torch path."""

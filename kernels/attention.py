@@ -59,7 +59,9 @@ class TorchSinkAttention:
         self._qo = batch.qo_indptr.tolist()
         self._kv = batch.kv_indptr.tolist()
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor,
+            early_launch: bool = False) -> torch.Tensor:
+        """early_launch: a launch-order hint for the GPU kernels (FlashInferSinkAttention.run); none here."""
         b = self._batch
         if b is None:
             raise RuntimeError("run() before plan()")

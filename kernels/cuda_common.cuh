@@ -119,10 +119,16 @@ __device__ __forceinline__ u32 sm_id() {
   return sm;
 }
 
-// A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract)
+// The two halves of PDL: the wait for the kernel before (and its memory), and the next kernel's launch
+__device__ __forceinline__ void wait_pdl() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// A PDL kernel's wait for the kernel before it, then the next one's launch (kernels/pdl.py's contract;
+// launch_dependents first, then wait_pdl, is its exception: only where every dependent reads nothing but
+// weights ahead of its own wait)
 __device__ __forceinline__ void enter_pdl() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  wait_pdl();
+  launch_dependents();
 }
 
 // Every thread of the cluster arrives, then waits for all: shared-memory writes before it are

@@ -21,7 +21,9 @@
 // keys and values of the CTA's first STAGES blocks are staged before the step or cached by earlier
 // steps, so they are requested before `griddepcontrol.wait` and stream while the kernel before (the
 // QKV projection that writes this step's key) runs. After the wait the thread that holds the step's
-// own key row (position len - 1) re-reads it, then q is read (both through L2 only).
+// own key row (position len - 1) re-reads it, then q is read (both through L2 only). With
+// DA_EARLY_LAUNCH the next kernel may launch at this kernel's start, not after its wait (kernels/pdl.py's
+// exception: the output projection after it reads nothing but weights ahead of its own wait).
 //
 // Folding, in a fixed order whatever the timing (so a replayed graph equals the eager step bit for
 // bit): the 4 warps' partials in the CTA's shared memory, then, with C > 1, the cluster's C partials
@@ -32,7 +34,8 @@
 //
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
-// ahead of the copies whose page-table entries are requested), DA_TRACE (1: the timing build, whose
+// ahead of the copies whose page-table entries are requested), DA_EARLY_LAUNCH (1: the next kernel
+// launches at this one's start), DA_TRACE (1: the timing build, whose
 // last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
 // in 64 bits, offsets inside a page in 32.
@@ -55,6 +58,9 @@
 
 #ifndef DA_TRACE
 #define DA_TRACE 0
+#endif
+#ifndef DA_EARLY_LAUNCH
+#define DA_EARLY_LAUNCH 0
 #endif
 #if DA_TRACE
 // A warp's record (%globaltimer ns unless said): its start, its first blocks' copies issued, the PDL
@@ -121,6 +127,7 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
                  u16* __restrict__ out, int stride_ot, int stride_oh, double qk_scale_d, int window_left,
                  float* __restrict__ part_o, float* __restrict__ part_m, float* __restrict__ part_l,
                  int* __restrict__ count, int part_splits, int part_rows, int num_kv_heads TRACE_PARAM) {
+  if (DA_EARLY_LAUNCH) launch_dependents();  // the next kernel may be placed now (its wait still follows ours)
   extern __shared__ __align__(128) unsigned char smem[];  // STAGES x (K slot, V slot), then Shared
   Shared& sh = *reinterpret_cast<Shared*>(smem + STAGES * 2 * SLOT_BYTES);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tig = lane & 3;
@@ -202,7 +209,8 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
   TRACE(T_ISSUED, now_ns());
   TRACE(T_SM, sm_id());
   TRACE(T_MY_BLOCKS, my_blocks);
-  enter_pdl();  // the QKV projection before this kernel wrote q and the step's key
+  // the QKV projection before this kernel wrote q and the step's key
+  if (DA_EARLY_LAUNCH) wait_pdl(); else enter_pdl();
   TRACE(T_PDL, now_ns());
 
   // q as A (rows = heads gq < GROUP, rows 8-15 zero): k-step ks holds dims 16 ks + 2 tig (+1) and + 8

@@ -138,17 +138,20 @@ def available(device: torch.device) -> bool:
 TRACE_WORDS = 40  # u64 words a warp of the timing build writes (the .cu file's `Trace`)
 
 
-def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = False) -> list[str]:
+def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = False,
+                    early_launch: bool = False) -> list[str]:
     """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too); trace: the
-    timing build (DA_TRACE)."""
+    timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH)."""
     return [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
-            f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", "-std=c++17"]
+            f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
+            "-std=c++17"]
 
 
 @functools.cache
-def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace: bool = False):
-    return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg, trace), device_index,
-                        shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
+def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace: bool = False,
+            early_launch: bool = False):
+    return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg, trace, early_launch),
+                        device_index, shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
 
 
 def _trace_shape(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> tuple:
@@ -165,12 +168,14 @@ def trace_buffer(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      sinks: torch.Tensor, sm_scale: float, window_left: int, scratch,
                      out: torch.Tensor | None = None, cfg: ClusterConfig | None = None,
-                     trace: torch.Tensor | None = None) -> torch.Tensor:
+                     trace: torch.Tensor | None = None, early_launch: bool = False) -> torch.Tensor:
     """`triton_decode_attention.paged_decode_attention`'s result (same arguments) [T, Hq, D] bf16,
     into `out` where given; the caller checked `applies` (and the shapes, as that function does).
     `scratch` (the Triton kernel's `DecodeScratch` for these rows) holds the partials of requests
     that span more than one cluster. No host synchronisation: capturable in a CUDA graph. trace: run
-    the timing build, which fills this `trace_buffer` (bench/attention_trace.py)."""
+    the timing build, which fills this `trace_buffer` (bench/attention_trace.py). early_launch: the next
+    kernel launches at this one's start (kernels/pdl.py's exception: only where it reads nothing but
+    weights ahead of its own wait)."""
     t, hq, _ = q.shape
     cfg = cfg or config_for(window_left, t)
     page, hkv = kv_cache.shape[2], kv_cache.shape[3]
@@ -184,7 +189,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         raise ValueError(f"scratch {scratch.shape} does not fit {t} rows x {hkv} KV heads")
     groups = groups_for(t, hkv, cfg, q.device, scratch.shape[2])
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(dev, hq // hkv, page, cfg, trace is not None)
+    kernel = _kernel(dev, hq // hkv, page, cfg, trace is not None, early_launch)
     if trace is not None and tuple(trace.shape) != _trace_shape(t, hkv, cfg, q.device, scratch.shape[2]):
         raise ValueError(f"trace must be trace_buffer({t}, {hkv}, ...), got {tuple(trace.shape)}")
     launch_cuda(kernel, (cfg.cluster, t, hkv * groups), (THREADS, 1, 1), shared_bytes(cfg), pdl=pdl_enabled(q.device),

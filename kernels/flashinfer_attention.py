@@ -336,10 +336,14 @@ class FlashInferSinkAttention:
 
     # ---------------------------------------------------------------- run
     def run(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor | None = None
+        self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor | None = None,
+        early_launch: bool = False,
     ) -> torch.Tensor:
         """q [T, Hq, D] bf16, kv_cache [pages, 2, page, Hkv, D] bf16, sinks float32 [Hq] (raw
-        logits, not scaled by sm_scale) -> [T, Hq, D] bf16 (written into `out` when given)."""
+        logits, not scaled by sm_scale) -> [T, Hq, D] bf16 (written into `out` when given).
+        early_launch: the kernel after this one reads nothing but weights ahead of its PDL wait, so the
+        cluster decode kernel, where it serves, lets it launch at its start (kernels/pdl.py's exception;
+        the other kernels launch it after their wait, as always)."""
         if self._mode is None:
             raise RuntimeError("run() before plan()")
         if q.shape[0] != self._rows:
@@ -352,7 +356,7 @@ class FlashInferSinkAttention:
 
             if cda.ENABLED and cda.applies(q, kv_cache, self.window_left):
                 return cda.decode_attention(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
-                                            self.window_left, self._scratch, out=out)
+                                            self.window_left, self._scratch, out=out, early_launch=early_launch)
 
             return paged_decode_attention(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
                                           self.window_left, self._scratch, out=out, cfg=self._triton_config)

@@ -364,6 +364,24 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
 
 
+@pytest.mark.parametrize("layers", ["full, few requests", "windowed"])
+@pytest.mark.parametrize("early_launch", [False, True])
+def test_cluster_decode_attention_lets_the_next_kernel_launch_at_its_start_only_when_asked(layers, early_launch,
+                                                                                          tmp_path):
+    """kernels/cuda_decode_attention.cu with DA_EARLY_LAUNCH: the next kernel's launch (PREEXIT) comes before
+    the wait (ACQBULK), else after it; one of each either way, and the reads ahead of the wait are unchanged."""
+    from pdserve.kernels.cuda_decode_attention import FULL_LAYERS, FULL_LAYERS_FEW, SOURCE, WINDOWED_LAYERS, compile_options
+
+    cfg = {"full, few requests": FULL_LAYERS_FEW or FULL_LAYERS, "windowed": WINDOWED_LAYERS}[layers]
+    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(8, 16, cfg, early_launch=early_launch))
+    assert "spill" not in report or " 0 bytes spill stores" in report, report
+    ops = _sass(cubin, tmp_path)
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1, (ops.count("ACQBULK"), ops.count("PREEXIT"))
+    assert (ops.index("PREEXIT") < ops.index("ACQBULK")) == early_launch
+    early = _loads_before_wait(ops)
+    assert early and all(op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.STRONG.GPU")) for op in early), early
+
+
 def test_pdl_chain_bench_link_reads_nothing_before_its_wait(tmp_path):
     """bench/pdl_chain.py's link kernel (what a boundary costs): in the engine's order (its first
     branch) every load after `griddepcontrol.wait`, the next kernel's launch right after it, no spills;

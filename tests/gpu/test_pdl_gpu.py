@@ -21,12 +21,15 @@ pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 pytest.importorskip("flashinfer")
 
 
-def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int,
-                   early_router: bool = False) -> list[torch.Tensor]:
+def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int, attention_precision: str = "bf16",
+                   **model_options) -> list[torch.Tensor]:
+    """Each decode step's logits; model_options: GptOssModel's launch options (early_router_launch, ...)."""
     batch_size = len(prompts)
     r = ModelRunner(str(ckpt), device="cuda", precision=precision, num_kv_blocks=512,
-                    cuda_graph_max_batch=batch_size if graphs else 0)
-    r.model.early_router_launch = early_router
+                    cuda_graph_max_batch=batch_size if graphs else 0, attention_precision=attention_precision)
+    for name, value in model_options.items():
+        assert hasattr(r.model, name), name
+        setattr(r.model, name, value)
     seqs = []
     for i, p in enumerate(prompts):
         s = Sequence(f"r{i}", list(p), SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True))
@@ -75,8 +78,39 @@ def test_router_launched_at_the_norms_start_keeps_the_decode_step(narrow_ckpt, m
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
                for n in torch.randint(3, 300, (batch,), generator=gen)]
-    early = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6, early_router=True)
+    early = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6, early_router_launch=True)
     monkeypatch.setenv("PDSERVE_PDL", "0")
     without = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6)
     for step, (a, b) in enumerate(zip(early, without)):
         assert torch.equal(a, b), f"step {step}: the early router launch changed the logits"
+
+
+@pytest.mark.parametrize("attention_precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_output_projection_launched_at_the_attentions_start_keeps_the_decode_step(narrow_ckpt, monkeypatch,
+                                                                                  attention_precision, graphs, batch):
+    """GptOssModel.early_o_launch: the cluster decode attention lets the output projection launch at its start
+    where that projection is the staged bf16 GEMV (one token) or the FP8 GEMV (up to four), both reading only
+    weights ahead of their wait (kernels/pdl.py's exception). Every step's logits equal those with PDL off, bit
+    for bit, eagerly and replayed; and the early launch is taken at one token in both precisions."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    monkeypatch.delenv("PDSERVE_PDL", raising=False)
+    from pdserve.kernels import cuda_decode_attention as cda
+
+    taken = []
+    launch = cda.decode_attention
+    monkeypatch.setattr(cda, "decode_attention", lambda *a, **k: taken.append(k.get("early_launch")) or launch(*a, **k))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 300, (batch,), generator=gen)]
+    early = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision=attention_precision,
+                           early_o_launch=True)
+    if batch == 1:
+        assert any(taken), "the attention never let the output projection launch at its start"
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    without = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision=attention_precision)
+    for step, (a, b) in enumerate(zip(early, without)):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b), f"step {step}: the early output projection launch changed the logits"
