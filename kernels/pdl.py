@@ -36,7 +36,11 @@ because the norm launches only once every CTA of the kernel before it has starte
 (docs/performance.md, twentieth round), it pays there only: before the bf16 QKV kernels (which read
 one weight tile ahead) and before the router it made the step slower. `GptOssModel.early_router_launch` (off by
 default) takes the exception before the router again, whose fused kernels read only weights ahead of their
-waits, for the benchmark's A/B beside a router of more, smaller CTAs.
+waits, for the benchmark's A/B beside a router of more, smaller CTAs. `GptOssModel.early_o_launch` (off by
+default) takes it in the cluster decode attention (`cuda_decode_attention`, `DA_EARLY_LAUNCH`) where the
+output projection after it is the FP8 GEMV or the staged bf16 GEMV, both of which request all of their
+weights ahead of their wait and read nothing else there; the projection launches only once every CTA of the
+attention has started, so its CTAs cannot take SMs that the attention's CTAs need.
 
 `PDSERVE_PDL=0` turns it off (the benchmark's A/B); it is off on the CPU, under Triton's
 interpreter and before Hopper.
