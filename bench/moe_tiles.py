@@ -394,7 +394,7 @@ def fold_down(w, routing, act: torch.Tensor, ids: torch.Tensor, top_k: int, wts:
     counters = arrival_counters(act.device, "mxfp4_mma_down", max(cm.MAX_TILES, t * grid[0]))
     launch_cuda(kernel, grid, (32 * cfg.down[0], 1, 1), cm._shared_bytes(ig, cfg.slots, cfg.down, 2), pdl=False, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids.view(-1), routing.block_expert,
-        routing.sorted_slot, 1, top_k, h, 1, wts, part, counters, res, res.stride(0), 0])
+        routing.sorted_slot, 1, top_k, h, 1, wts, part, counters, res, res.stride(0), 0, None, 0])
 
 
 def main() -> int:

@@ -119,6 +119,18 @@ __device__ __forceinline__ u32 sm_id() {
   return sm;
 }
 
+// This CTA's share (by its linear index in the grid) of `bytes` bytes at p (16-byte aligned, bytes a multiple
+// of 16) requested into L2 by one bulk prefetch from the calling thread: bytes a later kernel will read.
+__device__ __forceinline__ void prefetch_l2_share(const void* p, unsigned bytes) {
+  const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+  const unsigned id = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const unsigned share = ((bytes + ctas - 1) / ctas + 15u) & ~15u, begin = id * share;
+  if (begin >= bytes) return;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + begin),
+               "r"(min(share, bytes - begin))
+               : "memory");
+}
+
 // The two halves of PDL: the wait for the kernel before (and its memory), and the next kernel's launch
 __device__ __forceinline__ void wait_pdl() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -807,12 +807,16 @@ __device__ __forceinline__ void cluster_sum(const float* y, int top_k, u16* __re
 // down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
 // CTA writes its pairs' float32 partials; the last CTA of a (token, row tile) to arrive (a counter,
 // reset by it) sums the token's partials and stores the bf16 rows (deterministic, no float atomics).
+// l2_bytes > 0: the grid first requests l2_next's l2_bytes (weights a later kernel reads: never written
+// during the step, so ahead of the PDL wait) into L2, each CTA its share.
 extern "C" __global__ void MX_BOUNDS
 mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
         const int* __restrict__ item_slots, int has_items, int top_k, int n_rows, int has_bias,
         const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
-        u16* __restrict__ out, int stride_out, int act_shift TRACE_PARAM) {
+        u16* __restrict__ out, int stride_out, int act_shift, const void* __restrict__ l2_next,
+        int l2_bytes TRACE_PARAM) {
+  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;

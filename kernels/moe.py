@@ -76,10 +76,12 @@ def experts_forward(
     alpha: float = 1.702,
     add_down_bias: bool = True,
     x_before_routing: bool = False,
+    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch to the fastest implementation for the device and weight format. x_before_routing: x
     was written before the launch that computed the routing (kernels that read ahead of their PDL
-    wait may then read it early; cuda_moe_mxfp4.EARLY_X)."""
+    wait may then read it early; cuda_moe_mxfp4.EARLY_X). l2_prefetch: weights a later kernel reads,
+    which the MXFP4 mma path's down launch requests into L2 (a hint; the other paths ignore it)."""
     if isinstance(w, MxExperts):
         t = x.shape[0]
         if x.is_cuda and w.layout == "packed" and _mma_serves(w, t):
@@ -88,7 +90,8 @@ def experts_forward(
             if cuda_moe_mxfp4.available(x.device):
                 return cuda_moe_mxfp4.experts_forward_mxfp4_mma(x, topk_weights, topk_ids, w, limit, alpha, add_down_bias,
                                                                 grouped=t >= MXFP4_MMA_GROUPED_FROM,
-                                                                x_before_routing=x_before_routing)
+                                                                x_before_routing=x_before_routing,
+                                                                l2_prefetch=l2_prefetch)
         if x.is_cuda and MXFP4_GROUPED_MIN_TOKENS is not None and t >= MXFP4_GROUPED_MIN_TOKENS and w.layout == "packed":
             from .triton_moe_mxfp4_grouped import experts_forward_mxfp4_grouped
 

@@ -190,6 +190,16 @@ def test_mxfp4_down_reads_its_routing_and_first_batch_ahead_of_the_wait(launch, 
     assert [op for op in early if ".U16" in op], f"no routing weight read ahead of the wait: {early}"
 
 
+def test_mxfp4_down_requests_later_weights_into_l2_with_one_bulk_prefetch_ahead_of_the_wait(tmp_path):
+    """mx_down's l2_prefetch (GptOssModel.prefetch_next_qkv): a CTA's share of the later kernel's weights is one
+    bulk L2 prefetch (UBLKPF.L2) issued ahead of the wait, in the engine's per-pair build."""
+    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG
+
+    ops = _mx_sass(tmp_path, "mx_down", PAIR_CONFIG.down, 1, 1, 0, True, True)
+    assert ops.count("UBLKPF.L2") == 1, [op for op in ops if "BLK" in op]
+    assert ops.index("UBLKPF.L2") < ops.index("ACQBULK")
+
+
 def test_mxfp4_down_cluster_sum_adds_in_shared_memory_without_atomics(tmp_path):
     """MX_CLUSTER_SUM: per-pair down syncs its cluster (UCGABAR) and reads its peers' rows from
     distributed shared memory (LD through a mapped address), with no arrival counter (ATOM / RED) and

@@ -114,3 +114,29 @@ def test_output_projection_launched_at_the_attentions_start_keeps_the_decode_ste
     for step, (a, b) in enumerate(zip(early, without)):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b), f"step {step}: the early output projection launch changed the logits"
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_next_qkv_weights_prefetched_into_l2_keep_the_decode_step(narrow_ckpt, monkeypatch, graphs):
+    """GptOssModel.prefetch_next_qkv: each MXFP4 down launch requests the next layer's FP8 QKV weights into L2
+    ahead of its wait; a hint to the memory system only, so every step's logits equal those without it and
+    with PDL off, bit for bit."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    monkeypatch.delenv("PDSERVE_PDL", raising=False)
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    asked = []
+    forward = cm.experts_forward_mxfp4_mma
+    monkeypatch.setattr(cm, "experts_forward_mxfp4_mma",
+                        lambda *a, **k: asked.append(k.get("l2_prefetch") is not None) or forward(*a, **k))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    prompts = [torch.randint(0, 201088, (int(torch.randint(3, 300, (), generator=gen)),), generator=gen).tolist()]
+    prefetched = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision="fp8",
+                                prefetch_next_qkv=True)
+    assert any(asked), "no down launch was handed the next layer's QKV weights"
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    without = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision="fp8")
+    for step, (a, b) in enumerate(zip(prefetched, without)):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b), f"step {step}: the L2 prefetch changed the logits"
