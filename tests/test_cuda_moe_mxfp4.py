@@ -282,3 +282,27 @@ def test_per_pair_launches_of_a_few_tokens_take_the_resident_gate_up_with_its_pa
         launched.clear()  # four tokens; one token in a gate/up that splits K otherwise (other sums)
         cm.experts_forward_mxfp4_mma(x[:t], wts[:t], ids[:t], wp, config=config)
         assert launched[0][0] == "mx_gate_up"
+
+
+def test_down_gets_the_l2_prefetch_and_its_whole_16_byte_units(monkeypatch):
+    """experts_forward_mxfp4_mma(..., l2_prefetch=t) hands mx_down the tensor and its bytes rounded down to whole
+    16-byte units (what one bulk prefetch a CTA takes), nothing without it, and refuses a tensor it could not
+    hand over whole (not contiguous)."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    launched = []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
+    monkeypatch.setattr(cm, "RESIDENT_GATE_UP", None)
+    monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, args, **k: launched.append((kernel, args)))
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w, x, ids, wts = _problem(t=1, h=128, i=128)
+    wp, cfg = w.to_packed(), cm.MmaConfig((4, 1, 2), (4, 2, 2))
+    nxt = torch.empty(5120 * 3 + 7, dtype=torch.uint8)
+    cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch=nxt)
+    cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg)
+    (_, with_prefetch), (_, without) = [args for args in launched if args[0] == "mx_down"]
+    assert with_prefetch[-2] is nxt and with_prefetch[-1] == 5120 * 3
+    assert without[-2] is None and without[-1] == 0
+    with pytest.raises(ValueError, match="contiguous"):
+        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch=torch.empty(64, 2)[:, 0])

@@ -131,6 +131,23 @@ def test_fp8_attention_projections_close_to_bf16(tiny_mxfp4, prompt, ours_bf16, 
     assert rel_l2(both.prompt_logits(prompt), ours_bf16) <= 1.2e-1
 
 
+def test_each_moe_names_the_next_layers_fp8_qkv_weights_for_l2_only_when_asked(tiny_mxfp4):
+    """GptOssModel.prefetch_next_qkv (off by default; the fused kernels' A/B): layer i's MoE hands its down launch
+    layer i + 1's FP8 QKV weights to request into L2; the last layer, and bf16 projections, hand none."""
+    from pdserve.engine.model_runner import ModelRunner
+
+    for precision in ("fp8", "bf16"):
+        model = ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=16, attention_precision=precision).model
+        n = model.cfg.num_hidden_layers
+        assert [model._next_qkv_weights(i) for i in range(n)] == [None] * n
+        model.prefetch_next_qkv = model.fused = True  # as on a GPU with the option set
+        named = [model._next_qkv_weights(i) for i in range(n)]
+        if precision == "fp8":
+            assert all(named[i] is model.w.layers[i + 1][0].qkv_weight for i in range(n - 1)) and named[-1] is None
+        else:
+            assert named == [None] * n
+
+
 def test_fp8_unembedding_close_to_bf16(tiny_mxfp4, prompt, ours_bf16):
     """The vocabulary projection in e4m3 with 128x128 block scales: its weight rounding is the whole
     difference (2.66e-2 on 8 random prompts of this model, every one; with FP8 experts and FP8
