@@ -62,7 +62,7 @@ def torch_path(runner: ModelRunner, attention: bool = True, moe: bool = True):
     from pdserve.kernels.experts import experts_forward_mxfp4_ref, experts_forward_ref
     from pdserve.kernels.mxfp4 import MxExperts
 
-    def reference(x, weights, ids, w, *a, x_before_routing=False, **kw):  # a launch-order hint only
+    def reference(x, weights, ids, w, *a, x_before_routing=False, l2_prefetch=None, **kw):  # launch / cache hints only
         return (experts_forward_mxfp4_ref if isinstance(w, MxExperts) else experts_forward_ref)(x, weights, ids, w, *a, **kw)
 
     saved_moe, saved_attn, saved_backend = model_mod.experts_forward, runner.attention, runner.model.attention_backend
@@ -116,7 +116,8 @@ def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[floa
 
     def moe(x, w, i, ew, *args, **kw):
         y = fast_moe(x, w, i, ew, *args, **kw)
-        kw.pop("x_before_routing", None)  # a launch-order hint of the kernels, not the reference's
+        kw.pop("x_before_routing", None)  # launch-order and cache hints of the kernels, not the reference's
+        kw.pop("l2_prefetch", None)
         errs["moe"].append(rel_l2(y.float(), experts_forward_ref(x, w, i, ew, *args, **kw).float()))
         return y
 
@@ -128,8 +129,8 @@ def compare_per_call(runner: ModelRunner, ids: list[int]) -> dict[str, list[floa
             _p(batch)
             _r.plan(batch)
 
-        def run(q, kv, sinks, out=None, _f=att.run, _r=ref):
-            y = _f(q, kv, sinks)
+        def run(q, kv, sinks, out=None, early_launch=False, _f=att.run, _r=ref):
+            y = _f(q, kv, sinks, early_launch=early_launch)
             errs["attention"].append(rel_l2(y.float(), _r.run(q, kv, sinks).float()))
             return y
 

@@ -279,7 +279,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         def make_attention(*a, **k):
             backends = make(*a, **k)
             for b in backends.values():
-                b.run = lambda q, cache, sinks, out=None: q
+                b.run = lambda q, cache, sinks, out=None, early_launch=False: q
             return backends
 
         return [(m, "make_attention", make_attention)]
