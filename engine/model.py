@@ -296,10 +296,10 @@ class GptOssModel:
         (kernels/pdl.py's exception): `_project` sends the projection of the attention's output to the FP8 GEMV
         or the staged bf16 GEMV, both of which read only weights ahead of their wait. The output has q's shape
         and strides (the kernels that honour the flag allocate it like q), so q's rows stand in for it."""
-        if not (self.early_o_launch and self.fused):
-            return False
+        if not (self.early_o_launch and self.fused) or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            return False  # (heads that do not flatten into rows without a copy: O takes its input otherwise)
         a, _ = self.w.layers[layer]
-        rows = q.reshape(q.shape[0], -1)
+        rows = q.view(q.shape[0], -1)
         return (_fp8_gemv_takes(rows, a.o_weight, a.o_bias, a.o_scale, True)
                 or (a.o_scale is None and _staged_gemv_takes(rows, a.o_weight, a.o_bias, True)))
 
