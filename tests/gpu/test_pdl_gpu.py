@@ -16,9 +16,25 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import pdl
 
-pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
+pytestmark = [
+    pytest.mark.gpu,  # tests/conftest.py skips it where no CUDA GPU is
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
+                       reason="programmatic dependent launch needs Hopper or newer"),
+]
 
 pytest.importorskip("flashinfer")
+
+
+@pytest.fixture
+def pdl_on(monkeypatch):
+    """PDL on, whatever the caller's environment says (a test turns it off with PDSERVE_PDL=0 for its baseline)."""
+
+
+def _prompts(batch: int) -> list[list[int]]:
+    """`batch` prompts of 3-299 random ids, from a fresh seed."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    return [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
+            for n in torch.randint(3, 300, (batch,), generator=gen)]
 
 
 def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int, attention_precision: str = "bf16",
@@ -49,14 +65,9 @@ def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int, atte
 @pytest.mark.parametrize("precision", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("batch", [1, 6])
-def test_pdl_decode_is_bit_identical(narrow_ckpt, monkeypatch, precision, graphs, batch):
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs Hopper or newer")
-    monkeypatch.delenv("PDSERVE_PDL", raising=False)  # on, whatever the caller's environment says
+def test_pdl_decode_is_bit_identical(narrow_ckpt, pdl_on, monkeypatch, precision, graphs, batch):
     assert pdl.enabled(torch.device("cuda"))
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-    prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
-               for n in torch.randint(3, 300, (batch,), generator=gen)]
+    prompts = _prompts(batch)
     with_pdl = _decode_logits(narrow_ckpt, precision, graphs, prompts, steps=6)
     monkeypatch.setenv("PDSERVE_PDL", "0")
     assert not pdl.enabled(torch.device("cuda"))
@@ -68,16 +79,11 @@ def test_pdl_decode_is_bit_identical(narrow_ckpt, monkeypatch, precision, graphs
 
 @pytest.mark.parametrize("precision", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("batch", [1, 6])
-def test_router_launched_at_the_norms_start_keeps_the_decode_step(narrow_ckpt, monkeypatch, precision, batch):
+def test_router_launched_at_the_norms_start_keeps_the_decode_step(narrow_ckpt, pdl_on, monkeypatch, precision, batch):
     """GptOssModel.early_router_launch (off by default; the benchmark's A/B): the norm before each MoE block
     lets the router launch at the norm's start, as kernels/pdl.py's exception allows for a kernel that reads
     only weights ahead of its wait. The eager step's logits equal those with PDL off, bit for bit."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs Hopper or newer")
-    monkeypatch.delenv("PDSERVE_PDL", raising=False)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-    prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
-               for n in torch.randint(3, 300, (batch,), generator=gen)]
+    prompts = _prompts(batch)
     early = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6, early_router_launch=True)
     monkeypatch.setenv("PDSERVE_PDL", "0")
     without = _decode_logits(narrow_ckpt, precision, False, prompts, steps=6)
@@ -88,23 +94,18 @@ def test_router_launched_at_the_norms_start_keeps_the_decode_step(narrow_ckpt, m
 @pytest.mark.parametrize("attention_precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_output_projection_launched_at_the_attentions_start_keeps_the_decode_step(narrow_ckpt, monkeypatch,
+def test_output_projection_launched_at_the_attentions_start_keeps_the_decode_step(narrow_ckpt, pdl_on, monkeypatch,
                                                                                   attention_precision, graphs, batch):
     """GptOssModel.early_o_launch: the cluster decode attention lets the output projection launch at its start
     where that projection is the staged bf16 GEMV (one token) or the FP8 GEMV (up to four), both reading only
     weights ahead of their wait (kernels/pdl.py's exception). Every step's logits equal those with PDL off, bit
     for bit, eagerly and replayed; and the early launch is taken at one token in both precisions."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs Hopper or newer")
-    monkeypatch.delenv("PDSERVE_PDL", raising=False)
     from pdserve.kernels import cuda_decode_attention as cda
 
     taken = []
     launch = cda.decode_attention
     monkeypatch.setattr(cda, "decode_attention", lambda *a, **k: taken.append(k.get("early_launch")) or launch(*a, **k))
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-    prompts = [torch.randint(0, 201088, (int(n),), generator=gen).tolist()
-               for n in torch.randint(3, 300, (batch,), generator=gen)]
+    prompts = _prompts(batch)
     early = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision=attention_precision,
                            early_o_launch=True)
     if batch == 1:
@@ -117,21 +118,17 @@ def test_output_projection_launched_at_the_attentions_start_keeps_the_decode_ste
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_next_qkv_weights_prefetched_into_l2_keep_the_decode_step(narrow_ckpt, monkeypatch, graphs):
+def test_next_qkv_weights_prefetched_into_l2_keep_the_decode_step(narrow_ckpt, pdl_on, monkeypatch, graphs):
     """GptOssModel.prefetch_next_qkv: each MXFP4 down launch requests the next layer's FP8 QKV weights into L2
     ahead of its wait; a hint to the memory system only, so every step's logits equal those without it and
     with PDL off, bit for bit."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs Hopper or newer")
-    monkeypatch.delenv("PDSERVE_PDL", raising=False)
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     asked = []
     forward = cm.experts_forward_mxfp4_mma
     monkeypatch.setattr(cm, "experts_forward_mxfp4_mma",
                         lambda *a, **k: asked.append(k.get("l2_prefetch") is not None) or forward(*a, **k))
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-    prompts = [torch.randint(0, 201088, (int(torch.randint(3, 300, (), generator=gen)),), generator=gen).tolist()]
+    prompts = _prompts(1)
     prefetched = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision="fp8",
                                 prefetch_next_qkv=True)
     assert any(asked), "no down launch was handed the next layer's QKV weights"
