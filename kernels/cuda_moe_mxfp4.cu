@@ -10,6 +10,7 @@
 // one CTA serves: they share the expert), MX_TRACE (1: each kernel takes a last argument, a u64
 // buffer of 4 words per CTA that gets its start / sums done / end %globaltimer and its SM; for
 // bench/moe_trace.py, never in the engine), MX_RESIDENT (1: also mx_gate_up_resident), MX_ZERO_ROW (use_batch),
+// MX_EVICT_FIRST (load_weights),
 // MX_SHARED_BYTES (the launch's dynamic
 // shared memory, checked against the staging layout), and the packed word layout of kernels/mxfp4.py
 // (one source for every decode): MX_LOW_MASK, MX_HIGH_SHL_MASK, MX_HIGH_SHR_MASK.
@@ -89,6 +90,33 @@ __device__ __forceinline__ U4 load_cached(const U4* p) {
   return v;
 }
 
+
+// MX_EVICT_FIRST: the expert weights' lines are the first L2 gives up for room. A step reads them once, so
+// kept they only push out what a later kernel will read (the next layer's weights requested into L2 ahead
+// of it, the KV cache); the loads are the same otherwise.
+#ifndef MX_EVICT_FIRST
+#define MX_EVICT_FIRST 0
+#endif
+
+// 16 bytes of a weight stream: load_early ahead of the PDL wait (EARLY), else load_stream, either with
+// the L2 evict-first policy under MX_EVICT_FIRST
+template <bool EARLY>
+__device__ __forceinline__ U4 load_weights(const U4* p) {
+#if MX_EVICT_FIRST
+  u64 policy;  // not volatile: one createpolicy serves every load of the thread
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  U4 v;
+  if constexpr (EARLY)
+    asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  return v;
+#else
+  return EARLY ? load_early(p) : load_stream(p);
+#endif
+}
 
 // Bytes (sel) of an e4m3 word as a bf16x2 of e2m1 * 2^-126: the bytes into the high byte of each half
 // (sign at bit 15, magnitude at 12..10), the magnitude moved down to 8..6.
@@ -296,8 +324,8 @@ __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1,
     b.sa[j] = b.sb[j] = 0u;
     if (c < CHUNKS) {
       if (grp < KG) {
-        b.wa[j] = EARLY ? load_early(w0 + grp) : load_stream(w0 + grp);
-        b.wb[j] = EARLY ? load_early(w1 + grp) : load_stream(w1 + grp);
+        b.wa[j] = load_weights<EARLY>(w0 + grp);
+        b.wb[j] = load_weights<EARLY>(w1 + grp);
       }
       b.sa[j] = EARLY ? __ldcg(s0 + c) : __ldg(s0 + c);
       b.sb[j] = EARLY ? __ldcg(s1 + c) : __ldg(s1 + c);

@@ -134,6 +134,10 @@ RESIDENT_GATE_UP: tuple[int, ...] | None = (4, 4, 3, 4, 1)
 # (120b 8 layers at 8k keys / 20b at 1k; two runs, controls within 0.3 %): two tokens x0.989-0.996 / x0.998-1.008
 # a replay, three x1.005-1.010 / x1.020-1.022 (three CTAs an SM, or no row of zeros, did not make it pay).
 RESIDENT_MAX_TOKENS = 2
+# every launch reads its expert weights with L2's evict-first policy (the .cu file's MX_EVICT_FIRST), so that what
+# a later kernel reads (the next layer's weights requested into L2 ahead of it: GptOssModel.prefetch_next_qkv)
+# outlives them there
+EVICT_FIRST = False
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -146,33 +150,36 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: int = 0) -> dict:
+             cluster_sum: bool = False, fold: int = 0, evict_first: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
-    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16); callers pass the
+    down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16), evict_first:
+    MX_EVICT_FIRST; callers pass the
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold),
+                                        fold, evict_first=evict_first),
                         device_index,
                         _shared_bytes(k_groups, slots, shape, fold))
 
 
 @functools.cache
-def _resident_gate_up(device_index: int, k_groups: int, shape: tuple[int, ...], early_x: bool, tokens: int):
+def _resident_gate_up(device_index: int, k_groups: int, shape: tuple[int, ...], early_x: bool, tokens: int,
+                      evict_first: bool = False):
     """mx_gate_up_resident compiled for K = 32 * k_groups, a per-pair launch shape and `tokens` tokens."""
     return load_kernels(SOURCE, ["mx_gate_up_resident"],
-                        compile_options(k_groups, 1, shape, early_x=early_x, resident=tokens), device_index,
+                        compile_options(k_groups, 1, shape, early_x=early_x, resident=tokens, evict_first=evict_first),
+                        device_index,
                         _resident_shared_bytes(k_groups, shape, tokens))["mx_gate_up_resident"]
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: int = 0, resident: int = 0) -> list[str]:
+                    fold: int = 0, resident: int = 0, evict_first: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too);
     resident: the tokens of a resident gate/up build (MX_RESIDENT), 0 for the other kernels' builds."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
@@ -183,7 +190,7 @@ def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bo
             f"-DMX_TRACE={int(trace)}", f"-DMX_RESIDENT={int(bool(resident))}",
             f"-DMX_RESIDENT_TOKENS={max(resident, 1)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
-            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}",
+            f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_EVICT_FIRST={int(evict_first)}",
             f"-DMX_SHARED_BYTES={smem}", "-std=c++17", *_LAYOUT_MACROS]
 
 
@@ -237,7 +244,7 @@ def _resident_launch(dev: int, k_groups: int, rows: int, tokens: int, top_k: int
     if rows % tile:
         raise ValueError(f"the resident gate/up takes rows in tiles of its shape {shape}: 2I = {rows}")
     threads, smem = 32 * shape[0], _resident_shared_bytes(k_groups, shape, tokens)
-    kernel = _resident_gate_up(dev, k_groups, shape, early_x, tokens)
+    kernel = _resident_gate_up(dev, k_groups, shape, early_x, tokens, EVICT_FIRST)
     ctas = min(rows // tile * tokens * top_k, resident_ctas(kernel, threads, smem, dev))
     if len(shape) > 3 and shape[3] > 0:  # the shape's CTAs an SM, where more would fit
         ctas = min(ctas, shape[3] * torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -335,7 +342,7 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold)
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, EVICT_FIRST)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])

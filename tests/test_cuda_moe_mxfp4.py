@@ -112,7 +112,7 @@ def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(mon
 
     builds, launched = [], []
     monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
-    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x, tokens: builds.append(early_x) or "gu")
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x, tokens, evict_first: builds.append(early_x) or "gu")
     monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
@@ -256,7 +256,7 @@ def test_per_pair_launches_of_a_few_tokens_take_the_resident_gate_up_with_its_pa
 
     launched, builds = [], []
     monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
-    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: builds.append(a[-1]) or "mx_gate_up_resident")
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: builds.append(a[4]) or "mx_gate_up_resident")
     monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: 7)
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, args, **k: launched.append((kernel, grid, args)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -282,6 +282,31 @@ def test_per_pair_launches_of_a_few_tokens_take_the_resident_gate_up_with_its_pa
         launched.clear()  # four tokens; one token in a gate/up that splits K otherwise (other sums)
         cm.experts_forward_mxfp4_mma(x[:t], wts[:t], ids[:t], wp, config=config)
         assert launched[0][0] == "mx_gate_up"
+
+
+@pytest.mark.parametrize("evict_first", [False, True])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_every_build_of_a_launch_reads_the_weights_evict_first_only_when_asked(monkeypatch, tokens, evict_first):
+    """EVICT_FIRST reaches every kernel build a launch takes (per-pair gate/up and down, the resident gate/up),
+    as MX_EVICT_FIRST in its compiler options."""
+    from types import SimpleNamespace
+
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    builds = []
+    monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[-1]) or {"mx_gate_up": "gu", "mx_down": "dn"})
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: builds.append(a[-1]) or "gu")
+    monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
+    monkeypatch.setattr(cm, "launch_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
+    monkeypatch.setattr(cm, "EVICT_FIRST", evict_first)
+    w, x, ids, wts = _problem(t=4, h=128, i=128)
+    cm.experts_forward_mxfp4_mma(x[:tokens], wts[:tokens], ids[:tokens], w.to_packed(),
+                                 config=cm.MmaConfig((4, 4, 3), (4, 4, 3)))
+    assert len(builds) == (3 if tokens <= cm.RESIDENT_MAX_TOKENS else 2) and set(builds) == {evict_first}
+    flag = [o for o in cm.compile_options(90, 1, (4, 4, 3), evict_first=evict_first) if "EVICT" in o]
+    assert flag == [f"-DMX_EVICT_FIRST={int(evict_first)}"]
 
 
 def test_down_gets_the_l2_prefetch_and_its_whole_16_byte_units(monkeypatch):
