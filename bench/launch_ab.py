@@ -163,13 +163,17 @@ SETTINGS = {
     # router launched early too
     "O launch early": _setting(early_o_launch=True),
     "O launch early + router launch early": _setting(early_o_launch=True, early_router_launch=True),
-    # the MoE's down launch requesting the next layer's FP8 QKV weights into L2 (with FP8 attention projections)
-    "down prefetches next QKV": _setting(prefetch_next_qkv=True),
-    # the MXFP4 experts' weights read with L2's evict-first policy, alone and with the prefetch above (whose lines
+    # (with FP8 attention projections) the MoE's down launch requesting the next layer's QKV weights into L2; or
+    # gate/up requesting them and down the next O weights
+    "down prefetches next QKV": _setting(prefetch_next={"down": "qkv"}),
+    "gate/up prefetches next QKV + down next O": _setting(prefetch_next={"gate_up": "qkv", "down": "o"}),
+    # the MXFP4 experts' weights read with L2's evict-first policy, alone and with the prefetches above (whose lines
     # they then leave in L2)
     "experts evict first": _setting({(cuda_moe_mxfp4, "EVICT_FIRST"): True}),
     "down prefetches next QKV + experts evict first": _setting({(cuda_moe_mxfp4, "EVICT_FIRST"): True},
-                                                              prefetch_next_qkv=True),
+                                                              prefetch_next={"down": "qkv"}),
+    "gate/up prefetches next QKV + down next O + experts evict first": _setting(
+        {(cuda_moe_mxfp4, "EVICT_FIRST"): True}, prefetch_next={"gate_up": "qkv", "down": "o"}),
     # with FP8 attention projections: the FP8 QKV GEMV launched after the norm's PDL wait, as every
     # other kernel, not at the norm's start (kernels/pdl.py)
     "attention fp8 qkv launch late": _setting(early_qkv_launch=False),

@@ -372,7 +372,7 @@ def fold_gate_up(w, routing, xf, x_inv, ids: torch.Tensor, top_k: int, act: torc
                 cm._shared_bytes(hg, cfg.slots, cfg.gate_up, 2), pdl=False, args=[
                     w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), xf, xf.stride(0), x_inv,
                     ids.view(-1), routing.block_expert, routing.sorted_slot, 1, top_k, n2, act, 7.0, 1.702,
-                    cm.act_shift(7.0)])
+                    cm.act_shift(7.0), None, 0])
 
 
 def fold_down(w, routing, act: torch.Tensor, ids: torch.Tensor, top_k: int, wts: torch.Tensor,

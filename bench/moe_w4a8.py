@@ -329,7 +329,7 @@ def _mx_gate_up(w, pair_expert: torch.Tensor, x: torch.Tensor, top_k: int, act: 
     launch_cuda(kernel, (n2 // cfg.rows("gate_up"), pair_expert.numel(), 1), (32 * cfg.gate_up[0], 1, 1),
                 cm._shared_bytes(hg, 1, cfg.gate_up), pdl=False, args=[
                     w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias, x, x.stride(0), None, pair_expert, pair_expert,
-                    pair_expert, 0, top_k, n2, act, 7.0, 1.702, cm.act_shift(7.0)])
+                    pair_expert, 0, top_k, n2, act, 7.0, 1.702, cm.act_shift(7.0), None, 0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,9 +186,10 @@ class GptOssModel:
         # that projection is one of the GEMVs that read nothing but weights ahead of their PDL wait, so that
         # its weights stream during the QKV launch's end and the attention (`_o_launches_early`; the benchmark's A/B)
         self.early_o_launch = False
-        # with `fused`: the MoE's down launch requests the next layer's FP8 QKV weights into L2, so that the QKV GEMV
-        # after it copies them from there (`_next_qkv_weights`; the benchmark's A/B)
-        self.prefetch_next_qkv = False
+        # with `fused`: which of the next layer's FP8 attention weights ("qkv", "o") each MXFP4 launch of the MoE
+        # ("gate_up", "down") requests into L2, so that the GEMV that reads them copies them from there
+        # (`_next_layer_weights`; the benchmark's A/B), e.g. {"down": "qkv"}; {}: none
+        self.prefetch_next: dict[str, str] = {}
 
     def make_attention(
         self,
@@ -303,14 +304,17 @@ class GptOssModel:
         return (_fp8_gemv_takes(rows, a.o_weight, a.o_bias, a.o_scale, True)
                 or (a.o_scale is None and _staged_gemv_takes(rows, a.o_weight, a.o_bias, True)))
 
-    def _next_qkv_weights(self, layer: int) -> torch.Tensor | None:
-        """What the MoE of `layer` asks to have in L2 (`prefetch_next_qkv`): the next layer's FP8 QKV weights
-        (14.7 MB for gpt-oss), which the QKV GEMV copies ahead of its PDL wait; None after the last layer or
-        with bf16 projections."""
-        if not (self.prefetch_next_qkv and self.fused) or layer + 1 >= len(self.w.layers):
-            return None
+    def _next_layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """What each launch of the MoE of `layer` asks to have in L2 (`prefetch_next`): the next layer's FP8 QKV
+        (14.7 MB for gpt-oss) and O (11.8 MB) weights, which their GEMVs copy ahead of their PDL wait; none after
+        the last layer or with bf16 projections."""
+        if not (self.prefetch_next and self.fused) or layer + 1 >= len(self.w.layers):
+            return {}
         a, _ = self.w.layers[layer + 1]
-        return a.qkv_weight if a.qkv_scale is not None else None
+        if a.qkv_scale is None or a.o_scale is None:
+            return {}
+        weights = {"qkv": a.qkv_weight, "o": a.o_weight}
+        return {launch: weights[which] for launch, which in self.prefetch_next.items()}
 
     def _routes_fused(self, t: torch.Tensor) -> bool:
         """Whether these tokens are routed by route_fused (the cluster or the Triton router), not the torch path."""
@@ -338,7 +342,7 @@ class GptOssModel:
         cfg = self.cfg
         weights, ids = self._route(t, m)  # from t, on the GPU: t predates the routing's launch
         y = experts_forward(t, weights, ids, m.experts, cfg.swiglu_limit, cfg.swiglu_alpha, x_before_routing=True,
-                            l2_prefetch=self._next_qkv_weights(layer))
+                            l2_prefetch=self._next_layer_weights(layer))
         return all_reduce(y, self.shard)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -616,11 +616,14 @@ __device__ __forceinline__ u16 swiglu_out(float glu, float lin, float limit, flo
 // SwiGLU's range stays below 2^15), or as bf16 in bf16-folded launches (down's B operand, read directly).
 // x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
 // MX_FOLD 2: x is the routing launch's f16 copy of the tokens, each token's sums times x_inv[token].
+// l2_bytes > 0: as mx_down's, requested at the CTA's start, while the router still runs.
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const float* __restrict__ x_inv, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
-           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift TRACE_PARAM) {
+           int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift,
+           const void* __restrict__ l2_next, int l2_bytes TRACE_PARAM) {
+  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
@@ -714,11 +717,14 @@ __device__ __forceinline__ void stage_token_rows(u32* xs, const U4* x, int n) {
 // token, 4.4 at two): a wave's CTAs request their bytes together and then sum them, with nothing of the
 // next wave in flight. Every CTA stages all the tokens' rows, each as the per-pair launch stages its pair's
 // one row; same K shares, order of sums and epilogue as mx_gate_up's per-pair launch: bit-identical.
+// l2_next / l2_bytes as mx_gate_up's.
 // x: the n_tokens rows; pair_expert: each token's top_k experts (negative: not here, nothing written).
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
                     const u16* __restrict__ x, const i64* __restrict__ pair_expert, int n_tokens, int top_k,
-                    int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift) {
+                    int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift,
+                    const void* __restrict__ l2_next, int l2_bytes) {
+  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[2][NW * 16];  // a tile's K shares, by tile parity (one barrier a tile keeps them apart)
   __shared__ int live_expert[32], live_pair[32], live_region[32], n_live;

@@ -135,7 +135,7 @@ RESIDENT_GATE_UP: tuple[int, ...] | None = (4, 4, 3, 4, 1)
 # a replay, three x1.005-1.010 / x1.020-1.022 (three CTAs an SM, or no row of zeros, did not make it pay).
 RESIDENT_MAX_TOKENS = 2
 # every launch reads its expert weights with L2's evict-first policy (the .cu file's MX_EVICT_FIRST), so that what
-# a later kernel reads (the next layer's weights requested into L2 ahead of it: GptOssModel.prefetch_next_qkv)
+# a later kernel reads (the next layer's weights requested into L2 ahead of it: GptOssModel.prefetch_next)
 # outlives them there
 EVICT_FIRST = False
 
@@ -266,23 +266,35 @@ def fold_config(w: MxExperts, tokens: int) -> MmaConfig | None:
     return FOLD_CONFIG
 
 
-def _l2_prefetch_bytes(t: torch.Tensor | None, device: torch.device) -> int:
-    """The bytes of `t` that mx_down requests into L2: its whole 16-byte units (0 for None)."""
-    if t is None:
-        return 0
-    if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
-        raise ValueError("l2_prefetch must be a contiguous tensor on the experts' device, 16-byte aligned")
-    n = t.numel() * t.element_size() // 16 * 16
-    if n >= 2**31:
-        raise ValueError(f"l2_prefetch of {n} bytes: the kernel takes fewer than 2^31")
-    return n
+L2_PREFETCH_LAUNCHES = ("gate_up", "down")
+
+
+def _l2_prefetch_args(l2_prefetch: dict[str, torch.Tensor] | None, device: torch.device) -> dict[str, list]:
+    """Each launch's last two kernel arguments (l2_next, l2_bytes): the tensor l2_prefetch names for it and its
+    whole 16-byte units, or (None, 0)."""
+    unknown = set(l2_prefetch or ()) - set(L2_PREFETCH_LAUNCHES)
+    if unknown:
+        raise ValueError(f"l2_prefetch names launches {sorted(unknown)}; the MoE has {list(L2_PREFETCH_LAUNCHES)}")
+    args = {}
+    for launch in L2_PREFETCH_LAUNCHES:
+        t = (l2_prefetch or {}).get(launch)
+        if t is None:
+            args[launch] = [None, 0]
+            continue
+        if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError("l2_prefetch takes contiguous tensors on the experts' device, 16-byte aligned")
+        n = t.numel() * t.element_size() // 16 * 16
+        if n >= 2**31:
+            raise ValueError(f"l2_prefetch of {n} bytes: the kernels take fewer than 2^31")
+        args[launch] = [t if n else None, n]
+    return args
 
 
 def experts_forward_mxfp4_mma(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w: MxExperts,
     limit: float = 7.0, alpha: float = 1.702, add_down_bias: bool = True, grouped: bool = False,
     config: MmaConfig | None = None, trace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    x_before_routing: bool = False, l2_prefetch: torch.Tensor | None = None,
+    x_before_routing: bool = False, l2_prefetch: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype: sum over the token's top-k experts of weight * expert(x), all
     experts local, experts packed (`MxExperts.to_packed()`). grouped: pairs that share an expert
@@ -291,12 +303,12 @@ def experts_forward_mxfp4_mma(
     (gate/up, down): the kernels' timing build records each CTA's start, sums done, end
     (%globaltimer ns) and SM (bench/moe_trace.py). x_before_routing: the caller vouches that x was
     written before the launch that computed the routing (the model routes x on the GPU), so a
-    per-pair gate/up may read it ahead of its PDL wait (EARLY_X; kernels/pdl.py). l2_prefetch: weights a
-    later kernel of the step reads (never written during it), which the down launch requests into L2 ahead
-    of its wait, each CTA a share (whole 16-byte units of the contiguous tensor)."""
+    per-pair gate/up may read it ahead of its PDL wait (EARLY_X; kernels/pdl.py). l2_prefetch: {launch ("gate_up"
+    or "down"): weights a later kernel of the step reads (never written during it)}, which that launch requests
+    into L2 ahead of its wait, each CTA a share (whole 16-byte units of the contiguous tensor)."""
     if w.layout != "packed":
         raise ValueError("the MXFP4 mma kernels read packed blocks (MxExperts.to_packed)")
-    l2_bytes = _l2_prefetch_bytes(l2_prefetch, x.device)
+    l2_args = _l2_prefetch_args(l2_prefetch, x.device)
     if config is None:
         config = PAIR_CONFIG if not grouped else fold_config(w, x.shape[0]) or CONFIG
     fold = config.fold_mode(w) if grouped else 0
@@ -353,12 +365,13 @@ def experts_forward_mxfp4_mma(
     if resident_serves(config, t, grouped, k) and trace is None:
         launch_cuda(*_resident_launch(dev, hg, n2, t, k, early_x), pdl=pdl, args=[
             w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, ids, t, k, n2, act, float(limit),
-            float(alpha), shift])
+            float(alpha), shift, *l2_args["gate_up"]])
     else:
         launch_cuda(gate_up, grid_gu, (32 * config.gate_up[0], 1, 1), _shared_bytes(hg, slots, config.gate_up, fold),
                     pdl=pdl, args=[
             w.gate_up_blocks, w.gate_up_scales, w.gate_up_bias.contiguous(), x_in, x_in.stride(0), x_inv, ids,
-            item_expert, item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *trace_args[0]])
+            item_expert, item_slots, int(grouped), k, n2, act, float(limit), float(alpha), shift, *l2_args["gate_up"],
+            *trace_args[0]])
     if cluster_sum:  # the cluster adds the token's pairs: no partials, no counters
         part = counters = None
     else:
@@ -368,8 +381,7 @@ def experts_forward_mxfp4_mma(
     launch_cuda(down, grid_dn, (32 * config.down[0], 1, 1), _shared_bytes(ig, slots, config.down, fold), pdl=pdl,
                 cluster=(1, k, 1) if cluster_sum else None, args=[
         w.down_blocks, w.down_scales, w.down_bias.contiguous(), act, ids, item_expert, item_slots, int(grouped), k, h,
-        int(add_down_bias), wts, part, counters, res, res.stride(0), shift, l2_prefetch if l2_bytes else None, l2_bytes,
-        *trace_args[1]])
+        int(add_down_bias), wts, part, counters, res, res.stride(0), shift, *l2_args["down"], *trace_args[1]])
     if res is not out:
         out.copy_(res)
     return out

@@ -76,12 +76,12 @@ def experts_forward(
     alpha: float = 1.702,
     add_down_bias: bool = True,
     x_before_routing: bool = False,
-    l2_prefetch: torch.Tensor | None = None,
+    l2_prefetch: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Dispatch to the fastest implementation for the device and weight format. x_before_routing: x
     was written before the launch that computed the routing (kernels that read ahead of their PDL
-    wait may then read it early; cuda_moe_mxfp4.EARLY_X). l2_prefetch: weights a later kernel reads,
-    which the MXFP4 mma path's down launch requests into L2 (a hint; the other paths ignore it)."""
+    wait may then read it early; cuda_moe_mxfp4.EARLY_X). l2_prefetch: {"gate_up" / "down": weights a later
+    kernel reads}, which that launch of the MXFP4 mma path requests into L2 (a hint; the other paths ignore it)."""
     if isinstance(w, MxExperts):
         t = x.shape[0]
         if x.is_cuda and w.layout == "packed" and _mma_serves(w, t):

@@ -19,7 +19,7 @@ reads overlap the kernel ahead: the decode attention's first block of keys
 routing, routing weights and first weights (`cuda_moe_mxfp4.EARLY_DOWN`, `EARLY_BIAS`), all of
 the attention output projection's weights (`cuda_gemv_staged`, into shared memory), the residual add
 + RMSNorm's weights and residual row (`triton_norm.EARLY_READS`), and, as an option, the next layer's FP8
-QKV weights, which the MXFP4 down projection requests into L2 (`GptOssModel.prefetch_next_qkv`). Such reads of
+QKV and O weights, which the MXFP4 launches request into L2 (`GptOssModel.prefetch_next`). Such reads of
 data a kernel of the step wrote go through L2 only (`.cg`), so that no L1 line of the SM from
 before it stands in for them.
 Kernels launched without PDL (cuBLAS, torch) keep plain stream order on both sides. CUDA graphs

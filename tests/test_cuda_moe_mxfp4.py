@@ -213,10 +213,10 @@ def _kernel_params(name: str) -> int:
 
 @pytest.mark.parametrize("mode", ["per pair", "grouped", "folded in f16"])
 def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
-    """The launches of experts_forward_mxfp4_mma and of the bench that times gate/up alone
-    (bench/moe_w4a8.py) hand each kernel as many arguments as its signature has, with the compile and
+    """The launches of experts_forward_mxfp4_mma and of the benches that time the engine's kernels alone
+    (bench/moe_w4a8.py, bench/moe_tiles.py) hand each kernel as many arguments as its signature has, with the compile and
     the launches stubbed out: cuLaunchKernelEx would read a short list past its end."""
-    from pdserve.bench import moe_w4a8
+    from pdserve.bench import moe_tiles, moe_w4a8
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     launched = []
@@ -240,7 +240,14 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, mode):
         monkeypatch.setattr("pdserve.kernels.triton_moe.align_routing", routing)
     cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=config, grouped=mode != "per pair")
     moe_w4a8._mx_gate_up(wp, ids.view(-1), x, ids.shape[1], torch.empty(8, 128, dtype=torch.float16))
-    assert [k for k, _ in launched] == ["mx_gate_up", "mx_down", "mx_gate_up"]
+    expected = ["mx_gate_up", "mx_down", "mx_gate_up"]
+    if mode == "folded in f16":  # bench/moe_tiles.py's launches of the engine's folded kernels
+        monkeypatch.setattr("pdserve.kernels.arrival.arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
+        r = routing()
+        moe_tiles.fold_gate_up(wp, r, x.half(), torch.ones(2), ids, 2, torch.empty(4, 128, dtype=torch.float16))
+        moe_tiles.fold_down(wp, r, torch.empty(4, 128, dtype=torch.float16), ids, 2, wts, torch.empty_like(x))
+        expected += ["mx_gate_up", "mx_down"]
+    assert [k for k, _ in launched] == expected
     for kernel, n in launched:
         assert n == _kernel_params(kernel), (kernel, n)
 
@@ -309,25 +316,38 @@ def test_every_build_of_a_launch_reads_the_weights_evict_first_only_when_asked(m
     assert flag == [f"-DMX_EVICT_FIRST={int(evict_first)}"]
 
 
-def test_down_gets_the_l2_prefetch_and_its_whole_16_byte_units(monkeypatch):
-    """experts_forward_mxfp4_mma(..., l2_prefetch=t) hands mx_down the tensor and its bytes rounded down to whole
-    16-byte units (what one bulk prefetch a CTA takes), nothing without it, and refuses a tensor it could not
-    hand over whole (not contiguous)."""
+@pytest.mark.parametrize("resident", [False, True])
+def test_each_launch_gets_its_l2_prefetch_and_its_whole_16_byte_units(monkeypatch, resident):
+    """experts_forward_mxfp4_mma(..., l2_prefetch={"gate_up": a, "down": b}) hands each launch (the gate/up one
+    CTA a tile or the resident one) its tensor and its bytes rounded down to whole 16-byte units (what one bulk
+    prefetch a CTA takes) as its last two arguments, (None, 0) where it names none, and refuses a tensor it could not
+    hand over whole (not contiguous) or a launch the MoE does not have."""
+    from types import SimpleNamespace
+
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     launched = []
     monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
-    monkeypatch.setattr(cm, "RESIDENT_GATE_UP", None)
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: "mx_gate_up")
+    monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
+    monkeypatch.setattr(cm, "RESIDENT_GATE_UP", (4, 1, 2) if resident else None)
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, args, **k: launched.append((kernel, args)))
     monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     w, x, ids, wts = _problem(t=1, h=128, i=128)
     wp, cfg = w.to_packed(), cm.MmaConfig((4, 1, 2), (4, 2, 2))
-    nxt = torch.empty(5120 * 3 + 7, dtype=torch.uint8)
-    cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch=nxt)
-    cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg)
-    (_, with_prefetch), (_, without) = [args for args in launched if args[0] == "mx_down"]
-    assert with_prefetch[-2] is nxt and with_prefetch[-1] == 5120 * 3
-    assert without[-2] is None and without[-1] == 0
+    qkv, o = torch.empty(5120 * 3 + 7, dtype=torch.uint8), torch.empty(4096 * 5, dtype=torch.uint8)
+    for asked in ({"down": qkv}, {"gate_up": qkv, "down": o}, {"gate_up": o}, {}):
+        launched.clear()
+        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch=asked)
+        for kernel, args in launched:
+            which = asked.get(kernel.removeprefix("mx_"))
+            if kernel == "mx_gate_up":
+                assert len(args) == _kernel_params("mx_gate_up_resident" if resident else "mx_gate_up")
+            expected = [None, 0] if which is None else [which, which.numel() // 16 * 16]
+            assert [args[-2] is expected[0], args[-1]] == [True, expected[1]], kernel
     with pytest.raises(ValueError, match="contiguous"):
-        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch=torch.empty(64, 2)[:, 0])
+        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch={"down": torch.empty(64, 2)[:, 0]})
+    with pytest.raises(ValueError, match="launches"):
+        cm.experts_forward_mxfp4_mma(x, wts, ids, wp, config=cfg, l2_prefetch={"router": qkv})

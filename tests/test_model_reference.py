@@ -131,21 +131,29 @@ def test_fp8_attention_projections_close_to_bf16(tiny_mxfp4, prompt, ours_bf16, 
     assert rel_l2(both.prompt_logits(prompt), ours_bf16) <= 1.2e-1
 
 
-def test_each_moe_names_the_next_layers_fp8_qkv_weights_for_l2_only_when_asked(tiny_mxfp4):
-    """GptOssModel.prefetch_next_qkv (off by default; the fused kernels' A/B): layer i's MoE hands its down launch
-    layer i + 1's FP8 QKV weights to request into L2; the last layer, and bf16 projections, hand none."""
+def test_each_moe_names_the_next_layers_fp8_attention_weights_for_l2_only_when_asked(tiny_mxfp4):
+    """GptOssModel.prefetch_next (empty by default; the fused kernels' A/B): layer i's MoE hands each of its launches
+    the weights of layer i + 1 that the option names for it (FP8 QKV or O) to request into L2; the last layer, and
+    bf16 projections, hand none."""
     from pdserve.engine.model_runner import ModelRunner
 
     for precision in ("fp8", "bf16"):
         model = ModelRunner(str(tiny_mxfp4), precision="bf16", num_kv_blocks=16, attention_precision=precision).model
         n = model.cfg.num_hidden_layers
-        assert [model._next_qkv_weights(i) for i in range(n)] == [None] * n
-        model.prefetch_next_qkv = model.fused = True  # as on a GPU with the option set
-        named = [model._next_qkv_weights(i) for i in range(n)]
-        if precision == "fp8":
-            assert all(named[i] is model.w.layers[i + 1][0].qkv_weight for i in range(n - 1)) and named[-1] is None
-        else:
-            assert named == [None] * n
+        assert [model._next_layer_weights(i) for i in range(n)] == [{}] * n
+        model.fused = True  # as on a GPU
+        for asked in ({"down": "qkv"}, {"gate_up": "qkv", "down": "o"}):
+            model.prefetch_next = asked
+            named = [model._next_layer_weights(i) for i in range(n)]
+            assert named[-1] == {}
+            if precision == "bf16":
+                assert named == [{}] * n
+                continue
+            for i in range(n - 1):
+                a = model.w.layers[i + 1][0]
+                expected = {launch: {"qkv": a.qkv_weight, "o": a.o_weight}[which] for launch, which in asked.items()}
+                assert named[i].keys() == expected.keys()
+                assert all(named[i][k] is expected[k] and expected[k].dtype == torch.float8_e4m3fn for k in expected)
 
 
 def test_fp8_unembedding_close_to_bf16(tiny_mxfp4, prompt, ours_bf16):

@@ -190,12 +190,18 @@ def test_mxfp4_down_reads_its_routing_and_first_batch_ahead_of_the_wait(launch, 
     assert [op for op in early if ".U16" in op], f"no routing weight read ahead of the wait: {early}"
 
 
-def test_mxfp4_down_requests_later_weights_into_l2_with_one_bulk_prefetch_ahead_of_the_wait(tmp_path):
-    """mx_down's l2_prefetch (GptOssModel.prefetch_next_qkv): a CTA's share of the later kernel's weights is one
-    bulk L2 prefetch (UBLKPF.L2) issued ahead of the wait, in the engine's per-pair build."""
-    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG
+@pytest.mark.parametrize("kernel", ["mx_down", "mx_gate_up", "mx_gate_up_resident"])
+def test_mxfp4_launches_request_later_weights_into_l2_with_one_bulk_prefetch_ahead_of_the_wait(kernel, tmp_path):
+    """Each MXFP4 kernel's l2_prefetch (GptOssModel.prefetch_next): a CTA's share of the later kernel's weights is
+    one bulk L2 prefetch (UBLKPF.L2) issued ahead of the wait, in the engine's per-pair builds."""
+    from pdserve.kernels.cuda_moe_mxfp4 import PAIR_CONFIG, RESIDENT_GATE_UP, SOURCE, compile_options
 
-    ops = _mx_sass(tmp_path, "mx_down", PAIR_CONFIG.down, 1, 1, 0, True, True)
+    if kernel == "mx_gate_up_resident":
+        cubin, _ = compile_cuda(SOURCE.read_text(), compile_options(90, 1, RESIDENT_GATE_UP, early_x=True, resident=1))
+        ops = _sass(cubin, tmp_path, kernel)
+    else:
+        shape = PAIR_CONFIG.down if kernel == "mx_down" else PAIR_CONFIG.gate_up
+        ops = _mx_sass(tmp_path, kernel, shape, 1, 1, int(kernel == "mx_gate_up"), True, True)
     assert ops.count("UBLKPF.L2") == 1, [op for op in ops if "BLK" in op]
     assert ops.index("UBLKPF.L2") < ops.index("ACQBULK")
 

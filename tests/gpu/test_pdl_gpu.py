@@ -117,25 +117,26 @@ def test_output_projection_launched_at_the_attentions_start_keeps_the_decode_ste
         assert torch.equal(a, b), f"step {step}: the early output projection launch changed the logits"
 
 
-@pytest.mark.parametrize("evict_first", [False, True])
+@pytest.mark.parametrize("plan,evict_first", [({"down": "qkv"}, False), ({"down": "qkv"}, True),
+                                               ({"gate_up": "qkv", "down": "o"}, True)])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_next_qkv_weights_prefetched_into_l2_keep_the_decode_step(narrow_ckpt, pdl_on, monkeypatch, graphs,
-                                                                  evict_first):
-    """GptOssModel.prefetch_next_qkv: each MXFP4 down launch requests the next layer's FP8 QKV weights into L2
-    ahead of its wait, also with the experts' weights read under L2's evict-first policy (cuda_moe_mxfp4.EVICT_FIRST);
-    hints to the memory system only, so every step's logits equal those without them and with PDL off, bit for
-    bit."""
+def test_next_layer_weights_prefetched_into_l2_keep_the_decode_step(narrow_ckpt, pdl_on, monkeypatch, graphs, plan,
+                                                                    evict_first):
+    """GptOssModel.prefetch_next: the MXFP4 launches of each MoE request the next layer's FP8 QKV / O weights into
+    L2 ahead of their wait, also with the experts' weights read under L2's evict-first policy
+    (cuda_moe_mxfp4.EVICT_FIRST); hints to the memory system only, so every step's logits equal those without them
+    and with PDL off, bit for bit."""
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     monkeypatch.setattr(cm, "EVICT_FIRST", evict_first)
     asked = []
     forward = cm.experts_forward_mxfp4_mma
     monkeypatch.setattr(cm, "experts_forward_mxfp4_mma",
-                        lambda *a, **k: asked.append(k.get("l2_prefetch") is not None) or forward(*a, **k))
+                        lambda *a, **k: asked.append(sorted(k.get("l2_prefetch") or {})) or forward(*a, **k))
     prompts = _prompts(1)
     prefetched = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision="fp8",
-                                prefetch_next_qkv=True)
-    assert any(asked), "no down launch was handed the next layer's QKV weights"
+                                prefetch_next=plan)
+    assert sorted(plan) in asked, "no MoE launch was handed the next layer's weights"
     monkeypatch.setenv("PDSERVE_PDL", "0")
     monkeypatch.setattr(cm, "EVICT_FIRST", False)
     without = _decode_logits(narrow_ckpt, "mxfp4", graphs, prompts, steps=6, attention_precision="fp8")
