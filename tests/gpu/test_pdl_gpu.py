@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -41,11 +42,13 @@ def _decode_logits(ckpt, precision: str, graphs: bool, prompts, steps: int, atte
                    **model_options) -> list[torch.Tensor]:
     """Each decode step's logits; model_options: GptOssModel's launch options (early_router_launch, ...)."""
     batch_size = len(prompts)
-    r = ModelRunner(str(ckpt), device="cuda", precision=precision, num_kv_blocks=512,
-                    cuda_graph_max_batch=batch_size if graphs else 0, attention_precision=attention_precision)
+    r = ModelRunner(str(ckpt), device="cuda", precision=precision, num_kv_blocks=512, attention_precision=attention_precision)
     for name, value in model_options.items():
         assert hasattr(r.model, name), name
         setattr(r.model, name, value)
+    if graphs:  # captured with the options set (a runner built with graphs captures them at its start)
+        r.decode_graphs = DecodeGraphs(r.model, r.cache, batch_size, max_context=r.max_context)
+        r.decode_graphs.capture_all()
     seqs = []
     for i, p in enumerate(prompts):
         s = Sequence(f"r{i}", list(p), SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True))
