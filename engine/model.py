@@ -184,11 +184,13 @@ class GptOssModel:
         self.early_router_launch = False
         # with `fused`: the decode attention lets the output projection launch at the attention's start, where
         # that projection is one of the GEMVs that read nothing but weights ahead of their PDL wait, so that
-        # its weights stream during the QKV launch's end and the attention (`_o_launches_early`; the benchmark's A/B)
+        # its weights stream during the QKV launch's end and the attention (`_o_launches_early`; off: 120b's step
+        # measured 0.9 % slower on an H200, its CTAs lengthen the QKV launch and the attention; the benchmark's A/B)
         self.early_o_launch = False
         # with `fused`: which of the next layer's FP8 attention weights ("qkv", "o") each MXFP4 launch of the MoE
         # ("gate_up", "down") requests into L2, so that the GEMV that reads them copies them from there
-        # (`_next_layer_weights`; the benchmark's A/B), e.g. {"down": "qkv"}; {}: none
+        # (`_next_layer_weights`; the benchmark's A/B), e.g. {"down": "qkv"}; {}: none (every plan measured 1-2 %
+        # slower at one token on an H200: the GEMVs were not waiting on their bytes, and the requests slow the MoE)
         self.prefetch_next: dict[str, str] = {}
 
     def make_attention(
