@@ -158,6 +158,9 @@ SETTINGS = {
     "router launch early": _setting(early_router_launch=True),
     "router launch early + 12 CTAs": _setting({(cuda_router, "CLUSTERS"): {32: 12, 128: 12}},
                                               early_router_launch=True),
+    # the same with gate/up one CTA a tile (mx_gate_up), not the resident grid sized to what empty SMs hold
+    "router launch early + gate/up a CTA a tile": _setting({(cuda_moe_mxfp4, "RESIDENT_GATE_UP"): None},
+                                                           early_router_launch=True),
     # the attention output projection (where it is the FP8 or the staged bf16 GEMV, which read only weights
     # ahead of their wait) launched at the cluster decode attention's start, not after its wait; with the
     # router launched early too
