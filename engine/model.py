@@ -180,7 +180,8 @@ class GptOssModel:
         self.early_qkv_launch = True
         # with `fused`: the norm before the router lets it launch at the norm's start, so that the router's
         # weights (read ahead of its wait) stream during the attention block's end (`_router_launches_early`;
-        # off: it measured slower in the twentieth round; the benchmark's A/B)
+        # off: it measured slower in the twentieth round, and x1.056 a 120b step on an H100 in the forty-fourth, where
+        # the router gained 1 us and the MoE after it lost 10; the benchmark's A/B)
         self.early_router_launch = False
         # with `fused`: the decode attention lets the output projection launch at the attention's start, where
         # that projection is one of the GEMVs that read nothing but weights ahead of their PDL wait, so that
