@@ -118,6 +118,12 @@ __device__ __forceinline__ U4 load_weights(const U4* p) {
 #endif
 }
 
+// l2_bytes > 0: the grid requests l2_next's l2_bytes (weights a later kernel reads: never written during the
+// step, so ahead of the PDL wait) into L2, one bulk prefetch of its share from each CTA's first thread
+__device__ __forceinline__ void request_l2(const void* l2_next, int l2_bytes) {
+  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
+}
+
 // Bytes (sel) of an e4m3 word as a bf16x2 of e2m1 * 2^-126: the bytes into the high byte of each half
 // (sign at bit 15, magnitude at 12..10), the magnitude moved down to 8..6.
 __device__ __forceinline__ u32 bf16_pair(u32 e4m3, u32 sel) {
@@ -616,14 +622,14 @@ __device__ __forceinline__ u16 swiglu_out(float glu, float lin, float limit, flo
 // SwiGLU's range stays below 2^15), or as bf16 in bf16-folded launches (down's B operand, read directly).
 // x: the tokens [T, K] bf16 (row stride stride_x); rows of W interleave glu (even) and linear (odd).
 // MX_FOLD 2: x is the routing launch's f16 copy of the tokens, each token's sums times x_inv[token].
-// l2_bytes > 0: as mx_down's, requested at the CTA's start, while the router still runs.
+// l2_next / l2_bytes: request_l2, first thing (while the router still runs).
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
            const u16* __restrict__ x, int stride_x, const float* __restrict__ x_inv, const i64* __restrict__ pair_expert,
            const int* __restrict__ item_expert, const int* __restrict__ item_slots, int has_items, int top_k,
            int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift,
            const void* __restrict__ l2_next, int l2_bytes TRACE_PARAM) {
-  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
+  request_l2(l2_next, l2_bytes);
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;
@@ -717,14 +723,14 @@ __device__ __forceinline__ void stage_token_rows(u32* xs, const U4* x, int n) {
 // token, 4.4 at two): a wave's CTAs request their bytes together and then sum them, with nothing of the
 // next wave in flight. Every CTA stages all the tokens' rows, each as the per-pair launch stages its pair's
 // one row; same K shares, order of sums and epilogue as mx_gate_up's per-pair launch: bit-identical.
-// l2_next / l2_bytes as mx_gate_up's.
+// l2_next / l2_bytes: request_l2, first thing.
 // x: the n_tokens rows; pair_expert: each token's top_k experts (negative: not here, nothing written).
 extern "C" __global__ void MX_BOUNDS
 mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
                     const u16* __restrict__ x, const i64* __restrict__ pair_expert, int n_tokens, int top_k,
                     int n_rows, u16* __restrict__ act, double limit_d, double alpha_d, int act_shift,
                     const void* __restrict__ l2_next, int l2_bytes) {
-  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
+  request_l2(l2_next, l2_bytes);
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[2][NW * 16];  // a tile's K shares, by tile parity (one barrier a tile keeps them apart)
   __shared__ int live_expert[32], live_pair[32], live_region[32], n_live;
@@ -841,8 +847,7 @@ __device__ __forceinline__ void cluster_sum(const float* y, int top_k, u16* __re
 // down + bias, times the routing weight, summed over each token's top_k pairs in slot order: each
 // CTA writes its pairs' float32 partials; the last CTA of a (token, row tile) to arrive (a counter,
 // reset by it) sums the token's partials and stores the bf16 rows (deterministic, no float atomics).
-// l2_bytes > 0: the grid first requests l2_next's l2_bytes (weights a later kernel reads: never written
-// during the step, so ahead of the PDL wait) into L2, each CTA its share.
+// l2_next / l2_bytes: request_l2, first thing.
 extern "C" __global__ void MX_BOUNDS
 mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const float* __restrict__ bias,
         const u16* __restrict__ act, const i64* __restrict__ pair_expert, const int* __restrict__ item_expert,
@@ -850,7 +855,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
         const u16* __restrict__ route_weight, float* __restrict__ part, int* __restrict__ counters,
         u16* __restrict__ out, int stride_out, int act_shift, const void* __restrict__ l2_next,
         int l2_bytes TRACE_PARAM) {
-  if (l2_bytes > 0 && threadIdx.x == 0) prefetch_l2_share(l2_next, (unsigned)l2_bytes);
+  request_l2(l2_next, l2_bytes);
   extern __shared__ __align__(16) u32 xs[];
   __shared__ float red[NW * SLOTS * 16];
   __shared__ Item it;

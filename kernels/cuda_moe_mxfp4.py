@@ -272,12 +272,14 @@ L2_PREFETCH_LAUNCHES = ("gate_up", "down")
 def _l2_prefetch_args(l2_prefetch: dict[str, torch.Tensor] | None, device: torch.device) -> dict[str, list]:
     """Each launch's last two kernel arguments (l2_next, l2_bytes): the tensor l2_prefetch names for it and its
     whole 16-byte units, or (None, 0)."""
-    unknown = set(l2_prefetch or ()) - set(L2_PREFETCH_LAUNCHES)
+    if not l2_prefetch:
+        return {launch: [None, 0] for launch in L2_PREFETCH_LAUNCHES}
+    unknown = set(l2_prefetch) - set(L2_PREFETCH_LAUNCHES)
     if unknown:
         raise ValueError(f"l2_prefetch names launches {sorted(unknown)}; the MoE has {list(L2_PREFETCH_LAUNCHES)}")
     args = {}
     for launch in L2_PREFETCH_LAUNCHES:
-        t = (l2_prefetch or {}).get(launch)
+        t = l2_prefetch.get(launch)
         if t is None:
             args[launch] = [None, 0]
             continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from importlib import resources
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,17 @@ def _problem(t=2, e=4, h=64, i=64):
     x = torch.randn(t, h, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(t)])
     return w, x, ids, torch.full((t, 4), 0.25, dtype=torch.bfloat16)
+
+
+def _without_a_gpu(monkeypatch, resident_ctas: int = 1) -> None:
+    """What a launch asks of the device, answered without one: device 0 of one SM that holds `resident_ctas`
+    resident gate/up CTAs, and zeroed arrival counters (each test stubs the compile and the launches itself)."""
+    from pdserve.kernels import cuda_moe_mxfp4 as cm
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
+    monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: resident_ctas)
+    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
 
 
 def test_bad_inputs_are_refused_before_any_launch():
@@ -106,18 +118,13 @@ def test_gate_up_reads_x_ahead_of_its_wait_only_where_x_predates_the_routing(mon
                                                                              early):
     """The build each launch gets (MX_EARLY_X), with the compile and the launches stubbed out; one token's
     resident gate/up (RESIDENT_GATE_UP) gets the same flag in its own build."""
-    from types import SimpleNamespace
-
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     builds, launched = [], []
+    _without_a_gpu(monkeypatch)
     monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[6]) or {"mx_gate_up": "gu", "mx_down": "dn"})
-    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x, tokens, evict_first: builds.append(early_x) or "gu")
-    monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
+    monkeypatch.setattr(cm, "_resident_gate_up", lambda dev, kg, shape, early_x, *a: builds.append(early_x) or "gu")
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, **k: launched.append(kernel))
-    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     w, x, ids, wts = _problem(t=1, h=128, i=128)
     cfg = cm.MmaConfig((4, 1, 2) if grouped else (4, 4, 3), (4, 2, 2))
     if grouped:
@@ -257,17 +264,13 @@ def test_per_pair_launches_of_a_few_tokens_take_the_resident_gate_up_with_its_pa
     built for that many tokens, on a grid of at most what the SMs hold (and the shape's CTAs an SM) and no more
     than its tiles, handed as many arguments as its signature has; more tokens and a gate/up that splits K over
     another number of warps keep mx_gate_up."""
-    from types import SimpleNamespace
-
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     launched, builds = [], []
+    _without_a_gpu(monkeypatch, resident_ctas=7)
     monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
     monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: builds.append(a[4]) or "mx_gate_up_resident")
-    monkeypatch.setattr(cm, "resident_ctas", lambda kernel, threads, smem, dev: 7)
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, grid, *a, args, **k: launched.append((kernel, grid, args)))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(cm, "RESIDENT_MAX_TOKENS", 3)
     w, x, ids, wts = _problem(t=4, h=128, i=128)
     wp = w.to_packed()
@@ -296,17 +299,13 @@ def test_per_pair_launches_of_a_few_tokens_take_the_resident_gate_up_with_its_pa
 def test_every_build_of_a_launch_reads_the_weights_evict_first_only_when_asked(monkeypatch, tokens, evict_first):
     """EVICT_FIRST reaches every kernel build a launch takes (per-pair gate/up and down, the resident gate/up),
     as MX_EVICT_FIRST in its compiler options."""
-    from types import SimpleNamespace
-
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     builds = []
+    _without_a_gpu(monkeypatch)
     monkeypatch.setattr(cm, "_kernels", lambda *a: builds.append(a[-1]) or {"mx_gate_up": "gu", "mx_down": "dn"})
     monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: builds.append(a[-1]) or "gu")
-    monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
     monkeypatch.setattr(cm, "launch_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(cm, "EVICT_FIRST", evict_first)
     w, x, ids, wts = _problem(t=4, h=128, i=128)
     cm.experts_forward_mxfp4_mma(x[:tokens], wts[:tokens], ids[:tokens], w.to_packed(),
@@ -322,19 +321,14 @@ def test_each_launch_gets_its_l2_prefetch_and_its_whole_16_byte_units(monkeypatc
     CTA a tile or the resident one) its tensor and its bytes rounded down to whole 16-byte units (what one bulk
     prefetch a CTA takes) as its last two arguments, (None, 0) where it names none, and refuses a tensor it could not
     hand over whole (not contiguous) or a launch the MoE does not have."""
-    from types import SimpleNamespace
-
     from pdserve.kernels import cuda_moe_mxfp4 as cm
 
     launched = []
+    _without_a_gpu(monkeypatch)
     monkeypatch.setattr(cm, "_kernels", lambda *a: {"mx_gate_up": "mx_gate_up", "mx_down": "mx_down"})
     monkeypatch.setattr(cm, "_resident_gate_up", lambda *a: "mx_gate_up")
-    monkeypatch.setattr(cm, "resident_ctas", lambda *a: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(cm, "RESIDENT_GATE_UP", (4, 1, 2) if resident else None)
     monkeypatch.setattr(cm, "launch_cuda", lambda kernel, *a, args, **k: launched.append((kernel, args)))
-    monkeypatch.setattr(cm, "arrival_counters", lambda *a: torch.zeros(1, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     w, x, ids, wts = _problem(t=1, h=128, i=128)
     wp, cfg = w.to_packed(), cm.MmaConfig((4, 1, 2), (4, 2, 2))
     qkv, o = torch.empty(5120 * 3 + 7, dtype=torch.uint8), torch.empty(4096 * 5, dtype=torch.uint8)
