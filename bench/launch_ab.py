@@ -24,6 +24,8 @@ of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --abl
 with one piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the
 marginal cost of each. --fp8: every setting with FP8 attention and vocabulary projections;
 --timeline: each setting's step as a per-kernel timeline of a layer (bench/step_timeline.py);
+--trace: at up to cuda_gemv_fp8.MAX_TOKENS tokens with --fp8, each setting captured once more with the
+timing build of the FP8 QKV and O launches, CTA by CTA (bench/projection_trace.py);
 --controls N: the first setting captured N more times, timed like the others, so that the run
 reports how far captures of the very same kernels land apart (their spread; on an H200 up to 1.5 % of
 a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence for a setting.
@@ -32,7 +34,7 @@ a 20b step at four tokens, 2026-12-04): a difference inside it is no evidence fo
         [--settings "pdl off,default"] [--mma-config 4,2,2/4,4,2] [--pair-configs "4,1,2/4,4,2;..."]
         [--resident-gate-up "4,4,3,4,1;..."] [--resident-max-tokens "1;3@4,4,3,3,1"]
         [--gemv-configs "2880x4096:4,512,2,4;..."] [--ablate norms,qkv,attention,o,router,moe] [--ablate-on SETTING]
-        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--controls 1] [--layers 36 [--alias-layers]] [--kv-blocks 8192]
+        [--rounds 15] [--replays 20] [--fp8] [--timeline] [--trace] [--controls 1] [--layers 36 [--alias-layers]] [--kv-blocks 8192]
         [--out FILE.json]
 """
 
@@ -53,7 +55,7 @@ import torch
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench import step_timeline  # noqa: E402
+from pdserve.bench import projection_trace, step_timeline  # noqa: E402
 from pdserve.bench.kernels import time_it  # noqa: E402
 from pdserve.bench.repeated_layers import alias_repeated, repeated_layers  # noqa: E402
 from pdserve.engine.config import ModelConfig  # noqa: E402
@@ -387,6 +389,10 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="after the timing, each setting's step as a per-kernel timeline of a layer "
                          "(bench/step_timeline.py)")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --fp8, at up to cuda_gemv_fp8.MAX_TOKENS tokens: each setting captured once more with "
+                         "the timing build of the FP8 QKV and O launches (bench/projection_trace.py)")
+    ap.add_argument("--trace-replays", type=int, default=5, help="replays a --trace capture is read after")
     ap.add_argument("--controls", type=int, default=0,
                     help="capture the first setting this many more times, as a measure of the run's noise")
     ap.add_argument("--layers", type=int, default=None,
@@ -447,7 +453,7 @@ def main() -> int:
                       *(fp8_unembedding if name in fp8_vocab else [])]
                for name, (_, attrs, consts) in settings.items()}
     g = torch.Generator().manual_seed(1)
-    results, spreads = {}, {}
+    results, spreads, traces = {}, {}, {}
     for batch in a.batches:
         eng = LLMEngine(runner, max_batch_size=batch)
         params = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
@@ -456,26 +462,33 @@ def main() -> int:
         while eng.waiting:
             eng.step()
         graphs, steps = {}, {}
-        for name, (env, _, _) in settings.items():
+
+        def capture(name: str, extra: tuple = ()):
+            """The setting's graph of this batch (its patches and `extra` set while it is captured), after one
+            real step through it (its inputs staged)."""
             # a setting whose kernels hang (or fault) stops here, named, not in the timing rounds after
             print(f"[launch_ab] batch {batch}: capturing and running {name!r}", file=sys.stderr, flush=True)
-            os.environ.update(env)
-            saved = [(obj, k, vars(obj).get(k, _ABSENT)) for obj, k, _ in patches[name]]
-            for obj, k, v in patches[name]:
+            os.environ.update(settings[name][0])
+            changes = [*patches[name], *extra]
+            saved = [(obj, k, vars(obj).get(k, _ABSENT)) for obj, k, _ in changes]
+            for obj, k, v in changes:
                 setattr(obj, k, v)
             graphs[name] = DecodeGraphs(runner.model, runner.cache, batch, max_context=runner.max_context)
             size = graphs[name].size_for(batch)
             graphs[name].capture_all([size])
             runner.decode_graphs = graphs[name]
-            eng.step()  # one real step through this setting's graph (its inputs staged)
+            eng.step()
             torch.cuda.synchronize()
-            steps[name] = graphs[name]._steps[size]
             for obj, k, v in reversed(saved):
                 if v is _ABSENT:
                     delattr(obj, k)
                 else:
                     setattr(obj, k, v)
-        runner.decode_graphs = None
+            runner.decode_graphs = None
+            return graphs[name]._steps[size]
+
+        for name in settings:
+            steps[name] = capture(name)
         times = {name: [] for name in settings}
         for _ in range(a.rounds):
             for name, step in steps.items():  # one timed run of `replays` back-to-back replays
@@ -496,6 +509,20 @@ def main() -> int:
         for name, step in steps.items() if a.timeline else ():
             step_timeline.print_table(f"batch {batch} {name!r}",
                                       step_timeline.layer_table(step_timeline.kernel_events(step.graph.replay)))
+        if a.trace and a.fp8 and batch <= cuda_gemv_fp8.MAX_TOKENS:
+            kinds = ["windowed" if runner.cfg.is_sliding(i) else "full" for i in range(runner.cfg.num_hidden_layers)]
+            for name in settings:
+                trace = projection_trace.new_trace(4 * len(kinds), projection_trace.most_ctas(runner.cfg), runner.device)
+                step = capture(name, ((cuda_gemv_fp8, "TRACE", trace),))
+                trace.launches = trace.launches[-2 * len(kinds):]  # the step's graph is the last captured
+                copies = []
+                for _ in range(a.trace_replays):
+                    step.graph.replay()
+                    torch.cuda.synchronize()
+                    copies.append(trace.buffer.cpu())
+                rows = projection_trace.summarize(copies, trace, kinds)
+                projection_trace.print_table(f"batch {batch} {name!r}", rows)
+                traces.setdefault(batch, {})[name] = rows
         if ablated:  # the ablated steps left garbage in these requests' KV: drop them
             torch.cuda.synchronize()
             for seq in eng.running:
@@ -503,10 +530,11 @@ def main() -> int:
         else:
             while eng.busy:
                 eng.step()
-        del graphs, steps
+        graphs.clear()  # the graphs and their memory go before the next batch
+        steps.clear()
     if a.out:
         Path(a.out).write_text(json.dumps({"precision": a.precision, "context": a.context, "results": results,
-                                           "control_spread": spreads,
+                                           "control_spread": spreads, "projection_traces": traces,
                                            "command": "python " + " ".join(sys.argv)}, indent=1))
     return 0
 

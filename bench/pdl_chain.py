@@ -19,6 +19,7 @@ captured in one CUDA graph, median of replays, per kernel; with PDL and without.
     python -m pdserve.bench.pdl_chain --counters [--out FILE.json]
     python -m pdserve.bench.pdl_chain --overlap [--out FILE.json]
     python -m pdserve.bench.pdl_chain --carveout [--out FILE.json]
+    python -m pdserve.bench.pdl_chain --barriers [--out FILE.json]
 
 `--counters` asks what a boundary would cost without the grid-wide wait: the engine's order (wait,
 then let the next kernel launch), the next kernel launched first (then wait), and a hand-off through
@@ -26,6 +27,16 @@ counters in global memory, where each kernel lets the next launch at its start a
 spins on a counter that every CTA of the one before increments when done (release / acquire at GPU
 scope), with and without a pause between polls. A kernel whose CTAs are all placed can let the next
 launch at its start without deadlock: the next is launched only once every CTA of this one has started.
+
+`--barriers` asks what the same boundary costs inside one persistent kernel: a grid of 1 or 2 CTAs an SM
+(all resident at once) runs `--kernels` phases, each the links' work (the read of the value CTA 0 wrote in
+the phase before, then the hops or the staged bytes), separated by a grid-wide barrier in global memory
+instead of a kernel boundary, the shape a whole-block kernel at one token (norm, QKV, attention, O, router)
+would have. Barriers: thread 0 of each CTA adds itself to one counter (`red.release.gpu`) and polls it with
+acquire loads; the same with relaxed polls and one acquire fence after them; or the last CTA to arrive
+(`atom.acq_rel.gpu` returns it) raises a flag on another line that the others poll. Per phase from the
+slope between 1 phase and `--kernels` phases (the launch and the counters' reset cancel out), beside the
+PDL chain's per-kernel time at the same grid in the same run.
 
 `--overlap` asks instead whether a dependent kernel is placed while the kernel before it still runs,
 which every read "ahead of the PDL wait" in the engine's kernels relies on: a one-CTA kernel that
@@ -115,6 +126,71 @@ extern "C" __global__ void __launch_bounds__(128) link(const u32* __restrict__ p
 }
 """
 
+BARRIER_SOURCE = r"""
+#include "cuda_common.cuh"
+
+// The barrier between phases: every CTA's thread 0 counts its CTA into count (monotonic over the launch:
+// phase p is passed when it reaches (p + 1) * ctas), the others wait at the CTA barrier. kind 0: polls with
+// acquire loads; 1: relaxed polls, then one acquire fence; 2: the CTA that arrives last (its atom returns
+// (p + 1) * ctas - 1) raises flag to p + 1 with a release store, the others poll the flag (acquire).
+__device__ __forceinline__ void grid_barrier(u32* count, u32* flag, u32 target, u32 phase, int kind) {
+  __syncthreads();  // the CTA's reads and writes of the phase before its thread 0's release
+  if (threadIdx.x == 0) {
+    u32 c;
+    if (kind == 2) {
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(c) : "l"(count) : "memory");
+      if (c == target - 1) {
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(flag), "r"(phase + 1) : "memory");
+      } else {
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(flag) : "memory");
+        } while (c < phase + 1);
+      }
+    } else {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(count) : "memory");
+      if (kind == 0) {
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(count) : "memory");
+        } while (c < target);
+      } else {
+        do {
+          asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(count) : "memory");
+        } while (c < target);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// `phases` phases of a link's work (kernel `link` above: the value CTA 0 wrote in the phase before, hops
+// dependent L2 reads, stage bytes a CTA), a grid barrier after each but the last; sync[0] the counter, sync[1]
+// the flag, both zero at the start (the caller resets them before each launch).
+extern "C" __global__ void __launch_bounds__(128) phases(u32* __restrict__ vals, const u32* __restrict__ ring, int n,
+                                                          int hops, const unsigned char* __restrict__ row, int stage,
+                                                          int phases, int kind, u32* sync) {
+  __shared__ u32 acc;
+  for (int p = 0; p < phases; p++) {
+    u32 v = load_early_u32(vals + (p & 1));
+    if (threadIdx.x == 0) {
+      u32 i = (v + blockIdx.x * 2654435761u) & (n - 1);
+      for (int h = 0; h < hops; h++) i = load_early_u32(ring + i);
+      v += i;
+    }
+    for (int o = threadIdx.x * 16; o < stage; o += 128 * 16) {
+      const U4 r = load_early(row + o);
+      v += r.x ^ r.y ^ r.z ^ r.w;
+    }
+    if (threadIdx.x == 0) acc = 0;
+    __syncthreads();
+    atomicAdd(&acc, v);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) vals[(p + 1) & 1] = acc & 1u;
+    if (p + 1 < phases) grid_barrier(sync, sync + 1, (p + 1) * gridDim.x, p, kind);
+  }
+}
+"""
+
 OVERLAP_SOURCE = r"""
 #include "cuda_common.cuh"
 
@@ -188,6 +264,67 @@ def chain_us(kernels: int, ctas: int, hops: int, stage: int, sync: str, replays:
     if mode == 3 and (counts[:-2].count_nonzero().item() or counts[-2:].tolist() != [ctas, ctas]):
         raise RuntimeError(f"counters left at {counts.tolist()} after a replay")
     return us
+
+
+BARRIERS = {"acquire polls": 0, "relaxed polls + fence": 1, "last arriver's flag": 2}
+BARRIER_GRIDS = (1, 2)  # CTAs an SM
+
+
+@functools.cache
+def _barrier_kernel():
+    from pdserve.kernels.nvrtc import compile_kernels
+
+    return compile_kernels(BARRIER_SOURCE, ["phases"], [], torch.cuda.current_device())["phases"]
+
+
+def barrier_launch_us(ctas: int, phases: int, hops: int, stage: int, kind: int, replays: int = 20) -> float:
+    """Median us of one graph replay: the counters' reset, then one launch of `phases` phases."""
+    from pdserve.bench.kernels import graphed, time_it
+    from pdserve.kernels.pdl import launch_cuda
+
+    n = 1 << 20
+    ring = torch.randperm(n, device="cuda", dtype=torch.int64).to(torch.int32)
+    row = torch.randint(0, 255, (max(stage, 16),), device="cuda", dtype=torch.uint8)
+    vals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+    def run():
+        sync.zero_()
+        launch_cuda(_barrier_kernel(), (ctas, 1, 1), (128, 1, 1), 0, pdl=False,
+                    args=[vals, ring, n, hops, row, stage, phases, kind, sync])
+
+    us = time_it(graphed(run), reps=replays, warmup=1, flush=False) * 1e6
+    torch.cuda.synchronize()
+    want = [(phases - 1) * ctas, phases - 1 if kind == 2 else 0]
+    if sync.tolist() != want:
+        raise RuntimeError(f"barrier counters {sync.tolist()} after a replay, expected {want}")
+    return us
+
+
+def barrier_us(ctas: int, phases: int, hops: int, stage: int, kind: int) -> float:
+    """us a phase: the slope between a launch of one phase and one of `phases`."""
+    return (barrier_launch_us(ctas, phases, hops, stage, kind) - barrier_launch_us(ctas, 1, hops, stage, kind)) / (
+        phases - 1)
+
+
+def barriers_main(phases: int, out: str | None) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grids = [k * sms for k in BARRIER_GRIDS]
+    rows = []
+    print(f"us a boundary: the PDL chain of {phases} kernels (a kernel), a persistent kernel of {phases} phases "
+          f"(a phase: slope from 1 phase); columns: CTAs", flush=True)
+    print(f"{'sync':>30} {'hops':>4} {'stage B':>8} " + " ".join(f"{c:>7}" for c in grids), flush=True)
+    for hops, stage in ((0, 0), (0, 5760), (2, 0)):
+        cases = [("pdl chain", lambda c: chain_us(phases, c, hops, stage, "pdl"))]
+        cases += [(f"barrier, {name}", lambda c, kind=kind: barrier_us(c, phases, hops, stage, kind))
+                  for name, kind in BARRIERS.items()]
+        for name, fn in cases:
+            us = [fn(c) for c in grids]
+            rows.append({"sync": name, "hops": hops, "stage": stage, "us": dict(zip(grids, us))})
+            print(f"{name:>30} {hops:>4} {stage:>8} " + " ".join(f"{u:7.2f}" for u in us), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 @functools.cache
@@ -315,7 +452,12 @@ def main() -> None:
                     "through counters in global memory (see above)")
     ap.add_argument("--carveout", action="store_true", help="whether a dependent is placed beside CTAs of "
                     "another shared-memory split (see above)")
+    ap.add_argument("--barriers", action="store_true", help="the PDL boundary against grid barriers inside one "
+                    "persistent kernel (see above)")
     a = ap.parse_args()
+    if a.barriers:
+        barriers_main(a.kernels, a.out)
+        return
     if a.carveout:
         carveout_main(a.out)
         return

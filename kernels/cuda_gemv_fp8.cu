@@ -34,7 +34,9 @@
 // does) and writes q, and k and v into each token's paged KV slot.
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
-// GF_GROUPS (commit groups a warp's weight copies are split into).
+// GF_GROUPS (commit groups a warp's weight copies are split into), GF_TRACE (1: the timing build, whose
+// `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of GT_WORDS words a CTA: see `GfTrace`
+// below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
 
 #include "cuda_common.cuh"
@@ -48,6 +50,21 @@
 #define MAX_WARP_KB 17   // 128-wide K blocks a warp's share touches (K <= 8192: 32 steps)
 #define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
 #define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
+
+#ifndef GF_TRACE
+#define GF_TRACE 0
+#endif
+#if GF_TRACE
+// A CTA's record, written by its thread 0 (%globaltimer ns unless said): its start, its weight copies
+// requested, the PDL wait passed, warp 0's token rows staged, warp 0's copies landed (not before the staging:
+// the warp waits for them there), the CTA's sums done (its barrier passed), its end; its SM.
+enum GfTrace { GT_START, GT_ISSUED, GT_PDL, GT_STAGED, GT_LANDED, GT_SUMMED, GT_END, GT_SM, GT_WORDS };
+#define GF_TRACE_PARAM , u64* __restrict__ trace
+#define GF_STAMP(rec, w) do { if (threadIdx.x == 0) (rec)[w] = (w) == GT_SM ? (u64)sm_id() : now_ns(); } while (0)
+#else
+#define GF_TRACE_PARAM
+#define GF_STAMP(rec, w) do { } while (0)
+#endif
 
 __device__ __forceinline__ void copy16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
@@ -101,6 +118,9 @@ struct Cta {
   u16* bs;
   float (*red)[MAX_M][ROWS];
   int lane, warp, g, tig, s_lo, s_hi, per_group;
+#if GF_TRACE
+  u64* rec = nullptr;  // this CTA's trace record (the kernels set it)
+#endif
 
   __device__ __forceinline__ Cta(const unsigned char* w_, int K_, int w_stride_, int x_stride_, Rows rows_,
                                  unsigned char* smem, float (*sc_)[MAX_WARP_KB], float (*xsc_)[MAX_STEPS], u16* bs_,
@@ -193,6 +213,9 @@ struct Cta {
       }
     }
     __syncwarp();
+#if GF_TRACE
+    GF_STAMP(rec, GT_STAGED);
+#endif
   }
 
   // Step s of token row xr against weight row wr: four mmas in two chains (K 4i .. 4i + 3 of the lane's
@@ -231,6 +254,9 @@ struct Cta {
         wait_groups(GROUPS - 1 - q);
         __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
         q++;
+#if GF_TRACE
+        if (q == GROUPS) GF_STAMP(rec, GT_LANDED);
+#endif
       }
     };
     // 2 steps a 128-wide scale block
@@ -279,17 +305,27 @@ struct Cta {
 // float32, bias [N] bf16 or null, out [M, N] bf16 (row stride stride_out); K a multiple of 64.
 extern "C" __global__ void __launch_bounds__(THREADS)
 gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w, const float* __restrict__ scale,
-         const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride) {
+         const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride
+         GF_TRACE_PARAM) {
   CTA_SHARED
   Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4}, smem, sc, xsc, bs, red);
+#if GF_TRACE
+  cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
+#endif
+  GF_STAMP(cta.rec, GT_START);
   cta.request(scale, bias, false);
+  GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x is written by the kernel before this one
+  GF_STAMP(cta.rec, GT_PDL);
   cta.stage_x(x, stride_x, M);
   cta.sum(M);
+  GF_STAMP(cta.rec, GT_SUMMED);
   for (int t = threadIdx.x; t < M * ROWS; t += THREADS) {
     const int m = t / ROWS, r = t % ROWS;
     out[(i64)m * stride_out + cta.rows(r)] = to_bf16(cta.total(m, r, bias != nullptr));
   }
+  GF_STAMP(cta.rec, GT_END);
+  GF_STAMP(cta.rec, GT_SM);
 }
 
 __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
@@ -305,13 +341,19 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
               const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
               const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
-              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV) {
+              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV GF_TRACE_PARAM) {
   constexpr int D = GF_ROPE_D, HALF = D / 2;
   CTA_SHARED
   const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
   Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, xsc, bs, red);
+#if GF_TRACE
+  cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
+#endif
+  GF_STAMP(cta.rec, GT_START);
   cta.request(scale, bias, true);
+  GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x, positions and slots are written before this kernel
+  GF_STAMP(cta.rec, GT_PDL);
   // the epilogue thread's (token m, pair i) position, table entries and slot, in flight during the sums
   const int m = threadIdx.x / 4, i = threadIdx.x % 4;
   const bool epilogue = threadIdx.x < M * 4, rotate = h < HQ + HKV;
@@ -327,6 +369,8 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   }
   cta.stage_x(x, stride_x, M);
   cta.sum(M);
+  GF_STAMP(cta.rec, GT_SUMMED);
+  GF_STAMP(cta.rec, GT_SM);  // (thread 0 is an epilogue thread: it stamps the end too)
   if (!epilogue) return;
   const float x1 = bf16_round(cta.total(m, i, bias != nullptr)), x2 = bf16_round(cta.total(m, i + 4, bias != nullptr));
   float o1 = x1, o2 = x2;
@@ -349,6 +393,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   }
   dst[j + i] = to_bf16(o1);
   dst[HALF + j + i] = to_bf16(o2);
+  GF_STAMP(cta.rec, GT_END);
 }
 
 // Streaming entry for projections of many rows (the vocabulary projection: 201088 rows, 580 MB of

@@ -12,6 +12,7 @@ Compiled at first use by NVRTC (kernels/nvrtc.py); CUDA-graph capturable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -82,24 +83,63 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too)."""
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE)."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
     return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
-            f"-DGF_STREAM_D={stream_depth}", "-std=c++17"]
+            f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", "-std=c++17"]
 
 
-def _kernels(device_index: int) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH)
+# The timing build (bench/projection_trace.py; never in the engine): while TRACE holds a Trace, `gemv_fp8` and
+# `qkv_rope_fp8` launch the build compiled with GF_TRACE, each CTA writing TRACE_WORDS words (the .cu file's
+# `GfTrace`) into the Trace's buffer, launch after launch.
+TRACE_WORDS = 8
+
+
+@dataclasses.dataclass
+class Trace:
+    """Where the timing build's launches write: `buffer` int64 [launches x CTAs x TRACE_WORDS] words, used in
+    launch order; `launches` (entry, first word, CTAs) of each launch captured into a CUDA graph. Launches
+    outside a capture (a graph's warm-up) all write into `scratch` and are not listed."""
+
+    buffer: torch.Tensor
+    scratch: torch.Tensor
+    launches: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+
+    def take(self, entry: str, ctas: int) -> torch.Tensor:
+        words = ctas * TRACE_WORDS
+        if not torch.cuda.is_current_stream_capturing():
+            if self.scratch.numel() < words:
+                raise ValueError(f"a trace scratch of {self.scratch.numel()} words for {ctas} CTAs")
+            return self.scratch
+        start = self.launches[-1][1] + self.launches[-1][2] * TRACE_WORDS if self.launches else 0
+        if start + words > self.buffer.numel():
+            raise ValueError(f"the trace buffer ({self.buffer.numel()} words) is full at launch {len(self.launches)}")
+        self.launches.append((entry, start, ctas))
+        return self.buffer[start:start + words]
+
+
+TRACE: Trace | None = None
+
+
+def _traced(entry: str, ctas: int) -> tuple[dict, list]:
+    """The build a launch takes and its extra arguments: the timing build and its part of TRACE, where set."""
+    if TRACE is None:
+        return {}, []
+    return {"trace": True}, [TRACE.take(entry, ctas)]
+
+
+def _kernels(device_index: int, trace: bool = False) -> dict:
+    return _build(device_index, GROUPS, STREAM_DEPTH, trace)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth, trace), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -128,9 +168,10 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
     CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding."""
     m, n, k = _check(x, w, scale, bias)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(_kernels(_index(x))["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
+    build, trace = _traced("gemv_fp8", n // ROWS)
+    launch_cuda(_kernels(_index(x), **build)["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
-                args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k)])
+                args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k), *trace])
     return out
 
 
@@ -189,11 +230,12 @@ def qkv_rope_fp8(
         raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
                          f"int64 [{m}]")
     q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
-    launch_cuda(_kernels(_index(x))["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
-                pdl=pdl_enabled(x.device),
+    build, trace = _traced("gemv_fp8_rope", n // ROWS)
+    launch_cuda(_kernels(_index(x), **build)["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1),
+                shared_bytes(k, m), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
-                      num_kv_heads])
+                      num_kv_heads, *trace])
     return q
 
 

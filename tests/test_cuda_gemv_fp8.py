@@ -74,3 +74,66 @@ def test_rope_entry_rejects_mismatched_cache_and_positions():
         qkv_rope_fp8(x, w, s, None, pos.int(), cos, cos, pos, cache, 4, 2)
     with pytest.raises(ValueError, match="bf16 cache"):
         qkv_rope_fp8(x, w, s, None, pos, cos, cos, pos, cache.float(), 4, 2)
+
+
+def _kernel_params(name: str) -> int:
+    """Parameters of a kernel of cuda_gemv_fp8.cu, with its timing build's trace buffer (GF_TRACE_PARAM)."""
+    import re
+
+    from pdserve.kernels.cuda_gemv_fp8 import SOURCE
+
+    match = re.search(rf'extern "C" __global__[^;{{]*?\b{name}\(([^)]*)\)', SOURCE.read_text())
+    params = match.group(1)
+    return params.replace("GF_TRACE_PARAM", "").count(",") + 1, "GF_TRACE_PARAM" in params
+
+
+def _launch_both(monkeypatch, traced: bool, capturing: bool = True) -> list[tuple[str, dict, list]]:
+    """gemv_fp8 and qkv_rope_fp8 launched with the compile and the launch stubbed out (no GPU): (entry, build,
+    arguments) of each."""
+    from pdserve.kernels import cuda_gemv_fp8 as gf
+
+    launched = []
+    monkeypatch.setattr(gf, "_kernels", lambda dev, **build: {k: (k, build) for k in ("gemv_fp8", "gemv_fp8_rope")})
+    monkeypatch.setattr(gf, "launch_cuda", lambda kernel, *a, args, **k: launched.append((*kernel, args)))
+    monkeypatch.setattr(gf, "_index", lambda x: 0)
+    monkeypatch.setattr(gf, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    if traced:
+        monkeypatch.setattr(gf, "TRACE", gf.Trace(buffer=torch.zeros(100 * gf.TRACE_WORDS, dtype=torch.int64),
+                                                  scratch=torch.zeros(64 * gf.TRACE_WORDS, dtype=torch.int64)))
+    x, w, s, b = _args("none")
+    gemv_fp8(x, w, s, b)
+    wq = torch.zeros((4 + 2 * 2) * 64, 256, dtype=FP8)
+    cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.bfloat16)
+    pos = torch.zeros(1, dtype=torch.int64)
+    qkv_rope_fp8(x, wq, torch.ones(4, 2), None, pos, torch.zeros(128, 32), torch.zeros(128, 32), pos, cache, 4, 2)
+    return launched
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, traced):
+    """Both staged entries get as many arguments as their signatures have, the timing build's trace buffer
+    included where a Trace is set (and only then): cuLaunchKernelEx would read a short list past its end."""
+    launched = _launch_both(monkeypatch, traced)
+    assert [k for k, _, _ in launched] == ["gemv_fp8", "gemv_fp8_rope"]
+    for kernel, build, args in launched:
+        n, has_trace = _kernel_params(kernel)
+        assert has_trace
+        assert len(args) == n + traced and build == ({"trace": True} if traced else {})
+
+
+def test_the_timing_build_writes_each_captured_launch_into_its_own_part_of_the_trace(monkeypatch):
+    """Captured launches take consecutive parts of the buffer (CTAs x TRACE_WORDS each) and are listed; launches
+    outside a capture (a graph's warm-up) share the scratch and are not; a full buffer is an error."""
+    from pdserve.kernels import cuda_gemv_fp8 as gf
+
+    launched = _launch_both(monkeypatch, traced=True)
+    trace = gf.TRACE
+    assert trace.launches == [("gemv_fp8", 0, 2), ("gemv_fp8_rope", 2 * gf.TRACE_WORDS, 64)]  # 16 / 8, 512 rows / 8
+    for (_, _, args), (_, start, ctas) in zip(launched, trace.launches):
+        buf = args[-1]
+        assert buf.data_ptr() == trace.buffer[start:].data_ptr() and buf.numel() == ctas * gf.TRACE_WORDS
+    with pytest.raises(ValueError, match="full"):
+        trace.take("gemv_fp8_rope", 64)
+    launched = _launch_both(monkeypatch, traced=True, capturing=False)
+    assert gf.TRACE.launches == [] and all(args[-1] is gf.TRACE.scratch for _, _, args in launched)

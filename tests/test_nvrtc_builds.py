@@ -52,6 +52,7 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
             builds[f"mxfp4 resident gate_up, {tokens} tokens"] = (mx.SOURCE, mx.compile_options(
                 90, 1, mx.RESIDENT_GATE_UP, early_x=mx.EARLY_X, resident=tokens, **flags))
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
+    builds["fp8 gemv, timing"] = (gf.SOURCE, gf.compile_options(trace=True))
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):
         builds[f"router, {experts} experts"] = (rt.SOURCE, rt.compile_options(experts, 2880, *rt.shape(experts, 2880)))
@@ -100,6 +101,7 @@ def test_bench_probe_compiles_with_nvrtc():
     from pdserve.bench import pdl_chain
 
     compile_cuda(pdl_chain.SOURCE, [])
+    compile_cuda(pdl_chain.BARRIER_SOURCE, [])
     compile_cuda(pdl_chain.OVERLAP_SOURCE, ["-std=c++17"])
 
 
