@@ -267,7 +267,7 @@ def chain_us(kernels: int, ctas: int, hops: int, stage: int, sync: str, replays:
 
 
 BARRIERS = {"acquire polls": 0, "relaxed polls + fence": 1, "last arriver's flag": 2}
-BARRIER_GRIDS = (1, 2)  # CTAs an SM
+BARRIER_GRIDS = (1, 2, 3)  # CTAs an SM
 
 
 @functools.cache
