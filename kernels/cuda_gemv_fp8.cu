@@ -34,7 +34,8 @@
 // does) and writes q, and k and v into each token's paged KV slot.
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
-// GF_GROUPS (commit groups a warp's weight copies are split into), GF_TRACE (1: the timing build, whose
+// GF_GROUPS (commit groups a warp's weight copies are split into), GF_X_BULK (1: the token rows come into
+// shared memory by one bulk copy a row after the wait, see `Cta::bulk_x`; 0: each warp loads its share), GF_TRACE (1: the timing build, whose
 // `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of GT_WORDS words a CTA: see `GfTrace`
 // below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
@@ -51,6 +52,9 @@
 #define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
 #define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
 
+#ifndef GF_X_BULK
+#define GF_X_BULK 0
+#endif
 #ifndef GF_TRACE
 #define GF_TRACE 0
 #endif
@@ -166,6 +170,30 @@ struct Cta {
     }
   }
 
+#if GF_X_BULK
+  // GF_X_BULK, after the wait: thread 0 brings the M token rows (bf16) into their staging places by one bulk
+  // copy a row, which stage_x then converts where they lie; every thread waits for them. Why: loaded by the
+  // warps, the rows queue behind the weight copies this CTA (and the SM's other CTAs) requested ahead of the
+  // wait, which are still streaming from memory then (bench/projection_trace.py: the token rows staged 3 us
+  // after the wait, with the weights); the bulk-copy unit does not wait for them. bar: initialised by
+  // init_bulk_x before the wait.
+  __device__ __forceinline__ void bulk_x(const u16* __restrict__ x, int stride_x, int M, u64* bar) {
+    if (threadIdx.x == 0) {
+      mbar_arrive_expect(bar, (u32)(M * K * 2));
+      for (int m = 0; m < M; m++) bulk_copy(xs + m * x_stride, x + (i64)m * stride_x, (u32)(K * 2), bar);
+    }
+    mbar_wait(bar, 0);
+  }
+
+  // before any thread waits on bar (a CTA barrier follows before the wait)
+  __device__ __forceinline__ static void init_bulk_x(u64* bar) {
+    if (threadIdx.x == 0) {
+      mbar_init(bar);
+      fence_mbar_init();
+    }
+  }
+#endif
+
   // After the wait: the warp's share of the M token rows in f16, each 64-K step times its own 2^-e
   // (xsc[m][step] = 2^e), X_BATCH 16-byte chunks a lane in flight (a lane's chunks: c over the token's
   // share, then the next token m; no divisions). A step is 8 chunks and 8 consecutive lanes always
@@ -184,7 +212,11 @@ struct Cta {
       for (int b = 0; b < X_BATCH; b++) {
         mb[b] = m;
         cb[b] = c;
+#if GF_X_BULK  // the row is already in its staging place (bulk_x): converted where it lies
+        v[b] = m < M ? *reinterpret_cast<const U4*>(xs + m * x_stride + s_lo * STEP_K * 2 + c * 16) : U4{0u, 0u, 0u, 0u};
+#else
         v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
+#endif
         for (c += 32; c >= chunks;) c -= chunks, m++;
       }
 #pragma unroll
@@ -298,7 +330,21 @@ struct Cta {
   __shared__ float red[WARPS][MAX_M][ROWS];                 \
   __shared__ float sc[WARPS][MAX_WARP_KB];                  \
   __shared__ float xsc[MAX_M][MAX_STEPS];                   \
-  __shared__ __align__(16) u16 bs[ROWS];
+  __shared__ __align__(16) u16 bs[ROWS];                    \
+  X_BULK_SHARED
+
+#if GF_X_BULK
+#define X_BULK_SHARED __shared__ __align__(8) u64 xbar;  // bulk_x's barrier
+// the token rows' barrier initialised with the weights' requests, the CTA's barrier making it visible before the wait
+#define X_BULK_INIT Cta::init_bulk_x(&xbar)
+#define X_BULK_READY __syncthreads()
+#define STAGE_X(cta, x, stride_x, M) (cta).bulk_x(x, stride_x, M, &xbar), (cta).stage_x(x, stride_x, M)
+#else
+#define X_BULK_SHARED
+#define X_BULK_INIT do { } while (0)
+#define X_BULK_READY do { } while (0)
+#define STAGE_X(cta, x, stride_x, M) (cta).stage_x(x, stride_x, M)
+#endif
 
 // out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
 // x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
@@ -313,11 +359,13 @@ gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restric
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
   GF_STAMP(cta.rec, GT_START);
+  X_BULK_INIT;
   cta.request(scale, bias, false);
+  X_BULK_READY;
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x is written by the kernel before this one
   GF_STAMP(cta.rec, GT_PDL);
-  cta.stage_x(x, stride_x, M);
+  STAGE_X(cta, x, stride_x, M);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   for (int t = threadIdx.x; t < M * ROWS; t += THREADS) {
@@ -350,7 +398,9 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
   GF_STAMP(cta.rec, GT_START);
+  X_BULK_INIT;
   cta.request(scale, bias, true);
+  X_BULK_READY;
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x, positions and slots are written before this kernel
   GF_STAMP(cta.rec, GT_PDL);
@@ -367,7 +417,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
     }
     if (h >= HQ) slot = load_input(slots + m);
   }
-  cta.stage_x(x, stride_x, M);
+  STAGE_X(cta, x, stride_x, M);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   GF_STAMP(cta.rec, GT_SM);  // (thread 0 is an epilogue thread: it stamps the end too)
@@ -455,10 +505,12 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
       sp = scale + (((i64)lg * STREAM_ROWS) >> 7) * kb_total;
     }
   };
+  X_BULK_INIT;
 #pragma unroll
   for (int i = 0; i < STREAM_D; i++) request(ring[i], true);
+  X_BULK_READY;
   enter_pdl();  // x is written by the kernel before this one
-  cta.stage_x(x, stride_x, M);
+  STAGE_X(cta, x, stride_x, M);
   __syncthreads();  // every warp reads all of K of the token rows
   // B column g: token g (tokens past M: token 0's; their sums are not kept); D columns: tokens t0, t0 + 1
   const unsigned char* xr = cta.xs + (g < M ? g : 0) * x_stride + tig * 32;

@@ -83,14 +83,22 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE)."""
+# The token rows come into shared memory after the PDL wait by one bulk copy a row (the .cu file's GF_X_BULK)
+# rather than loaded by each warp: loaded, they queue behind the weight copies requested ahead of the wait
+# (bench/projection_trace.py: staged 3 us after the wait in a 120b step, as the weights landed)
+X_BULK = False
+
+
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False,
+                    x_bulk: bool = False) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE);
+    x_bulk: GF_X_BULK."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
     return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
-            f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", "-std=c++17"]
+            f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", f"-DGF_X_BULK={int(x_bulk)}", "-std=c++17"]
 
 
 # The timing build (bench/projection_trace.py; never in the engine): while TRACE holds a Trace, `gemv_fp8` and
@@ -133,13 +141,13 @@ def _traced(entry: str, ctas: int) -> tuple[dict, list]:
 
 
 def _kernels(device_index: int, trace: bool = False) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH, trace)
+    return _build(device_index, GROUPS, STREAM_DEPTH, trace, X_BULK)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False, x_bulk: bool = False) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth, trace), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth, trace, x_bulk), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -193,7 +201,7 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(cdiv(n // STREAM_ROWS, WARPS), sms * ctas_per_sm))
-    launch_cuda(_build(_index(x), GROUPS, depth)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
+    launch_cuda(_build(_index(x), GROUPS, depth, False, X_BULK)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
                 m * x_stride(k), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, n, k, x_stride(k)])
     return out
