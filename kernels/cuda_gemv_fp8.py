@@ -52,7 +52,8 @@ MAX_WARP_KB = 17  # 128-wide scale blocks a warp's share of K touches (K <= MAX_
 # the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
 # two (a token and 64-K step), the bf16 biases
 STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_KB + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
-MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
+BULK_BARRIER = 16  # the X_BULK build's barrier for its token rows' copies (8 bytes, 16-byte aligned)
+MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED - BULK_BARRIER  # every build's bound
 
 
 def w_stride(k: int) -> int:

@@ -336,10 +336,12 @@ def test_fp8_gemv_with_x_by_bulk_copy_takes_the_token_rows_by_the_bulk_unit_afte
     """GF_X_BULK: ahead of the wait the same weight requests as the default build and no bulk copy; after it
     one bulk copy a token row (UBLKCP) and the wait on its barrier, and no load of x by the warps: nothing of x
     goes through the load / store unit behind the weight copies."""
-    from pdserve.kernels.cuda_gemv_fp8 import SOURCE, compile_options
+    from pdserve.kernels.cuda_gemv_fp8 import BULK_BARRIER, SOURCE, STATIC_SHARED, compile_options
 
     cubin, report = compile_cuda(SOURCE.read_text(), compile_options(x_bulk=True))
     assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
+    # the barrier is the static shared memory the module's dynamic bound leaves room for
+    assert max(int(v) for v in re.findall(r"(\d+) bytes smem", report)) == STATIC_SHARED + BULK_BARRIER, report
     base, _ = compile_cuda(SOURCE.read_text(), compile_options())
     ops, base_ops = _sass(cubin, tmp_path, entry), _sass(base, tmp_path, entry)
     wait = ops.index("ACQBULK")
