@@ -35,9 +35,9 @@
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
 // GF_GROUPS (commit groups a warp's weight copies are split into), GF_X_BULK (1: the token rows come into
-// shared memory by one bulk copy a row after the wait, see `Cta::bulk_x`; 0: each warp loads its share), GF_TRACE (1: the timing build, whose
-// `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of GT_WORDS words a CTA: see `GfTrace`
-// below; bench/projection_trace.py, never in the engine).
+// shared memory by one bulk copy a row after the wait, see `Cta::bulk_x`; 0: each warp loads its share),
+// GF_TRACE (1: the timing build, whose `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of
+// GT_WORDS words a CTA: see `GfTrace` below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
 
 #include "cuda_common.cuh"
@@ -245,9 +245,7 @@ struct Cta {
       }
     }
     __syncwarp();
-#if GF_TRACE
     GF_STAMP(rec, GT_STAGED);
-#endif
   }
 
   // Step s of token row xr against weight row wr: four mmas in two chains (K 4i .. 4i + 3 of the lane's
@@ -286,9 +284,7 @@ struct Cta {
         wait_groups(GROUPS - 1 - q);
         __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
         q++;
-#if GF_TRACE
         if (q == GROUPS) GF_STAMP(rec, GT_LANDED);
-#endif
       }
     };
     // 2 steps a 128-wide scale block
