@@ -8,10 +8,14 @@
 // conversion turns two e4m3 weights into an f16 tensor-core operand in one instruction (a first version
 // built bf16 operands in three integer instructions a pair and was bound by them: docs/kernels.md).
 //
-// Shape: a CTA owns ROWS = 8 weight rows (the 8 columns of B of mma.sync m16n8k16) and its 4 warps
-// split K in steps of 64. In a step, lane (g, tig) reads 16 weight bytes of row g (16 K) and the same
-// 16 K of token g (A's rows 0-7), and feeds four mmas (f16 in, float32 accumulate); the K order inside
-// an mma is permuted alike for A and B. Each warp copies its share of the 8 rows into shared memory
+// Shape: a CTA owns ROWS = 8 weight rows and its 4 warps split K in steps of 64, which they take in
+// pairs (GF_PAIRED): the weights are the A of mma.sync m16n8k16 (f16 in, float32 accumulate), rows g
+// holding row g's step s and rows g + 8 its step s + 1; B's 8 columns are 4 tokens' steps s and s + 1.
+// Lane (g, tig) reads 16 weight bytes of row g (16 K) in each step and 16 K of its column's token and
+// step, and feeds four mmas; the K order inside an mma is permuted alike for A and B. D's diagonal
+// blocks are the sums: lane (g, tig) ends with token tig's sums of row g (more tokens: passes of four).
+// (GF_PAIRED 0, the first layout: the tokens as A's rows 0-7, the 8 rows as B's columns, a step at a
+// time.) Each warp copies its share of the 8 rows into shared memory
 // (16-byte cp.async, consecutive lanes on consecutive bytes of a row), all of it ahead of the PDL wait
 // (weights never change: kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream
 // while the kernels before run (the QKV launches at the start of the RMSNorm before it, so during the
@@ -48,15 +52,21 @@
 #define MAX_M GF_MAX_M
 #define STEP_K 64        // K of one step of a warp: 4 lanes x 16 bytes
 #define GROUPS GF_GROUPS  // commit groups of a warp's weight copies (1-4)
-#define MAX_WARP_KB 17   // 128-wide K blocks a warp's share touches (K <= 8192: 32 steps)
+#define MAX_WARP_STEPS 32  // 64-K steps of a warp's share (K <= 8192)
 #define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
 #define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
+// CTAs an SM the staged entries are compiled for (register bound 128; QKV's 640 CTAs need 5 an SM, O's 360 3):
+// without it ptxas gave the RoPE entry of the paired sums 56 registers and one spill
+#define MIN_CTAS 4
 
 #ifndef GF_X_BULK
 #define GF_X_BULK 0
 #endif
 #ifndef GF_TRACE
 #define GF_TRACE 0
+#endif
+#ifndef GF_PAIRED
+#define GF_PAIRED 1
 #endif
 #if GF_TRACE
 // A CTA's record, written by its thread 0 (%globaltimer ns unless said): its start, its weight copies
@@ -117,7 +127,7 @@ struct Cta {
   Rows rows;
   unsigned char* ws;
   unsigned char* xs;
-  float (*sc)[MAX_WARP_KB];
+  float (*sc)[MAX_WARP_STEPS];
   float (*xsc)[MAX_STEPS];
   u16* bs;
   float (*red)[MAX_M][ROWS];
@@ -127,7 +137,7 @@ struct Cta {
 #endif
 
   __device__ __forceinline__ Cta(const unsigned char* w_, int K_, int w_stride_, int x_stride_, Rows rows_,
-                                 unsigned char* smem, float (*sc_)[MAX_WARP_KB], float (*xsc_)[MAX_STEPS], u16* bs_,
+                                 unsigned char* smem, float (*sc_)[MAX_WARP_STEPS], float (*xsc_)[MAX_STEPS], u16* bs_,
                                  float (*red_)[MAX_M][ROWS])
       : w(w_), K(K_), w_stride(w_stride_), x_stride(x_stride_), rows(rows_), ws(smem), xs(smem + ROWS * w_stride_),
         sc(sc_), xsc(xsc_), bs(bs_), red(red_) {
@@ -145,8 +155,8 @@ struct Cta {
   // warp's block scales and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
   __device__ __forceinline__ void request(const float* __restrict__ scale, const u16* __restrict__ bias,
                                           bool bias_pairs) {
-    const int kb_total = (K + 127) / 128, kb0 = s_lo / 2, kb1 = (s_hi - 1) / 2;
-    if (lane <= kb1 - kb0) copy_small<4>(&sc[warp][lane], scale + (rows(0) / 128) * kb_total + kb0 + lane);
+    const int kb_total = (K + 127) / 128;  // sc[warp][i]: the block scale of step s_lo + i
+    if (lane < s_hi - s_lo) copy_small<4>(&sc[warp][lane], scale + (rows(0) / 128) * kb_total + (s_lo + lane) / 2);
     if (warp == 0 && bias != nullptr) {
       if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
       if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
@@ -248,6 +258,90 @@ struct Cta {
     GF_STAMP(rec, GT_STAGED);
   }
 
+#if GF_PAIRED
+  // Steps s and sb (s + 1; or s again at the end of the warp's share) of the 8 weight rows, as the mma's A:
+  // rows g are row g's 16 bytes of step s, rows g + 8 row g's of step sb (the F2FP conversions write A's
+  // registers directly); B column j is lane g = j's x at xr (its token, step s or s + 1). Four mmas in one
+  // chain from zero: d[0] = D[g][2 tig] (step s), d[3] = D[g + 8][2 tig + 1] (step sb), the other two unused.
+  __device__ __forceinline__ void pair(const unsigned char* wr, const unsigned char* xr, int s, int sb,
+                                       float d[4]) const {
+    const U4 wa = *reinterpret_cast<const U4*>(wr + s * STEP_K);
+    const U4 wb = *reinterpret_cast<const U4*>(wr + sb * STEP_K);
+    const U4 xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
+    const U4 xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
+    u32 a[8], b[8];  // word j of steps s (a) and sb (b): f16x2 of the lane's bytes 2j, 2j + 1
+    e4m3x4_f16x2(wa.x, a[0], a[1]);
+    e4m3x4_f16x2(wa.y, a[2], a[3]);
+    e4m3x4_f16x2(wa.z, a[4], a[5]);
+    e4m3x4_f16x2(wa.w, a[6], a[7]);
+    e4m3x4_f16x2(wb.x, b[0], b[1]);
+    e4m3x4_f16x2(wb.y, b[2], b[3]);
+    e4m3x4_f16x2(wb.z, b[4], b[5]);
+    e4m3x4_f16x2(wb.w, b[6], b[7]);
+    d[0] = d[1] = d[2] = d[3] = 0.f;
+    mma<true>(d, a[0], b[0], a[1], b[1], xa.x, xa.y);
+    mma<true>(d, a[2], b[2], a[3], b[3], xa.z, xa.w);
+    mma<true>(d, a[4], b[4], a[5], b[5], xb.x, xb.y);
+    mma<true>(d, a[6], b[6], a[7], b[7], xb.z, xb.w);
+  }
+
+  // The warp's steps in pairs (two pairs at a time: two independent mma chains), each group's once the warp's
+  // copies of it have landed; tokens four at a time (B's 8 columns: a token's step s and step s + 1), so lane
+  // (g, tig) sums token 4 pass + tig of row g; the warp's sums into red. Why pairs: with the tokens as A's
+  // rows (8 of 16 used, the rest zeros re-made around every mma) a 2-step loop was 129 instructions and the
+  // sums, bound by their issue, took about 2 us of a QKV launch after its bytes had landed.
+  __device__ __forceinline__ void sum(int M) {
+    int q = 0;                  // groups waited for
+    auto landed = [&](int s) {  // the groups holding steps up to s
+      while (q < GROUPS && s >= s_lo + q * per_group) {
+        wait_groups(GROUPS - 1 - q);
+        __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
+        q++;
+        if (q == GROUPS) GF_STAMP(rec, GT_LANDED);
+      }
+    };
+    for (int t0 = 0; t0 < M; t0 += 4) {
+      const int col = t0 + (g >> 1), t = t0 + tig;  // B's token (lane g); D's token (lane tig)
+      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x (past M: token
+      // 0's, unused; odd columns one step ahead), its D token's steps' powers of two and the block scales
+      const unsigned char* wr = ws + g * w_stride + tig * 16 + s_lo * STEP_K;
+      const unsigned char* xe = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K;
+      const unsigned char* xp = xe + (g & 1) * 2 * STEP_K;
+      const float* xp2 = xsc[t < M ? t : 0] + s_lo;
+      const float* wsc = sc[warp];
+      float acc = 0.f;
+      int s = s_lo;
+      for (; s + 3 < s_hi; s += 4) {
+        landed(s + 3);
+        float d[4], e[4];
+        pair(wr, xp, 0, 1, d);
+        pair(wr, xp, 2, 3, e);
+        acc = fmaf(d[0], wsc[0] * xp2[0], acc);
+        acc = fmaf(d[3], wsc[1] * xp2[1], acc);
+        acc = fmaf(e[0], wsc[2] * xp2[2], acc);
+        acc = fmaf(e[3], wsc[3] * xp2[3], acc);
+        wr += 4 * STEP_K, xp += 8 * STEP_K, xe += 8 * STEP_K, xp2 += 4, wsc += 4;
+      }
+      if (s + 1 < s_hi) {
+        landed(s + 1);
+        float d[4];
+        pair(wr, xp, 0, 1, d);
+        acc = fmaf(d[0], wsc[0] * xp2[0], acc);
+        acc = fmaf(d[3], wsc[1] * xp2[1], acc);
+        wr += 2 * STEP_K, xe += 4 * STEP_K, xp2 += 2, wsc += 2;
+        s += 2;
+      }
+      if (s < s_hi) {  // the share's last step alone: the odd columns read step s too (in bounds), unused
+        landed(s);
+        float d[4];
+        pair(wr, xe, 0, 0, d);
+        acc = fmaf(d[0], wsc[0] * xp2[0], acc);
+      }
+      if (t < M) red[warp][t][g] = acc;
+    }
+    __syncthreads();
+  }
+#else
   // Step s of token row xr against weight row wr: four mmas in two chains (K 4i .. 4i + 3 of the lane's
   // 16: x pairs (4i, 4i+1), (4i+2, 4i+3) and the same bytes), times the step's scales. d0, d1: token g
   // against weight rows 2 tig, 2 tig + 1 (the mmas' d[2], d[3] are A's zero rows 8-15).
@@ -276,7 +370,6 @@ struct Cta {
     const int m = g < M ? g : 0;  // A's rows of tokens past M: token 0's (their sums are not kept)
     const unsigned char* wr = ws + g * w_stride + tig * 16;
     const unsigned char* xr = xs + m * x_stride + tig * 32;
-    const int kb0 = s_lo / 2;
     float acc0 = 0.f, acc1 = 0.f;  // token g, weight rows 2 tig and 2 tig + 1
     int q = 0;                     // groups waited for
     auto landed = [&](int s) {     // the groups holding steps up to s
@@ -287,8 +380,7 @@ struct Cta {
         if (q == GROUPS) GF_STAMP(rec, GT_LANDED);
       }
     };
-    // 2 steps a 128-wide scale block
-    auto scale = [&](int s) { return sc[warp][(s >> 1) - kb0] * xsc[m][s]; };
+    auto scale = [&](int s) { return sc[warp][s - s_lo] * xsc[m][s]; };
     int s = s_lo;
     for (; s + 1 < s_hi; s += 2) {
       landed(s + 1);
@@ -311,6 +403,7 @@ struct Cta {
     }
     __syncthreads();
   }
+#endif
 
   // token m's total for row r: the warps' sums in order, then the bias (float32)
   __device__ __forceinline__ float total(int m, int r, bool has_bias) const {
@@ -324,7 +417,7 @@ struct Cta {
 #define CTA_SHARED                                          \
   extern __shared__ __align__(16) unsigned char smem[];     \
   __shared__ float red[WARPS][MAX_M][ROWS];                 \
-  __shared__ float sc[WARPS][MAX_WARP_KB];                  \
+  __shared__ float sc[WARPS][MAX_WARP_STEPS];               \
   __shared__ float xsc[MAX_M][MAX_STEPS];                   \
   __shared__ __align__(16) u16 bs[ROWS];                    \
   X_BULK_SHARED
@@ -345,7 +438,7 @@ struct Cta {
 // out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
 // x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
 // float32, bias [N] bf16 or null, out [M, N] bf16 (row stride stride_out); K a multiple of 64.
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride
          GF_TRACE_PARAM) {
@@ -380,7 +473,7 @@ __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(
 // projection's output), then q and k heads rotated (half-split, cos / sin [positions, D/2] float32
 // tables rounded to bf16, each product and each sum rounded to bf16): q heads to q [M, HQ, D], k and
 // v heads into the KV slot slots[m] of layer_cache [blocks, 2, page, HKV, D] (K at 0, V at 1).
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w,
               const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
               const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
