@@ -223,15 +223,6 @@ SETTINGS = {
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
-    # the FP8 GEMVs' token rows by one bulk copy a row after the wait (cuda_gemv_fp8.X_BULK), with their weight
-    # copies in one, two or four commit groups a warp (with x no longer behind the weights, the sums of the
-    # groups that have landed can go first)
-    "fp8 gemv x by bulk copy": _setting({(cuda_gemv_fp8, "X_BULK"): True}),
-    "fp8 gemv x by bulk copy + two groups": _setting({(cuda_gemv_fp8, "X_BULK"): True, (cuda_gemv_fp8, "GROUPS"): 2}),
-    "fp8 gemv x by bulk copy + four groups": _setting({(cuda_gemv_fp8, "X_BULK"): True, (cuda_gemv_fp8, "GROUPS"): 4}),
-    # the FP8 GEMVs' sums a step at a time with the tokens as the mma's A rows (cuda_gemv_fp8.PAIRED off), not two
-    # steps of the weights as A
-    "fp8 gemv single steps": _setting({(cuda_gemv_fp8, "PAIRED"): False}),
     # grouped MXFP4 launches with each group's sum rescaled in float32 (2 pairs an mma), not with the
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches

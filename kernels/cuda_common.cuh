@@ -131,29 +131,6 @@ __device__ __forceinline__ void prefetch_l2_share(const void* p, unsigned bytes)
                : "memory");
 }
 
-// A transaction-count barrier in shared memory (Hopper's mbarrier) for bulk copies: one thread initialises it
-// for one arrival (then fence_mbar_init, before any copy names it), arms it with the bytes its copies will
-// bring (the arrival), issues them; every thread waits for its phase to complete.
-__device__ __forceinline__ void mbar_init(u64* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive_expect(u64* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n\tWAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT;\n\t}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by the SM's bulk-copy
-// unit, counted on `bar`: not through the load / store unit, so not queued behind its copies and loads
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-
 // The two halves of PDL: the wait for the kernel before (and its memory), and the next kernel's launch
 __device__ __forceinline__ void wait_pdl() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -9,13 +9,13 @@
 // built bf16 operands in three integer instructions a pair and was bound by them: docs/kernels.md).
 //
 // Shape: a CTA owns ROWS = 8 weight rows and its 4 warps split K in steps of 64, which they take in
-// pairs (GF_PAIRED): the weights are the A of mma.sync m16n8k16 (f16 in, float32 accumulate), rows g
+// pairs: the weights are the A of mma.sync m16n8k16 (f16 in, float32 accumulate), rows g
 // holding row g's step s and rows g + 8 its step s + 1; B's 8 columns are 4 tokens' steps s and s + 1.
 // Lane (g, tig) reads 16 weight bytes of row g (16 K) in each step and 16 K of its column's token and
 // step, and feeds four mmas; the K order inside an mma is permuted alike for A and B. D's diagonal
 // blocks are the sums: lane (g, tig) ends with token tig's sums of row g (more tokens: passes of four).
-// (GF_PAIRED 0, the first layout: the tokens as A's rows 0-7, the 8 rows as B's columns, a step at a
-// time.) Each warp copies its share of the 8 rows into shared memory
+// (The first layout, the tokens as A's rows 0-7 and the 8 rows as B's columns a step at a time, spent
+// most of its instructions re-making A's zero rows: docs/kernels.md, item 63.) Each warp copies its share of the 8 rows into shared memory
 // (16-byte cp.async, consecutive lanes on consecutive bytes of a row), all of it ahead of the PDL wait
 // (weights never change: kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream
 // while the kernels before run (the QKV launches at the start of the RMSNorm before it, so during the
@@ -38,9 +38,7 @@
 // does) and writes q, and k and v into each token's paged KV slot.
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
-// GF_GROUPS (commit groups a warp's weight copies are split into), GF_X_BULK (1: the token rows come into
-// shared memory by one bulk copy a row after the wait, see `Cta::bulk_x`; 0: each warp loads its share),
-// GF_TRACE (1: the timing build, whose `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of
+// GF_GROUPS (commit groups a warp's weight copies are split into), GF_TRACE (1: the timing build, whose `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of
 // GT_WORDS words a CTA: see `GfTrace` below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
 
@@ -59,14 +57,8 @@
 // without it ptxas gave the RoPE entry of the paired sums 56 registers and one spill
 #define MIN_CTAS 4
 
-#ifndef GF_X_BULK
-#define GF_X_BULK 0
-#endif
 #ifndef GF_TRACE
 #define GF_TRACE 0
-#endif
-#ifndef GF_PAIRED
-#define GF_PAIRED 1
 #endif
 #if GF_TRACE
 // A CTA's record, written by its thread 0 (%globaltimer ns unless said): its start, its weight copies
@@ -161,48 +153,22 @@ struct Cta {
       if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
       if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
     }
-    // consecutive lanes on consecutive 16 bytes of a row's share of the group (c: the lane's chunk of
-    // row r, carried over from row to row: no divisions)
+    // row by row, consecutive lanes on consecutive 16 bytes of the row's share of the group (a row's
+    // addresses once, then a pointer increment a copy: the copies of the first layout, carried over from row
+    // to row, executed about 50 instructions each)
 #pragma unroll 1
     for (int q = 0; q < GROUPS; q++) {
       const int a = s_lo + q * per_group, b = min(a + per_group, s_hi), per_row = max(b - a, 0) * (STEP_K / 16);
-      for (int r = 0, c = lane; r < ROWS;) {
-        if (c < per_row) {
-          const int o = a * STEP_K + c * 16;
-          copy16(ws + r * w_stride + o, w + rows(r) * K + o);
-          c += 32;
-        } else {
-          c -= per_row;
-          r++;
-        }
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) {
+        const unsigned char* src = w + rows(r) * K + a * STEP_K + lane * 16;
+        unsigned char* dst = ws + r * w_stride + a * STEP_K + lane * 16;
+#pragma unroll 1
+        for (int c = lane; c < per_row; c += 32, src += 512, dst += 512) copy16(dst, src);
       }
       commit();
     }
   }
-
-#if GF_X_BULK
-  // GF_X_BULK, after the wait: thread 0 brings the M token rows (bf16) into their staging places by one bulk
-  // copy a row, which stage_x then converts where they lie; every thread waits for them. Why: loaded by the
-  // warps, the rows queue behind the weight copies this CTA (and the SM's other CTAs) requested ahead of the
-  // wait, which are still streaming from memory then (bench/projection_trace.py: the token rows staged 3 us
-  // after the wait, with the weights); the bulk-copy unit does not wait for them. bar: initialised by
-  // init_bulk_x before the wait.
-  __device__ __forceinline__ void bulk_x(const u16* __restrict__ x, int stride_x, int M, u64* bar) {
-    if (threadIdx.x == 0) {
-      mbar_arrive_expect(bar, (u32)(M * K * 2));
-      for (int m = 0; m < M; m++) bulk_copy(xs + m * x_stride, x + (i64)m * stride_x, (u32)(K * 2), bar);
-    }
-    mbar_wait(bar, 0);
-  }
-
-  // before any thread waits on bar (a CTA barrier follows before the wait)
-  __device__ __forceinline__ static void init_bulk_x(u64* bar) {
-    if (threadIdx.x == 0) {
-      mbar_init(bar);
-      fence_mbar_init();
-    }
-  }
-#endif
 
   // After the wait: the warp's share of the M token rows in f16, each 64-K step times its own 2^-e
   // (xsc[m][step] = 2^e), X_BATCH 16-byte chunks a lane in flight (a lane's chunks: c over the token's
@@ -222,15 +188,12 @@ struct Cta {
       for (int b = 0; b < X_BATCH; b++) {
         mb[b] = m;
         cb[b] = c;
-#if GF_X_BULK  // the row is already in its staging place (bulk_x): converted where it lies
-        v[b] = m < M ? *reinterpret_cast<const U4*>(xs + m * x_stride + s_lo * STEP_K * 2 + c * 16) : U4{0u, 0u, 0u, 0u};
-#else
         v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
-#endif
         for (c += 32; c >= chunks;) c -= chunks, m++;
       }
 #pragma unroll
       for (int b = 0; b < X_BATCH; b++) {
+        if ((round * X_BATCH + b) * 32 >= M * chunks) break;  // no lane has a chunk here (the same for all)
         const u32 pairs[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
         float f[8], big = 0.f;
 #pragma unroll
@@ -258,7 +221,6 @@ struct Cta {
     GF_STAMP(rec, GT_STAGED);
   }
 
-#if GF_PAIRED
   // Steps s and sb (s + 1; or s again at the end of the warp's share) of the 8 weight rows, as the mma's A:
   // rows g are row g's 16 bytes of step s, rows g + 8 row g's of step sb (the F2FP conversions write A's
   // registers directly); B column j is lane g = j's x at xr (its token, step s or s + 1). Four mmas in one
@@ -341,69 +303,6 @@ struct Cta {
     }
     __syncthreads();
   }
-#else
-  // Step s of token row xr against weight row wr: four mmas in two chains (K 4i .. 4i + 3 of the lane's
-  // 16: x pairs (4i, 4i+1), (4i+2, 4i+3) and the same bytes), times the step's scales. d0, d1: token g
-  // against weight rows 2 tig, 2 tig + 1 (the mmas' d[2], d[3] are A's zero rows 8-15).
-  __device__ __forceinline__ void step(const unsigned char* wr, const unsigned char* xr, int s, float scale,
-                                       float& d0, float& d1) const {
-    const U4 wv = *reinterpret_cast<const U4*>(wr + s * STEP_K);
-    const U4 xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
-    const U4 xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
-    u32 b[8];
-    e4m3x4_f16x2(wv.x, b[0], b[1]);
-    e4m3x4_f16x2(wv.y, b[2], b[3]);
-    e4m3x4_f16x2(wv.z, b[4], b[5]);
-    e4m3x4_f16x2(wv.w, b[6], b[7]);
-    float p[4] = {0.f, 0.f, 0.f, 0.f}, q[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_rows0_7<true>(p, xa.x, xa.y, b[0], b[1]);
-    mma_rows0_7<true>(q, xa.z, xa.w, b[2], b[3]);
-    mma_rows0_7<true>(p, xb.x, xb.y, b[4], b[5]);
-    mma_rows0_7<true>(q, xb.z, xb.w, b[6], b[7]);
-    d0 = (p[0] + q[0]) * scale;
-    d1 = (p[1] + q[1]) * scale;
-  }
-
-  // The warp's steps, two at a time (four independent mma chains), each group's once the warp's copies
-  // of it have landed; the warp's sums into red
-  __device__ __forceinline__ void sum(int M) {
-    const int m = g < M ? g : 0;  // A's rows of tokens past M: token 0's (their sums are not kept)
-    const unsigned char* wr = ws + g * w_stride + tig * 16;
-    const unsigned char* xr = xs + m * x_stride + tig * 32;
-    float acc0 = 0.f, acc1 = 0.f;  // token g, weight rows 2 tig and 2 tig + 1
-    int q = 0;                     // groups waited for
-    auto landed = [&](int s) {     // the groups holding steps up to s
-      while (q < GROUPS && s >= s_lo + q * per_group) {
-        wait_groups(GROUPS - 1 - q);
-        __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
-        q++;
-        if (q == GROUPS) GF_STAMP(rec, GT_LANDED);
-      }
-    };
-    auto scale = [&](int s) { return sc[warp][s - s_lo] * xsc[m][s]; };
-    int s = s_lo;
-    for (; s + 1 < s_hi; s += 2) {
-      landed(s + 1);
-      float a0, a1, b0, b1;
-      step(wr, xr, s, scale(s), a0, a1);
-      step(wr, xr, s + 1, scale(s + 1), b0, b1);
-      acc0 += a0 + b0;
-      acc1 += a1 + b1;
-    }
-    if (s < s_hi) {
-      landed(s);
-      float a0, a1;
-      step(wr, xr, s, scale(s), a0, a1);
-      acc0 += a0;
-      acc1 += a1;
-    }
-    if (g < M) {
-      red[warp][g][2 * tig] = acc0;
-      red[warp][g][2 * tig + 1] = acc1;
-    }
-    __syncthreads();
-  }
-#endif
 
   // token m's total for row r: the warps' sums in order, then the bias (float32)
   __device__ __forceinline__ float total(int m, int r, bool has_bias) const {
@@ -419,21 +318,8 @@ struct Cta {
   __shared__ float red[WARPS][MAX_M][ROWS];                 \
   __shared__ float sc[WARPS][MAX_WARP_STEPS];               \
   __shared__ float xsc[MAX_M][MAX_STEPS];                   \
-  __shared__ __align__(16) u16 bs[ROWS];                    \
-  X_BULK_SHARED
+  __shared__ __align__(16) u16 bs[ROWS];
 
-#if GF_X_BULK
-#define X_BULK_SHARED __shared__ __align__(8) u64 xbar;  // bulk_x's barrier
-// the token rows' barrier initialised with the weights' requests, the CTA's barrier making it visible before the wait
-#define X_BULK_INIT Cta::init_bulk_x(&xbar)
-#define X_BULK_READY __syncthreads()
-#define STAGE_X(cta, x, stride_x, M) (cta).bulk_x(x, stride_x, M, &xbar), (cta).stage_x(x, stride_x, M)
-#else
-#define X_BULK_SHARED
-#define X_BULK_INIT do { } while (0)
-#define X_BULK_READY do { } while (0)
-#define STAGE_X(cta, x, stride_x, M) (cta).stage_x(x, stride_x, M)
-#endif
 
 // out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
 // x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
@@ -448,13 +334,11 @@ gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restric
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
   GF_STAMP(cta.rec, GT_START);
-  X_BULK_INIT;
   cta.request(scale, bias, false);
-  X_BULK_READY;
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x is written by the kernel before this one
   GF_STAMP(cta.rec, GT_PDL);
-  STAGE_X(cta, x, stride_x, M);
+  cta.stage_x(x, stride_x, M);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   for (int t = threadIdx.x; t < M * ROWS; t += THREADS) {
@@ -487,9 +371,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
   GF_STAMP(cta.rec, GT_START);
-  X_BULK_INIT;
   cta.request(scale, bias, true);
-  X_BULK_READY;
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x, positions and slots are written before this kernel
   GF_STAMP(cta.rec, GT_PDL);
@@ -506,7 +388,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
     }
     if (h >= HQ) slot = load_input(slots + m);
   }
-  STAGE_X(cta, x, stride_x, M);
+  cta.stage_x(x, stride_x, M);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   GF_STAMP(cta.rec, GT_SM);  // (thread 0 is an epilogue thread: it stamps the end too)
@@ -594,12 +476,10 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
       sp = scale + (((i64)lg * STREAM_ROWS) >> 7) * kb_total;
     }
   };
-  X_BULK_INIT;
 #pragma unroll
   for (int i = 0; i < STREAM_D; i++) request(ring[i], true);
-  X_BULK_READY;
   enter_pdl();  // x is written by the kernel before this one
-  STAGE_X(cta, x, stride_x, M);
+  cta.stage_x(x, stride_x, M);
   __syncthreads();  // every warp reads all of K of the token rows
   // B column g: token g (tokens past M: token 0's; their sums are not kept); D columns: tokens t0, t0 + 1
   const unsigned char* xr = cta.xs + (g < M ? g : 0) * x_stride + tig * 32;

@@ -52,8 +52,7 @@ MAX_WARP_STEPS = 32  # 64-K steps of a warp's share of K (K <= MAX_K), each with
 # the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
 # two (a token and 64-K step), the bf16 biases
 STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_STEPS + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
-BULK_BARRIER = 16  # the X_BULK build's barrier for its token rows' copies (8 bytes, 16-byte aligned)
-MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED - BULK_BARRIER  # every build's bound
+MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
 
 
 def w_stride(k: int) -> int:
@@ -84,27 +83,14 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-# The token rows come into shared memory after the PDL wait by one bulk copy a row (the .cu file's GF_X_BULK)
-# rather than loaded by each warp: loaded, they queue behind the weight copies requested ahead of the wait
-# (bench/projection_trace.py: staged 3 us after the wait in a 120b step, as the weights landed)
-X_BULK = False
-# The sums take the weights as the mma's A, two steps of a row in its two row halves, and four tokens' two
-# steps as B's columns (the .cu file's GF_PAIRED); False: the tokens as A's rows 0-7, whose zero rows 8-15
-# were re-made around every mma (129 instructions a two-step loop, the sums bound by their issue)
-PAIRED = True
-
-
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False,
-                    x_bulk: bool = False, paired: bool = True) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE);
-    x_bulk: GF_X_BULK; paired: GF_PAIRED."""
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE)."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
     return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
-            f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", f"-DGF_X_BULK={int(x_bulk)}",
-            f"-DGF_PAIRED={int(paired)}", "-std=c++17"]
+            f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", "-std=c++17"]
 
 
 # The timing build (bench/projection_trace.py; never in the engine): while TRACE holds a Trace, `gemv_fp8` and
@@ -147,14 +133,13 @@ def _traced(entry: str, ctas: int) -> tuple[dict, list]:
 
 
 def _kernels(device_index: int, trace: bool = False) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH, trace, X_BULK, PAIRED)
+    return _build(device_index, GROUPS, STREAM_DEPTH, trace)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False, x_bulk: bool = False,
-           paired: bool = True) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth, trace, x_bulk, paired), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth, trace), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -208,7 +193,7 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(cdiv(n // STREAM_ROWS, WARPS), sms * ctas_per_sm))
-    launch_cuda(_build(_index(x), GROUPS, depth, False, X_BULK, PAIRED)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
+    launch_cuda(_build(_index(x), GROUPS, depth)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
                 m * x_stride(k), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, n, k, x_stride(k)])
     return out

@@ -331,28 +331,6 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
         assert "LDG.E.64.STRONG.GPU" in late, "positions / slots not read after the wait through L2"
 
 
-@pytest.mark.parametrize("entry", ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"])
-def test_fp8_gemv_with_x_by_bulk_copy_takes_the_token_rows_by_the_bulk_unit_after_the_wait(entry, tmp_path):
-    """GF_X_BULK: ahead of the wait the same weight requests as the default build and no bulk copy; after it
-    one bulk copy a token row (UBLKCP) and the wait on its barrier, and no load of x by the warps: nothing of x
-    goes through the load / store unit behind the weight copies."""
-    from pdserve.kernels.cuda_gemv_fp8 import BULK_BARRIER, SOURCE, STATIC_SHARED, compile_options
-
-    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(x_bulk=True))
-    assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
-    # the barrier is the static shared memory the module's dynamic bound leaves room for
-    assert max(int(v) for v in re.findall(r"(\d+) bytes smem", report)) == STATIC_SHARED + BULK_BARRIER, report
-    base, _ = compile_cuda(SOURCE.read_text(), compile_options())
-    ops, base_ops = _sass(cubin, tmp_path, entry), _sass(base, tmp_path, entry)
-    wait = ops.index("ACQBULK")
-    assert sorted(_loads_before_wait(ops)) == sorted(_loads_before_wait(base_ops))
-    assert not any(op.startswith("UBLKCP") for op in ops[:wait])
-    late = ops[wait:]
-    assert any(op.startswith("UBLKCP") for op in late), "no bulk copy of x after the wait"
-    assert any(op.startswith("SYNCS.PHASECHK") for op in late), "no wait on the bulk copies' barrier"
-    assert "LDG.E.128.STRONG.GPU" not in late, "x still loaded by the warps"
-
-
 def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_after_it(tmp_path):
     """cuda_gemv_fp8.cu's streaming entry: before the wait it reads only the first ring steps' weights
     and their block scales (through L2: ptxas may place non-coherent loads after the wait); the token

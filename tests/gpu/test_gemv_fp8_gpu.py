@@ -110,40 +110,15 @@ def test_commit_groups_change_no_bit(groups, seed, monkeypatch):
             assert torch.equal(gemv_fp8(x, wq, ws, b), want)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_token_rows_by_bulk_copy_change_no_bit(m, seed, monkeypatch):
-    """cuda_gemv_fp8.X_BULK brings the token rows into shared memory by the bulk-copy unit instead of the warps'
-    loads, then stages them where they lie: every entry's results equal the default build's bit for bit (QKV,
-    O with strided rows and no bias, the RoPE entry's q and cache, the streaming entry at the vocabulary's TP-2
-    share); test_graph_replay_behind_a_writer_is_bit_identical replays it behind a writer of x."""
-    cases = [_problem(*SHAPES["qkv"], m, seed), _problem(*SHAPES["o"], m, seed, bias=False, row_pad=64)]
-    want = [gemv_fp8(*c) for c in cases]
-    x, wq, ws, b, positions, rope, slots, cache = _rope_case(m, seed)
-    rope_args = (x, wq, ws, b, positions, rope.cos, rope.sin, slots)
-    want_cache = cache.clone()
-    want_q = qkv_rope_fp8(*rope_args, want_cache, 64, 8)
-    stream_case = _problem(*STREAM_SHAPES["vocab tp2"], m, seed, row_pad=64)
-    want_stream = gemv_fp8_stream(*stream_case)
-    monkeypatch.setattr(cuda_gemv_fp8, "X_BULK", True)
-    for c, w in zip(cases, want):
-        assert torch.equal(gemv_fp8(*c), w)
-    got_cache = cache.clone()
-    assert torch.equal(qkv_rope_fp8(*rope_args, got_cache, 64, 8), want_q) and torch.equal(got_cache, want_cache)
-    assert torch.equal(gemv_fp8_stream(*stream_case), want_stream)
-
-
-@pytest.mark.parametrize("x_bulk", [False, True])
 @pytest.mark.parametrize("entry", ["staged", "stream"])
-def test_graph_replay_behind_a_writer_is_bit_identical(entry, x_bulk, seed, monkeypatch):
+def test_graph_replay_behind_a_writer_is_bit_identical(entry, seed):
     """Captured behind a kernel that writes x (the attention's place in the step): each replay reads
     that replay's x (the kernel waits for it), and equals the eager call bit for bit. The streaming
-    entry at the vocabulary's TP-2 share, without bias, token rows strided; with the token rows by bulk
-    copy (X_BULK) too, against the default build's eager call."""
+    entry at the vocabulary's TP-2 share, without bias, token rows strided."""
     if entry == "staged":
         gemv, (src, wq, ws, b) = gemv_fp8, _problem(*SHAPES["o"], 2, seed)
     else:
         gemv, (src, wq, ws, b) = gemv_fp8_stream, _problem(*STREAM_SHAPES["vocab tp2"], 2, seed, bias=False, row_pad=64)
-    monkeypatch.setattr(cuda_gemv_fp8, "X_BULK", x_bulk)
     x = torch.empty_like(src)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -153,7 +128,6 @@ def test_graph_replay_behind_a_writer_is_bit_identical(entry, x_bulk, seed, monk
         with torch.cuda.graph(graph, stream=stream):
             torch.mul(src, 1.0, out=x)
             out = gemv(x, wq, ws, b)
-    monkeypatch.setattr(cuda_gemv_fp8, "X_BULK", False)  # the eager calls: the default build (the graph keeps its own)
     for scale in (1.0, -2.0):
         src.mul_(scale)
         graph.replay()
