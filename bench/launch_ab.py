@@ -223,6 +223,11 @@ SETTINGS = {
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
     "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4}),
+    # the FP8 GEMVs requesting only part of their weight copies ahead of the wait, the rest right after it behind the
+    # token rows' loads (cuda_gemv_fp8.EARLY_GROUPS): half of them (two groups, one early), a quarter (four, three)
+    "fp8 gemv half the copies after x": _setting({(cuda_gemv_fp8, "GROUPS"): 2, (cuda_gemv_fp8, "EARLY_GROUPS"): 1}),
+    "fp8 gemv a quarter of the copies after x": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
+                                                          (cuda_gemv_fp8, "EARLY_GROUPS"): 3}),
     # grouped MXFP4 launches with each group's sum rescaled in float32 (2 pairs an mma), not with the
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches

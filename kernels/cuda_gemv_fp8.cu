@@ -38,8 +38,10 @@
 // does) and writes q, and k and v into each token's paged KV slot.
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
-// GF_GROUPS (commit groups a warp's weight copies are split into), GF_TRACE (1: the timing build, whose `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of
-// GT_WORDS words a CTA: see `GfTrace` below; bench/projection_trace.py, never in the engine).
+// GF_GROUPS (commit groups a warp's weight copies are split into), GF_EARLY (of them requested before the PDL
+// wait; the rest right after the wait, behind the token rows' loads), GF_TRACE (1: the timing build, whose
+// `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of GT_WORDS words a CTA: see `GfTrace`
+// below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
 
 #include "cuda_common.cuh"
@@ -50,6 +52,7 @@
 #define MAX_M GF_MAX_M
 #define STEP_K 64        // K of one step of a warp: 4 lanes x 16 bytes
 #define GROUPS GF_GROUPS  // commit groups of a warp's weight copies (1-4)
+#define EARLY GF_EARLY    // of them requested before the PDL wait (1-GROUPS)
 #define MAX_WARP_STEPS 32  // 64-K steps of a warp's share (K <= 8192)
 #define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
 #define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
@@ -143,8 +146,9 @@ struct Cta {
     per_group = (s_hi - s_lo + GROUPS - 1) / GROUPS;
   }
 
-  // Before the PDL wait: the warp's share of the rows in GROUPS commit groups; with the first, the
-  // warp's block scales and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
+  // Before the PDL wait: the warp's share of the rows in GROUPS commit groups, the first EARLY of them here
+  // (the rest after the wait, behind the token rows' loads: `copy`); with the first, the warp's block scales
+  // and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
   __device__ __forceinline__ void request(const float* __restrict__ scale, const u16* __restrict__ bias,
                                           bool bias_pairs) {
     const int kb_total = (K + 127) / 128;  // sc[warp][i]: the block scale of step s_lo + i
@@ -153,11 +157,15 @@ struct Cta {
       if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
       if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
     }
-    // row by row, consecutive lanes on consecutive 16 bytes of the row's share of the group (a row's
-    // addresses once, then a pointer increment a copy: the copies of the first layout, carried over from row
-    // to row, executed about 50 instructions each)
+    copy(0, EARLY);
+  }
+
+  // Commit groups q0 .. q1 - 1 of the warp's rows: row by row, consecutive lanes on consecutive 16 bytes of
+  // the row's share of the group (a row's addresses once, then a pointer increment a copy: the copies of the
+  // first layout, carried over from row to row, executed about 50 instructions each)
+  __device__ __forceinline__ void copy(int q0, int q1) {
 #pragma unroll 1
-    for (int q = 0; q < GROUPS; q++) {
+    for (int q = q0; q < q1; q++) {
       const int a = s_lo + q * per_group, b = min(a + per_group, s_hi), per_row = max(b - a, 0) * (STEP_K / 16);
 #pragma unroll
       for (int r = 0; r < ROWS; r++) {
@@ -175,9 +183,10 @@ struct Cta {
   // share, then the next token m; no divisions). A step is 8 chunks and 8 consecutive lanes always
   // hold one step's (a token's share is whole steps, lanes advance by 32), so its largest |x| is three
   // shuffles away; every lane runs the same rounds for them.
-  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M) {
+  // With late_copies, the groups past EARLY are requested after the first round's loads (staged entries).
+  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M, bool late_copies) {
     const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
-    if (chunks == 0) return;                           // K < 256: some warps have no steps
+    if (chunks == 0) return;                           // K < 256: some warps have no steps (nor copies)
     const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
     int m = 0, c = lane;
     while (c >= chunks) c -= chunks, m++;
@@ -191,6 +200,7 @@ struct Cta {
         v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
         for (c += 32; c >= chunks;) c -= chunks, m++;
       }
+      if (late_copies && round == 0) copy(EARLY, GROUPS);
 #pragma unroll
       for (int b = 0; b < X_BATCH; b++) {
         if ((round * X_BATCH + b) * 32 >= M * chunks) break;  // no lane has a chunk here (the same for all)
@@ -338,7 +348,7 @@ gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restric
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x is written by the kernel before this one
   GF_STAMP(cta.rec, GT_PDL);
-  cta.stage_x(x, stride_x, M);
+  cta.stage_x(x, stride_x, M, true);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   for (int t = threadIdx.x; t < M * ROWS; t += THREADS) {
@@ -388,7 +398,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
     }
     if (h >= HQ) slot = load_input(slots + m);
   }
-  cta.stage_x(x, stride_x, M);
+  cta.stage_x(x, stride_x, M, true);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   GF_STAMP(cta.rec, GT_SM);  // (thread 0 is an epilogue thread: it stamps the end too)
@@ -479,7 +489,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
 #pragma unroll
   for (int i = 0; i < STREAM_D; i++) request(ring[i], true);
   enter_pdl();  // x is written by the kernel before this one
-  cta.stage_x(x, stride_x, M);
+  cta.stage_x(x, stride_x, M, false);
   __syncthreads();  // every warp reads all of K of the token rows
   // B column g: token g (tokens past M: token 0's; their sums are not kept); D columns: tokens t0, t0 + 1
   const unsigned char* xr = cta.xs + (g < M ? g : 0) * x_stride + tig * 32;

@@ -33,6 +33,10 @@ ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
 # landed, so the last bytes are followed by one group's work; 1 = every byte before any sum, which
 # measured as fast or faster in the step at 1, 2 and 8 tokens (4 groups: -8 us at 4; docs/performance.md)
 GROUPS = 1
+# Of them, how many are requested ahead of the PDL wait; the rest right after it, behind the token rows' loads
+# (None: all ahead). Ahead of the wait a CTA's copies fill the memory path its token rows then queue behind
+# (bench/projection_trace.py: the rows staged 3 us after the wait, as the weights landed)
+EARLY_GROUPS: int | None = None
 # Up to how many tokens the engine takes these kernels for FP8 projections (beyond: the Triton FP8
 # linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
 # are 110-250 us a 20b step faster: docs/performance.md, fourteenth round)
@@ -83,13 +87,18 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE)."""
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False,
+                    early: int | None = None) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE); early:
+    the groups requested ahead of the wait (None: all)."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
+    early = groups if early is None else early
+    if not 1 <= early <= groups:
+        raise ValueError(f"EARLY_GROUPS must be 1-{groups}, got {early}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
-    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
+    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}", f"-DGF_EARLY={early}",
             f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", "-std=c++17"]
 
 
@@ -133,13 +142,13 @@ def _traced(entry: str, ctas: int) -> tuple[dict, list]:
 
 
 def _kernels(device_index: int, trace: bool = False) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH, trace)
+    return _build(device_index, GROUPS, STREAM_DEPTH, trace, EARLY_GROUPS)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False, early: int | None = None) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth, trace), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth, trace, early), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -193,7 +202,7 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(cdiv(n // STREAM_ROWS, WARPS), sms * ctas_per_sm))
-    launch_cuda(_build(_index(x), GROUPS, depth)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
+    launch_cuda(_build(_index(x), GROUPS, depth, False, EARLY_GROUPS)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
                 m * x_stride(k), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, n, k, x_stride(k)])
     return out

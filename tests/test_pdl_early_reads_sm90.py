@@ -331,6 +331,23 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
         assert "LDG.E.64.STRONG.GPU" in late, "positions / slots not read after the wait through L2"
 
 
+@pytest.mark.parametrize("entry", ["gemv_fp8", "gemv_fp8_rope"])
+def test_fp8_gemv_with_late_copies_loads_x_before_them(entry, tmp_path):
+    """cuda_gemv_fp8.EARLY_GROUPS: with one of two commit groups ahead of the wait, the other group's copies come
+    after it, and the token rows' loads are issued before them (so the rows do not queue behind them)."""
+    from pdserve.kernels.cuda_gemv_fp8 import SOURCE, compile_options
+
+    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(groups=2, early=1))
+    assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
+    ops = _sass(cubin, tmp_path, entry)
+    late = ops[ops.index("ACQBULK"):]
+    assert any(op.startswith("LDGSTS") for op in _loads_before_wait(ops)), "no weight copy ahead of the wait"
+    copies = [i for i, op in enumerate(late) if op.startswith("LDGSTS")]
+    x_loads = [i for i, op in enumerate(late) if op == "LDG.E.128.STRONG.GPU"]
+    assert copies and x_loads, late
+    assert min(x_loads) < min(copies), "the late copies are issued before the token rows' loads"
+
+
 def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_after_it(tmp_path):
     """cuda_gemv_fp8.cu's streaming entry: before the wait it reads only the first ring steps' weights
     and their block scales (through L2: ptxas may place non-coherent loads after the wait); the token

@@ -98,16 +98,23 @@ def test_without_bias_and_with_strided_rows(m, seed):
     _check(gemv_fp8(x, wq, ws, None), x, wq, ws, None)
 
 
-@pytest.mark.parametrize("groups", [2, 4])
-def test_commit_groups_change_no_bit(groups, seed, monkeypatch):
-    """How a warp's copies are grouped (cuda_gemv_fp8.GROUPS) changes when it sums, not what: the
-    results equal the default build's bit for bit, QKV and O."""
-    for shape in ("qkv", "o"):
-        x, wq, ws, b = _problem(*SHAPES[shape], 3, seed)
-        want = gemv_fp8(x, wq, ws, b)
-        with monkeypatch.context() as mp:
-            mp.setattr(cuda_gemv_fp8, "GROUPS", groups)
-            assert torch.equal(gemv_fp8(x, wq, ws, b), want)
+@pytest.mark.parametrize("groups, early", [(2, None), (4, None), (2, 1), (4, 3)])
+def test_commit_groups_change_no_bit(groups, early, seed, monkeypatch):
+    """How a warp's copies are grouped (cuda_gemv_fp8.GROUPS), and how many groups are requested before the
+    wait (EARLY_GROUPS), change when it sums, not what: the results equal the default build's bit for bit,
+    QKV and O, and the RoPE entry's q and cache."""
+    cases = [_problem(*SHAPES[shape], 3, seed) for shape in ("qkv", "o")]
+    want = [gemv_fp8(*c) for c in cases]
+    x, wq, ws, b, positions, rope, slots, cache = _rope_case(3, seed)
+    rope_args = (x, wq, ws, b, positions, rope.cos, rope.sin, slots)
+    want_cache = cache.clone()
+    want_q = qkv_rope_fp8(*rope_args, want_cache, 64, 8)
+    monkeypatch.setattr(cuda_gemv_fp8, "GROUPS", groups)
+    monkeypatch.setattr(cuda_gemv_fp8, "EARLY_GROUPS", early)
+    for c, w in zip(cases, want):
+        assert torch.equal(gemv_fp8(*c), w)
+    got_cache = cache.clone()
+    assert torch.equal(qkv_rope_fp8(*rope_args, got_cache, 64, 8), want_q) and torch.equal(got_cache, want_cache)
 
 
 @pytest.mark.parametrize("entry", ["staged", "stream"])
