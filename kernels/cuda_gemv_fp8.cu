@@ -260,8 +260,9 @@ struct Cta {
   // The warp's steps in pairs (two pairs at a time: two independent mma chains), each group's once the warp's
   // copies of it have landed; tokens four at a time (B's 8 columns: a token's step s and step s + 1), so lane
   // (g, tig) sums token 4 pass + tig of row g; the warp's sums into red. Why pairs: with the tokens as A's
-  // rows (8 of 16 used, the rest zeros re-made around every mma) a 2-step loop was 129 instructions and the
-  // sums, bound by their issue, took about 2 us of a QKV launch after its bytes had landed.
+  // rows (8 of 16 used, the rest zeros re-made around every mma) the loop executed about 108 instructions
+  // for each 1 KB of weights, and the sums, bound by their issue, took about 2 us of a QKV launch after its
+  // bytes had landed; this loop executes about 40.
   __device__ __forceinline__ void sum(int M) {
     int q = 0;                  // groups waited for
     auto landed = [&](int s) {  // the groups holding steps up to s
@@ -274,40 +275,41 @@ struct Cta {
     };
     for (int t0 = 0; t0 < M; t0 += 4) {
       const int col = t0 + (g >> 1), t = t0 + tig;  // B's token (lane g); D's token (lane tig)
-      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x (past M: token
-      // 0's, unused; odd columns one step ahead), its D token's steps' powers of two and the block scales
+      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x at step s (x_step;
+      // past M: token 0's, unused) and at its own step (x_col: odd columns one step ahead), its D token's steps'
+      // powers of two and the block scales
       const unsigned char* wr = ws + g * w_stride + tig * 16 + s_lo * STEP_K;
-      const unsigned char* xe = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K;
-      const unsigned char* xp = xe + (g & 1) * 2 * STEP_K;
-      const float* xp2 = xsc[t < M ? t : 0] + s_lo;
+      const unsigned char* x_step = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K;
+      const unsigned char* x_col = x_step + (g & 1) * 2 * STEP_K;
+      const float* x_pow = xsc[t < M ? t : 0] + s_lo;
       const float* wsc = sc[warp];
       float acc = 0.f;
       int s = s_lo;
       for (; s + 3 < s_hi; s += 4) {
         landed(s + 3);
         float d[4], e[4];
-        pair(wr, xp, 0, 1, d);
-        pair(wr, xp, 2, 3, e);
-        acc = fmaf(d[0], wsc[0] * xp2[0], acc);
-        acc = fmaf(d[3], wsc[1] * xp2[1], acc);
-        acc = fmaf(e[0], wsc[2] * xp2[2], acc);
-        acc = fmaf(e[3], wsc[3] * xp2[3], acc);
-        wr += 4 * STEP_K, xp += 8 * STEP_K, xe += 8 * STEP_K, xp2 += 4, wsc += 4;
+        pair(wr, x_col, 0, 1, d);
+        pair(wr, x_col, 2, 3, e);
+        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
+        acc = fmaf(d[3], wsc[1] * x_pow[1], acc);
+        acc = fmaf(e[0], wsc[2] * x_pow[2], acc);
+        acc = fmaf(e[3], wsc[3] * x_pow[3], acc);
+        wr += 4 * STEP_K, x_col += 8 * STEP_K, x_step += 8 * STEP_K, x_pow += 4, wsc += 4;
       }
       if (s + 1 < s_hi) {
         landed(s + 1);
         float d[4];
-        pair(wr, xp, 0, 1, d);
-        acc = fmaf(d[0], wsc[0] * xp2[0], acc);
-        acc = fmaf(d[3], wsc[1] * xp2[1], acc);
-        wr += 2 * STEP_K, xe += 4 * STEP_K, xp2 += 2, wsc += 2;
+        pair(wr, x_col, 0, 1, d);
+        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
+        acc = fmaf(d[3], wsc[1] * x_pow[1], acc);
+        wr += 2 * STEP_K, x_step += 4 * STEP_K, x_pow += 2, wsc += 2;
         s += 2;
       }
       if (s < s_hi) {  // the share's last step alone: the odd columns read step s too (in bounds), unused
         landed(s);
         float d[4];
-        pair(wr, xe, 0, 0, d);
-        acc = fmaf(d[0], wsc[0] * xp2[0], acc);
+        pair(wr, x_step, 0, 0, d);
+        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
       }
       if (t < M) red[warp][t][g] = acc;
     }
@@ -329,7 +331,6 @@ struct Cta {
   __shared__ float sc[WARPS][MAX_WARP_STEPS];               \
   __shared__ float xsc[MAX_M][MAX_STEPS];                   \
   __shared__ __align__(16) u16 bs[ROWS];
-
 
 // out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
 // x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
