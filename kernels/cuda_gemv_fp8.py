@@ -29,14 +29,15 @@ STEP_K = 64  # K a warp's step takes (4 lanes x 16 bytes)
 MAX_M = 8  # tokens: the mma's rows 0-7
 MAX_K = 8192  # a warp's share of K then is at most MAX_WARP_STEPS steps
 ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
-# Commit groups a warp's weight copies are split into (1-4): the warp sums each as soon as it has
-# landed, so the last bytes are followed by one group's work; 1 = every byte before any sum, which
-# measured as fast or faster in the step at 1, 2 and 8 tokens (4 groups: -8 us at 4; docs/performance.md)
-GROUPS = 1
+# Commit groups a warp's weight copies are split into (1-4): the warp sums each as soon as it has landed, so
+# the last bytes are followed by one group's work
+GROUPS = 2
 # Of them, how many are requested ahead of the PDL wait; the rest right after it, behind the token rows' loads
 # (None: all ahead). Ahead of the wait a CTA's copies fill the memory path its token rows then queue behind
-# (bench/projection_trace.py: the rows staged 3 us after the wait, as the weights landed)
-EARLY_GROUPS: int | None = None
+# (bench/projection_trace.py: the rows staged 3 us after the wait, as the weights landed). Half of them ahead
+# measured x0.970 a 20b step and x0.985 a 120b one (36 layers) against all of them (docs/performance.md,
+# forty-sixth round); with all ahead, one group had measured as fast as more at 1, 2 and 8 tokens
+EARLY_GROUPS: int | None = 1
 # Up to how many tokens the engine takes these kernels for FP8 projections (beyond: the Triton FP8
 # linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
 # are 110-250 us a 20b step faster: docs/performance.md, fourteenth round)
