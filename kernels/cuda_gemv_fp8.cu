@@ -38,8 +38,9 @@
 // does) and writes q, and k and v into each token's paged KV slot.
 //
 // Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
-// GF_GROUPS (commit groups a warp's weight copies are split into), GF_EARLY (of them requested before the PDL
-// wait; the rest right after the wait, behind the token rows' loads), GF_TRACE (1: the timing build, whose
+// GF_GROUPS (commit groups a warp's weight copies are split into; the staged entries' `early` argument says how
+// many of them are requested before the PDL wait, the rest right after it, behind the token rows' loads),
+// GF_TRACE (1: the timing build, whose
 // `gemv_fp8` and `gemv_fp8_rope` take a last argument, a u64 buffer of GT_WORDS words a CTA: see `GfTrace`
 // below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
@@ -52,7 +53,6 @@
 #define MAX_M GF_MAX_M
 #define STEP_K 64        // K of one step of a warp: 4 lanes x 16 bytes
 #define GROUPS GF_GROUPS  // commit groups of a warp's weight copies (1-4)
-#define EARLY GF_EARLY    // of them requested before the PDL wait (1-GROUPS)
 #define MAX_WARP_STEPS 32  // 64-K steps of a warp's share (K <= 8192)
 #define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
 #define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
@@ -146,18 +146,18 @@ struct Cta {
     per_group = (s_hi - s_lo + GROUPS - 1) / GROUPS;
   }
 
-  // Before the PDL wait: the warp's share of the rows in GROUPS commit groups, the first EARLY of them here
-  // (the rest after the wait, behind the token rows' loads: `copy`); with the first, the warp's block scales
+  // Before the PDL wait: the warp's share of the rows in GROUPS commit groups, the first `early` of them here
+  // (the rest after the wait, behind the token rows' loads: stage_x); with the first, the warp's block scales
   // and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
   __device__ __forceinline__ void request(const float* __restrict__ scale, const u16* __restrict__ bias,
-                                          bool bias_pairs) {
+                                          bool bias_pairs, int early) {
     const int kb_total = (K + 127) / 128;  // sc[warp][i]: the block scale of step s_lo + i
     if (lane < s_hi - s_lo) copy_small<4>(&sc[warp][lane], scale + (rows(0) / 128) * kb_total + (s_lo + lane) / 2);
     if (warp == 0 && bias != nullptr) {
       if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
       if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
     }
-    copy(0, EARLY);
+    copy(0, early);
   }
 
   // Commit groups q0 .. q1 - 1 of the warp's rows: row by row, consecutive lanes on consecutive 16 bytes of
@@ -183,8 +183,9 @@ struct Cta {
   // share, then the next token m; no divisions). A step is 8 chunks and 8 consecutive lanes always
   // hold one step's (a token's share is whole steps, lanes advance by 32), so its largest |x| is three
   // shuffles away; every lane runs the same rounds for them.
-  // With late_copies, the groups past EARLY are requested after the first round's loads (staged entries).
-  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M, bool late_copies) {
+  // Commit groups late .. GROUPS - 1 (the staged entries' copies not requested ahead of the wait) are requested
+  // right after the first round's loads.
+  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M, int late) {
     const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
     if (chunks == 0) return;                           // K < 256: some warps have no steps (nor copies)
     const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
@@ -200,7 +201,7 @@ struct Cta {
         v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
         for (c += 32; c >= chunks;) c -= chunks, m++;
       }
-      if (late_copies && round == 0) copy(EARLY, GROUPS);
+      if (round == 0 && late < GROUPS) copy(late, GROUPS);
 #pragma unroll
       for (int b = 0; b < X_BATCH; b++) {
         if ((round * X_BATCH + b) * 32 >= M * chunks) break;  // no lane has a chunk here (the same for all)
@@ -337,19 +338,19 @@ struct Cta {
 // float32, bias [N] bf16 or null, out [M, N] bf16 (row stride stride_out); K a multiple of 64.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restrict__ w, const float* __restrict__ scale,
-         const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride
-         GF_TRACE_PARAM) {
+         const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride,
+         int early GF_TRACE_PARAM) {
   CTA_SHARED
   Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4}, smem, sc, xsc, bs, red);
 #if GF_TRACE
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
   GF_STAMP(cta.rec, GT_START);
-  cta.request(scale, bias, false);
+  cta.request(scale, bias, false, early);
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x is written by the kernel before this one
   GF_STAMP(cta.rec, GT_PDL);
-  cta.stage_x(x, stride_x, M, true);
+  cta.stage_x(x, stride_x, M, early);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   for (int t = threadIdx.x; t < M * ROWS; t += THREADS) {
@@ -373,7 +374,8 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
               const float* __restrict__ scale, const u16* __restrict__ bias, int M, int K, int w_stride, int x_stride,
               const i64* __restrict__ positions, const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
-              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV GF_TRACE_PARAM) {
+              int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV,
+              int early GF_TRACE_PARAM) {
   constexpr int D = GF_ROPE_D, HALF = D / 2;
   CTA_SHARED
   const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
@@ -382,7 +384,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
   GF_STAMP(cta.rec, GT_START);
-  cta.request(scale, bias, true);
+  cta.request(scale, bias, true, early);
   GF_STAMP(cta.rec, GT_ISSUED);
   enter_pdl();  // x, positions and slots are written before this kernel
   GF_STAMP(cta.rec, GT_PDL);
@@ -399,7 +401,7 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
     }
     if (h >= HQ) slot = load_input(slots + m);
   }
-  cta.stage_x(x, stride_x, M, true);
+  cta.stage_x(x, stride_x, M, early);
   cta.sum(M);
   GF_STAMP(cta.rec, GT_SUMMED);
   GF_STAMP(cta.rec, GT_SM);  // (thread 0 is an epilogue thread: it stamps the end too)
@@ -490,7 +492,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
 #pragma unroll
   for (int i = 0; i < STREAM_D; i++) request(ring[i], true);
   enter_pdl();  // x is written by the kernel before this one
-  cta.stage_x(x, stride_x, M, false);
+  cta.stage_x(x, stride_x, M, GROUPS);
   __syncthreads();  // every warp reads all of K of the token rows
   // B column g: token g (tokens past M: token 0's; their sums are not kept); D columns: tokens t0, t0 + 1
   const unsigned char* xr = cta.xs + (g < M ? g : 0) * x_stride + tig * 32;

@@ -32,8 +32,8 @@ ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
 # Commit groups a warp's weight copies are split into (1-4): the warp sums each as soon as it has landed, so
 # the last bytes are followed by one group's work
 GROUPS = 2
-# Of them, how many are requested ahead of the PDL wait; the rest right after it, behind the token rows' loads
-# (None: all ahead). Ahead of the wait a CTA's copies fill the memory path its token rows then queue behind
+# Of them, how many a launch requests ahead of the PDL wait (its `early` argument); the rest right after it,
+# behind the token rows' loads (None: all ahead). Ahead of the wait a CTA's copies fill the memory path its token rows then queue behind
 # (bench/projection_trace.py: the rows staged 3 us after the wait, as the weights landed). Half of them ahead
 # measured x0.970 a 20b step and x0.985 a 120b one (36 layers) against all of them (docs/performance.md,
 # forty-sixth round); with all ahead, one group had measured as fast as more at 1, 2 and 8 tokens
@@ -88,18 +88,13 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False,
-                    early: int | None = None) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE); early:
-    the groups requested ahead of the wait (None: all)."""
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE)."""
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
-    early = groups if early is None else early
-    if not 1 <= early <= groups:
-        raise ValueError(f"EARLY_GROUPS must be 1-{groups}, got {early}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
-    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}", f"-DGF_EARLY={early}",
+    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
             f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", "-std=c++17"]
 
 
@@ -143,13 +138,13 @@ def _traced(entry: str, ctas: int) -> tuple[dict, list]:
 
 
 def _kernels(device_index: int, trace: bool = False) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH, trace, EARLY_GROUPS)
+    return _build(device_index, GROUPS, STREAM_DEPTH, trace)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False, early: int | None = None) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth, trace, early), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth, trace), device_index, MAX_DYNAMIC_SHARED)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -173,16 +168,29 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     return m, n, k
 
 
-def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+             all_ahead: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ (w [N, K] e4m3 x its 128x128 block scales)^T + bias [N] -> [M, N] bf16 on one
-    CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding."""
+    CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding. all_ahead: every
+    weight copy requested ahead of the PDL wait (where the launch's CTAs are placed long before it), not
+    EARLY_GROUPS of them."""
     m, n, k = _check(x, w, scale, bias)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     build, trace = _traced("gemv_fp8", n // ROWS)
     launch_cuda(_kernels(_index(x), **build)["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
-                args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k), *trace])
+                args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k),
+                      GROUPS if all_ahead else _early(), *trace])
     return out
+
+
+def _early() -> int:
+    """The commit groups a staged launch requests ahead of its wait (EARLY_GROUPS within 1..GROUPS)."""
+    if EARLY_GROUPS is None:
+        return GROUPS
+    if not 1 <= EARLY_GROUPS <= GROUPS:
+        raise ValueError(f"EARLY_GROUPS must be 1-{GROUPS} (GROUPS), got {EARLY_GROUPS}")
+    return EARLY_GROUPS
 
 
 def stream_fits(m: int, n: int, k: int) -> bool:
@@ -203,7 +211,7 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(cdiv(n // STREAM_ROWS, WARPS), sms * ctas_per_sm))
-    launch_cuda(_build(_index(x), GROUPS, depth, False, EARLY_GROUPS)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
+    launch_cuda(_build(_index(x), GROUPS, depth)["gemv_fp8_stream"], (grid, 1, 1), (32 * WARPS, 1, 1),
                 m * x_stride(k), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, n, k, x_stride(k)])
     return out
@@ -245,7 +253,7 @@ def qkv_rope_fp8(
                 shared_bytes(k, m), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
-                      num_kv_heads, *trace])
+                      num_kv_heads, _early(), *trace])
     return q
 
 

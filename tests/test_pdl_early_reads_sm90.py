@@ -333,11 +333,12 @@ def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_a
 
 @pytest.mark.parametrize("entry", ["gemv_fp8", "gemv_fp8_rope"])
 def test_fp8_gemv_with_late_copies_loads_x_before_them(entry, tmp_path):
-    """cuda_gemv_fp8.EARLY_GROUPS: with one of two commit groups ahead of the wait, the other group's copies come
-    after it, and the token rows' loads are issued before them (so the rows do not queue behind them)."""
+    """cuda_gemv_fp8.EARLY_GROUPS: with fewer commit groups ahead of the wait than the build has (the launch's
+    `early` argument), the others' copies come after it, and the token rows' loads are issued before them (so
+    the rows do not queue behind them)."""
     from pdserve.kernels.cuda_gemv_fp8 import SOURCE, compile_options
 
-    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(groups=2, early=1))
+    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(groups=2))
     assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
     ops = _sass(cubin, tmp_path, entry)
     late = ops[ops.index("ACQBULK"):]
