@@ -229,7 +229,7 @@ SETTINGS = {
     "fp8 gemv all copies before the wait": _setting({(cuda_gemv_fp8, "GROUPS"): 1, (cuda_gemv_fp8, "EARLY_GROUPS"): None}),
     "fp8 gemv a quarter of the copies after x": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
                                                           (cuda_gemv_fp8, "EARLY_GROUPS"): 3}),
-    "fp8 gemv half the copies after x, four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
+    "fp8 gemv half the copies after x in four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
                                                                (cuda_gemv_fp8, "EARLY_GROUPS"): 2}),
     "fp8 gemv three quarters of the copies after x": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
                                                                (cuda_gemv_fp8, "EARLY_GROUPS"): 1}),
