@@ -33,10 +33,10 @@ ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
 # the last bytes are followed by one group's work
 GROUPS = 2
 # Of them, how many a launch requests ahead of the PDL wait (its `early` argument); the rest right after it,
-# behind the token rows' loads (None: all ahead). Ahead of the wait a CTA's copies fill the memory path its token rows then queue behind
-# (bench/projection_trace.py: the rows staged 3 us after the wait, as the weights landed). Half of them ahead
-# measured x0.970 a 20b step and x0.985 a 120b one (36 layers) against all of them (docs/performance.md,
-# forty-sixth round); with all ahead, one group had measured as fast as more at 1, 2 and 8 tokens
+# behind the token rows' loads (None: all ahead). Ahead of the wait a CTA's copies fill the memory path that
+# its token rows then queue behind (bench/projection_trace.py: the rows staged 3 us after the wait, as the
+# weights landed). Half of them ahead measured x0.970 a 20b step and x0.985 a 120b one (36 layers) against all
+# of them (docs/performance.md, forty-sixth round); with all ahead, one group had measured as fast as more
 EARLY_GROUPS: int | None = 1
 # Up to how many tokens the engine takes these kernels for FP8 projections (beyond: the Triton FP8
 # linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
