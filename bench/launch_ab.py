@@ -222,11 +222,11 @@ SETTINGS = {
     "attention fp8 gemv to 8": _setting({(cuda_gemv_fp8, "MAX_TOKENS"): cuda_gemv_fp8.MAX_M}),
     # the FP8 GEMVs summing each quarter of a warp's weight bytes as soon as it has landed (four commit
     # groups), not once all have
-    "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4, (cuda_gemv_fp8, "EARLY_GROUPS"): None}),
+    "attention fp8 four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4, (cuda_gemv_fp8, "EARLY_GROUPS"): 4}),
     # the FP8 GEMVs' weight copies all requested ahead of the wait in one group (the default until 2026-12-07), or
     # other shares of them right after it, behind the token rows' loads (cuda_gemv_fp8.GROUPS, EARLY_GROUPS; the
     # default: half, in two groups)
-    "fp8 gemv all copies before the wait": _setting({(cuda_gemv_fp8, "GROUPS"): 1, (cuda_gemv_fp8, "EARLY_GROUPS"): None}),
+    "fp8 gemv all copies before the wait": _setting({(cuda_gemv_fp8, "GROUPS"): 1, (cuda_gemv_fp8, "EARLY_GROUPS"): 1}),
     "fp8 gemv a quarter of the copies after x": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
                                                           (cuda_gemv_fp8, "EARLY_GROUPS"): 3}),
     "fp8 gemv half the copies after x in four groups": _setting({(cuda_gemv_fp8, "GROUPS"): 4,

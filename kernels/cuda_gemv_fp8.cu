@@ -276,40 +276,42 @@ struct Cta {
     };
     for (int t0 = 0; t0 < M; t0 += 4) {
       const int col = t0 + (g >> 1), t = t0 + tig;  // B's token (lane g); D's token (lane tig)
-      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x at step s (x_step;
-      // past M: token 0's, unused) and at its own step (x_col: odd columns one step ahead), its D token's steps'
-      // powers of two and the block scales
+      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x (past M: token
+      // 0's, unused; odd columns one step ahead), its D token's steps' powers of two and the block scales
       const unsigned char* wr = ws + g * w_stride + tig * 16 + s_lo * STEP_K;
-      const unsigned char* x_step = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K;
-      const unsigned char* x_col = x_step + (g & 1) * 2 * STEP_K;
+      const int odd = (g & 1) * 2 * STEP_K;
+      const unsigned char* x_col = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K + odd;
       const float* x_pow = xsc[t < M ? t : 0] + s_lo;
       const float* wsc = sc[warp];
       float acc = 0.f;
+      // a pair's two sums (d[0]: step i, d[3]: step i + 1 from the pointers), in K order
+      auto add = [&](const float d[4], int i) {
+        acc = fmaf(d[0], wsc[i] * x_pow[i], acc);
+        acc = fmaf(d[3], wsc[i + 1] * x_pow[i + 1], acc);
+      };
+      auto advance = [&](int steps) { wr += steps * STEP_K, x_col += steps * 2 * STEP_K, x_pow += steps, wsc += steps; };
       int s = s_lo;
       for (; s + 3 < s_hi; s += 4) {
         landed(s + 3);
         float d[4], e[4];
         pair(wr, x_col, 0, 1, d);
         pair(wr, x_col, 2, 3, e);
-        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
-        acc = fmaf(d[3], wsc[1] * x_pow[1], acc);
-        acc = fmaf(e[0], wsc[2] * x_pow[2], acc);
-        acc = fmaf(e[3], wsc[3] * x_pow[3], acc);
-        wr += 4 * STEP_K, x_col += 8 * STEP_K, x_step += 8 * STEP_K, x_pow += 4, wsc += 4;
+        add(d, 0);
+        add(e, 2);
+        advance(4);
       }
       if (s + 1 < s_hi) {
         landed(s + 1);
         float d[4];
         pair(wr, x_col, 0, 1, d);
-        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
-        acc = fmaf(d[3], wsc[1] * x_pow[1], acc);
-        wr += 2 * STEP_K, x_step += 4 * STEP_K, x_pow += 2, wsc += 2;
+        add(d, 0);
+        advance(2);
         s += 2;
       }
-      if (s < s_hi) {  // the share's last step alone: the odd columns read step s too (in bounds), unused
+      if (s < s_hi) {  // the share's last step alone: every column reads step s (in bounds), the odd ones unused
         landed(s);
         float d[4];
-        pair(wr, x_step, 0, 0, d);
+        pair(wr, x_col - odd, 0, 0, d);
         acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
       }
       if (t < M) red[warp][t][g] = acc;

@@ -33,11 +33,11 @@ ROPE_D = 64  # head dim of the RoPE entry (gpt-oss')
 # the last bytes are followed by one group's work
 GROUPS = 2
 # Of them, how many a launch requests ahead of the PDL wait (its `early` argument); the rest right after it,
-# behind the token rows' loads (None: all ahead). Ahead of the wait a CTA's copies fill the memory path that
+# behind the token rows' loads (GROUPS: all ahead). Ahead of the wait a CTA's copies fill the memory path that
 # its token rows then queue behind (bench/projection_trace.py: the rows staged 3 us after the wait, as the
 # weights landed). Half of them ahead measured x0.970 a 20b step and x0.985 a 120b one (36 layers) against all
 # of them (docs/performance.md, forty-sixth round); with all ahead, one group had measured as fast as more
-EARLY_GROUPS: int | None = 1
+EARLY_GROUPS = 1
 # Up to how many tokens the engine takes these kernels for FP8 projections (beyond: the Triton FP8
 # linear of kernels/triton_fp8_linear, which at 8 tokens measured faster in the step; at 1-4 these
 # are 110-250 us a 20b step faster: docs/performance.md, fourteenth round)
@@ -186,8 +186,6 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.
 
 def _early() -> int:
     """The commit groups a staged launch requests ahead of its wait (EARLY_GROUPS within 1..GROUPS)."""
-    if EARLY_GROUPS is None:
-        return GROUPS
     if not 1 <= EARLY_GROUPS <= GROUPS:
         raise ValueError(f"EARLY_GROUPS must be 1-{GROUPS} (GROUPS), got {EARLY_GROUPS}")
     return EARLY_GROUPS

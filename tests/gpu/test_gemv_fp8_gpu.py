@@ -98,7 +98,7 @@ def test_without_bias_and_with_strided_rows(m, seed):
     _check(gemv_fp8(x, wq, ws, None), x, wq, ws, None)
 
 
-@pytest.mark.parametrize("groups, early", [(1, None), (2, None), (4, None), (4, 3)])
+@pytest.mark.parametrize("groups, early", [(1, 1), (2, 2), (4, 4), (4, 3)])
 def test_commit_groups_change_no_bit(groups, early, seed, monkeypatch):
     """How a warp's copies are grouped (cuda_gemv_fp8.GROUPS), and how many groups are requested before the
     wait (EARLY_GROUPS, or all with all_ahead), change when it sums, not what: the results equal the default
