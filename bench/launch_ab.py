@@ -233,8 +233,6 @@ SETTINGS = {
                                                                (cuda_gemv_fp8, "EARLY_GROUPS"): 2}),
     "fp8 gemv three quarters of the copies after x": _setting({(cuda_gemv_fp8, "GROUPS"): 4,
                                                                (cuda_gemv_fp8, "EARLY_GROUPS"): 1}),
-    # the FP8 O projection after full layers' attention requesting all its copies ahead of the wait
-    "fp8 gemv O after full attention all ahead": _setting(o_all_ahead_after_full=True),
     # grouped MXFP4 launches with each group's sum rescaled in float32 (2 pairs an mma), not with the
     # scales folded into the decoded weights (8 pairs an mma), and from 64 tokens the Triton grouped
     # kernels: as before the folded launches

@@ -62,18 +62,18 @@ def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-             gemv: bool = False, staged: bool = False, all_ahead: bool = False):
+             gemv: bool = False, staged: bool = False):
     """An attention projection: bf16 weights through cuBLAS (or, with `gemv`, decode batches where
     kernels.triton_bf16_gemv measured faster: bandwidth-bound, where cuBLAS streams these weights
     at 1.9-2.8 TB/s; with `staged` as well, up to cuda_gemv_staged.MAX_TOKENS tokens through the GEMV
     that stages its weights in shared memory while the launch before it runs: the projection after
     the attention), or e4m3 weights with 128x128 block scales (attention precision fp8) through
     `linear_fp8` (with `gemv`, up to cuda_gemv_fp8.MAX_TOKENS tokens through the FP8 GEMV
-    that stages its weights in shared memory, part of them ahead of its PDL wait; with `all_ahead` all)."""
+    that stages its weights in shared memory, part of them ahead of its PDL wait)."""
     if _fp8_gemv_takes(x, w, bias, scale, gemv):
         from pdserve.kernels.cuda_gemv_fp8 import gemv_fp8
 
-        return gemv_fp8(x, w, scale, bias, all_ahead=all_ahead)
+        return gemv_fp8(x, w, scale, bias)
     if scale is None:
         if staged and _staged_gemv_takes(x, w, bias, gemv):
             from pdserve.kernels.cuda_gemv_staged import gemv_staged
@@ -193,10 +193,6 @@ class GptOssModel:
         # (`_next_layer_weights`; the benchmark's A/B), e.g. {"down": "qkv"}; {}: none (every plan measured 1-2 %
         # slower at one token on an H200: the GEMVs were not waiting on their bytes, and the requests slow the MoE)
         self.prefetch_next: dict[str, str] = {}
-        # the FP8 O projection after a full layer's attention requests all of its weights ahead of its PDL wait,
-        # not cuda_gemv_fp8.EARLY_GROUPS of them: its CTAs are placed during the attention, which at long
-        # contexts outlasts the whole stream (the benchmark's A/B)
-        self.o_all_ahead_after_full = False
 
     def make_attention(
         self,
@@ -246,7 +242,7 @@ class GptOssModel:
         q = self._rotated_q(layer, t, positions, step, group, cache)
         o = step.attention[group].run(q, cache, a.sinks, early_launch=self._o_launches_early(layer, q))
         o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
-                     self.fused, staged=True, all_ahead=self.o_all_ahead_after_full and group == "full")
+                     self.fused, staged=True)
         return all_reduce(o, self.shard)
 
     def _rotated_q(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext, group: str,

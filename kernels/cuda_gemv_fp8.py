@@ -168,19 +168,16 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     return m, n, k
 
 
-def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-             all_ahead: bool = False) -> torch.Tensor:
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ (w [N, K] e4m3 x its 128x128 block scales)^T + bias [N] -> [M, N] bf16 on one
-    CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding. all_ahead: every
-    weight copy requested ahead of the PDL wait (where the launch's CTAs are placed long before it), not
-    EARLY_GROUPS of them."""
+    CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding."""
     m, n, k = _check(x, w, scale, bias)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     build, trace = _traced("gemv_fp8", n // ROWS)
     launch_cuda(_kernels(_index(x), **build)["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
                 pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k),
-                      GROUPS if all_ahead else _early(), *trace])
+                      _early(), *trace])
     return out
 
 
