@@ -101,8 +101,8 @@ def test_without_bias_and_with_strided_rows(m, seed):
 @pytest.mark.parametrize("groups, early", [(1, 1), (2, 2), (4, 4), (4, 3)])
 def test_commit_groups_change_no_bit(groups, early, seed, monkeypatch):
     """How a warp's copies are grouped (cuda_gemv_fp8.GROUPS), and how many groups are requested before the
-    wait (EARLY_GROUPS; all of them: EARLY_GROUPS = GROUPS), change when it sums, not what: the results equal the default
-    build's bit for bit, QKV and O, and the RoPE entry's q and cache."""
+    wait (EARLY_GROUPS; all of them where it equals GROUPS), change when it sums, not what: the results equal
+    the default build's bit for bit, QKV and O, and the RoPE entry's q and cache."""
     cases = [_problem(*SHAPES[shape], 3, seed) for shape in ("qkv", "o")]
     want = [gemv_fp8(*c) for c in cases]
     x, wq, ws, b, positions, rope, slots, cache = _rope_case(3, seed)
