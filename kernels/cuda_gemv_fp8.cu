@@ -16,8 +16,9 @@
 // blocks are the sums: lane (g, tig) ends with token tig's sums of row g (more tokens: passes of four).
 // (The first layout, the tokens as A's rows 0-7 and the 8 rows as B's columns a step at a time, spent
 // most of its instructions re-making A's zero rows: docs/kernels.md, item 63.) Each warp copies its share of the 8 rows into shared memory
-// (16-byte cp.async, consecutive lanes on consecutive bytes of a row), all of it ahead of the PDL wait
-// (weights never change: kernels/pdl.py's contract), in GROUPS commit groups: so the bytes stream
+// (16-byte cp.async, consecutive lanes on consecutive bytes of a row) in GROUPS commit groups, the first
+// `early` of them ahead of the PDL wait (weights never change: kernels/pdl.py's contract) and the rest right
+// after it, behind the token rows' loads (docs/kernels.md, item 64): so the bytes stream
 // while the kernels before run (the QKV launches at the start of the RMSNorm before it, so during the
 // MoE's tail too; the O projection during the attention), and after the wait the warp sums each group
 // as soon as its copies have landed (a warp sync, no CTA barrier), the last bytes followed only by
