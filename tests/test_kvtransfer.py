@@ -406,6 +406,18 @@ def _peer_main(conn):
             conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def _thread_states(pid: int) -> list[str]:
+    """One-letter scheduler state of each thread of ``pid`` (``T``: stopped by a signal)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        except FileNotFoundError:  # the thread exited meanwhile
+            pass
+    return states
+
+
 class Peer:
     """Handle on a spawned process hosting agents."""
 
@@ -424,6 +436,17 @@ class Peer:
         if status != "ok":
             raise AssertionError(f"peer {cmd} failed: {out}")
         return out
+
+    def pause(self, timeout: float = 10.0):
+        """SIGSTOP the process and return once every thread of it is stopped: kill() returns
+        before they are (0.2-0.6 ms later on an idle host), and a transfer posted in between
+        may still be answered."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while any(state != "T" for state in _thread_states(self.proc.pid)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer process {self.proc.pid} did not stop")
+            time.sleep(1e-4)
 
     def kill(self):
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -662,7 +685,7 @@ def test_bad_requests_and_dead_peer_raise_and_agent_survives(peer, doomed_peer, 
 
         a.write_pages(dead, {"full": [(0, 0)]}, b"warm").wait(10)  # connection is up
         # A stalled peer: wait() times out, the NIXL request is cancelled and released.
-        os.kill(doomed.proc.pid, signal.SIGSTOP)
+        doomed.pause()
         t0 = time.monotonic()
         h = a.write_pages(dead, {"full": [(i, i) for i in range(4096)]}, b"stalled")
         with pytest.raises(KVTransferError, match="timed out"):
