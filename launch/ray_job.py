@@ -640,9 +640,6 @@ class RayDeployment:
     # -- running -----------------------------------------------------------------------------
     def watch(self, interval: float = 5.0) -> int:
         """Block until stopped (0) or until the router or a whole pool is dead for good (1)."""
-        import ray
-        from ray.exceptions import RayError
-
         actors = {ROUTER_ACTOR: self.router, **self.replicas}
         pending: dict[str, Any] = {}
         try:
