@@ -140,15 +140,6 @@ SETTINGS = {
     "no early down": _setting({EARLY["down"]: False}),
     # the residual add + RMSNorm reading its weights and the residual after its wait, with the block's output
     "norm reads late": _setting({EARLY["norm"]: False}),
-    # per-pair MXFP4 down requesting its second batch of weights right after its wait, before it stages the activations
-    "down second batch first": _setting({(cuda_moe_mxfp4, "DOWN_B1_FIRST"): True}),
-    # timing probes (wrong sums): the one-token MoE kernels consume their weights without decoding or summing them
-    "probe gate/up reads only": _setting({(cuda_moe_mxfp4, "PROBE_NO_SUMS"): "gate_up"}),
-    "probe down reads only": _setting({(cuda_moe_mxfp4, "PROBE_NO_SUMS"): "down"}),
-    "probe moe reads only": _setting({(cuda_moe_mxfp4, "PROBE_NO_SUMS"): "both"}),
-    "probe moe tile-major": _setting({(cuda_moe_mxfp4, "PROBE_TILE_MAJOR"): True}),
-    "probe moe reads only tile-major": _setting({(cuda_moe_mxfp4, "PROBE_NO_SUMS"): "both",
-                                                 (cuda_moe_mxfp4, "PROBE_TILE_MAJOR"): True}),
     # the MXFP4 kernels' bias (and down's routing weights) requested after the sums, not with the weights
     "late bias": _setting({(cuda_moe_mxfp4, "EARLY_BIAS"): False}),
     # the attention output projection through the Triton bf16 GEMV, not the one that stages its

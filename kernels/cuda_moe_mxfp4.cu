@@ -160,17 +160,6 @@ __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
 #ifndef MX_EARLY_X
 #define MX_EARLY_X 0
 #endif
-// MX_DOWN_B1_FIRST (unfolded down): the second batch of weights is requested right after the PDL wait,
-// before the activations are staged, so that its memory round trip runs under theirs
-#ifndef MX_PROBE_TILE_MAJOR
-#define MX_PROBE_TILE_MAJOR 0
-#endif
-#ifndef MX_PROBE_NO_SUMS
-#define MX_PROBE_NO_SUMS 0
-#endif
-#ifndef MX_DOWN_B1_FIRST
-#define MX_DOWN_B1_FIRST 0
-#endif
 // MX_EARLY_BIAS: each kernel requests its epilogue's bias (and down its routing weights) with its
 // weights, not after its sums (one memory round trip less at each CTA's end)
 #ifndef MX_EARLY_BIAS
@@ -340,19 +329,10 @@ __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1,
     b.wa[j] = b.wb[j] = U4{0u, 0u, 0u, 0u};
     b.sa[j] = b.sb[j] = 0u;
     if (c < CHUNKS) {
-#if MX_PROBE_TILE_MAJOR  // a timing probe (wrong sums): the 16 rows' K step c read as one contiguous 1 KB
-      {
-        const int gg = (threadIdx.x & 31) >> 2;
-        const U4* tb = w0 - gg * KG;
-        b.wa[j] = load_weights<EARLY>(tb + (c * 64 + gg * 4 + tig) % (16 * KG));
-        b.wb[j] = load_weights<EARLY>(tb + (c * 64 + (gg + 8) * 4 + tig) % (16 * KG));
-      }
-#else
       if (grp < KG) {
         b.wa[j] = load_weights<EARLY>(w0 + grp);
         b.wb[j] = load_weights<EARLY>(w1 + grp);
       }
-#endif
       b.sa[j] = EARLY ? __ldcg(s0 + c) : __ldg(s0 + c);
       b.sb[j] = EARLY ? __ldcg(s1 + c) : __ldg(s1 + c);
     }
@@ -408,14 +388,6 @@ __device__ __forceinline__ void advance(BRows& r, int steps) {
 // each group times its scale).
 __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* xs, const BRows& br, int ntp,
                                           int tig, float acc[TP][2]) {
-#if MX_PROBE_NO_SUMS  // a timing probe: the batch's words consumed, nothing decoded or summed (wrong sums)
-#pragma unroll
-  for (int j = 0; j < D; j++) {
-    const u32 h = b.wa[j].x ^ b.wa[j].y ^ b.wa[j].z ^ b.wa[j].w ^ b.wb[j].x ^ b.wb[j].y ^ b.wb[j].z ^ b.wb[j].w ^ b.sa[j] ^ b.sb[j];
-    acc[0][0] += (float)(h & 1u);
-  }
-  return;
-#endif
 #pragma unroll
   for (int j = 0; j < D; j++) {
     const int c = first + j * KSPLIT;
@@ -547,8 +519,7 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
 // rows are staged (in flight together); with EARLY, the PDL wait comes between the two. STAGED: the
 // rows are in xs already (gate/up's MX_EARLY_X).
-// B1_FIRST: the second batch is requested before the rows are staged (MX_DOWN_B1_FIRST).
-template <bool EARLY, bool STAGED = false, bool F16_ROWS = false, bool B1_FIRST = false>
+template <bool EARLY, bool STAGED = false, bool F16_ROWS = false>
 __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
                          const Item& it, float* red, int act_shift = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -560,11 +531,9 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   const u32* s0 = scales + (i64)row0 * SCALE_WORDS;
   const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
 
-  constexpr int STEP = D * KSPLIT;  // K steps a batch advances
   Batch b0, b1;
   load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
-  if (B1_FIRST && ks + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, ks + STEP, tig);
 #if MX_FOLD
   static_assert(!STAGED, "folded launches stage no rows");
   float acc[NT][2][4];
@@ -588,9 +557,10 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
 #define USE_BATCH(b, first) use_batch(b, first, xs, br, ntp, tig, acc)
 #define ADVANCE() advance(br, STEP)
 #endif
+  constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
-    if (first + STEP < CHUNKS && !(B1_FIRST && first == ks)) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
+    if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
     USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
     if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
@@ -915,7 +885,7 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   const int row_r = tile * ROWS + threadIdx.x % ROWS;
   float bias_r = 0.f;
   if (MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
-  tile_dot<MX_EARLY_DOWN != 0, false, !MX_FOLD, MX_DOWN_B1_FIRST && !MX_FOLD>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs,
+  tile_dot<MX_EARLY_DOWN != 0, false, !MX_FOLD>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs,
                                                it, red, act_shift);
   TRACE(1);
   if (!MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];

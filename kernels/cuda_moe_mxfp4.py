@@ -111,13 +111,6 @@ MAX_TILES = 1 << 17  # (token, row tile) arrival counters of the down kernel, al
 # down reads its routing and first batch of weights before the PDL wait, while gate/up still runs
 # (the .cu file's MX_EARLY_DOWN)
 EARLY_DOWN = True
-# per-pair (unfolded) down requests its second batch of weights right after its PDL wait, before it stages
-# gate/up's activations (the .cu file's MX_DOWN_B1_FIRST)
-DOWN_B1_FIRST = False
-# a timing probe (wrong sums): "gate_up", "down" or "both" consume their weights without decoding or summing them
-PROBE_NO_SUMS = ""
-# a timing probe (wrong sums): every per-pair launch reads a 16-row tile's K step as one contiguous 1 KB
-PROBE_TILE_MAJOR = False
 # each kernel requests its epilogue's bias (down: and its routing weights) with its weights rather
 # than after its sums (MX_EARLY_BIAS)
 EARLY_BIAS = True
@@ -157,39 +150,36 @@ def available(device: torch.device | None = None) -> bool:
 @functools.cache
 def _kernels(device_index: int, k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False,
              early_down: bool = False, early_x: bool = False, early_bias: bool = False,
-             cluster_sum: bool = False, fold: int = 0, evict_first: bool = False, down_b1_first: bool = False,
-             probe: tuple = ("", False)) -> dict:
+             cluster_sum: bool = False, fold: int = 0, evict_first: bool = False) -> dict:
     """{"mx_gate_up", "mx_down"} compiled for K = 32 * k_groups, `slots` pairs per CTA and the launch
     shape (warps, K split, batch[, min CTAs per SM]) of an MmaConfig; trace: the per-CTA timing build (MX_TRACE);
     early_down: MX_EARLY_DOWN (down only), early_x:
     MX_EARLY_X (per-pair gate/up only), early_bias: MX_EARLY_BIAS, cluster_sum: MX_CLUSTER_SUM (per-pair
     down only: launch it in clusters of (1, top_k, 1)), fold: MX_FOLD (grouped only: 1 bf16, 2 f16), evict_first:
-    MX_EVICT_FIRST, down_b1_first: MX_DOWN_B1_FIRST (down only); callers pass the
+    MX_EVICT_FIRST; callers pass the
     same flags for both kernels, so a shape that serves both compiles once."""
     # the staged rows plus the static reduction buffers can pass the 48 KB a launch gets without
     # asking (8 pairs x K 2880 = 46 KB staged): always allow the staging size explicitly
     return load_kernels(SOURCE, ["mx_gate_up", "mx_down"],
                         compile_options(k_groups, slots, shape, trace, early_down, early_x, early_bias, cluster_sum,
-                                        fold, evict_first=evict_first, down_b1_first=down_b1_first, probe=probe),
+                                        fold, evict_first=evict_first),
                         device_index,
                         _shared_bytes(k_groups, slots, shape, fold))
 
 
 @functools.cache
 def _resident_gate_up(device_index: int, k_groups: int, shape: tuple[int, ...], early_x: bool, tokens: int,
-                      evict_first: bool = False, probe: tuple = ("", False)):
+                      evict_first: bool = False):
     """mx_gate_up_resident compiled for K = 32 * k_groups, a per-pair launch shape and `tokens` tokens."""
     return load_kernels(SOURCE, ["mx_gate_up_resident"],
-                        compile_options(k_groups, 1, shape, early_x=early_x, resident=tokens, evict_first=evict_first,
-                                        probe=probe),
+                        compile_options(k_groups, 1, shape, early_x=early_x, resident=tokens, evict_first=evict_first),
                         device_index,
                         _resident_shared_bytes(k_groups, shape, tokens))["mx_gate_up_resident"]
 
 
 def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bool = False, early_down: bool = False,
                     early_x: bool = False, early_bias: bool = False, cluster_sum: bool = False,
-                    fold: int = 0, resident: int = 0, evict_first: bool = False,
-                    down_b1_first: bool = False, probe: tuple = ("", False)) -> list[str]:
+                    fold: int = 0, resident: int = 0, evict_first: bool = False) -> list[str]:
     """The compiler options of a build of cuda_moe_mxfp4.cu (_kernels' arguments; nvcc takes them too);
     resident: the tokens of a resident gate/up build (MX_RESIDENT), 0 for the other kernels' builds."""
     nw, ksplit, batch, min_ctas, zero_row = (*shape, 0, 0)[:5]
@@ -201,9 +191,6 @@ def compile_options(k_groups: int, slots: int, shape: tuple[int, ...], trace: bo
             f"-DMX_RESIDENT_TOKENS={max(resident, 1)}",
             f"-DMX_EARLY_DOWN={int(early_down)}", f"-DMX_EARLY_X={int(early_x)}", f"-DMX_EARLY_BIAS={int(early_bias)}",
             f"-DMX_CLUSTER_SUM={int(cluster_sum)}", f"-DMX_FOLD={int(fold)}", f"-DMX_EVICT_FIRST={int(evict_first)}",
-            f"-DMX_DOWN_B1_FIRST={int(down_b1_first)}",
-            f"-DMX_PROBE_NO_SUMS={int(probe[0] in ('both', 'gate_up' if resident else 'down'))}",
-            f"-DMX_PROBE_TILE_MAJOR={int(probe[1])}",
             f"-DMX_SHARED_BYTES={smem}", "-std=c++17", *_LAYOUT_MACROS]
 
 
@@ -257,7 +244,7 @@ def _resident_launch(dev: int, k_groups: int, rows: int, tokens: int, top_k: int
     if rows % tile:
         raise ValueError(f"the resident gate/up takes rows in tiles of its shape {shape}: 2I = {rows}")
     threads, smem = 32 * shape[0], _resident_shared_bytes(k_groups, shape, tokens)
-    kernel = _resident_gate_up(dev, k_groups, shape, early_x, tokens, EVICT_FIRST, (PROBE_NO_SUMS, PROBE_TILE_MAJOR))
+    kernel = _resident_gate_up(dev, k_groups, shape, early_x, tokens, EVICT_FIRST)
     ctas = min(rows // tile * tokens * top_k, resident_ctas(kernel, threads, smem, dev))
     if len(shape) > 3 and shape[3] > 0:  # the shape's CTAs an SM, where more would fit
         ctas = min(ctas, shape[3] * torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -369,8 +356,7 @@ def experts_forward_mxfp4_mma(
     # (a converted copy of x would be written by the launch just before gate/up: never read early)
     early_x = EARLY_X and x_before_routing and not grouped and xb is x
     cluster_sum = CLUSTER_SUM and not grouped and k <= MAX_CLUSTER
-    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, EVICT_FIRST, DOWN_B1_FIRST,
-             (PROBE_NO_SUMS, PROBE_TILE_MAJOR))
+    flags = (trace is not None, EARLY_DOWN, early_x, EARLY_BIAS, cluster_sum, fold, EVICT_FIRST)
     gate_up = _kernels(dev, hg, slots, config.gate_up, *flags)["mx_gate_up"]
     down = _kernels(dev, ig, slots, config.down, *flags)["mx_down"]
     trace_args = ([trace[0]], [trace[1]]) if trace is not None else ([], [])

@@ -121,34 +121,6 @@ def test_cluster_sum_equals_the_counter_sum(t, monkeypatch):
     assert torch.equal(replayed, fwd(x, weights, ids, wp))
 
 
-@pytest.mark.parametrize("t", [1, 2, 3])
-@pytest.mark.parametrize("cluster_sum", [False, True])
-def test_down_second_batch_first_equals_the_default(t, cluster_sum, monkeypatch):
-    """Per-pair down requesting its second batch of weights before it stages the activations
-    (DOWN_B1_FIRST) sums the same batches in the same order: bit-identical, eager and replayed."""
-    from pdserve.kernels import cuda_moe_mxfp4
-
-    fwd = _mma()
-    g = _seeded()
-    w = random_layer(32, g, DEV)
-    wp = w.to_packed()
-    x = torch.randn(t, 2880, device=DEV, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(32, device=DEV, generator=g)[:4] for _ in range(t)])
-    weights = torch.softmax(torch.randn(t, 4, device=DEV, generator=g), -1).to(torch.bfloat16)
-    monkeypatch.setattr(cuda_moe_mxfp4, "CLUSTER_SUM", cluster_sum)
-    want = fwd(x, weights, ids, wp, x_before_routing=True)
-    monkeypatch.setattr(cuda_moe_mxfp4, "DOWN_B1_FIRST", True)
-    got = fwd(x, weights, ids, wp, x_before_routing=True)
-    assert torch.equal(got, want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = fwd(x, weights, ids, wp, x_before_routing=True)
-    x.copy_(torch.randn(t, 2880, device=DEV, generator=g))
-    graph.replay()
-    monkeypatch.setattr(cuda_moe_mxfp4, "DOWN_B1_FIRST", False)
-    assert torch.equal(replayed, fwd(x, weights, ids, wp, x_before_routing=True))
-
-
 _RESIDENT_SHAPES = [(4, 4, 3, 4, 1), (4, 4, 2, 5, 1), (4, 4, 3, 5, 1), (4, 4, 2, 6, 1), (4, 4, 3, 1, 1), (8, 4, 2, 0, 1),
                     (4, 4, 1, 2, 0)]
 
