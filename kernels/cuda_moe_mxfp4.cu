@@ -319,10 +319,17 @@ struct Batch {
   u32 sa[D], sb[D];  // their rows' scale words (groups 4c .. 4c + 3)
 };
 
-// EARLY: the batch is read before the CTA's PDL wait (load_early).
+// The packed layout stores each 16-row tile's groups tile-major (kernels/mxfp4.py TILE_ROWS): K step c is the
+// 16 rows' 4 groups one after the other (row r's at 4 r, so a warp's step is 1 KB in one piece); where K is no
+// multiple of 4 groups, the last step holds q = KG % 4 groups a row, row r's at 2 q (r % 8) + q (r / 8). A
+// thread reads rows g (its lane's group of four) and g + 8: `tile_rows` is row g's group tig of step 0.
+__device__ __forceinline__ const U4* tile_rows(const u32* tile, int g, int tig) {
+  return reinterpret_cast<const U4*>(tile) + 4 * g + tig;
+}
+
+// EARLY: the batch is read before the CTA's PDL wait (load_early). s0, s1: rows g and g + 8's scale rows.
 template <bool EARLY>
-__device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1, const u32* s0, const u32* s1,
-                                           int first, int tig) {
+__device__ __forceinline__ void load_batch(Batch& b, const U4* rows, const u32* s0, const u32* s1, int first, int tig) {
 #pragma unroll
   for (int j = 0; j < D; j++) {
     const int c = first + j * KSPLIT, grp = 4 * c + tig;
@@ -330,8 +337,12 @@ __device__ __forceinline__ void load_batch(Batch& b, const U4* w0, const U4* w1,
     b.sa[j] = b.sb[j] = 0u;
     if (c < CHUNKS) {
       if (grp < KG) {
-        b.wa[j] = load_weights<EARLY>(w0 + grp);
-        b.wb[j] = load_weights<EARLY>(w1 + grp);
+        const bool part = KG % 4 != 0 && c == KG / 4;
+        // the partial step: row g's groups at 2 (KG % 4) g, not 4 g (none to add at gpt-oss' KG % 4 = 2), row
+        // g + 8's KG % 4 groups after them
+        const U4* at = rows + 64 * c + (part ? (2 * (KG % 4) - 4) * (int)((threadIdx.x & 31) >> 2) : 0);
+        b.wa[j] = load_weights<EARLY>(at);
+        b.wb[j] = load_weights<EARLY>(at + (part ? KG % 4 : 32));
       }
       b.sa[j] = EARLY ? __ldcg(s0 + c) : __ldg(s0 + c);
       b.sb[j] = EARLY ? __ldcg(s1 + c) : __ldg(s1 + c);
@@ -525,14 +536,14 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int ks = warp % KSPLIT;
-  const int row0 = blockIdx.x * ROWS + (warp / KSPLIT) * 16 + g;  // and row0 + 8
-  const U4* w0 = reinterpret_cast<const U4*>(words + (i64)row0 * (KG * 4));
-  const U4* w1 = reinterpret_cast<const U4*>(words + (i64)(row0 + 8) * (KG * 4));
+  const int tile_row = blockIdx.x * ROWS + (warp / KSPLIT) * 16;  // the warp's 16-row tile
+  const int row0 = tile_row + g;  // and row0 + 8
+  const U4* tile = tile_rows(words + (i64)tile_row * (KG * 4), g, tig);
   const u32* s0 = scales + (i64)row0 * SCALE_WORDS;
   const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
 
   Batch b0, b1;
-  load_batch<EARLY>(b0, w0, w1, s0, s1, ks, tig);
+  load_batch<EARLY>(b0, tile, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
 #if MX_FOLD
   static_assert(!STAGED, "folded launches stage no rows");
@@ -560,10 +571,10 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
-    if (first + STEP < CHUNKS) load_batch<false>(b1, w0, w1, s0, s1, first + STEP, tig);
+    if (first + STEP < CHUNKS) load_batch<false>(b1, tile, s0, s1, first + STEP, tig);
     USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
-    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, w0, w1, s0, s1, first + 2 * STEP, tig);
+    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, tile, s0, s1, first + 2 * STEP, tig);
     ADVANCE();
     USE_BATCH(b1, first + STEP);
     ADVANCE();
@@ -751,7 +762,7 @@ mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scale
   if ((int)blockIdx.x >= tiles) return;
   const int my_tiles = (tiles - (int)blockIdx.x + G - 1) / G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3, ks = warp % KSPLIT;
-  const int tile_row = (warp / KSPLIT) * 16 + g;  // and + 8
+  const int warp_rows = (warp / KSPLIT) * 16;  // the warp's 16-row tile within a CTA tile; its rows g, g + 8
   constexpr int NB = TILE_BATCHES, STEP = D * KSPLIT;
   const int units = my_tiles * NB;  // (tile, batch) in stream order
   // this CTA's tile i: its live pair and first weight row (expert e's rows start at e * n_rows)
@@ -764,10 +775,9 @@ mx_gate_up_resident(const u32* __restrict__ words, const u32* __restrict__ scale
     int live;
     i64 r0;
     tile_at(u / NB, live, r0);
-    r0 += tile_row;
-    load_batch<false>(b, reinterpret_cast<const U4*>(words + r0 * (KG * 4)),
-                      reinterpret_cast<const U4*>(words + (r0 + 8) * (KG * 4)), scales + r0 * SCALE_WORDS,
-                      scales + (r0 + 8) * SCALE_WORDS, ks + (u % NB) * STEP, tig);
+    r0 += warp_rows;
+    load_batch<false>(b, tile_rows(words + r0 * (KG * 4), g, tig), scales + (r0 + g) * SCALE_WORDS,
+                      scales + (r0 + g + 8) * SCALE_WORDS, ks + (u % NB) * STEP, tig);
   };
   // threads < ROWS / 2 write output column j = threadIdx.x of each tile: its biases, a tile ahead
   float bias_glu = 0.f, bias_lin = 0.f;

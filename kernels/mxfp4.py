@@ -122,6 +122,45 @@ def _permute_word_bits(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.uint8).view(blocks.shape)
 
 
+# Tile-major group order of the packed layout. The decode kernels sum 16 rows at a time (a tile), a K step of 4
+# groups (64 bytes) of each row per warp instruction; row-major, that step is 16 pieces of 64 bytes, 1440
+# bytes apart (gpt-oss' K = 2880). So `to_packed` stores each expert's groups tile by tile: step c of a tile is its
+# 16 rows' 4 groups one after the other (1 KB), row r's at group 4 r. Where K is no multiple of 4 groups, the
+# last, partial step (q = K_GROUPS % 4 groups a row) follows the whole ones, rows r and r + 8 side by side: row
+# r's groups at 2 q (r % 8) + q (r // 8), so that a thread's two rows (r < 8 and r + 8) are q groups apart, and
+# at gpt-oss' q = 2 row r < 8 is at 4 r as in a whole step. Measured as one token's MoE reads it in a 120b step:
+# x0.982 a replay (docs/kernels.md item 69).
+TILE_ROWS = 16
+TILE_STEP = 4  # groups
+
+
+def _tile_major(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """uint8 groups [..., rows, G, 16] in row order <-> tile-major (rows a multiple of TILE_ROWS); one
+    leading index at a time, so a layer's experts convert without a second copy of them."""
+    *lead, rows, g, b = blocks.shape
+    if rows % TILE_ROWS:
+        raise ValueError(f"the packed layout stores rows in tiles of {TILE_ROWS}: {rows} rows")
+    tiles, step, whole = rows // TILE_ROWS, TILE_STEP * b, g // TILE_STEP * TILE_STEP * b
+    flat = blocks.reshape(-1, tiles, TILE_ROWS * g * b)
+    out = torch.empty_like(flat)
+    for src, dst in zip(flat, out):
+        rowwise, tiled = (dst, src) if inverse else (src, dst)
+        rowwise = rowwise.view(tiles, TILE_ROWS, g * b)
+        # a tile's whole steps: [row, step, 64 bytes] in row order, [step, row, 64 bytes] tile-major
+        by_row = rowwise[..., :whole].unflatten(-1, (-1, step))
+        by_step = tiled[:, : TILE_ROWS * whole].view(tiles, -1, TILE_ROWS, step).transpose(1, 2)
+        # the partial step's groups: [row, groups] in row order, [row % 8, row // 8, groups] tiled
+        row_tail = rowwise[..., whole:].unflatten(1, (2, TILE_ROWS // 2)).transpose(1, 2)
+        tiled_tail = tiled[:, TILE_ROWS * whole :].view(tiles, TILE_ROWS // 2, 2, -1)
+        if inverse:
+            by_row.copy_(by_step)
+            row_tail.copy_(tiled_tail)
+        else:
+            by_step.copy_(by_row)
+            tiled_tail.copy_(row_tail)
+    return out.view(blocks.shape)
+
+
 def pack_words(blocks: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     """Published blocks uint8 [..., 16] -> the packed word layout (same shape and bytes per group);
     in chunks of `chunk` groups so a layer's experts convert without a large int64 temporary."""
@@ -174,8 +213,9 @@ class MxExperts:
     """One layer's experts kept in MXFP4 (the layout above) with float32 biases.
     gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks [E, H, I/32, 16],
     down_scales [E, H, I/32] (uint8); gate_up_bias [E, 2I], down_bias [E, H].
-    layout: "published" (as the checkpoint stores them) or "packed" (blocks through `pack_words`,
-    scale rows zero-padded to a multiple of PACKED_SCALE_PAD groups). fold_exact (set by `to_packed`):
+    layout: "published" (as the checkpoint stores them) or "packed" (blocks through `pack_words`, each
+    expert's groups in tile-major order (TILE_ROWS), scale rows zero-padded to a multiple of PACKED_SCALE_PAD
+    groups). fold_exact (set by `to_packed`):
     every group with a nonzero code has its scale byte in FOLD_MIN_SCALE .. FOLD_MAX_SCALE;
     fold_f16_exact: the same for FOLD_F16_MIN_SCALE .. FOLD_F16_MAX_SCALE."""
 
@@ -212,7 +252,10 @@ class MxExperts:
 
             return exact(self.gate_up_blocks, self.gate_up_scales) and exact(self.down_blocks, self.down_scales)
 
-        return replace(self, gate_up_blocks=pack_words(self.gate_up_blocks), down_blocks=pack_words(self.down_blocks),
+        def pack(blocks):
+            return _tile_major(pack_words(blocks), inverse=False)
+
+        return replace(self, gate_up_blocks=pack(self.gate_up_blocks), down_blocks=pack(self.down_blocks),
                        gate_up_scales=pad(self.gate_up_scales), down_scales=pad(self.down_scales), layout="packed",
                        fold_exact=within(FOLD_MIN_SCALE, FOLD_MAX_SCALE),
                        fold_f16_exact=within(FOLD_F16_MIN_SCALE, FOLD_F16_MAX_SCALE))
@@ -222,7 +265,7 @@ class MxExperts:
         blocks = getattr(self, which + "_blocks")[index]
         scales = getattr(self, which + "_scales")[index]
         if self.layout == "packed":
-            return unpack_words(blocks), scales[..., : blocks.shape[-2]]
+            return unpack_words(_tile_major(blocks, inverse=True)), scales[..., : blocks.shape[-2]]
         return blocks, scales
 
     @property

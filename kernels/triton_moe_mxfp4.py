@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .arrival import arrival_counters
 from .mxfp4 import MxExperts
-from .triton_math import swiglu_f32
+from .triton_math import packed_group, swiglu_f32
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,7 @@ def _mx_packed_rows(words_ptr, scales_ptr, rows, row_mask, xw_ptr,
     for g0 in tl.range(0, K_GROUPS, G_STEP, num_stages=NUM_STAGES):
         g = g0 + gq[:, None] * 4 + gi[None, :]  # [GQ, 4]
         gm = g < K_GROUPS
-        w = tl.load(words_ptr + rows[:, None, None, None] * (4 * K_GROUPS) + g[None, :, :, None] * 4
+        w = tl.load(words_ptr + packed_group(rows[:, None, None, None], g[None, :, :, None], K_GROUPS) * 4
                     + ww[None, None, None, :], mask=row_mask[:, None, None, None] & gm[None, :, :, None], other=0)
         sq = g0 // 4 + gq
         sw = tl.load(scales_ptr + rows[:, None] * S_ROW + sq[None, :], mask=row_mask[:, None] & (sq < S_ROW)[None, :],

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .mxfp4 import PACKED_HIGH_SHL_MASK, PACKED_HIGH_SHR_MASK, PACKED_LOW_MASK, MxExperts, bf16_pairs_ptx
-from .triton_math import INTERPRET, swiglu_f32
+from .triton_math import INTERPRET, packed_group, swiglu_f32
 from .triton_moe import align_routing, combine
 
 # _decode_tile spells the packed layout's masks out (as int32); it must follow kernels/mxfp4.py.
@@ -97,7 +97,8 @@ def _pair(e4m3, H: tl.constexpr, scale):
 def _decode_tile(words_ptr, scales_ptr, rows, row_ok, k0, K_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """Weights [rows, k0 : k0 + BLOCK_K] (exact: bf16 by inline PTX if ASM, else float32) from one
-    expert's packed words (int32, 4 * K_GROUPS a row) and padded scale words (int32, 4 groups each).
+    expert's packed words (int32, 4 a group, tiles stored tile-major: packed_group) and padded scale words (int32,
+    4 groups each).
     Loaded as [rows, groups, 4 words] (a group's 16 bytes in one thread) and the scales per group,
     not per word."""
     G: tl.constexpr = BLOCK_K // 32
@@ -106,7 +107,7 @@ def _decode_tile(words_ptr, scales_ptr, rows, row_ok, k0, K_GROUPS: tl.constexpr
     g = k0 // 32 + tl.arange(0, G)
     ww = tl.arange(0, 4)
     ok = row_ok[:, None] & (g < K_GROUPS)[None, :]
-    u = tl.load(words_ptr + rows[:, None, None] * (4 * K_GROUPS) + g[None, :, None] * 4 + ww[None, None, :],
+    u = tl.load(words_ptr + packed_group(rows[:, None, None], g[None, :, None], K_GROUPS) * 4 + ww[None, None, :],
                 mask=ok[:, :, None], other=0)
     sq = k0 // 128 + tl.arange(0, SW)
     sw = tl.load(scales_ptr + rows[:, None] * S_ROW + sq[None, :], mask=row_ok[:, None] & (sq < S_ROW)[None, :],

@@ -9,14 +9,16 @@ from pdserve.kernels.mxfp4 import random_experts as random_layer  # noqa: F401  
 
 
 def scale_extremes_expert(g: torch.Generator, scales: list[int], groups: int = 6):
-    """One expert (published layout) whose row r has every group at scales[r]; random codes, with
-    every code in each row's first 16 bytes (the grouped kernels' decode tests)."""
-    from pdserve.kernels.mxfp4 import MxExperts
+    """One expert (published layout) whose row r has every group at scales[r % len(scales)], rows a multiple of
+    the packed layout's tile (TILE_ROWS); random codes, with every code in each row's first 16 bytes (the
+    grouped kernels' decode tests)."""
+    from pdserve.kernels.mxfp4 import TILE_ROWS, MxExperts
 
-    n = len(scales)
+    n = -(-len(scales) // TILE_ROWS) * TILE_ROWS
     blocks = torch.randint(0, 256, (1, n, groups, 16), generator=g, dtype=torch.uint8)
     blocks[0, :, 0] = torch.arange(0, 256, 16, dtype=torch.uint8) | torch.arange(16, dtype=torch.uint8)
-    s = torch.tensor(scales, dtype=torch.uint8)[None, :, None].expand(1, n, groups).contiguous()
+    s = torch.tensor(scales, dtype=torch.uint8).repeat(n // len(scales) + 1)[:n]
+    s = s[None, :, None].expand(1, n, groups).contiguous()
     z = torch.zeros(1, 32 * groups)
     return MxExperts(blocks, s, z, blocks, s, z)
 

@@ -1,5 +1,5 @@
 """The packed MXFP4 word layout (kernels/mxfp4.py: pack_words) on the CPU: a bit permutation of
-each word (unpack_words inverts it), and the kernels' decode (a mask, or two shifts and masks, to
+each word (unpack_words inverts it), each expert's 16-row tiles stored tile-major, and the kernels' decode (a mask, or two shifts and masks, to
 e4m3 bytes read as e4m3 times 2^6; emulated by decode_packed_words) gives back every published
 e2m1 value at every position, with bytes that hold nothing but the value's bits. The GPU kernels
 that read it: tests/gpu/test_moe_mxfp4*_gpu.py."""
@@ -34,6 +34,30 @@ def test_pack_is_a_bit_permutation_and_decodes_every_code():
     e4m3 = packed_e4m3_bytes(packed)
     assert not (e4m3 & 0x63).any()
     assert torch.equal(e4m3 >> 7, unpack_fp4_codes(blocks) >> 3)
+
+
+@pytest.mark.parametrize("groups", [90, 8, 5, 3, 2, 1])
+def test_packed_experts_store_each_tile_tile_major(groups):
+    """to_packed orders each expert's 16-row tiles tile-major: K step c (4 groups) of a tile's 16 rows is one
+    contiguous piece, row r's groups at 4 r; the partial last step (q = groups % 4 a row) follows, row r's at
+    2 q (r % 8) + q (r // 8). published() gives the row order back."""
+    from pdserve.kernels.mxfp4 import TILE_ROWS
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    blocks = torch.randint(0, 256, (2, 3 * TILE_ROWS, groups, 16), generator=g, dtype=torch.uint8)
+    scales = torch.full((2, 3 * TILE_ROWS, groups), 120, dtype=torch.uint8)
+    w = MxExperts(blocks, scales, torch.zeros(2, 3 * TILE_ROWS), blocks, scales, torch.zeros(2, 3 * TILE_ROWS))
+    p = w.to_packed()
+    words = pack_words(blocks).view(2, 3, TILE_ROWS * groups, 16)  # [expert, tile, group slot, 16 bytes]
+    stored = p.gate_up_blocks.view(2, 3, TILE_ROWS * groups, 16)
+    whole, q = divmod(groups, 4)
+    for r in range(TILE_ROWS):
+        for k in range(groups):
+            at = 64 * (k // 4) + 4 * r + k % 4 if k < 4 * whole else 64 * whole + 2 * q * (r % 8) + q * (r // 8) + k % 4
+            assert torch.equal(stored[:, :, at], words[:, :, r * groups + k]), (r, k)
+    assert torch.equal(p.published("gate_up")[0], blocks) and torch.equal(p.published("down", [1])[0], blocks[[1]])
+    with pytest.raises(ValueError, match="tiles of 16"):
+        MxExperts(blocks[:, :8], scales[:, :8], torch.zeros(2, 8), blocks, scales, torch.zeros(2, 48)).to_packed()
 
 
 def _experts(g):
