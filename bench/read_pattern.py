@@ -5,11 +5,11 @@ bench/read_floor.py showed that a Triton kernel summing whole 16-row blocks reac
 bench asks the same of the mma kernels' own pattern and of a tile-major alternative, so that a new
 kernel shape is chosen from measured reads, not guessed:
 
-- "rows": the layout the kernels read today: a warp owns 16 rows, and in each K step of 4
-  16-byte groups its thread (g, q) loads group 4c + q of rows g and g + 8 (8 rows x 64 B per warp
-  load, rows 1440 B apart);
+- "rows": the row-major layout the kernels read until 2026-12-07: a warp owns 16 rows, and in each K
+  step of 4 16-byte groups its thread (g, q) loads group 4c + q of rows g and g + 8 (8 rows x 64 B per
+  warp load, rows 1440 B apart);
 - "tile": the same bytes stored tile-major, so a warp's K step is 1 KB contiguous (two fully
-  coalesced warp loads).
+  coalesced warp loads): the packed layout since then (kernels/mxfp4.py TILE_ROWS).
 
 Each warp keeps P K steps in flight (a register ring refilled as each step is consumed) and may
 add WORK dependent integer operations per K step to stand in for the decode. Grid: the 4 routed

@@ -11,7 +11,8 @@ Launches (no host synchronisation: CUDA-graph capturable): the routing layout, g
 clamped SwiGLU -> activations per routed row (x.dtype), down + bias times the routing weight ->
 float32 per pair, `triton_moe.combine` (each token's pairs in slot order: deterministic).
 
-Weights: `MxExperts` in the packed layout (kernels/mxfp4.py), loaded as [rows, groups, 4 words]
+Weights: `MxExperts` in the packed layout (kernels/mxfp4.py; 16-row tiles tile-major, addressed by
+triton_math.packed_group), loaded as [rows, groups, 4 words]
 with one scale byte per group. On the GPU (bf16 activations) inline PTX decodes a word into four
 bf16x2 registers, as the packed GEMV does (kernels/mxfp4.py bf16_pairs_ptx: e2m1 x 2^-126), then times 2^64
 and times the group's 2^(s - 65) (bf16x2 multiplies; one 2^(s - 1) is no bf16 past s = 128): the
