@@ -538,12 +538,12 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   const int ks = warp % KSPLIT;
   const int tile_row = blockIdx.x * ROWS + (warp / KSPLIT) * 16;  // the warp's 16-row tile
   const int row0 = tile_row + g;  // and row0 + 8
-  const U4* tile = tile_rows(words + (i64)tile_row * (KG * 4), g, tig);
+  const U4* rows = tile_rows(words + (i64)tile_row * (KG * 4), g, tig);
   const u32* s0 = scales + (i64)row0 * SCALE_WORDS;
   const u32* s1 = scales + (i64)(row0 + 8) * SCALE_WORDS;
 
   Batch b0, b1;
-  load_batch<EARLY>(b0, tile, s0, s1, ks, tig);
+  load_batch<EARLY>(b0, rows, s0, s1, ks, tig);
   if (EARLY) enter_pdl();
 #if MX_FOLD
   static_assert(!STAGED, "folded launches stage no rows");
@@ -571,10 +571,10 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
 #pragma unroll 1
   for (int first = ks; first < CHUNKS; first += 2 * STEP) {
-    if (first + STEP < CHUNKS) load_batch<false>(b1, tile, s0, s1, first + STEP, tig);
+    if (first + STEP < CHUNKS) load_batch<false>(b1, rows, s0, s1, first + STEP, tig);
     USE_BATCH(b0, first);
     if (first + STEP >= CHUNKS) break;
-    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, tile, s0, s1, first + 2 * STEP, tig);
+    if (first + 2 * STEP < CHUNKS) load_batch<false>(b0, rows, s0, s1, first + 2 * STEP, tig);
     ADVANCE();
     USE_BATCH(b1, first + STEP);
     ADVANCE();

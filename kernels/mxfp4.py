@@ -128,15 +128,15 @@ def _permute_word_bits(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
 # 16 rows' 4 groups one after the other (1 KB), row r's at group 4 r. Where K is no multiple of 4 groups, the
 # last, partial step (q = K_GROUPS % 4 groups a row) follows the whole ones, rows r and r + 8 side by side: row
 # r's groups at 2 q (r % 8) + q (r // 8), so that a thread's two rows (r < 8 and r + 8) are q groups apart, and
-# at gpt-oss' q = 2 row r < 8 is at 4 r as in a whole step. Measured as one token's MoE reads it in a 120b step:
-# x0.982 a replay (docs/kernels.md item 69).
+# at gpt-oss' q = 2 row r < 8 is at 4 r as in a whole step. A 120b step at one token: x0.975 a replay against the
+# row-major order (docs/kernels.md item 70).
 TILE_ROWS = 16
 TILE_STEP = 4  # groups
 
 
 def _tile_major(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """uint8 groups [..., rows, G, 16] in row order <-> tile-major (rows a multiple of TILE_ROWS); one
-    leading index at a time, so a layer's experts convert without a second copy of them."""
+    """uint8 groups [..., rows, G, 16] in row order <-> tile-major (rows a multiple of TILE_ROWS), into a new
+    tensor."""
     *lead, rows, g, b = blocks.shape
     if rows % TILE_ROWS:
         raise ValueError(f"the packed layout stores rows in tiles of {TILE_ROWS}: {rows} rows")
@@ -252,8 +252,11 @@ class MxExperts:
 
             return exact(self.gate_up_blocks, self.gate_up_scales) and exact(self.down_blocks, self.down_scales)
 
-        def pack(blocks):
-            return _tile_major(pack_words(blocks), inverse=False)
+        def pack(blocks):  # one expert at a time: no temporary larger than one expert's blocks
+            out = torch.empty_like(blocks)
+            for src, dst in zip(blocks, out):
+                dst.copy_(_tile_major(pack_words(src), inverse=False))
+            return out
 
         return replace(self, gate_up_blocks=pack(self.gate_up_blocks), down_blocks=pack(self.down_blocks),
                        gate_up_scales=pad(self.gate_up_scales), down_scales=pad(self.down_scales), layout="packed",

@@ -1,8 +1,8 @@
 """The packed MXFP4 word layout (kernels/mxfp4.py: pack_words) on the CPU: a bit permutation of
-each word (unpack_words inverts it), each expert's 16-row tiles stored tile-major, and the kernels' decode (a mask, or two shifts and masks, to
-e4m3 bytes read as e4m3 times 2^6; emulated by decode_packed_words) gives back every published
-e2m1 value at every position, with bytes that hold nothing but the value's bits. The GPU kernels
-that read it: tests/gpu/test_moe_mxfp4*_gpu.py."""
+each word (unpack_words inverts it), each expert's 16-row tiles stored tile-major, and the kernels'
+decode (a mask, or two shifts and masks, to e4m3 bytes read as e4m3 times 2^6; emulated by
+decode_packed_words) gives back every published e2m1 value at every position, with bytes that hold
+nothing but the value's bits. The GPU kernels that read it: tests/gpu/test_moe_mxfp4*_gpu.py."""
 
 from __future__ import annotations
 
