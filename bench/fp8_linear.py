@@ -34,7 +34,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.kernels import measure_ceilings, time_it  # noqa: E402
-from pdserve.kernels.fp8 import (fp8_linear_ref, fp8_weight_linear_ref, quantize_act_fp8,  # noqa: E402
+from pdserve.kernels.fp8 import (fp8_linear_ref, fp8_weight_linear_ref,  # noqa: E402
                                  quantize_weight_fp8)
 from pdserve.bench.kernels import copy_bandwidth, fastest_per_shape  # noqa: E402
 from pdserve.kernels.triton_fp8_linear import (GEMV_MAX_M, LinearConfig, fp8_linear, launch_shape,  # noqa: E402
