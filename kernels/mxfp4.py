@@ -132,6 +132,7 @@ def _permute_word_bits(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
 # row-major order (docs/kernels.md item 70).
 TILE_ROWS = 16
 TILE_STEP = 4  # groups
+PACK_CHUNK_BYTES = 1 << 28  # experts `to_packed` converts at once
 
 
 def _tile_major(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -252,10 +253,11 @@ class MxExperts:
 
             return exact(self.gate_up_blocks, self.gate_up_scales) and exact(self.down_blocks, self.down_scales)
 
-        def pack(blocks):  # one expert at a time: no temporary larger than one expert's blocks
+        def pack(blocks):  # a few experts at a time: temporaries of about PACK_CHUNK_BYTES, few launches
             out = torch.empty_like(blocks)
-            for src, dst in zip(blocks, out):
-                dst.copy_(_tile_major(pack_words(src), inverse=False))
+            n = max(1, PACK_CHUNK_BYTES // max(blocks[0].numel(), 1))
+            for i in range(0, blocks.shape[0], n):
+                out[i : i + n] = _tile_major(pack_words(blocks[i : i + n]), inverse=False)
             return out
 
         return replace(self, gate_up_blocks=pack(self.gate_up_blocks), down_blocks=pack(self.down_blocks),

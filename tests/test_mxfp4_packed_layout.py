@@ -60,6 +60,17 @@ def test_packed_experts_store_each_tile_tile_major(groups):
         MxExperts(blocks[:, :8], scales[:, :8], torch.zeros(2, 8), blocks, scales, torch.zeros(2, 48)).to_packed()
 
 
+def test_packing_in_chunks_of_experts_changes_nothing(monkeypatch):
+    """to_packed converts PACK_CHUNK_BYTES of experts at a time: one expert a chunk gives the same blocks."""
+    from pdserve.kernels import mxfp4
+
+    w = _experts(torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item())))
+    whole = w.to_packed()
+    monkeypatch.setattr(mxfp4, "PACK_CHUNK_BYTES", 1)
+    chunked = w.to_packed()
+    assert torch.equal(chunked.gate_up_blocks, whole.gate_up_blocks) and torch.equal(chunked.down_blocks, whole.down_blocks)
+
+
 def _experts(g):
     return random_layer(4, g, h=64, i=64, scales=(120, 130), bias_std=1.0)
 
