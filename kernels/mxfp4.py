@@ -137,28 +137,28 @@ PACK_CHUNK_BYTES = 1 << 28  # experts `to_packed` converts at once
 
 def _tile_major(blocks: torch.Tensor, inverse: bool) -> torch.Tensor:
     """uint8 groups [..., rows, G, 16] in row order <-> tile-major (rows a multiple of TILE_ROWS), into a new
-    tensor."""
+    tensor. Tiles are independent, so every tile of every leading index is permuted in one pass."""
     *lead, rows, g, b = blocks.shape
     if rows % TILE_ROWS:
         raise ValueError(f"the packed layout stores rows in tiles of {TILE_ROWS}: {rows} rows")
-    tiles, step, whole = rows // TILE_ROWS, TILE_STEP * b, g // TILE_STEP * TILE_STEP * b
-    flat = blocks.reshape(-1, tiles, TILE_ROWS * g * b)
-    out = torch.empty_like(flat)
-    for src, dst in zip(flat, out):
-        rowwise, tiled = (dst, src) if inverse else (src, dst)
-        rowwise = rowwise.view(tiles, TILE_ROWS, g * b)
-        # a tile's whole steps: [row, step, 64 bytes] in row order, [step, row, 64 bytes] tile-major
-        by_row = rowwise[..., :whole].unflatten(-1, (-1, step))
-        by_step = tiled[:, : TILE_ROWS * whole].view(tiles, -1, TILE_ROWS, step).transpose(1, 2)
-        # the partial step's groups: [row, groups] in row order, [row % 8, row // 8, groups] tiled
-        row_tail = rowwise[..., whole:].unflatten(1, (2, TILE_ROWS // 2)).transpose(1, 2)
-        tiled_tail = tiled[:, TILE_ROWS * whole :].view(tiles, TILE_ROWS // 2, 2, -1)
-        if inverse:
-            by_row.copy_(by_step)
-            row_tail.copy_(tiled_tail)
-        else:
-            by_step.copy_(by_row)
-            tiled_tail.copy_(row_tail)
+    step, whole = TILE_STEP * b, g // TILE_STEP * TILE_STEP * b
+    src = blocks.reshape(-1, TILE_ROWS * g * b)  # [tiles, a tile's bytes]
+    out = torch.empty_like(src)
+    rowwise, tiled = (out, src) if inverse else (src, out)
+    rowwise = rowwise.view(-1, TILE_ROWS, g * b)
+    tiles = rowwise.shape[0]
+    # a tile's whole steps: [row, step, 64 bytes] in row order, [step, row, 64 bytes] tile-major
+    by_row = rowwise[..., :whole].unflatten(-1, (-1, step))
+    by_step = tiled[:, : TILE_ROWS * whole].view(tiles, -1, TILE_ROWS, step).transpose(1, 2)
+    # the partial step's groups: [row, groups] in row order, [row % 8, row // 8, groups] tiled
+    row_tail = rowwise[..., whole:].unflatten(1, (2, TILE_ROWS // 2)).transpose(1, 2)
+    tiled_tail = tiled[:, TILE_ROWS * whole :].view(tiles, TILE_ROWS // 2, 2, -1)
+    if inverse:
+        by_row.copy_(by_step)
+        row_tail.copy_(tiled_tail)
+    else:
+        by_step.copy_(by_row)
+        tiled_tail.copy_(row_tail)
     return out.view(blocks.shape)
 
 
