@@ -40,8 +40,21 @@ __device__ __forceinline__ float dot8(float s, U4 a, U4 b) {
   return s;
 }
 
-// (v, id) beats (u, jd): a larger logit, or an equal one with a lower expert id
-__device__ __forceinline__ bool beats(float v, int id, float u, int jd) { return v > u || (v == u && id < jd); }
+// A sort key of (bf16 logit f, expert e), unsigned: a larger logit, or an equal one with a lower expert id, is
+// a larger key, so one warp-wide unsigned max picks what the top-k order picks. The logit's 16 bits made
+// monotonic (negative: all bits flipped; positive: the sign bit set; -0 as +0, which the float comparison ties
+// with it) above 0xFFFF - e. Every key of an expert is above 0, the key of none.
+__device__ __forceinline__ u32 sort_key(float f, int e) {
+  u32 b = __float_as_uint(f) >> 16;
+  if (b == 0x8000u) b = 0u;
+  const u32 ord = b & 0x8000u ? ~b & 0xFFFFu : b | 0x8000u;
+  return ord << 16 | (0xFFFFu - (u32)e);
+}
+__device__ __forceinline__ float key_logit(u32 k) {
+  const u32 ord = k >> 16;
+  return __uint_as_float((ord & 0x8000u ? ord & 0x7FFFu : ~ord & 0xFFFFu) << 16);
+}
+__device__ __forceinline__ i64 key_expert(u32 k) { return 0xFFFF - (i64)(k & 0xFFFFu); }
 
 // x [T, RT_H] bf16 (row stride stride_x), w [RT_E, RT_H] bf16, bias [RT_E] bf16 -> weights [T, 4]
 // bf16 and ids [T, 4] int64 by descending logit; logits [T, RT_E] bf16 where not null (for tests).
@@ -92,47 +105,34 @@ route(const u16* __restrict__ x, int stride_x, const u16* __restrict__ w, const 
     }
     __syncthreads();
     if (warp == 0) {
-      const float neg_inf = -__int_as_float(0x7f800000u);
-      float cur[EPL];
-      u32 taken = 0u;  // bit i: expert lane + 32 i is picked already
+      // four rounds of one warp-wide max over the lanes' sort keys; the winner's lane clears its key
+      u32 key[EPL];
 #pragma unroll
-      for (int i = 0; i < EPL; i++) cur[i] = lane + 32 * i < RT_E ? logit[lane + 32 * i] : neg_inf;
-      float val[TOP_K];
-      int id[TOP_K];
+      for (int i = 0; i < EPL; i++) key[i] = lane + 32 * i < RT_E ? sort_key(logit[lane + 32 * i], lane + 32 * i) : 0u;
+      u32 top[TOP_K];
 #pragma unroll
       for (int k = 0; k < TOP_K; k++) {
-        float bv = neg_inf;
-        int bi = 0x7fffffff;  // loses to every expert left, one at -inf too
+        u32 best = key[0];
 #pragma unroll
-        for (int i = 0; i < EPL; i++) {
-          const int e = lane + 32 * i;
-          if (e < RT_E && !(taken >> i & 1u) && beats(cur[i], e, bv, bi)) bv = cur[i], bi = e;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
-          const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
-          if (beats(ov, oi, bv, bi)) bv = ov, bi = oi;
-        }
-        val[k] = bv;
-        id[k] = bi;
+        for (int i = 1; i < EPL; i++) best = max(best, key[i]);
+        top[k] = __reduce_max_sync(0xFFFFFFFFu, best);
 #pragma unroll
         for (int i = 0; i < EPL; i++)
-          if (lane + 32 * i == bi) taken |= 1u << i;
+          if (key[i] == top[k]) key[i] = 0u;
       }
       if (lane < TOP_K) {
-        const float m = val[0];
+        const float m = key_logit(top[0]);
         float ex[TOP_K];
 #pragma unroll
-        for (int k = 0; k < TOP_K; k++) ex[k] = expf(val[k] - m);
+        for (int k = 0; k < TOP_K; k++) ex[k] = expf(key_logit(top[k]) - m);
         const float total = (ex[0] + ex[2]) + (ex[1] + ex[3]);
         float mine = ex[0];
-        int mine_id = id[0];
+        u32 mine_key = top[0];
 #pragma unroll
         for (int k = 1; k < TOP_K; k++)
-          if (lane == k) mine = ex[k], mine_id = id[k];
+          if (lane == k) mine = ex[k], mine_key = top[k];
         weights[t * TOP_K + lane] = to_bf16(__fdiv_rn(mine, total));
-        ids[t * TOP_K + lane] = mine_id;
+        ids[t * TOP_K + lane] = key_expert(mine_key);
       }
     }
   }

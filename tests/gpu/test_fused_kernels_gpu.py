@@ -244,6 +244,28 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     assert torch.isfinite(weights[1:]).all()
 
 
+@pytest.mark.parametrize("kernel", ["cuda cluster", "cuda cluster of 12"])
+@pytest.mark.parametrize("experts", [32, 128])
+def test_cluster_router_ties_signed_zeros(kernel, experts, monkeypatch):
+    """A logit that rounds to -0 ties with the +0 ones, as the float comparison (and torch.topk) has it:
+    the cluster router orders picks by one unsigned key a logit, and -0's bits would put it below +0."""
+    from pdserve.kernels import cuda_router
+    from pdserve.kernels.triton_router import route_fused
+
+    if kernel == "cuda cluster of 12":
+        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
+    x = torch.zeros(1, 2880, device=DEV, dtype=BF16)
+    w = torch.zeros(experts, 2880, device=DEV, dtype=BF16)
+    b = torch.zeros(experts, device=DEV, dtype=BF16)
+    x[0, 0], w[0, 0] = -(2.0**-70), 2.0**-77  # expert 0's logit: -2^-147 in float32, -0 in bf16
+    if not cuda_router.applies(x, w, b):
+        pytest.skip("the cluster router needs Hopper and NVRTC")
+    weights, ids, logits = route_fused(x, w, b, 4, return_logits=True)
+    assert torch.signbit(logits[0, 0]) and not torch.signbit(logits[0, 1:]).any()  # the case is there
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert torch.equal(weights, torch.full_like(weights, 0.25))
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from pdserve.engine.checkpoint_writer import make_random_checkpoint
