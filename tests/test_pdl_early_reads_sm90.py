@@ -275,7 +275,7 @@ def test_mxfp4_per_pair_gate_up_reads_zero_b_from_the_zero_row_without_per_step_
 def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(experts, tmp_path):
     """kernels/cuda_router.cu: every weight load of a lane (and CTA 0's bias) comes before the
     wait, its token columns' loads after it; CTA 0 reads its peers' partial logits through the
-    cluster."""
+    cluster and picks the top 4 by warp-wide reductions."""
     from pdserve.kernels.cuda_router import SOURCE, compile_options, shape
 
     cluster, warps = shape(experts, 2880)
@@ -288,7 +288,9 @@ def test_cluster_router_reads_its_weights_ahead_of_the_wait_and_x_after_it(exper
     assert [op for op in early if not op.startswith("LDG.E.128")] == ["LDG.E.U16.STRONG.GPU"], early  # the bias
     late = [op for op in ops[ops.index("ACQBULK"):] if op.startswith("LDG")]
     assert len(late) == vectors and all(op.startswith("LDG.E.128") for op in late), late
-    assert "UCGABAR_ARV" in ops and "LD.E" in ops and not [op for op in ops if op.startswith(("ATOM", "RED"))]
+    assert "UCGABAR_ARV" in ops and "LD.E" in ops
+    assert not [op for op in ops if op.startswith(("ATOM", "RED.", "REDG"))]  # no atomics: the partials meet in the cluster
+    assert "REDUX.MAX" in ops  # the top 4 by warp-wide max reductions (item 71 of docs/kernels.md)
 
 
 def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it(tmp_path):
