@@ -247,7 +247,7 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
 @pytest.mark.parametrize("kernel", ["cuda cluster", "cuda cluster of 12"])
 @pytest.mark.parametrize("experts", [32, 128])
 def test_cluster_router_ties_signed_zeros(kernel, experts, monkeypatch):
-    """A logit that rounds to -0 ties with the +0 ones, as the float comparison (and torch.topk) has it:
+    """A logit that rounds to -0 ties with the +0 ones, as the float comparison has it (the Triton router's too):
     the cluster router orders picks by one unsigned key a logit, and -0's bits would put it below +0."""
     from pdserve.kernels import cuda_router
     from pdserve.kernels.triton_router import route_fused
