@@ -142,13 +142,9 @@ __device__ __forceinline__ void decode_word_bf16(u32 w, u32 p[4]) {
   p[3] = bf16_pair(high, 0x3424u);
 }
 
-// Byte K (0 or 1) of scale word s -> its group's factor 2^(s - 121) (the decode's 2^-6 undone): float bits
-// (s + 6) << 23, a normal float for every s <= 192 the packed layout allows; one byte permute (its selector
-// an immediate) and one shift-add
-template <int K>
-__device__ __forceinline__ float group_scale(u32 s) {
-  return __int_as_float((__byte_perm(s, 0u, 0x4440u | K) << 23) + (6u << 23));
-}
+// Scale byte s -> its group's factor 2^(s - 121) (the decode's 2^-6 undone): float bits
+// (s + 6) << 23, a normal float for every s <= 192 the packed layout allows.
+__device__ __forceinline__ float group_scale(u32 s) { return __int_as_float(((s & 0xFFu) + 6u) << 23); }
 
 // bf16x2 b times up (a power of two), as f16x2
 __device__ __forceinline__ u32 f16x2_scaled(u32 b, float up) {
@@ -275,11 +271,11 @@ __device__ __forceinline__ U4 staged_chunk(U4 v, float up) {
 // 2^(e - 141). A group's 4 chunks of 16 bytes sit in 4 consecutive lanes (NW * 32 is a multiple of
 // 4), which share e by two shuffles; with several rows a second pass converts the chunks it reads
 // again (from L1). F16 rows (down's activations, which gate/up wrote as f16 times 2^act_shift) are
-// copied as they are, with no factors: use_batch<false> leaves the 2^-act_shift to the caller. The rows end in zeros up to whole K steps
+// copied as they are, every group's factor 2^-act_shift. The rows end in zeros up to whole K steps
 // (groups KG .. 4 CHUNKS, whose factors are finite), so the K loop reads them without a test. EARLY:
 // read before the CTA's PDL wait (load_early). Ends with the CTA synchronised.
 template <bool EARLY, bool F16>
-__device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n) {
+__device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n, int act_shift = 0) {
   constexpr int per_row = CHUNKS * 16, in_row = KG * 4;  // 16-byte chunks, staged and in the row
   float* fx = group_factors(xs);
   const U4 zero = U4{0u, 0u, 0u, 0u};
@@ -288,6 +284,8 @@ __device__ __forceinline__ void stage_rows(u32* xs, const U4* const* rows, int n
       for (int i = 0; i < n; i++)
         *reinterpret_cast<U4*>(xs + i * XROW + 4 * c) =
             c >= in_row ? zero : EARLY ? load_early(rows[i] + c) : load_cached(rows[i] + c);
+    const float f = __int_as_float((127 - act_shift) << 23);
+    for (int g = threadIdx.x; g < XF_WORDS; g += NW * 32) fx[g] = f;
   } else {
     for (int c0 = 0; c0 < per_row; c0 += NW * 32) {  // the same trip count in every lane: they shuffle
       const int c = c0 + (int)threadIdx.x;
@@ -398,25 +396,20 @@ __device__ __forceinline__ void advance(BRows& r, int steps) {
 
 // The mmas of one batch (its first K step `first`, where br points): acc[p][0 / 1] += this thread's
 // share of rows row0 / row0 + 8 for token pair p (columns (t = tig / 2, q = 2 (tig % 2) + {0, 1}),
-// each group times its scale and, with FX, its staged factor; without FX (f16 rows, whose factors are
-// all one power of two) the caller multiplies the sums by that power of two).
-template <bool FX = true>
+// each group times its scale).
 __device__ __forceinline__ void use_batch(const Batch& b, int first, const u32* xs, const BRows& br, int ntp,
                                           int tig, float acc[TP][2]) {
 #pragma unroll
   for (int j = 0; j < D; j++) {
     const int c = first + j * KSPLIT;
     if (c >= CHUNKS) break;
-    // this thread's columns are groups 4 c + 2 (tig % 2) + {0, 1}: their scales (bytes 0, 1 of ha / hb) times
-    // the activations' factors (zero past group KG)
     const u32 ha = b.sa[j] >> (16 * (tig & 1)), hb = b.sb[j] >> (16 * (tig & 1));
-    float2 fx = make_float2(1.f, 1.f);
-    if (FX)
-      fx = *reinterpret_cast<const float2*>(MX_ZERO_ROW ? xs + br.fx + 4 * KSPLIT * j
-                                                         : xs + SLOTS * XROW + 4 * c + 2 * (tig & 1));
-    float fa0 = group_scale<0>(ha), fa1 = group_scale<1>(ha);
-    float fb0 = group_scale<0>(hb), fb1 = group_scale<1>(hb);
-    if (FX) fa0 *= fx.x, fa1 *= fx.y, fb0 *= fx.x, fb1 *= fx.y;
+    // this thread's columns are groups 4 c + 2 (tig % 2) + {0, 1}: their scales times the activations'
+    // factors (zero past group KG)
+    const float2 fx = *reinterpret_cast<const float2*>(
+        MX_ZERO_ROW ? xs + br.fx + 4 * KSPLIT * j : xs + SLOTS * XROW + 4 * c + 2 * (tig & 1));
+    const float fa0 = group_scale(ha) * fx.x, fa1 = group_scale(ha >> 8) * fx.y;
+    const float fb0 = group_scale(hb) * fx.x, fb1 = group_scale(hb >> 8) * fx.y;
     u32 pa[4][4], pb[4][4];  // word w's pairs, decoded once for every token pair
     decode_word(b.wa[j].x, pa[0]); decode_word(b.wa[j].y, pa[1]); decode_word(b.wa[j].z, pa[2]); decode_word(b.wa[j].w, pa[3]);
     decode_word(b.wb[j].x, pb[0]); decode_word(b.wb[j].y, pb[1]); decode_word(b.wb[j].z, pb[2]); decode_word(b.wb[j].w, pb[3]);
@@ -536,11 +529,10 @@ __device__ __forceinline__ void use_batch_fold(const Batch& b, int first, const 
 // 16 (w / KSPLIT) .. +16 and K steps w % KSPLIT, + KSPLIT, ...; its sums for pair i, row r of its
 // tile go to red[(w * SLOTS + i) * 16 + r]. The first weights are requested before the activation
 // rows are staged (in flight together); with EARLY, the PDL wait comes between the two. STAGED: the
-// rows are in xs already (gate/up's MX_EARLY_X). F16_ROWS: the rows are f16 times one power of two, which
-// the sums keep (the caller divides it out).
+// rows are in xs already (gate/up's MX_EARLY_X).
 template <bool EARLY, bool STAGED = false, bool F16_ROWS = false>
 __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ scales, u32* xs,
-                         const Item& it, float* red) {
+                         const Item& it, float* red, int act_shift = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int ks = warp % KSPLIT;
@@ -567,13 +559,13 @@ __device__ void tile_dot(const u32* __restrict__ words, const u32* __restrict__ 
 #define USE_BATCH(b, first) use_batch_fold(b, first, xrow, nt, tig, acc)
 #define ADVANCE()
 #else
-  if (!STAGED) stage_rows<false, F16_ROWS>(xs, it.row, it.n);
+  if (!STAGED) stage_rows<false, F16_ROWS>(xs, it.row, it.n, act_shift);
   const int ntp = (it.n + 1) / 2;
   BRows br = b_rows(it.n, g, tig, ks);
   float acc[TP][2];
 #pragma unroll
   for (int p = 0; p < TP; p++) acc[p][0] = acc[p][1] = 0.f;
-#define USE_BATCH(b, first) use_batch<!F16_ROWS>(b, first, xs, br, ntp, tig, acc)
+#define USE_BATCH(b, first) use_batch(b, first, xs, br, ntp, tig, acc)
 #define ADVANCE() advance(br, STEP)
 #endif
   constexpr int STEP = D * KSPLIT;  // K steps a batch advances
@@ -904,21 +896,20 @@ mx_down(const u32* __restrict__ words, const u32* __restrict__ scales, const flo
   float bias_r = 0.f;
   if (MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
   tile_dot<MX_EARLY_DOWN != 0, false, !MX_FOLD>(words + e * n_rows * (KG * 4), scales + e * n_rows * SCALE_WORDS, xs,
-                                               it, red);
+                                               it, red, act_shift);
   TRACE(1);
   if (!MX_EARLY_BIAS && has_bias) bias_r = bias[e * n_rows + row_r];
-  // the sums of B staged as gate/up wrote it, times 2^act_shift (f16 rows and the f16 fold), or as bf16 (MX_FOLD 1)
-  const float unshift = MX_FOLD == 1 ? 1.f : __int_as_float((127 - act_shift) << 23);
 #if MX_CLUSTER_SUM
   for (int r = threadIdx.x; r < ROWS; r += NW * 32)
-    y_sum[r] = (row_sum(red, 0, r) * unshift + bias_r) *
-               from_bf16(MX_EARLY_BIAS ? it.weight[0] : route_weight[it.slot[0]]);
+    y_sum[r] = (row_sum(red, 0, r) + bias_r) * from_bf16(MX_EARLY_BIAS ? it.weight[0] : route_weight[it.slot[0]]);
   cluster_sum(y_sum, top_k, out, stride_out);
 #else
   for (int t = threadIdx.x; t < it.n * ROWS; t += NW * 32) {
     const int i = t / ROWS, r = t % ROWS;
     const int row = tile * ROWS + r;
-    const float y = row_sum(red, i, r) * unshift + bias_r;
+    // MX_FOLD 2: B was the activations times 2^act_shift
+    const float y = (MX_FOLD == 2 ? row_sum(red, i, r) * __int_as_float((127 - act_shift) << 23) : row_sum(red, i, r))
+                    + bias_r;
     const int pair = it.slot[i];
     part[(i64)pair * n_rows + row] = y * from_bf16(MX_EARLY_BIAS ? it.weight[i] : route_weight[pair]);
   }
