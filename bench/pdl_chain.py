@@ -20,6 +20,7 @@ captured in one CUDA graph, median of replays, per kernel; with PDL and without.
     python -m pdserve.bench.pdl_chain --overlap [--out FILE.json]
     python -m pdserve.bench.pdl_chain --carveout [--out FILE.json]
     python -m pdserve.bench.pdl_chain --barriers [--out FILE.json]
+    python -m pdserve.bench.pdl_chain --clusters [--out FILE.json]
 
 `--counters` asks what a boundary would cost without the grid-wide wait: the engine's order (wait,
 then let the next kernel launch), the next kernel launched first (then wait), and a hand-off through
@@ -37,6 +38,14 @@ acquire loads; the same with relaxed polls and one acquire fence after them; or 
 (`atom.acq_rel.gpu` returns it) raises a flag on another line that the others poll. Per phase from the
 slope between 1 phase and `--kernels` phases (the launch and the counters' reset cancel out), beside the
 PDL chain's per-kernel time at the same grid in the same run.
+
+`--clusters` asks what a hand-off costs where the data a phase needs comes only from its own thread-block
+cluster: the shape of a kernel whose steps depend on each other per KV head (QKV rows, attention, the O
+projection's share of that head's columns) rather than across the grid. 128 CTAs in clusters of 2-16 run
+`--kernels` phases, each the links' work with the value read from the cluster's first CTA's shared memory
+(distributed shared memory) instead of global memory, separated by a cluster barrier
+(`barrier.cluster` arrive.release / wait.acquire); per phase from the slope, beside the PDL chain and the grid
+barrier at the same 128 CTAs in the same run.
 
 `--overlap` asks instead whether a dependent kernel is placed while the kernel before it still runs,
 which every read "ahead of the PDL wait" in the engine's kernels relies on: a one-CTA kernel that
@@ -189,6 +198,41 @@ extern "C" __global__ void __launch_bounds__(128) phases(u32* __restrict__ vals,
     if (p + 1 < phases) grid_barrier(sync, sync + 1, (p + 1) * gridDim.x, p, kind);
   }
 }
+
+// *p in the shared memory of the cluster's CTA `rank`, as u32
+__device__ __forceinline__ u32 peer_u32(const u32* p, u32 rank) {
+  return __float_as_uint(load_peer(reinterpret_cast<const float*>(p), rank));
+}
+
+// `phases` phases of a link's work in thread-block clusters: the value the cluster's CTA 0 wrote into its
+// shared memory in the phase before (vals[0] in the first), hops dependent L2 reads, stage bytes a CTA; a
+// cluster barrier after each but the last. CTA 0 of the grid stores `phases` into vals[1] at the end.
+extern "C" __global__ void __launch_bounds__(128) cluster_phases(u32* __restrict__ vals, const u32* __restrict__ ring,
+                                                                  int n, int hops, const unsigned char* __restrict__ row,
+                                                                  int stage, int phases) {
+  __shared__ u32 acc, slot[2];
+  const u32 rank = cluster_rank();
+  for (int p = 0; p < phases; p++) {
+    u32 v = p == 0 ? load_early_u32(vals) : peer_u32(slot + (p & 1), 0);
+    if (threadIdx.x == 0) {
+      u32 i = (v + blockIdx.x * 2654435761u) & (n - 1);
+      for (int h = 0; h < hops; h++) i = load_early_u32(ring + i);
+      v += i;
+    }
+    for (int o = threadIdx.x * 16; o < stage; o += 128 * 16) {
+      const U4 r = load_early(row + o);
+      v += r.x ^ r.y ^ r.z ^ r.w;
+    }
+    if (threadIdx.x == 0) acc = 0;
+    __syncthreads();
+    atomicAdd(&acc, v);
+    __syncthreads();
+    if (rank == 0 && threadIdx.x == 0) slot[(p + 1) & 1] = acc & 1u;
+    if (p + 1 < phases) cluster_sync();
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) vals[1] = (u32)phases;
+  cluster_sync_relaxed();  // CTA 0's shared memory outlives its peers' last reads
+}
 """
 
 OVERLAP_SOURCE = r"""
@@ -305,6 +349,56 @@ def barrier_us(ctas: int, phases: int, hops: int, stage: int, kind: int) -> floa
     """us a phase: the slope between a launch of one phase and one of `phases`."""
     return (barrier_launch_us(ctas, phases, hops, stage, kind) - barrier_launch_us(ctas, 1, hops, stage, kind)) / (
         phases - 1)
+
+
+CLUSTER_CTAS = 128  # a whole number of clusters of every size below, all resident at one CTA an SM
+CLUSTER_SIZES = (2, 4, 8, 16)
+
+
+@functools.cache
+def _cluster_kernel(size: int):
+    from pdserve.kernels.nvrtc import compile_kernels
+
+    return compile_kernels(BARRIER_SOURCE, ["cluster_phases"], [], torch.cuda.current_device(),
+                           cluster=size)["cluster_phases"]
+
+
+def cluster_launch_us(size: int, phases: int, hops: int, stage: int, replays: int = 20) -> float:
+    """Median us of one graph replay of one launch of `phases` phases in clusters of `size`."""
+    from pdserve.bench.kernels import graphed, time_it
+    from pdserve.kernels.pdl import launch_cuda
+
+    n = 1 << 20
+    ring = torch.randperm(n, device="cuda", dtype=torch.int64).to(torch.int32)
+    row = torch.randint(0, 255, (max(stage, 16),), device="cuda", dtype=torch.uint8)
+    vals = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+    def run():
+        launch_cuda(_cluster_kernel(size), (CLUSTER_CTAS, 1, 1), (128, 1, 1), 0, pdl=False,
+                    args=[vals, ring, n, hops, row, stage, phases], cluster=(size, 1, 1))
+
+    us = time_it(graphed(run), reps=replays, warmup=1, flush=False) * 1e6
+    torch.cuda.synchronize()
+    if int(vals[1]) != phases:
+        raise RuntimeError(f"the cluster kernel ended with {int(vals[1])}, expected {phases}")
+    return us
+
+
+def clusters_main(phases: int, out: str | None) -> None:
+    rows = []
+    print(f"us a boundary at {CLUSTER_CTAS} CTAs: the PDL chain of {phases} kernels (a kernel), a persistent kernel of "
+          f"{phases} phases (a phase: slope from 1 phase) with a grid barrier or a cluster barrier", flush=True)
+    names = ["pdl chain", "grid barrier"] + [f"cluster barrier, {c} CTAs" for c in CLUSTER_SIZES]
+    print(f"{'hops':>4} {'stage B':>8} " + " ".join(f"{n:>26}" for n in names), flush=True)
+    for hops, stage in ((0, 0), (0, 5760), (2, 0)):
+        us = [chain_us(phases, CLUSTER_CTAS, hops, stage, "pdl"), barrier_us(CLUSTER_CTAS, phases, hops, stage, 0)]
+        us += [(cluster_launch_us(c, phases, hops, stage) - cluster_launch_us(c, 1, hops, stage)) / (phases - 1)
+               for c in CLUSTER_SIZES]
+        rows.append({"hops": hops, "stage": stage, "us": dict(zip(names, us))})
+        print(f"{hops:>4} {stage:>8} " + " ".join(f"{u:26.2f}" for u in us), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def barriers_main(phases: int, out: str | None) -> None:
@@ -454,7 +548,12 @@ def main() -> None:
                     "another shared-memory split (see above)")
     ap.add_argument("--barriers", action="store_true", help="the PDL boundary against grid barriers inside one "
                     "persistent kernel (see above)")
+    ap.add_argument("--clusters", action="store_true", help="the PDL boundary against cluster barriers inside "
+                    "one persistent kernel, data from the cluster only (see above)")
     a = ap.parse_args()
+    if a.clusters:
+        clusters_main(a.kernels, a.out)
+        return
     if a.barriers:
         barriers_main(a.kernels, a.out)
         return

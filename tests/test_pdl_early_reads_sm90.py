@@ -462,3 +462,19 @@ def test_pdl_overlap_probe_triggers_at_the_spin_start_and_waits_in_the_probe(tmp
     clock = [i for i, op in enumerate(probe) if op.startswith(("S2UR", "CS2R", "S2R"))]
     wait = probe.index("ACQBULK")
     assert any(i < wait for i in clock) and any(i > wait for i in clock), probe
+
+
+def test_pdl_chain_bench_cluster_phases_hand_off_through_the_cluster(tmp_path):
+    """bench/pdl_chain.py --clusters: between phases a cluster barrier (arrive, then wait; the release
+    arrival is fenced, as in the engine's cluster kernels), the value read from the cluster's first CTA
+    by a generic load (distributed shared memory), and no counter in global memory, so its figures are
+    those of a hand-off inside a cluster."""
+    from pdserve.bench.pdl_chain import BARRIER_SOURCE
+
+    cubin, report = compile_cuda(BARRIER_SOURCE, [])
+    assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
+    ops = _sass(cubin, tmp_path, "cluster_phases")
+    arrive, wait = ops.index("UCGABAR_ARV"), ops.index("UCGABAR_WAIT")
+    assert arrive < wait and "MEMBAR.ALL.GPU" in ops[arrive - 4:arrive], ops[arrive - 4:wait + 1]
+    assert "LD.E" in ops, ops
+    assert not [op for op in ops if op.startswith(("REDG", "RED.E", "ATOMG"))], ops
