@@ -172,6 +172,27 @@ __device__ __forceinline__ void grid_barrier(u32* count, u32* flag, u32 target, 
   __syncthreads();
 }
 
+// A phase's work, a link's (kernel `link` above): from the value v the phase before left, thread 0's hops
+// dependent L2 reads and stage bytes a CTA; the CTA's sum through acc (shared), returned to thread 0 (which
+// alone zeroes acc for the next phase, so no other thread may read it late).
+__device__ __forceinline__ u32 phase_work(u32 v, const u32* __restrict__ ring, int n, int hops,
+                                          const unsigned char* __restrict__ row, int stage, u32* acc) {
+  if (threadIdx.x == 0) {
+    u32 i = (v + blockIdx.x * 2654435761u) & (n - 1);
+    for (int h = 0; h < hops; h++) i = load_early_u32(ring + i);
+    v += i;
+  }
+  for (int o = threadIdx.x * 16; o < stage; o += 128 * 16) {
+    const U4 r = load_early(row + o);
+    v += r.x ^ r.y ^ r.z ^ r.w;
+  }
+  if (threadIdx.x == 0) *acc = 0;
+  __syncthreads();
+  atomicAdd(acc, v);
+  __syncthreads();
+  return threadIdx.x == 0 ? *acc : 0u;
+}
+
 // `phases` phases of a link's work (kernel `link` above: the value CTA 0 wrote in the phase before, hops
 // dependent L2 reads, stage bytes a CTA), a grid barrier after each but the last; sync[0] the counter, sync[1]
 // the flag, both zero at the start (the caller resets them before each launch).
@@ -180,21 +201,8 @@ extern "C" __global__ void __launch_bounds__(128) phases(u32* __restrict__ vals,
                                                           int phases, int kind, u32* sync) {
   __shared__ u32 acc;
   for (int p = 0; p < phases; p++) {
-    u32 v = load_early_u32(vals + (p & 1));
-    if (threadIdx.x == 0) {
-      u32 i = (v + blockIdx.x * 2654435761u) & (n - 1);
-      for (int h = 0; h < hops; h++) i = load_early_u32(ring + i);
-      v += i;
-    }
-    for (int o = threadIdx.x * 16; o < stage; o += 128 * 16) {
-      const U4 r = load_early(row + o);
-      v += r.x ^ r.y ^ r.z ^ r.w;
-    }
-    if (threadIdx.x == 0) acc = 0;
-    __syncthreads();
-    atomicAdd(&acc, v);
-    __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x == 0) vals[(p + 1) & 1] = acc & 1u;
+    const u32 sum = phase_work(load_early_u32(vals + (p & 1)), ring, n, hops, row, stage, &acc);
+    if (blockIdx.x == 0 && threadIdx.x == 0) vals[(p + 1) & 1] = sum & 1u;
     if (p + 1 < phases) grid_barrier(sync, sync + 1, (p + 1) * gridDim.x, p, kind);
   }
 }
@@ -213,21 +221,9 @@ extern "C" __global__ void __launch_bounds__(128) cluster_phases(u32* __restrict
   __shared__ u32 acc, slot[2];
   const u32 rank = cluster_rank();
   for (int p = 0; p < phases; p++) {
-    u32 v = p == 0 ? load_early_u32(vals) : peer_u32(slot + (p & 1), 0);
-    if (threadIdx.x == 0) {
-      u32 i = (v + blockIdx.x * 2654435761u) & (n - 1);
-      for (int h = 0; h < hops; h++) i = load_early_u32(ring + i);
-      v += i;
-    }
-    for (int o = threadIdx.x * 16; o < stage; o += 128 * 16) {
-      const U4 r = load_early(row + o);
-      v += r.x ^ r.y ^ r.z ^ r.w;
-    }
-    if (threadIdx.x == 0) acc = 0;
-    __syncthreads();
-    atomicAdd(&acc, v);
-    __syncthreads();
-    if (rank == 0 && threadIdx.x == 0) slot[(p + 1) & 1] = acc & 1u;
+    const u32 sum = phase_work(p == 0 ? load_early_u32(vals) : peer_u32(slot + (p & 1), 0), ring, n, hops, row, stage,
+                               &acc);
+    if (rank == 0 && threadIdx.x == 0) slot[(p + 1) & 1] = sum & 1u;
     if (p + 1 < phases) cluster_sync();
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) vals[1] = (u32)phases;
