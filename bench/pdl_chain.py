@@ -347,7 +347,8 @@ def barrier_us(ctas: int, phases: int, hops: int, stage: int, kind: int) -> floa
         phases - 1)
 
 
-CLUSTER_CTAS = 128  # a whole number of clusters of every size below, all resident at one CTA an SM
+CLUSTER_CTAS = 128  # a whole number of clusters of every size below (each waits on itself only; where the GPCs
+# hold fewer clusters of 16 at once, the later ones run after, and the slope counts both waves)
 CLUSTER_SIZES = (2, 4, 8, 16)
 
 
