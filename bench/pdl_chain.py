@@ -317,15 +317,27 @@ def _barrier_kernel():
     return compile_kernels(BARRIER_SOURCE, ["phases"], [], torch.cuda.current_device())["phases"]
 
 
+def _phase_inputs(stage: int) -> tuple:
+    """(n, ring, row, vals) of the persistent kernels: an L2-resident ring of n entries for the hops, a row of
+    `stage` bytes, the two values the phases hand on."""
+    n = 1 << 20
+    ring = torch.randperm(n, device="cuda", dtype=torch.int64).to(torch.int32)
+    row = torch.randint(0, 255, (max(stage, 16),), device="cuda", dtype=torch.uint8)
+    return n, ring, row, torch.zeros(2, dtype=torch.int32, device="cuda")
+
+
+def per_phase_us(launch_us, phases: int) -> float:
+    """us a phase of a persistent kernel: the slope between a launch of one phase and one of `phases`
+    (launch_us(p): us of a launch of p phases; the launch and its fixed costs cancel out)."""
+    return (launch_us(phases) - launch_us(1)) / (phases - 1)
+
+
 def barrier_launch_us(ctas: int, phases: int, hops: int, stage: int, kind: int, replays: int = 20) -> float:
     """Median us of one graph replay: the counters' reset, then one launch of `phases` phases."""
     from pdserve.bench.kernels import graphed, time_it
     from pdserve.kernels.pdl import launch_cuda
 
-    n = 1 << 20
-    ring = torch.randperm(n, device="cuda", dtype=torch.int64).to(torch.int32)
-    row = torch.randint(0, 255, (max(stage, 16),), device="cuda", dtype=torch.uint8)
-    vals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    n, ring, row, vals = _phase_inputs(stage)
     sync = torch.zeros(2, dtype=torch.int32, device="cuda")
 
     def run():
@@ -342,9 +354,8 @@ def barrier_launch_us(ctas: int, phases: int, hops: int, stage: int, kind: int, 
 
 
 def barrier_us(ctas: int, phases: int, hops: int, stage: int, kind: int) -> float:
-    """us a phase: the slope between a launch of one phase and one of `phases`."""
-    return (barrier_launch_us(ctas, phases, hops, stage, kind) - barrier_launch_us(ctas, 1, hops, stage, kind)) / (
-        phases - 1)
+    """us a phase of the grid-barrier kernel (per_phase_us)."""
+    return per_phase_us(lambda p: barrier_launch_us(ctas, p, hops, stage, kind), phases)
 
 
 CLUSTER_CTAS = 128  # a whole number of clusters of every size below (each waits on itself only; where the GPCs
@@ -365,10 +376,7 @@ def cluster_launch_us(size: int, phases: int, hops: int, stage: int, replays: in
     from pdserve.bench.kernels import graphed, time_it
     from pdserve.kernels.pdl import launch_cuda
 
-    n = 1 << 20
-    ring = torch.randperm(n, device="cuda", dtype=torch.int64).to(torch.int32)
-    row = torch.randint(0, 255, (max(stage, 16),), device="cuda", dtype=torch.uint8)
-    vals = torch.zeros(2, dtype=torch.int32, device="cuda")
+    n, ring, row, vals = _phase_inputs(stage)
 
     def run():
         launch_cuda(_cluster_kernel(size), (CLUSTER_CTAS, 1, 1), (128, 1, 1), 0, pdl=False,
@@ -389,8 +397,7 @@ def clusters_main(phases: int, out: str | None) -> None:
     print(f"{'hops':>4} {'stage B':>8} " + " ".join(f"{n:>26}" for n in names), flush=True)
     for hops, stage in ((0, 0), (0, 5760), (2, 0)):
         us = [chain_us(phases, CLUSTER_CTAS, hops, stage, "pdl"), barrier_us(CLUSTER_CTAS, phases, hops, stage, 0)]
-        us += [(cluster_launch_us(c, phases, hops, stage) - cluster_launch_us(c, 1, hops, stage)) / (phases - 1)
-               for c in CLUSTER_SIZES]
+        us += [per_phase_us(lambda p, c=c: cluster_launch_us(c, p, hops, stage), phases) for c in CLUSTER_SIZES]
         rows.append({"hops": hops, "stage": stage, "us": dict(zip(names, us))})
         print(f"{hops:>4} {stage:>8} " + " ".join(f"{u:26.2f}" for u in us), flush=True)
     if out:

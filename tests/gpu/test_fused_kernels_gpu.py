@@ -155,6 +155,16 @@ def _router_cases():
             if k == "triton" or (t <= MAX_TOKENS.get(e, t) and (k == "cuda cluster" or e != 8))]
 
 
+def _use_router(kernel: str, experts: int, monkeypatch) -> None:
+    """route_fused takes the kernel a router test names: "cuda cluster" (the cluster size of cuda_router.CLUSTERS),
+    "cuda cluster of 12" or "triton"."""
+    from pdserve.kernels import cuda_router
+
+    monkeypatch.setattr(cuda_router, "ENABLED", kernel.startswith("cuda cluster"))
+    if kernel == "cuda cluster of 12":
+        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
+
+
 @pytest.mark.parametrize("t,experts,kernel", _router_cases())
 def test_router(t, experts, kernel, monkeypatch):
     """Both kernels route_fused launches: the thread-block clusters of kernels/cuda_router.py and
@@ -163,9 +173,7 @@ def test_router(t, experts, kernel, monkeypatch):
     from pdserve.kernels.experts import route
     from pdserve.kernels.triton_router import route_fused
 
-    monkeypatch.setattr(cuda_router, "ENABLED", kernel.startswith("cuda cluster"))
-    if kernel == "cuda cluster of 12":
-        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
+    _use_router(kernel, experts, monkeypatch)
     g = _gen()
     h = 2880
     x = torch.randn(t, h, device=DEV, generator=g).to(BF16)
@@ -225,9 +233,7 @@ def test_router_picks_real_experts_whatever_the_logits(kernel, experts, monkeypa
     from pdserve.kernels import cuda_router
     from pdserve.kernels.triton_router import route_fused
 
-    monkeypatch.setattr(cuda_router, "ENABLED", kernel.startswith("cuda cluster"))
-    if kernel == "cuda cluster of 12":
-        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
+    _use_router(kernel, experts, monkeypatch)
     g = _gen()
     x = torch.randn(3, 2880, device=DEV, generator=g).to(BF16)
     x[0] = float("nan")
@@ -252,8 +258,7 @@ def test_cluster_router_ties_signed_zeros(kernel, experts, monkeypatch):
     from pdserve.kernels import cuda_router
     from pdserve.kernels.triton_router import route_fused
 
-    if kernel == "cuda cluster of 12":
-        monkeypatch.setattr(cuda_router, "CLUSTERS", {experts: 12})
+    _use_router(kernel, experts, monkeypatch)
     x = torch.zeros(1, 2880, device=DEV, dtype=BF16)
     w = torch.zeros(experts, 2880, device=DEV, dtype=BF16)
     b = torch.zeros(experts, device=DEV, dtype=BF16)
