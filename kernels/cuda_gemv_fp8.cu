@@ -243,20 +243,8 @@ struct Cta {
     const U4 wb = *reinterpret_cast<const U4*>(wr + sb * STEP_K);
     const U4 xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
     const U4 xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
-    u32 a[8], b[8];  // word j of steps s (a) and sb (b): f16x2 of the lane's bytes 2j, 2j + 1
-    e4m3x4_f16x2(wa.x, a[0], a[1]);
-    e4m3x4_f16x2(wa.y, a[2], a[3]);
-    e4m3x4_f16x2(wa.z, a[4], a[5]);
-    e4m3x4_f16x2(wa.w, a[6], a[7]);
-    e4m3x4_f16x2(wb.x, b[0], b[1]);
-    e4m3x4_f16x2(wb.y, b[2], b[3]);
-    e4m3x4_f16x2(wb.z, b[4], b[5]);
-    e4m3x4_f16x2(wb.w, b[6], b[7]);
     d[0] = d[1] = d[2] = d[3] = 0.f;
-    mma<true>(d, a[0], b[0], a[1], b[1], xa.x, xa.y);
-    mma<true>(d, a[2], b[2], a[3], b[3], xa.z, xa.w);
-    mma<true>(d, a[4], b[4], a[5], b[5], xb.x, xb.y);
-    mma<true>(d, a[6], b[6], a[7], b[7], xb.z, xb.w);
+    mma_e4m3_step(d, d, wa, wb, xa, xb);  // (steps s and sb as A's rows g and g + 8; one chain)
   }
 
   // The warp's steps in pairs (two pairs at a time: two independent mma chains), each group's once the warp's
@@ -512,20 +500,8 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
       const U4 xa = *reinterpret_cast<const U4*>(xr + cs * 2 * STEP_K);
       const U4 xb = *reinterpret_cast<const U4*>(xr + cs * 2 * STEP_K + 16);
       const float f0 = r.scale * xsc0[cs], f1 = r.scale * xsc1[cs];
-      u32 a[8], b[8];  // word j of rows g (a) and g + 8 (b): f16x2 of bytes 0-1 at 2j, 2-3 at 2j + 1
-      e4m3x4_f16x2(r.lo.x, a[0], a[1]);
-      e4m3x4_f16x2(r.lo.y, a[2], a[3]);
-      e4m3x4_f16x2(r.lo.z, a[4], a[5]);
-      e4m3x4_f16x2(r.lo.w, a[6], a[7]);
-      e4m3x4_f16x2(r.hi.x, b[0], b[1]);
-      e4m3x4_f16x2(r.hi.y, b[2], b[3]);
-      e4m3x4_f16x2(r.hi.z, b[4], b[5]);
-      e4m3x4_f16x2(r.hi.w, b[6], b[7]);
       float p[4] = {0.f, 0.f, 0.f, 0.f}, q[4] = {0.f, 0.f, 0.f, 0.f};
-      mma<true>(p, a[0], b[0], a[1], b[1], xa.x, xa.y);
-      mma<true>(q, a[2], b[2], a[3], b[3], xa.z, xa.w);
-      mma<true>(p, a[4], b[4], a[5], b[5], xb.x, xb.y);
-      mma<true>(q, a[6], b[6], a[7], b[7], xb.z, xb.w);
+      mma_e4m3_step(p, q, r.lo, r.hi, xa, xb);
       acc[0] += (p[0] + q[0]) * f0;
       acc[1] += (p[1] + q[1]) * f1;
       acc[2] += (p[2] + q[2]) * f0;
