@@ -257,7 +257,7 @@ SETTINGS = {
     # the windowed layers' attention and O projection in one launch (kernels/cuda_decode_attention.py's
     # decode_attention_o), with 96 or 192 output rows a CTA
     "attention with O": _setting(project_in_attention=True),
-    "attention with O, 192 rows a CTA": _setting({(cuda_decode_attention, "O_ROWS"): 192}, project_in_attention=True),
+    "attention with O 192 rows": _setting({(cuda_decode_attention, "O_ROWS"): 192}, project_in_attention=True),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",

@@ -37,8 +37,9 @@
 // ahead of the copies whose page-table entries are requested), DA_EARLY_LAUNCH (1: the next kernel
 // launches at this one's start), DA_TRACE (1: the timing build, whose
 // last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace),
-// DA_O_ROWS and DA_O_SMEM (the build of `decode_attention_o`, the attention with its output projection:
-// output rows a CTA, and the shared memory its launch gives, which the build checks).
+// DA_O_ROWS, DA_O_HEADS and DA_O_SMEM (the build of `decode_attention_o`, the attention with its output
+// projection: output rows a CTA, KV heads (the CTAs of its cluster), and the shared memory its launch gives,
+// which the build checks).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
 // in 64 bits, offsets inside a page in 32.
 
@@ -136,6 +137,10 @@ struct Shared {
 #define O_ROWS DA_O_ROWS      // output rows a CTA
 #define O_TILES (O_ROWS / 16)  // the mma's 16-row tiles of them
 #define K_HEAD (GROUP * D)     // K of a KV head's share: its query heads' outputs
+#ifndef DA_O_HEADS
+#define DA_O_HEADS 8
+#endif
+#define O_HEADS DA_O_HEADS     // KV heads: the CTAs of a cluster
 static_assert(O_ROWS % 16 == 0, "16-row tiles");
 
 struct OShared {
@@ -248,10 +253,12 @@ __device__ __forceinline__ void project_o(const OProj& op, const float o[4], boo
     os.part[r] = t;
   }
   cluster_sync();  // every KV head's sums are in its CTA's shared memory
-  const u32 heads = gridDim.x, rank = cluster_rank();
-  for (int r = rank + heads * tid; r < O_ROWS; r += heads * THREADS) {
-    float t = 0.f;
-    for (u32 k = 0; k < heads; ++k) t += load_peer(&os.part[r], k);  // in KV-head order
+  for (int r = cluster_rank() + O_HEADS * tid; r < O_ROWS; r += O_HEADS * THREADS) {
+    float v[O_HEADS], t = 0.f;
+#pragma unroll
+    for (int k = 0; k < O_HEADS; ++k) v[k] = load_peer(&os.part[r], k);  // all in flight, then added
+#pragma unroll
+    for (int k = 0; k < O_HEADS; ++k) t += v[k];  // in KV-head order
     if (op.row0 + r < op.n) op.out[op.row0 + r] = to_bf16(op.bias != nullptr ? t + from_bf16(os.bias[r]) : t);
   }
   cluster_sync_relaxed();  // peers' shared memory stays alive until every read of it is done
@@ -593,12 +600,13 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
 
 #ifdef DA_O_SMEM  // the build of decode_attention_o (kernels/cuda_decode_attention.py: compile_options(projected=True))
 static_assert(C == 1 && !DA_TRACE && !DA_EARLY_LAUNCH, "one CTA a KV head's attention, the engine's build");
+static_assert(O_HEADS >= 1 && O_HEADS <= 8, "a portable cluster of the KV heads' CTAs");
 static_assert(GROUP % 2 == 0, "a KV head's share of O's input is whole 128-K blocks");
 static_assert(STAGES * 2 * SLOT_BYTES + SHARED_ROUND + O_ROWS * K_HEAD + sizeof(OShared) == DA_O_SMEM,
               "the shared memory the launch gives (kernels/cuda_decode_attention.py)");
 // The attention of one request (a windowed layer: its keys are one block) and its output projection
 // o_out [1, o_rows] bf16 = attention output [Hq x D] . (o_w [o_rows, Hq x D] e4m3 x o_scale) + o_bias (or
-// none); grid (Hkv, ceil(o_rows / O_ROWS)), clusters (Hkv, 1, 1); o_rows a multiple of 8. Arguments as
+// none); grid (Hkv = O_HEADS, ceil(o_rows / O_ROWS)), clusters (Hkv, 1, 1); o_rows a multiple of 8. Arguments as
 // decode_attention's, one request's.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)  // 2 a SM: the shared memory of the weight rows
 decode_attention_o(const u16* __restrict__ q, int stride_qh, const u16* __restrict__ kv, int stride_page,

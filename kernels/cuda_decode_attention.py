@@ -154,16 +154,17 @@ TRACE_WORDS = 40  # u64 words a warp of the timing build writes (the .cu file's 
 
 
 def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = False,
-                    early_launch: bool = False, o_rows: int = 0) -> list[str]:
+                    early_launch: bool = False, o_rows: int = 0, kv_heads: int = 8) -> list[str]:
     """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too); trace: the
     timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH);
-    o_rows > 0: the build of `decode_attention_o` with that many output rows a CTA (and its shared memory,
-    which the build checks)."""
+    o_rows > 0: the build of `decode_attention_o` with that many output rows a CTA for `kv_heads` KV heads
+    (and its shared memory, which the build checks)."""
     options = [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
                f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
                "-std=c++17"]
     if o_rows:
-        options += [f"-DDA_O_ROWS={o_rows}", f"-DDA_O_SMEM={projected_shared_bytes(cfg, group, o_rows)}"]
+        options += [f"-DDA_O_ROWS={o_rows}", f"-DDA_O_HEADS={kv_heads}",
+                    f"-DDA_O_SMEM={projected_shared_bytes(cfg, group, o_rows)}"]
     return options
 
 
@@ -176,7 +177,8 @@ def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace:
 
 @functools.cache
 def _projected_kernel(device_index: int, group: int, page: int, kv_heads: int, rows: int):
-    return load_kernels(SOURCE, ["decode_attention_o"], compile_options(group, page, WINDOWED_LAYERS, o_rows=rows),
+    return load_kernels(SOURCE, ["decode_attention_o"],
+                        compile_options(group, page, WINDOWED_LAYERS, o_rows=rows, kv_heads=kv_heads),
                         device_index, projected_shared_bytes(WINDOWED_LAYERS, group, rows),
                         cluster=kv_heads)["decode_attention_o"]
 
