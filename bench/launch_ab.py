@@ -17,8 +17,7 @@ triton"); the attention projections in FP8 through the staged FP8 GEMVs or the T
 four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or with the QKV launched after the norm's
 PDL wait rather than at its start ("attention fp8 qkv launch late"); the vocabulary projection in FP8
 through the streaming FP8 GEMV ("unembedding fp8", "attention+unembedding fp8") or in bf16 through
-cuBLAS rather than the bf16 GEMV ("unembedding cublas"); the windowed layers' attention and O projection
-in one launch rather than two ("attention with O", with 96 or 192 output rows a CTA); windowed layers' decode
+cuBLAS rather than the bf16 GEMV ("unembedding cublas"); windowed layers' decode
 attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
 launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape
 of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting)
@@ -254,10 +253,6 @@ SETTINGS = {
     "attention+unembedding fp8": _setting(),
     "unembedding cublas": _setting({(triton_bf16_gemv, "FASTER_THAN_CUBLAS_UP_TO"): {
         k: v for k, v in triton_bf16_gemv.FASTER_THAN_CUBLAS_UP_TO.items() if k != (201088, 2880)}}),
-    # the windowed layers' attention and O projection in one launch (kernels/cuda_decode_attention.py's
-    # decode_attention_o), with 96 or 192 output rows a CTA
-    "attention with O": _setting(project_in_attention=True),
-    "attention with O 192 rows": _setting({(cuda_decode_attention, "O_ROWS"): 192}, project_in_attention=True),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",
@@ -311,14 +306,13 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
                 b.run = lambda q, cache, sinks, out=None, early_launch=False: q
             return backends
 
-        # (the attention and the O projection apart, so that each can be taken out alone)
-        return [(m, "make_attention", make_attention), (m, "project_in_attention", False)]
+        return [(m, "make_attention", make_attention)]
     if piece == "o":
         project, o_in = model_mod._project, hq * d
         y = torch.randn(rows, cfg.hidden_size, device=dev).to(torch.bfloat16)
         return [(model_mod, "_project",
                  lambda x, w, *a, **k: y[: x.shape[0]] if x.shape[-1] == o_in and w.shape[0] == cfg.hidden_size
-                 else project(x, w, *a, **k)), (m, "project_in_attention", False)]
+                 else project(x, w, *a, **k))]
     if piece == "router":
         k = cfg.experts_per_token
         ids = (torch.arange(rows * k, device=dev) % cfg.num_local_experts).view(rows, k)

@@ -193,10 +193,6 @@ class GptOssModel:
         # (`_next_layer_weights`; the benchmark's A/B), e.g. {"down": "qkv"}; {}: none (every plan measured 1-2 %
         # slower at one token on an H200: the GEMVs were not waiting on their bytes, and the requests slow the MoE)
         self.prefetch_next: dict[str, str] = {}
-        # with `fused`: the attention and the output projection in one launch where the attention backend has a
-        # kernel for both (windowed layers at one token with FP8 projections: `run_projected`; off: two
-        # launches, until a GPU measures the one launch faster; the benchmark's A/B)
-        self.project_in_attention = False
 
     def make_attention(
         self,
@@ -244,13 +240,9 @@ class GptOssModel:
         group, _ = step.cache.layer_group[layer]
         cache = step.cache.layer_cache(layer)
         q = self._rotated_q(layer, t, positions, step, group, cache)
-        o = None
-        if self.fused and self.project_in_attention:
-            o = step.attention[group].run_projected(q, cache, a.sinks, a.o_weight, a.o_scale, a.o_bias)
-        if o is None:
-            o = step.attention[group].run(q, cache, a.sinks, early_launch=self._o_launches_early(layer, q))
-            o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
-                         self.fused, staged=True)
+        o = step.attention[group].run(q, cache, a.sinks, early_launch=self._o_launches_early(layer, q))
+        o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
+                     self.fused, staged=True)
         return all_reduce(o, self.shard)
 
     def _rotated_q(self, layer: int, t: torch.Tensor, positions: torch.Tensor, step: StepContext, group: str,

@@ -78,12 +78,6 @@ class TorchSinkAttention:
             out[s:e] = sink_attention_ref(q[s:e], k, v, sinks, self.sm_scale, self.window_left)
         return out
 
-    def run_projected(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, o_weight: torch.Tensor,
-                      o_scale: torch.Tensor | None, o_bias: torch.Tensor | None) -> None:
-        """The attention and its output projection in one launch (FlashInferSinkAttention.run_projected):
-        never here, the caller runs them apart."""
-        return None
-
 
 def make_sink_attention(
     device: torch.device,

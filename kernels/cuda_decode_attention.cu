@@ -36,10 +36,7 @@
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
 // ahead of the copies whose page-table entries are requested), DA_EARLY_LAUNCH (1: the next kernel
 // launches at this one's start), DA_TRACE (1: the timing build, whose
-// last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace),
-// DA_O_ROWS, DA_O_HEADS and DA_O_SMEM (the build of `decode_attention_o`, the attention with its output
-// projection: output rows a CTA, KV heads (the CTAs of its cluster), and the shared memory its launch gives,
-// which the build checks).
+// last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
 // in 64 bits, offsets inside a page in 32.
 
@@ -74,12 +71,10 @@
 enum Trace { T_START, T_ISSUED, T_PDL, T_BLOCKS, TRACE_BLOCKS = 16, T_FOLDED = T_BLOCKS + 2 * TRACE_BLOCKS, T_END,
              T_SM, T_MY_BLOCKS, T_MET, TRACE_WORDS = 40 };
 #define TRACE_PARAM , unsigned long long* __restrict__ trace
-#define TRACE_ARG , trace
 #define TRACE(w, v) do { if (lane == 0) trace_rec[w] = (v); } while (0)
 #define TRACE_BLOCK(j, e) do { if ((j) < TRACE_BLOCKS) TRACE(T_BLOCKS + 2 * (j) + (e), now_ns()); } while (0)
 #else
 #define TRACE_PARAM
-#define TRACE_ARG
 #define TRACE(w, v) do { } while (0)
 #define TRACE_BLOCK(j, e) do { } while (0)
 #endif
@@ -119,169 +114,25 @@ struct Shared {
   int last;                                           // this CTA is the request's last to arrive
 };
 
-// The output projection of the fused entry (decode_attention_o): windowed layers, one request. The grid
-// is (Hkv, row slices), clusters of the Hkv CTAs of a slice. Each CTA runs its KV head's attention (the
-// same 128 keys in every slice: read from L2 after the first), then that head's share of the slice's
-// O_ROWS output rows: the rows' K_HEAD = GROUP x 64 weight bytes of the head's outputs, copied into its
-// shared memory ahead of the PDL wait (weights never change), so they stream during the QKV launch and
-// the attention. The cluster then adds its KV heads' sums through distributed shared memory, in KV-head
-// order, with the bias, and writes the rows in bf16. Why: as two launches, the projection's token
-// rows reach it a kernel boundary and an L2 round trip after the attention, and its sums follow; here
-// they are in the CTA's shared memory when the attention's fold ends (docs/kernels.md).
-// Numerics as the FP8 GEMV (kernels/cuda_gemv_fp8.cu): the attention's output rounded to bf16 (what
-// the two launches pass), staged exactly in f16 at a power of two a head, exact products, float32
-// sums; only the order of the float32 sums differs.
-#ifndef DA_O_ROWS
-#define DA_O_ROWS 96
-#endif
-#define O_ROWS DA_O_ROWS      // output rows a CTA
-#define O_TILES (O_ROWS / 16)  // the mma's 16-row tiles of them
-#define K_HEAD (GROUP * D)     // K of a KV head's share: its query heads' outputs
-#ifndef DA_O_HEADS
-#define DA_O_HEADS 8
-#endif
-#define O_HEADS DA_O_HEADS     // KV heads: the CTAs of a cluster
-static_assert(O_ROWS % 16 == 0, "16-row tiles");
-
-struct OShared {
-  __align__(16) u16 xs[8 * D];  // the attention's output, f16 times 2^-e a head
-  float xsc[8];                 // 2^e of each head
-  float sc[O_TILES][4];         // block scales: the row tile's 128-row block, the head's 128-K blocks
-  float red[WARPS][O_ROWS];     // the warps' sums
-  float part[O_ROWS];           // the CTA's sums (its KV head's share), read by the cluster
-  __align__(16) u16 bias[O_ROWS];
-};
-#define SHARED_ROUND ((sizeof(Shared) + 127) / 128 * 128)
-
-struct OProj {
-  const unsigned char* w;  // [n, ld] e4m3, ld = Hkv x K_HEAD
-  const float* scale;      // [ceil(n / 128), ld / 128] float32
-  const u16* bias;         // [n] bf16 or null
-  u16* out;                // [n] bf16
-  int n, row0, ld;         // rows, this CTA's first row, the row stride
-};
-
-// Before the PDL wait: the CTA's weight rows (row r's 16-byte chunk c at chunk c ^ 4 (r & 1): a quarter
-// warp's 16-byte reads of two rows then hit 8 distinct bank groups), their block scales and biases, in
-// one commit group; rows past n are zero-filled (source size 0 from row n - 1)
-__device__ __forceinline__ void request_o(const OProj& op, int g, unsigned char* ow, OShared& os, int tid) {
-  constexpr int CHUNKS = K_HEAD / 16;
-  const int k0 = g * K_HEAD;
-  const u32 dst0 = smem_addr(ow);
-  for (int i = tid; i < O_ROWS * CHUNKS; i += THREADS) {
-    const int r = i / CHUNKS, c = i % CHUNKS, row = op.row0 + r;
-    const unsigned char* src = op.w + (i64)min(row, op.n - 1) * op.ld + k0 + 16 * c;
-    const u32 dst = dst0 + r * K_HEAD + ((c ^ ((r & 1) << 2)) << 4);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(row < op.n ? 16u : 0u)
-                 : "memory");
-  }
-  constexpr int KB = K_HEAD / 128;
-  if (tid < O_TILES * KB) {
-    const int mt = tid / KB, kb = tid % KB, rb = min(op.row0 + 16 * mt, op.n - 1) / 128;
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(&os.sc[mt][kb])),
-                 "l"(op.scale + (i64)rb * (op.ld / 128) + k0 / 128 + kb) : "memory");
-  }
-  if (tid < O_ROWS / 8) {  // 8 rows a copy (n is a multiple of 8)
-    const int row = op.row0 + 8 * tid;
-    const u16* src = op.bias != nullptr ? op.bias + min(row, op.n - 8) : reinterpret_cast<const u16*>(op.scale);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(&os.bias[8 * tid])), "l"(src),
-                 "r"(op.bias != nullptr && row < op.n ? 16u : 0u) : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// After the attention: this thread's 4 outputs o (head h, dims d0 .. d0 + 3; `mine`: h < GROUP) staged,
-// the CTA's rows summed over its KV head's K, then the cluster's KV heads added and the rows written
-__device__ __forceinline__ void project_o(const OProj& op, const float o[4], bool mine, int h, int d0,
-                                          const unsigned char* ow, OShared& os, int tid) {
-  const int lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tig = lane & 3;
-  float v[4], big = 0.f;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    v[e] = mine ? from_bf16(to_bf16(o[e])) : 0.f;  // the attention's output, as the unfused kernel writes it
-    big = fmaxf(big, fabsf(v[e]));
-  }
-#pragma unroll
-  for (int m = 1; m < 16; m <<= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, m));  // the head's 16 threads
-  // big in [2^(E-127), 2^(E-126)): times 2^(141-E) in [2^14, 2^15), exact in f16 down to 2^-32 of it
-  const int E = max(__float_as_int(big) >> 23, 15);
-  const float up = __int_as_float((268 - E) << 23);
-  if (mine) {
-    *reinterpret_cast<uint2*>(&os.xs[h * D + d0]) =
-        make_uint2(f16x2(v[0] * up, v[1] * up), f16x2(v[2] * up, v[3] * up));
-    if ((tid & 15) == 0) os.xsc[h] = __int_as_float((E - 14) << 23);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");  // the weights, scales and biases
-  __syncthreads();
-  // Warp w sums the 64-K steps w, w + 4, ... (a step: one query head) of every row tile: the weights as the
-  // mma's A (rows gq and gq + 8 of the tile, the lane's 16 bytes of the step), every B column the staged
-  // output (the lane's 16 K, in the same order), so D's column 0 holds the tile's sums.
-  float acc[O_TILES][2];
-#pragma unroll
-  for (int mt = 0; mt < O_TILES; ++mt) acc[mt][0] = acc[mt][1] = 0.f;
-  const unsigned char* xs = reinterpret_cast<const unsigned char*>(os.xs);
-  for (int st = warp; st < GROUP; st += WARPS) {
-    const U4 xa = *reinterpret_cast<const U4*>(xs + st * 2 * D + tig * 32);
-    const U4 xb = *reinterpret_cast<const U4*>(xs + st * 2 * D + tig * 32 + 16);
-    const float xp = os.xsc[st];
-    const int chunk = 4 * st + tig;
-#pragma unroll
-    for (int mt = 0; mt < O_TILES; ++mt) {
-      const int r = 16 * mt + gq;  // rows r and r + 8: the same parity, the same swizzle
-      const int at = r * K_HEAD + ((chunk ^ ((r & 1) << 2)) << 4);
-      const U4 wa = *reinterpret_cast<const U4*>(ow + at);
-      const U4 wb = *reinterpret_cast<const U4*>(ow + at + 8 * K_HEAD);
-      float p[4] = {0.f, 0.f, 0.f, 0.f}, s[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_e4m3_step(p, s, wa, wb, xa, xb);
-      const float f = os.sc[mt][st >> 1] * xp;  // step st lies in the head's 128-K block st / 2
-      acc[mt][0] = fmaf(p[0] + s[0], f, acc[mt][0]);
-      acc[mt][1] = fmaf(p[2] + s[2], f, acc[mt][1]);
-    }
-  }
-  if (tig == 0) {
-#pragma unroll
-    for (int mt = 0; mt < O_TILES; ++mt) {
-      os.red[warp][16 * mt + gq] = acc[mt][0];
-      os.red[warp][16 * mt + gq + 8] = acc[mt][1];
-    }
-  }
-  __syncthreads();
-  for (int r = tid; r < O_ROWS; r += THREADS) {
-    float t = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) t += os.red[w][r];
-    os.part[r] = t;
-  }
-  cluster_sync();  // every KV head's sums are in its CTA's shared memory
-  for (int r = cluster_rank() + O_HEADS * tid; r < O_ROWS; r += O_HEADS * THREADS) {
-    float v[O_HEADS], t = 0.f;
-#pragma unroll
-    for (int k = 0; k < O_HEADS; ++k) v[k] = load_peer(&os.part[r], k);  // all in flight, then added
-#pragma unroll
-    for (int k = 0; k < O_HEADS; ++k) t += v[k];  // in KV-head order
-    if (op.row0 + r < op.n) op.out[op.row0 + r] = to_bf16(op.bias != nullptr ? t + from_bf16(os.bias[r]) : t);
-  }
-  cluster_sync_relaxed();  // peers' shared memory stays alive until every read of it is done
-}
-
-// out[b, g * GROUP + h, :] for (request b, KV head g), CTA s of cluster group cl_group of grid_groups; with
-// FUSED_O (decode_attention_o) the windowed attention of one request, then its output projection (`OProj`)
-template <bool FUSED_O>
-__device__ __forceinline__ void attend(const u16* __restrict__ q, int stride_qt, int stride_qh,
-                                       const u16* __restrict__ kv, int stride_page, int stride_kv, int stride_tok,
-                                       const int* __restrict__ block_tables, int stride_table,
-                                       const int* __restrict__ seq_lens, const float* __restrict__ sinks,
-                                       u16* __restrict__ out, int stride_ot, int stride_oh, double qk_scale_d,
-                                       int window_left, float* __restrict__ part_o, float* __restrict__ part_m,
-                                       float* __restrict__ part_l, int* __restrict__ count, int part_splits,
-                                       int part_rows, int num_kv_heads, int s, int b, int g, int cl_group,
-                                       int grid_groups, const OProj& op TRACE_PARAM) {
+// out[b, g * GROUP + h, :] for the grid's (b, g). q [T, Hq, D] (strides in elements), kv_cache
+// [pages, 2, PAGE, Hkv, D] bf16 (strides of page, K/V and token in elements), block_tables int32
+// [T, stride_table], seq_lens int32 [T], sinks float32 [Hq] (raw logits), out [T, Hq, D] bf16.
+// qk_scale = sm_scale * log2(e); window_left < 0: every key. Used only by requests that busy several
+// clusters: part_o [T, Hkv, part_splits, part_rows, D], part_m / part_l [T, Hkv, part_splits,
+// part_rows] float32 (the Triton kernel's DecodeScratch) and count int32 [T * Hkv], zero between launches.
+extern "C" __global__ void __launch_bounds__(THREADS, 3)  // 3 a SM: as many as the shared memory of 2 stages allows
+decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const u16* __restrict__ kv,
+                 int stride_page, int stride_kv, int stride_tok, const int* __restrict__ block_tables,
+                 int stride_table, const int* __restrict__ seq_lens, const float* __restrict__ sinks,
+                 u16* __restrict__ out, int stride_ot, int stride_oh, double qk_scale_d, int window_left,
+                 float* __restrict__ part_o, float* __restrict__ part_m, float* __restrict__ part_l,
+                 int* __restrict__ count, int part_splits, int part_rows, int num_kv_heads TRACE_PARAM) {
   if (DA_EARLY_LAUNCH) launch_dependents();  // the next kernel may be placed now (its wait still follows ours)
-  extern __shared__ __align__(128) unsigned char smem[];  // STAGES x (K slot, V slot), then Shared (then O's)
+  extern __shared__ __align__(128) unsigned char smem[];  // STAGES x (K slot, V slot), then Shared
   Shared& sh = *reinterpret_cast<Shared*>(smem + STAGES * 2 * SLOT_BYTES);
-  unsigned char* ow = smem + STAGES * 2 * SLOT_BYTES + SHARED_ROUND;  // FUSED_O: weight rows, then OShared
-  OShared& os = *reinterpret_cast<OShared*>(ow + O_ROWS * K_HEAD);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, tig = lane & 3;
+  // z = KV head + Hkv x cluster group: every request's first clusters come first in launch order
+  const int s = blockIdx.x, b = blockIdx.y, g = blockIdx.z % num_kv_heads, cl_group = blockIdx.z / num_kv_heads;
   const float qk_scale = (float)qk_scale_d;
 #if DA_TRACE
   unsigned long long* trace_rec =
@@ -295,7 +146,7 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, int stride_qt,
   const int start = window_left >= 0 ? max(seq_len - 1 - window_left, 0) : 0;
   const int n_blocks = (seq_len - start + BLOCK - 1) / BLOCK;
   // the clusters this request needs (at most the grid's): the others leave at once
-  const int groups = min(grid_groups, (n_blocks + C - 1) / C);
+  const int groups = min((int)gridDim.z / num_kv_heads, (n_blocks + C - 1) / C);
   if (cl_group >= groups) return;  // the whole cluster: no barrier waits for it
   const int k = cl_group * C + s, ctas = groups * C;  // this CTA among the request's busy ones
   const int my_blocks = k < n_blocks ? (n_blocks - 1 - k) / ctas + 1 : 0;
@@ -355,7 +206,6 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, int stride_qt,
   };
 #pragma unroll
   for (int j = 0; j < STAGES; ++j) issue(j);
-  if constexpr (FUSED_O) request_o(op, g, ow, os, tid);  // its own commit group, after the first blocks'
   TRACE(T_ISSUED, now_ns());
   TRACE(T_SM, sm_id());
   TRACE(T_MY_BLOCKS, my_blocks);
@@ -380,10 +230,7 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, int stride_qt,
   for (int dt = 0; dt < D / 8; ++dt) acc[dt][0] = acc[dt][1] = 0.f;
 
   for (int j = 0; j < my_blocks; ++j) {
-    // block j's copies have landed (FUSED_O: the projection's group, committed after the first STAGES blocks',
-    // may still be in flight)
-    if (FUSED_O && j < STAGES) asm volatile("cp.async.wait_group %0;" ::"n"(STAGES) : "memory");
-    else asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");  // block j's copies have landed
     TRACE_BLOCK(j, 0);
     const int lo = start + (k + j * ctas) * BLOCK;
     const u32 kslot = slots + (j % STAGES) * 2 * SLOT_BYTES, vslot = kslot + SLOT_BYTES;
@@ -489,21 +336,14 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, int stride_qt,
   }
 
   if constexpr (C == 1) {
-    float o[4] = {0.f, 0.f, 0.f, 0.f};  // the request's only CTA: fold in the sink
-    if (h < GROUP) {
+    if (h < GROUP) {  // the request's only CTA: fold in the sink and write
       const float sk = sinks[g * GROUP + h] * 1.4426950408889634f;
       const float mf = fmaxf(cm, sk);
       const float f = exp2_approx(cm - mf);
       const float inv = f / (cl * f + exp2_approx(sk - mf));
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] = co[e] * inv;
-    }
-    if constexpr (FUSED_O) {
-      project_o(op, o, h < GROUP, h, d0, ow, os, tid);
-    } else if (h < GROUP) {
-      u16* dst = out + (i64)b * stride_ot + (i64)(g * GROUP + h) * stride_oh + d0;
-      reinterpret_cast<u32*>(dst)[0] = pack_bf16(o[0], o[1]);
-      reinterpret_cast<u32*>(dst)[1] = pack_bf16(o[2], o[3]);
+      u16* o = out + (i64)b * stride_ot + (i64)(g * GROUP + h) * stride_oh + d0;
+      reinterpret_cast<u32*>(o)[0] = pack_bf16(co[0] * inv, co[1] * inv);
+      reinterpret_cast<u32*>(o)[1] = pack_bf16(co[2] * inv, co[3] * inv);
     }
   } else {
     if ((tid & 15) == 0) {
@@ -577,46 +417,3 @@ __device__ __forceinline__ void attend(const u16* __restrict__ q, int stride_qt,
   }
   TRACE(T_END, now_ns());
 }
-
-// out[b, g * GROUP + h, :] for the grid's (b, g). q [T, Hq, D] (strides in elements), kv_cache
-// [pages, 2, PAGE, Hkv, D] bf16 (strides of page, K/V and token in elements), block_tables int32
-// [T, stride_table], seq_lens int32 [T], sinks float32 [Hq] (raw logits), out [T, Hq, D] bf16.
-// qk_scale = sm_scale * log2(e); window_left < 0: every key. Used only by requests that busy several
-// clusters: part_o [T, Hkv, part_splits, part_rows, D], part_m / part_l [T, Hkv, part_splits,
-// part_rows] float32 (the Triton kernel's DecodeScratch) and count int32 [T * Hkv], zero between launches.
-extern "C" __global__ void __launch_bounds__(THREADS, 3)  // 3 a SM: as many as the shared memory of 2 stages allows
-decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const u16* __restrict__ kv,
-                 int stride_page, int stride_kv, int stride_tok, const int* __restrict__ block_tables,
-                 int stride_table, const int* __restrict__ seq_lens, const float* __restrict__ sinks,
-                 u16* __restrict__ out, int stride_ot, int stride_oh, double qk_scale_d, int window_left,
-                 float* __restrict__ part_o, float* __restrict__ part_m, float* __restrict__ part_l,
-                 int* __restrict__ count, int part_splits, int part_rows, int num_kv_heads TRACE_PARAM) {
-  // z = KV head + Hkv x cluster group: every request's first clusters come first in launch order
-  attend<false>(q, stride_qt, stride_qh, kv, stride_page, stride_kv, stride_tok, block_tables, stride_table, seq_lens,
-                sinks, out, stride_ot, stride_oh, qk_scale_d, window_left, part_o, part_m, part_l, count, part_splits,
-                part_rows, num_kv_heads, blockIdx.x, blockIdx.y, blockIdx.z % num_kv_heads, blockIdx.z / num_kv_heads,
-                gridDim.z / num_kv_heads, OProj{} TRACE_ARG);
-}
-
-#ifdef DA_O_SMEM  // the build of decode_attention_o (kernels/cuda_decode_attention.py: compile_options(projected=True))
-static_assert(C == 1 && !DA_TRACE && !DA_EARLY_LAUNCH, "one CTA a KV head's attention, the engine's build");
-static_assert(O_HEADS >= 1 && O_HEADS <= 8, "a portable cluster of the KV heads' CTAs");
-static_assert(GROUP % 2 == 0, "a KV head's share of O's input is whole 128-K blocks");
-static_assert(STAGES * 2 * SLOT_BYTES + SHARED_ROUND + O_ROWS * K_HEAD + sizeof(OShared) == DA_O_SMEM,
-              "the shared memory the launch gives (kernels/cuda_decode_attention.py)");
-// The attention of one request (a windowed layer: its keys are one block) and its output projection
-// o_out [1, o_rows] bf16 = attention output [Hq x D] . (o_w [o_rows, Hq x D] e4m3 x o_scale) + o_bias (or
-// none); grid (Hkv = O_HEADS, ceil(o_rows / O_ROWS)), clusters (Hkv, 1, 1); o_rows a multiple of 8. Arguments as
-// decode_attention's, one request's.
-extern "C" __global__ void __launch_bounds__(THREADS, 2)  // 2 a SM: the shared memory of the weight rows
-decode_attention_o(const u16* __restrict__ q, int stride_qh, const u16* __restrict__ kv, int stride_page,
-                   int stride_kv, int stride_tok, const int* __restrict__ block_tables,
-                   const int* __restrict__ seq_lens, const float* __restrict__ sinks, double qk_scale_d,
-                   int window_left, const unsigned char* __restrict__ o_w, const float* __restrict__ o_scale,
-                   const u16* __restrict__ o_bias, u16* __restrict__ o_out, int o_rows) {
-  const OProj op{o_w, o_scale, o_bias, o_out, o_rows, (int)blockIdx.y * O_ROWS, (int)gridDim.x * K_HEAD};
-  attend<true>(q, 0, stride_qh, kv, stride_page, stride_kv, stride_tok, block_tables, 0, seq_lens, sinks, nullptr, 0,
-               0, qk_scale_d, window_left, nullptr, nullptr, nullptr, nullptr, 0, 0, gridDim.x, 0, 0, blockIdx.x, 0, 1,
-               op);
-}
-#endif

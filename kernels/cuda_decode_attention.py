@@ -62,12 +62,6 @@ class ClusterConfig:
             raise ValueError(f"a cluster holds 1-{MAX_CLUSTER} CTAs, not {self.cluster}")
 
 
-# Output rows a CTA of `decode_attention_o`, the windowed layers' attention and output projection in one launch
-# (gpt-oss' 2880: 30 slices of 96 rows, each a cluster of the 8 KV heads' CTAs, 240 CTAs of 94 KB of shared
-# memory, two a SM; 192: 120 CTAs of 144 KB, one a SM)
-O_ROWS = 96
-
-
 # By layer type (H200, docs/performance.md, twenty-third round). Full layers from three requests:
 # clusters of 8 CTAs (the portable size), so up to 1k keys are one block a CTA, all read ahead of the
 # wait and folded in distributed shared memory, and one cluster a request: spare clusters for long
@@ -104,15 +98,6 @@ def shared_bytes(cfg: ClusterConfig) -> int:
     partials (the .cu file's `Shared`)."""
     partials = 4 * (4 * 8 * 2 + 4 * 8 * HEAD_DIM + 8 * 2 + 8 * HEAD_DIM) + 16
     return cfg.stages * 2 * BLOCK * HEAD_DIM * 2 + partials
-
-
-def projected_shared_bytes(cfg: ClusterConfig, group: int, rows: int) -> int:
-    """`decode_attention_o`'s dynamic shared memory at `rows` output rows a CTA: the attention's (its `Shared`
-    rounded up to 128 bytes), then the rows' weights (the KV head's group x 64 bytes each), then the .cu
-    file's `OShared`."""
-    shared = -(-(4 * (4 * 8 * 2 + 4 * 8 * HEAD_DIM + 8 * 2 + 8 * HEAD_DIM) + 4) // 128) * 128
-    o_shared = 2 * 8 * HEAD_DIM + 4 * 8 + 4 * 4 * (rows // 16) + 4 * 4 * rows + 4 * rows + 2 * rows
-    return cfg.stages * 2 * BLOCK * HEAD_DIM * 2 + shared + rows * group * HEAD_DIM + -(-o_shared // 16) * 16
 
 
 def groups_for(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> int:
@@ -154,18 +139,12 @@ TRACE_WORDS = 40  # u64 words a warp of the timing build writes (the .cu file's 
 
 
 def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = False,
-                    early_launch: bool = False, o_rows: int = 0, kv_heads: int = 8) -> list[str]:
+                    early_launch: bool = False) -> list[str]:
     """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too); trace: the
-    timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH);
-    o_rows > 0: the build of `decode_attention_o` with that many output rows a CTA for `kv_heads` KV heads
-    (and its shared memory, which the build checks)."""
-    options = [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
-               f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
-               "-std=c++17"]
-    if o_rows:
-        options += [f"-DDA_O_ROWS={o_rows}", f"-DDA_O_HEADS={kv_heads}",
-                    f"-DDA_O_SMEM={projected_shared_bytes(cfg, group, o_rows)}"]
-    return options
+    timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH)."""
+    return [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
+            f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
+            "-std=c++17"]
 
 
 @functools.cache
@@ -173,58 +152,6 @@ def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace:
             early_launch: bool = False):
     return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg, trace, early_launch),
                         device_index, shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
-
-
-@functools.cache
-def _projected_kernel(device_index: int, group: int, page: int, kv_heads: int, rows: int):
-    return load_kernels(SOURCE, ["decode_attention_o"],
-                        compile_options(group, page, WINDOWED_LAYERS, o_rows=rows, kv_heads=kv_heads),
-                        device_index, projected_shared_bytes(WINDOWED_LAYERS, group, rows),
-                        cluster=kv_heads)["decode_attention_o"]
-
-
-def projects(q: torch.Tensor, kv_cache: torch.Tensor, window_left: int, o_weight: torch.Tensor,
-             o_scale: torch.Tensor | None) -> bool:
-    """Whether `decode_attention_o` takes this layer's attention of q [T, Hq, D] and its output projection:
-    a windowed layer (its keys are one block), one request where `applies`, FP8 weights
-    [N, Hq x D] with their 128 x 128 block scales, KV heads that form one portable cluster and own whole
-    128-K blocks of O's input."""
-    if not (window_left >= 0 and window_left < BLOCK and q.shape[0] == 1 and o_scale is not None):
-        return False
-    _, hq, d = q.shape
-    hkv = kv_cache.shape[3]
-    n, k = o_weight.shape
-    group = hq // hkv if hkv else 0
-    return (o_weight.dtype == torch.float8_e4m3fn and k == hq * d and group % 2 == 0 and hkv in (1, 2, 4, 8)
-            and n % 8 == 0 and o_weight.is_contiguous() and o_weight.device == q.device
-            and o_weight.data_ptr() % 16 == 0
-            and o_scale.dtype == torch.float32 and o_scale.is_contiguous()
-            and tuple(o_scale.shape) == (-(-n // 128), k // 128) and applies(q, kv_cache, window_left))
-
-
-def decode_attention_o(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       sinks: torch.Tensor, sm_scale: float, window_left: int, o_weight: torch.Tensor,
-                       o_scale: torch.Tensor, o_bias: torch.Tensor | None) -> torch.Tensor:
-    """The output projection of one request's windowed attention, [1, N] bf16: `decode_attention`'s output
-    (rounded to bf16) times o_weight [N, Hq x D] e4m3 with its block scales o_scale, plus o_bias [N] bf16
-    (or none), in one launch (the .cu file's `decode_attention_o` says why). The caller checked `projects`.
-    No host synchronisation: capturable in a CUDA graph."""
-    _, hq, _ = q.shape
-    page, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    n = o_weight.shape[0]
-    if o_bias is not None and (o_bias.shape != (n,) or o_bias.dtype != torch.bfloat16 or not o_bias.is_contiguous()
-                               or o_bias.data_ptr() % 16):
-        raise ValueError(f"o_bias must be [{n}] bf16, contiguous and 16-byte aligned (copied 8 rows at a time)")
-    out = torch.empty(1, n, dtype=torch.bfloat16, device=q.device)
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    rows = O_ROWS
-    kernel = _projected_kernel(dev, hq // hkv, page, hkv, rows)
-    smem = projected_shared_bytes(WINDOWED_LAYERS, hq // hkv, rows)
-    launch_cuda(kernel, (hkv, -(-n // rows), 1), (THREADS, 1, 1), smem, pdl=pdl_enabled(q.device),
-                cluster=(hkv, 1, 1) if hkv > 1 else None,
-                args=[q, q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-                      block_tables, seq_lens, sinks, float(sm_scale) * LOG2E, int(window_left), o_weight, o_scale, o_bias, out, n])
-    return out
 
 
 def _trace_shape(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> tuple:

@@ -335,23 +335,6 @@ class FlashInferSinkAttention:
         self._mode = "fa"
 
     # ---------------------------------------------------------------- run
-    def run_projected(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, o_weight: torch.Tensor,
-                      o_scale: torch.Tensor | None, o_bias: torch.Tensor | None) -> torch.Tensor | None:
-        """The output projection of the attention [T, N] bf16 (`run`'s output, flattened, times o_weight
-        [N, Hq x D] with its block scales o_scale, plus o_bias) in one launch where a kernel does both
-        (kernels.cuda_decode_attention.decode_attention_o: one request of a windowed layer, FP8 weights),
-        else None: the caller runs the two apart."""
-        if self._mode != "triton" or q.shape[0] != self._rows:
-            return None
-        from . import cuda_decode_attention as cda
-
-        if not (cda.ENABLED and cda.projects(q, kv_cache, self.window_left, o_weight, o_scale)):
-            return None
-        if sinks.dtype != torch.float32:
-            raise TypeError(f"sinks must be float32 (cast the bf16 checkpoint values), got {sinks.dtype}")
-        return cda.decode_attention_o(q, kv_cache, self._block_tables, self._seq_lens, sinks, self.sm_scale,
-                                      self.window_left, o_weight, o_scale, o_bias)
-
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor | None = None,
         early_launch: bool = False,

@@ -32,9 +32,6 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
                       ("windowed", da.WINDOWED_LAYERS)):
         for trace in (False, True):
             builds[f"attention {name}{', timing' if trace else ''}"] = (da.SOURCE, da.compile_options(8, 16, cfg, trace))
-    for rows in (da.O_ROWS, 192):
-        builds[f"attention windowed, with its O projection, {rows} rows a CTA"] = (
-            da.SOURCE, da.compile_options(8, 16, da.WINDOWED_LAYERS, o_rows=rows))
     flags = dict(early_down=mx.EARLY_DOWN, early_bias=mx.EARLY_BIAS)
     for which in ("gate_up", "down"):
         builds[f"mxfp4 per pair {which}"] = (mx.SOURCE, mx.compile_options(

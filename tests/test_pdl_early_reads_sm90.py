@@ -400,31 +400,6 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
 
 
-def test_attention_with_its_projection_copies_keys_and_weights_ahead_of_the_wait(tmp_path):
-    """kernels/cuda_decode_attention.cu's `decode_attention_o` (the windowed layers' attention and O
-    projection): the keys and values and the O weight rows, block scales and biases are async copies before
-    the wait (the weights' among them: more copies ahead than the attention alone makes), q after it; the
-    projection's sums are f16 mmas from Hopper's e4m3 conversion; the KV heads' sums meet through a cluster
-    barrier, with no atomic. No spills."""
-    from pdserve.kernels.cuda_decode_attention import O_ROWS, SOURCE, WINDOWED_LAYERS, compile_options
-
-    copies = {}
-    for projected in (False, True):
-        options = compile_options(8, 16, WINDOWED_LAYERS, o_rows=O_ROWS if projected else 0)
-        cubin, report = compile_cuda(SOURCE.read_text(), options)
-        assert set(re.findall(r"(\d+) bytes spill stores", report)) == {"0"}, report
-        ops = _sass(cubin, tmp_path, "decode_attention_o" if projected else "decode_attention")
-        early = _loads_before_wait(ops)
-        assert all(op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.STRONG.GPU")) for op in early), early
-        copies[projected] = sum(op.startswith("LDGSTS") for op in early)
-        late = ops[ops.index("ACQBULK"):]
-        assert any(op.startswith("LDG.E.STRONG.GPU") for op in late), "q is not read after the wait"
-        assert not [op for op in ops if op.startswith(("ATOM", "RED"))]
-    assert copies[True] > copies[False] > 0, copies
-    assert "F2FP.F16.E4M3.UNPACK_B" in late and "HMMA.16816.F32" in late
-    assert "UCGABAR_ARV" in late
-
-
 @pytest.mark.parametrize("layers", ["full, few requests", "windowed"])
 @pytest.mark.parametrize("early_launch", [False, True])
 def test_cluster_decode_attention_lets_the_next_kernel_launch_at_its_start_only_when_asked(layers, early_launch,

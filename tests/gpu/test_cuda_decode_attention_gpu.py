@@ -10,11 +10,6 @@ second launch's output stays NaN). The shapes beside the engine's (other cluster
 walking every block) run the ring and fold paths the engine's shapes reach only at long contexts,
 and page-table entries requested further ahead than the engine's one block. The engine's shape is
 clusters of 16 at one and two requests, of 8 from three.
-
-The windowed layers' attention with its output projection in one launch (`decode_attention_o`): within
-one bf16 rounding (tests/numerics.py) of the FP8 projection, in float32, of what the attention kernel
-alone writes, for every slice of rows (96 or 192 a CTA, the last one partial), with and without a bias;
-bit-identical from launch to launch.
 """
 
 from __future__ import annotations
@@ -24,10 +19,8 @@ import torch
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
 
-from numerics import assert_one_bf16_rounding  # noqa: E402
 from paged_attention_cases import D, DEV, HKV, HQ, PAGE, SM_SCALE, random_batch, reference, rel_l2, sinks_for  # noqa: E402
 from pdserve.kernels import cuda_decode_attention as cda  # noqa: E402
-from pdserve.kernels.fp8 import dequantize_weight_fp8, quantize_weight_fp8  # noqa: E402
 from pdserve.kernels.flashinfer_attention import FlashInferSinkAttention  # noqa: E402
 from pdserve.kernels.triton_decode_attention import DecodeScratch  # noqa: E402
 
@@ -108,52 +101,3 @@ def test_close_to_the_triton_kernel(window_left):
             cda.ENABLED = True
     assert rel_l2(outs[True], outs[False]) < 5e-3
     assert not torch.equal(outs[True], outs[False])  # the object did take the other kernel
-
-
-def _projected_problem(rows: int, ctx: int, seed: int, bias: bool):
-    gen = torch.Generator().manual_seed(seed)
-    batch, kv, q = random_batch([1], [ctx], gen, 3)
-    sinks = sinks_for(gen)
-    w, w_scale = quantize_weight_fp8((torch.randn(rows, HQ * D, generator=gen) * 0.02).to(DEV))
-    b = (torch.randn(rows, generator=gen) * 0.1).to(DEV, torch.bfloat16) if bias else None
-    return batch, kv, q, sinks, w, w_scale, b
-
-
-def run_projected(batch, q, kv, sinks, w, w_scale, b):
-    table = FlashInferSinkAttention._page_table(batch, max(int((batch.kv_indptr[1:] - batch.kv_indptr[:-1]).max()), 1))
-    assert cda.projects(q, kv, 127, w, w_scale)
-    return cda.decode_attention_o(q, kv, table.to(DEV), batch.kv_lens.to(DEV, torch.int32), sinks, SM_SCALE, 127, w,
-                                  w_scale, b)
-
-
-@pytest.mark.parametrize("rows", [2880, 2880 - 88])  # whole slices of 96 (192) rows; a last slice of 8 (104)
-@pytest.mark.parametrize("ctx", [1, 129, 1000])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows_a_cta", [96, 192])
-def test_projected_is_the_attention_then_its_projection(rows, ctx, bias, rows_a_cta, seed, monkeypatch):
-    monkeypatch.setattr(cda, "O_ROWS", rows_a_cta)
-    batch, kv, q, sinks, w, w_scale, b = _projected_problem(rows, ctx, seed, bias)
-    attended = run_cuda(batch, q, kv, sinks, 127)
-    out = run_projected(batch, q, kv, sinks, w, w_scale, b)
-    assert_one_bf16_rounding(out, attended.reshape(1, HQ * D), dequantize_weight_fp8(w, w_scale), b)
-    assert torch.equal(out, run_projected(batch, q, kv, sinks, w, w_scale, b))
-
-
-def test_projected_through_the_attention_object(seed):
-    """`run_projected` takes the fused kernel at one request of a windowed layer, and declines full layers,
-    two requests and bf16 weights (the caller then runs the attention and the projection apart)."""
-    batch, kv, q, sinks, w, w_scale, b = _projected_problem(2880, 500, seed, True)
-    attn = FlashInferSinkAttention(DEV, window_left=127, sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV,
-                                   head_dim=D, page_size=PAGE, decode_backend="triton")
-    attn.plan(batch)
-    out = attn.run_projected(q, kv, sinks, w, w_scale, b)
-    assert torch.equal(out, run_projected(batch, q, kv, sinks, w, w_scale, b))
-    assert attn.run_projected(q, kv, sinks, w.to(torch.bfloat16), None, b) is None
-    full = FlashInferSinkAttention(DEV, window_left=-1, sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV,
-                                   head_dim=D, page_size=PAGE, decode_backend="triton")
-    full.plan(batch)
-    assert full.run_projected(q, kv, sinks, w, w_scale, b) is None
-    gen = torch.Generator().manual_seed(seed)
-    batch2, kv2, q2 = random_batch([1, 1], [500, 40], gen, 3)
-    attn.plan(batch2)
-    assert attn.run_projected(q2, kv2, sinks, w, w_scale, b) is None
