@@ -106,27 +106,6 @@ __device__ __forceinline__ void mma_rows0_7(float d[4], u32 a0, u32 a2, u32 b0, 
   mma<F16>(d, a0, 0u, a2, 0u, b0, b1);
 }
 
-// A 64-K step of two weight rows against 8 B columns, f16 mmas from Hopper's e4m3 conversion: A's rows g and
-// g + 8 are the lane's 16 e4m3 bytes of rows g (lo) and g + 8 (hi), B's column g the lane's 16 f16 values of
-// the same K (xa, then xb), in the same order inside each mma; four mmas into two chains, p and q (their sum
-// is the step's D)
-__device__ __forceinline__ void mma_e4m3_step(float p[4], float q[4], const U4& lo, const U4& hi, const U4& xa,
-                                              const U4& xb) {
-  u32 a[8], b[8];  // word j of rows g (a) and g + 8 (b): f16x2 of bytes 0-1 at 2j, 2-3 at 2j + 1
-  e4m3x4_f16x2(lo.x, a[0], a[1]);
-  e4m3x4_f16x2(lo.y, a[2], a[3]);
-  e4m3x4_f16x2(lo.z, a[4], a[5]);
-  e4m3x4_f16x2(lo.w, a[6], a[7]);
-  e4m3x4_f16x2(hi.x, b[0], b[1]);
-  e4m3x4_f16x2(hi.y, b[2], b[3]);
-  e4m3x4_f16x2(hi.z, b[4], b[5]);
-  e4m3x4_f16x2(hi.w, b[6], b[7]);
-  mma<true>(p, a[0], b[0], a[1], b[1], xa.x, xa.y);
-  mma<true>(q, a[2], b[2], a[3], b[3], xa.z, xa.w);
-  mma<true>(p, a[4], b[4], a[5], b[5], xb.x, xb.y);
-  mma<true>(q, a[6], b[6], a[7], b[7], xb.z, xb.w);
-}
-
 // %globaltimer in ns (the timing builds' traces: MX_TRACE, DA_TRACE)
 __device__ __forceinline__ unsigned long long now_ns() {
   unsigned long long t;
