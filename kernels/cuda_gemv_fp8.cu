@@ -99,10 +99,10 @@ __device__ __forceinline__ void wait_groups(int pending) {
 
 
 
-// A 64-K step of two weight rows against 8 B columns, f16 mmas from Hopper's e4m3 conversion: A's rows g and
-// g + 8 are the lane's 16 e4m3 bytes of rows g (lo) and g + 8 (hi), B's column g the lane's 16 f16 values of
-// the same K (xa, then xb), in the same order inside each mma; four mmas into two chains, p and q (their sum
-// is the step's D)
+// Four f16 mmas from Hopper's e4m3 conversion: A's rows g and g + 8 from the lane's 16 e4m3 bytes lo and hi
+// (4 of each an mma), B from the lane's 16 f16 values xa, then xb, in the same K order; into two chains p and q
+// (their sum is D), or one where both name the same array. What the rows and columns hold is the caller's:
+// `Cta::pair` (row g's steps s and sb) and `gemv_fp8_stream` (rows g and g + 8 of one step).
 __device__ __forceinline__ void mma_e4m3_step(float p[4], float q[4], const U4& lo, const U4& hi, const U4& xa,
                                               const U4& xb) {
   u32 a[8], b[8];  // word j of rows g (a) and g + 8 (b): f16x2 of bytes 0-1 at 2j, 2-3 at 2j + 1
