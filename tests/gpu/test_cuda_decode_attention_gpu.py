@@ -101,3 +101,78 @@ def test_close_to_the_triton_kernel(window_left):
             cda.ENABLED = True
     assert rel_l2(outs[True], outs[False]) < 5e-3
     assert not torch.equal(outs[True], outs[False])  # the object did take the other kernel
+
+
+def _qkv_case(ctx: int, gen: torch.Generator, bias: bool):
+    """One request of ctx keys (its last key the step's own), gpt-oss' FP8 QKV weights and a normed row."""
+    from pdserve.engine.config import preset
+    from pdserve.engine.rope import RotaryEmbedding
+    from pdserve.kernels.fp8 import quantize_weight_fp8
+
+    batch, kv, _ = random_batch([1], [ctx], gen, 3)
+    table = FlashInferSinkAttention._page_table(batch, (ctx + PAGE - 1) // PAGE).to(DEV)
+    n = (HQ + 2 * HKV) * D
+    wq, ws = quantize_weight_fp8((torch.randn(n, 2880, generator=gen) * 0.02).to(DEV))
+    b = (torch.randn(n, generator=gen) * 0.5).to(DEV, torch.bfloat16) if bias else None
+    x = torch.randn(1, 2880, generator=gen).to(DEV, torch.bfloat16)
+    positions = torch.tensor([ctx - 1], device=DEV)
+    slots = (table[0, (ctx - 1) // PAGE] * PAGE + (ctx - 1) % PAGE).to(torch.int64).view(1)
+    rope = RotaryEmbedding(preset("120b"), DEV)
+    lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+    return batch, kv, table, lens, (x, wq, ws, b, positions, rope.cos, rope.sin, slots)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("ctx", [1, 100, 1000, 3000, 8192])
+def test_qkv_build_equals_the_projection_then_the_attention(ctx, window_left, bias):
+    """qkv_decode_attention (one launch) against cuda_gemv_fp8.qkv_rope_fp8 then decode_attention in the same
+    cluster shape: the output and the whole cache bit-identical (the step's k and v in its slot, nothing else
+    touched), from one block a request to more blocks a CTA than it holds (the step's own key in a block copied
+    after the projection); within tolerance of the float32 reference; the same twice."""
+    from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8
+
+    gen = torch.Generator().manual_seed(31 * ctx + window_left + bias)
+    batch, kv, table, lens, proj = _qkv_case(ctx, gen, bias)
+    sinks = sinks_for(gen)
+    cfg = cda.qkv_config(window_left)
+    assert cda.takes_qkv(proj[0], proj[1], kv, window_left, HQ)
+    want_kv = kv.clone()
+    q = qkv_rope_fp8(*proj, want_kv, HQ, HKV)
+    scratch = DecodeScratch(1, HKV, HQ // HKV, D, 32, DEV)
+    want = cda.decode_attention(q, want_kv, table, lens, sinks, SM_SCALE, window_left, scratch, cfg=cfg)
+    outs = []
+    for _ in range(2):
+        outs.append(cda.qkv_decode_attention(*proj, kv, table, lens, sinks, SM_SCALE, window_left, HQ, scratch,
+                                             out=torch.full_like(q, float("nan"))))
+        assert torch.equal(kv, want_kv)
+    assert torch.equal(outs[0], want) and torch.equal(outs[1], want)
+    assert rel_l2(outs[0], reference(batch, q, want_kv, sinks, window_left)) < 1e-2
+
+
+def test_qkv_build_through_the_attention_object():
+    """The attention object's `run_with_qkv` in graph mode ("triton" decode), captured and replayed: the
+    projection's k and v land in the slot, and the output equals the two launches'."""
+    from pdserve.kernels.cuda_gemv_fp8 import qkv_rope_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    batch, kv, table, lens, proj = _qkv_case(2500, gen, True)
+    sinks = sinks_for(gen)
+    attn = FlashInferSinkAttention(DEV, window_left=-1, sm_scale=SM_SCALE, num_qo_heads=HQ, num_kv_heads=HKV,
+                                   head_dim=D, page_size=PAGE, decode_backend="triton", cuda_graph_batch_size=1,
+                                   max_pages_per_request=256)
+    attn.plan(batch)
+    assert attn.takes_qkv(proj[0], proj[1], kv)
+    want_kv = kv.clone()
+    q = qkv_rope_fp8(*proj, want_kv, HQ, HKV)
+    want = attn.run(q, want_kv, sinks)
+    attn.run_with_qkv(*proj, kv.clone(), sinks)  # (built before the capture)
+    out = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run_with_qkv(*proj, kv, sinks, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(kv, want_kv)
+    with pytest.raises(ValueError, match="one planned token"):
+        attn.run_with_qkv(torch.cat([proj[0]] * 2), *proj[1:], kv, sinks)
