@@ -17,9 +17,8 @@ triton"); the attention projections in FP8 through the staged FP8 GEMVs or the T
 four groups"), up to 8 tokens ("attention fp8 gemv to 8"), or with the QKV launched after the norm's
 PDL wait rather than at its start ("attention fp8 qkv launch late"); the vocabulary projection in FP8
 through the streaming FP8 GEMV ("unembedding fp8", "attention+unembedding fp8") or in bf16 through
-cuBLAS rather than the bf16 GEMV ("unembedding cublas"); one token's FP8 QKV projection in the attention's
-launch (kernels/cuda_decode_attention.py's QKV build) in the full layers ("qkv in attention") or in all
-("qkv in attention all layers"); windowed layers' decode attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
+cuBLAS rather than the bf16 GEMV ("unembedding cublas"); windowed layers' decode
+attention in 2 or 4 splits; the engine's defaults; with --mma-config, the defaults with another
 launch shape of the MXFP4 mma kernels; with --gemv-configs, the defaults with another launch shape
 of one token's bf16 GEMVs (QKV + RoPE, O); with --ablate, the defaults (or --ablate-on's setting)
 with one piece of every layer (norms, QKV, attention, O projection, router, MoE) taken out: the
@@ -254,14 +253,10 @@ SETTINGS = {
     "attention+unembedding fp8": _setting(),
     "unembedding cublas": _setting({(triton_bf16_gemv, "FASTER_THAN_CUBLAS_UP_TO"): {
         k: v for k, v in triton_bf16_gemv.FASTER_THAN_CUBLAS_UP_TO.items() if k != (201088, 2880)}}),
-    # one token's FP8 QKV projection in the attention's launch (GptOssModel.qkv_in_attention), full layers or all
-    "qkv in attention": _setting(qkv_in_attention=("full",)),
-    "qkv in attention all layers": _setting(qkv_in_attention=("full", "sliding")),
     "default": _setting(),
 }
 FP8_ATTENTION = ("attention fp8", "attention fp8 triton", "attention fp8 gemv to 8", "attention fp8 four groups",
-                 "attention fp8 qkv launch late", "attention+unembedding fp8", "qkv in attention",
-                 "qkv in attention all layers")  # capture with FP8 QKV and O
+                 "attention fp8 qkv launch late", "attention+unembedding fp8")  # capture with FP8 QKV and O
 FP8_UNEMBEDDING = ("unembedding fp8", "attention+unembedding fp8")  # capture with an FP8 vocabulary projection
 
 
@@ -301,8 +296,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
         return [(m, "_add_norm", lambda x, delta, weight, *a: (x, x))]
     if piece == "qkv":
         q = torch.randn(rows, hq, d, device=dev).to(torch.bfloat16)
-        # (the projection and the attention apart, so that each can be taken out alone)
-        return [(m, "_rotated_q", lambda layer, t, *a: q[: t.shape[0]]), (m, "qkv_in_attention", ())]
+        return [(m, "_rotated_q", lambda layer, t, *a: q[: t.shape[0]])]
     if piece == "attention":
         make = m.make_attention
 
@@ -312,7 +306,7 @@ def _ablation(runner: ModelRunner, piece: str, rows: int) -> list[tuple[object, 
                 b.run = lambda q, cache, sinks, out=None, early_launch=False: q
             return backends
 
-        return [(m, "make_attention", make_attention), (m, "qkv_in_attention", ())]
+        return [(m, "make_attention", make_attention)]
     if piece == "o":
         project, o_in = model_mod._project, hq * d
         y = torch.randn(rows, cfg.hidden_size, device=dev).to(torch.bfloat16)

@@ -193,10 +193,6 @@ class GptOssModel:
         # (`_next_layer_weights`; the benchmark's A/B), e.g. {"down": "qkv"}; {}: none (every plan measured 1-2 %
         # slower at one token on an H200: the GEMVs were not waiting on their bytes, and the requests slow the MoE)
         self.prefetch_next: dict[str, str] = {}
-        # with `fused`: the layer groups ("full", "sliding") whose QKV projection runs in the attention's launch at
-        # one token where the attention backend has that kernel (FP8 projections: `run_with_qkv`,
-        # kernels/cuda_decode_attention.py's `qkv_decode_attention`); (): two launches (the benchmark's A/B)
-        self.qkv_in_attention: tuple[str, ...] = ()
 
     def make_attention(
         self,
@@ -243,14 +239,8 @@ class GptOssModel:
         a, _ = self.w.layers[layer]
         group, _ = step.cache.layer_group[layer]
         cache = step.cache.layer_cache(layer)
-        backend = step.attention[group]
-        if self._qkv_in_attention(layer, t, positions, step.slots[group], group, cache, backend):
-            o = torch.empty(t.shape[0], self.num_q_heads, self.cfg.head_dim, dtype=t.dtype, device=t.device)
-            backend.run_with_qkv(t, a.qkv_weight, a.qkv_scale, a.qkv_bias, positions, self.rope.cos, self.rope.sin,
-                                 step.slots[group], cache, a.sinks, out=o, early_launch=self._o_launches_early(layer, o))
-        else:
-            q = self._rotated_q(layer, t, positions, step, group, cache)
-            o = backend.run(q, cache, a.sinks, early_launch=self._o_launches_early(layer, q))
+        q = self._rotated_q(layer, t, positions, step, group, cache)
+        o = step.attention[group].run(q, cache, a.sinks, early_launch=self._o_launches_early(layer, q))
         o = _project(o.reshape(-1, self.num_q_heads * self.cfg.head_dim), a.o_weight, a.o_bias, a.o_scale,
                      self.fused, staged=True)
         return all_reduce(o, self.shard)
@@ -287,17 +277,6 @@ class GptOssModel:
         q, k = self.rope(q, positions), self.rope(k, positions)
         step.cache.write(layer, step.slots, k, v)
         return q.contiguous()
-
-    def _qkv_in_attention(self, layer: int, t: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, group: str,
-                          cache: torch.Tensor, backend) -> bool:
-        """Whether this layer's QKV projection of these tokens runs in the attention's launch
-        (`qkv_in_attention`): where it would be the one-launch FP8 QKV + RoPE (`_rotated_q`) and the backend
-        takes both (one token; `takes_qkv`)."""
-        a, _ = self.w.layers[layer]
-        return (group in self.qkv_in_attention and self.fuse_qkv_rope and t.shape[0] == 1
-                and _fp8_gemv_takes(t, a.qkv_weight, a.qkv_bias, a.qkv_scale, self.fused)
-                and self._fp8_rope_fits(t, cache, positions, slots)
-                and backend.takes_qkv(t, a.qkv_weight, cache))
 
     def _fp8_rope_fits(self, t: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> bool:
         """Whether the FP8 QKV GEMV can carry the RoPE + KV-write epilogue for these tokens

@@ -59,10 +59,6 @@ class TorchSinkAttention:
         self._qo = batch.qo_indptr.tolist()
         self._kv = batch.kv_indptr.tolist()
 
-    def takes_qkv(self, x: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """The QKV projection in the attention's launch (FlashInferSinkAttention.takes_qkv): never here."""
-        return False
-
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor,
             early_launch: bool = False) -> torch.Tensor:
         """early_launch: a launch-order hint for the GPU kernels (FlashInferSinkAttention.run); none here."""

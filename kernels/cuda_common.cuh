@@ -169,8 +169,3 @@ __device__ __forceinline__ float load_peer(const float* p, u32 rank) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
-
-// The same for a 32-bit word (its bits, through the float load)
-__device__ __forceinline__ u32 load_peer_u32(const void* p, u32 rank) {
-  return __float_as_uint(load_peer(static_cast<const float*>(p), rank));
-}

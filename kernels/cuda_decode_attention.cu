@@ -25,18 +25,6 @@
 // DA_EARLY_LAUNCH the next kernel may launch at this kernel's start, not after its wait (kernels/pdl.py's
 // exception: the output projection after it reads nothing but weights ahead of its own wait).
 //
-// The QKV build (DA_QKV, `qkv_decode_attention`; one request, clusters of C > 1): the layer's FP8 QKV
-// projection with its RoPE and KV write (cuda_gemv_fp8.cu's `gemv_fp8_rope`) runs in the same launch, so that
-// the attention's key blocks and the projection's weight rows are all requested ahead of the PDL wait (the
-// kernel before is the RMSNorm that writes x) and no kernel boundary lies between the projection and the
-// attention. The cluster of a KV head owns the rows of its GROUP q heads, its k head and its v head: 8 rows
-// (4 rotation pairs of a head: `gemv_fp8_rope`'s CTA) are a unit, (GROUP + 2) x D / 8 units a cluster, QKV_UNITS
-// a CTA, each summed by the GEMV's `Cta` in its order of sums, then rounded and rotated as there. A CTA keeps its
-// rotated values in its shared memory, writes its k and v values into the request's KV slot, and after a
-// cluster barrier every CTA gathers the cluster's q, k and v heads through distributed shared memory; the
-// attention then reads q and the step's own key and value row from there. Each output, and each cache entry,
-// equals `gemv_fp8_rope` followed by `decode_attention` of the same cluster shape bit for bit.
-//
 // Folding, in a fixed order whatever the timing (so a replayed graph equals the eager step bit for
 // bit): the 4 warps' partials in the CTA's shared memory, then, with C > 1, the cluster's C partials
 // read through distributed shared memory by the thread that owns each (head, dim) output, with the
@@ -47,20 +35,12 @@
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
 // ahead of the copies whose page-table entries are requested), DA_EARLY_LAUNCH (1: the next kernel
-// launches at this one's start), DA_QKV (1: the QKV build, which also takes cuda_gemv_fp8.cu's GF_MAX_M = 1
-// and GF_GROUPS = 1), DA_TRACE (1: the timing build, whose
+// launches at this one's start), DA_TRACE (1: the timing build, whose
 // last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
 // in 64 bits, offsets inside a page in 32.
 
 #include "cuda_common.cuh"
-
-#ifndef DA_QKV
-#define DA_QKV 0
-#endif
-#if DA_QKV
-#include "cuda_gemv_fp8.cuh"  // (before this file's macros; its WARPS and THREADS are these)
-#endif
 
 #define D 64
 #define GROUP DA_GROUP
@@ -103,46 +83,6 @@ static_assert(GROUP >= 1 && GROUP <= 8, "the heads of a KV head are the mma's ro
 static_assert(LOOK >= 1, "a block's page-table entries are requested before its copies");
 static_assert(BLOCK == THREADS, "each warp copies and sums its own 32 rows of a block");
 
-#if DA_QKV
-static_assert(C > 1 && MAX_M == 1 && GROUPS == 1, "the QKV build: one request, clusters, one commit group a unit");
-#define HALF (D / 2)
-#define QKV_HEADS (GROUP + 2)                    // a cluster's q heads, then its k and v heads
-#define QKV_UNITS ((QKV_HEADS * D / ROWS + C - 1) / C)  // 8-row units of the projection a CTA
-#define QKV_VALUES (QKV_HEADS * D)
-// A CTA's units: u is the cluster's unit s * QKV_UNITS + u, the 4 rotation pairs j .. j + 3 (j = 4 (unit % 8)) of
-// the cluster's head unit / 8 (its q heads, then k, then v)
-struct QkvUnit {
-  int head, j;  // the head among QKV_HEADS; its first rotation pair
-  i64 row;      // the weight row of pair j (rows row + (0..3) and row + HALF + (0..3): `gemv_fp8_rope`'s Rows)
-  __device__ __forceinline__ QkvUnit(int unit, int g, int num_kv_heads) {
-    head = unit / (D / ROWS);
-    j = (unit % (D / ROWS)) * 4;
-    const int hq = num_kv_heads * GROUP;
-    const int w_head = head < GROUP ? g * GROUP + head : hq + (head - GROUP) * num_kv_heads + g;
-    row = (i64)w_head * D + j;
-  }
-};
-// the cluster's CTA holding the value of (head, dim) of the projection
-__device__ __forceinline__ u32 qkv_owner(int head, int dim) {
-  return (u32)((head * (D / ROWS) + (dim % HALF) / 4) / QKV_UNITS);
-}
-#define KV_CONST
-#define DA_ENTRY qkv_decode_attention
-#define DA_MIN_CTAS 1
-// x [1, K] bf16 (the normed row), w [(Hq + 2 Hkv) D, K] e4m3 with its 128x128 block scales and bf16 bias,
-// positions and kv_slots [1] int64, cos / sin [positions, D / 2] float32 (`gemv_fp8_rope`'s arguments)
-#define Q_PARAMS                                                                                                    \
-  const u16 *__restrict__ x, int stride_x, const unsigned char *__restrict__ w, const float *__restrict__ w_scale, \
-      const u16 *__restrict__ w_bias, int K, int w_stride, int x_stride, const i64 *__restrict__ positions,     \
-      const float *__restrict__ cos_t, const float *__restrict__ sin_t, int stride_cos,                          \
-      const i64 *__restrict__ kv_slots
-#else
-#define KV_CONST const
-#define DA_ENTRY decode_attention
-#define DA_MIN_CTAS 3  // as many as the shared memory of 2 stages allows
-#define Q_PARAMS const u16 *__restrict__ q, int stride_qt, int stride_qh
-#endif
-
 // byte offset of chunk c of key row r inside a slot
 __device__ __forceinline__ int swz(int r, int c) { return r * ROW_BYTES + ((c ^ (r & 7)) << 4); }
 
@@ -174,15 +114,14 @@ struct Shared {
   int last;                                           // this CTA is the request's last to arrive
 };
 
-// out[b, g * GROUP + h, :] for the grid's (b, g). q [T, Hq, D] (strides in elements; the QKV build: Q_PARAMS
-// and T = 1, the cache also written), kv_cache
+// out[b, g * GROUP + h, :] for the grid's (b, g). q [T, Hq, D] (strides in elements), kv_cache
 // [pages, 2, PAGE, Hkv, D] bf16 (strides of page, K/V and token in elements), block_tables int32
 // [T, stride_table], seq_lens int32 [T], sinks float32 [Hq] (raw logits), out [T, Hq, D] bf16.
 // qk_scale = sm_scale * log2(e); window_left < 0: every key. Used only by requests that busy several
 // clusters: part_o [T, Hkv, part_splits, part_rows, D], part_m / part_l [T, Hkv, part_splits,
 // part_rows] float32 (the Triton kernel's DecodeScratch) and count int32 [T * Hkv], zero between launches.
-extern "C" __global__ void __launch_bounds__(THREADS, DA_MIN_CTAS)
-DA_ENTRY(Q_PARAMS, KV_CONST u16* __restrict__ kv,
+extern "C" __global__ void __launch_bounds__(THREADS, 3)  // 3 a SM: as many as the shared memory of 2 stages allows
+decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const u16* __restrict__ kv,
                  int stride_page, int stride_kv, int stride_tok, const int* __restrict__ block_tables,
                  int stride_table, const int* __restrict__ seq_lens, const float* __restrict__ sinks,
                  u16* __restrict__ out, int stride_ot, int stride_oh, double qk_scale_d, int window_left,
@@ -214,27 +153,6 @@ DA_ENTRY(Q_PARAMS, KV_CONST u16* __restrict__ kv,
   const int* table = block_tables + (i64)b * stride_table;
   const unsigned char* kv_bytes = reinterpret_cast<const unsigned char*>(kv);
   const u32 slots = smem_addr(smem);
-#if DA_QKV
-  // the projection's shared memory: the units' staged weight rows, then the token row (one for all units: a
-  // warp's share of K is the same in each), after the attention's
-  unsigned char* qkv_w = smem + STAGES * 2 * SLOT_BYTES + ((sizeof(Shared) + 15) & ~15);
-  unsigned char* qkv_x = qkv_w + QKV_UNITS * ROWS * w_stride;
-  __shared__ float q_red[QKV_UNITS][WARPS][MAX_M][ROWS];
-  __shared__ float q_sc[QKV_UNITS][WARPS][MAX_WARP_STEPS];
-  __shared__ float q_xsc[MAX_M][MAX_STEPS];
-  __shared__ __align__(16) u16 q_bs[QKV_UNITS][ROWS];
-  __shared__ __align__(16) u16 qkv_own[QKV_VALUES];  // this CTA's values of the cluster's heads
-  __shared__ __align__(16) u16 qkv_all[QKV_VALUES];  // all of them, gathered
-  const int units = max(min(QKV_UNITS, QKV_HEADS * D / ROWS - s * QKV_UNITS), 0);
-  auto unit_cta = [&](int u) {
-    Cta c(w, K, w_stride, x_stride, Rows{QkvUnit(s * QKV_UNITS + u, g, num_kv_heads).row, HALF},
-          qkv_w + u * ROWS * w_stride, q_sc[u], q_xsc, q_bs[u], q_red[u]);
-    c.xs = qkv_x;
-    return c;
-  };
-  // one commit group a unit, ahead of the key blocks' groups
-  for (int u = 0; u < units; ++u) unit_cta(u).request(w_scale, w_bias, true, GROUPS);
-#endif
 
   // Lane (warp w, lane) copies 16-byte chunk `lane & 7` of the 8 key rows w * 32 + (lane >> 3) + 4 i of a
   // block (i < 8): a warp instruction reads 4 whole 128-byte rows, and a warp copies exactly the 32
@@ -295,65 +213,15 @@ DA_ENTRY(Q_PARAMS, KV_CONST u16* __restrict__ kv,
   if (DA_EARLY_LAUNCH) wait_pdl(); else enter_pdl();
   TRACE(T_PDL, now_ns());
 
-#if DA_QKV
-  {  // the projection: the epilogue thread's (unit, pair) position, angle and slot in flight during the sums
-    const int eu = tid / 4, ei = tid % 4;
-    const QkvUnit unit(s * QKV_UNITS + eu, g, num_kv_heads);
-    const bool epilogue = eu < units, rotate = unit.head <= GROUP;
-    float c = 0.f, sn = 0.f;
-    i64 slot = 0;
-    if (epilogue) {
-      const i64 pos = load_input(positions);
-      if (rotate) {
-        c = cos_t[pos * stride_cos + unit.j + ei];
-        sn = sin_t[pos * stride_cos + unit.j + ei];
-      }
-      if (unit.head >= GROUP) slot = load_input(kv_slots);
-    }
-    if (units > 0) unit_cta(0).stage_x(x, stride_x, 1, GROUPS);
-    for (int u = 0; u < units; ++u) {
-      Cta cta = unit_cta(u);
-      cta.later = units - 1 - u + STAGES;  // the later units' groups and the key blocks' stay pending
-      cta.sum(1);
-    }
-    if (epilogue) {
-      const Cta cta = unit_cta(eu);
-      float o1 = bf16_round(cta.total(0, ei, w_bias != nullptr)), o2 = bf16_round(cta.total(0, ei + 4, w_bias != nullptr));
-      if (rotate) rope_pair(o1, o2, c, sn);
-      const int at = unit.head * D + unit.j + ei;
-      qkv_own[at] = to_bf16(o1);
-      qkv_own[at + HALF] = to_bf16(o2);
-      if (unit.head >= GROUP) {  // k or v: into the request's KV slot
-        const i64 page = slot / PAGE;
-        u16* dst = kv + page * stride_page + (slot - page * PAGE) * stride_tok + (unit.head > GROUP ? stride_kv : 0) +
-                   g * D + unit.j + ei;
-        dst[0] = to_bf16(o1);
-        dst[HALF] = to_bf16(o2);
-      }
-    }
-    cluster_sync();  // every CTA's values are in its shared memory
-    for (int e = 2 * tid; e < QKV_VALUES; e += 2 * THREADS) {  // (a pair of dims has one owner)
-      *reinterpret_cast<u32*>(&qkv_all[e]) = load_peer_u32(&qkv_own[e], qkv_owner(e / D, e % D));
-    }
-    __syncthreads();
-  }
-#endif
   // q as A (rows = heads gq < GROUP, rows 8-15 zero): k-step ks holds dims 16 ks + 2 tig (+1) and + 8
   u32 qa0[D / 16], qa2[D / 16];
   {
-#if DA_QKV
-    const u16* qrow = qkv_all + gq * D;
-#define Q_WORD(p) (*reinterpret_cast<const u32*>(p))
-#else
     const u16* qrow = q + (i64)b * stride_qt + (i64)(g * GROUP + gq) * stride_qh;
-#define Q_WORD(p) load_early_u32(p)
-#endif
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      qa0[ks] = gq < GROUP ? Q_WORD(qrow + 16 * ks + 2 * tig) : 0u;
-      qa2[ks] = gq < GROUP ? Q_WORD(qrow + 16 * ks + 8 + 2 * tig) : 0u;
+      qa0[ks] = gq < GROUP ? load_early_u32(qrow + 16 * ks + 2 * tig) : 0u;
+      qa2[ks] = gq < GROUP ? load_early_u32(qrow + 16 * ks + 8 + 2 * tig) : 0u;
     }
-#undef Q_WORD
   }
 
   float m = NEG_INF, l = 0.f;  // row gq of this warp's online softmax (l: this lane's share)
@@ -367,13 +235,6 @@ DA_ENTRY(Q_PARAMS, KV_CONST u16* __restrict__ kv,
     const int lo = start + (k + j * ctas) * BLOCK;
     const u32 kslot = slots + (j % STAGES) * 2 * SLOT_BYTES, vslot = kslot + SLOT_BYTES;
     const int own = seq_len - 1 - lo - row0;  // the step's own key, copied before it was written
-#if DA_QKV
-    if (own >= 0 && own < 32 && (own & 3) == 0) {  // (the QKV build: from the gathered k and v heads, any block)
-      unsigned char* kdst = smem + (j % STAGES) * 2 * SLOT_BYTES + swz(row0 + own, chunk);
-      *reinterpret_cast<U4*>(kdst) = *reinterpret_cast<const U4*>(&qkv_all[GROUP * D + 8 * chunk]);
-      *reinterpret_cast<U4*>(kdst + SLOT_BYTES) = *reinterpret_cast<const U4*>(&qkv_all[(GROUP + 1) * D + 8 * chunk]);
-    }
-#else
     if (j < STAGES && own >= 0 && own < 32 && (own & 3) == 0) {
       const unsigned char* src = kv_bytes + 2 * ((i64)load_early_s32(table + (seq_len - 1) / PAGE) * stride_page +
                                                  (i64)((seq_len - 1) % PAGE) * stride_tok + (i64)g * D) + 16 * chunk;
@@ -381,7 +242,6 @@ DA_ENTRY(Q_PARAMS, KV_CONST u16* __restrict__ kv,
       *reinterpret_cast<U4*>(kdst) = load_early(src);
       *reinterpret_cast<U4*>(kdst + SLOT_BYTES) = load_early(src + 2 * (i64)stride_kv);
     }
-#endif
     __syncwarp();  // the warp's 32 rows are the ones its own lanes copied: no CTA barrier
 
     // S = q K^T over the warp's 32 keys: 4 tiles of 8 keys; one ldmatrix.x4 gives two k-steps' B

@@ -16,11 +16,6 @@ step bit for bit.
 gpt-oss shapes only: head dim 64, up to 8 query heads a KV head, bf16 q, cache and output; the
 attention object (kernels/flashinfer_attention.py) takes this kernel in its "triton" decode mode
 where `applies` says so, the Triton kernel otherwise.
-
-`qkv_decode_attention` is the build with the layer's FP8 QKV projection (RoPE and KV write included:
-kernels/cuda_gemv_fp8.py's `qkv_rope_fp8`) in the same launch, for one request: the projection's weights and
-the attention's first key blocks are all requested ahead of the PDL wait, and no kernel boundary lies
-between the two. Bit for bit `qkv_rope_fp8` then `decode_attention` in the same cluster shape.
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from . import cuda_gemv_fp8 as gf
 from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
@@ -84,13 +78,6 @@ WINDOWED_LAYERS = ClusterConfig(cluster=1, stages=1, max_rows=4)
 FULL_LAYERS_FEW: ClusterConfig | None = ClusterConfig(cluster=16, stages=2, max_rows=2)
 
 
-# The QKV build (`qkv_decode_attention`, one request): clusters of 16 CTAs, which share the projection's rows
-# (5 units of 8 rows a CTA for gpt-oss' 8 q heads a KV head); full layers with two blocks of keys in shared
-# memory beside the CTA's weight rows, windowed layers (one block of keys) with one
-QKV_FULL_LAYERS = ClusterConfig(cluster=16, stages=2, max_rows=1)
-QKV_WINDOWED_LAYERS = ClusterConfig(cluster=16, stages=1, max_rows=1)
-
-
 def _padded_rows(rows: int) -> int:
     """Requests counted as the next power of two, as the Triton kernel counts its splits: an eager
     step then launches what the graph of the size it is padded to launches."""
@@ -113,31 +100,6 @@ def shared_bytes(cfg: ClusterConfig) -> int:
     return cfg.stages * 2 * BLOCK * HEAD_DIM * 2 + partials
 
 
-def qkv_config(window_left: int) -> ClusterConfig:
-    """The QKV build's launch shape for a layer of this type."""
-    return QKV_WINDOWED_LAYERS if window_left >= 0 else QKV_FULL_LAYERS
-
-
-def qkv_units(group: int, cfg: ClusterConfig) -> int:
-    """Units (8 weight rows: 4 rotation pairs of a head) of the projection a CTA of the QKV build sums: a
-    cluster's group q heads, its k head and its v head spread over its CTAs (the .cu file's QKV_UNITS)."""
-    return -(-(group + 2) * HEAD_DIM // gf.ROWS // cfg.cluster)
-
-
-def qkv_shared_bytes(cfg: ClusterConfig, group: int, k: int) -> int:
-    """The QKV build's dynamic shared memory: the attention's, then the CTA's staged weight rows and one token
-    row of the projection (cuda_gemv_fp8's strides)."""
-    return shared_bytes(cfg) + qkv_units(group, cfg) * gf.ROWS * gf.w_stride(k) + gf.x_stride(k)
-
-
-# what the QKV build's static shared memory holds besides (the units' sums, block scales and biases, the token
-# row's powers of two, the cluster's q, k and v values twice), with room for alignment
-def _qkv_static_bytes(group: int, cfg: ClusterConfig) -> int:
-    units = qkv_units(group, cfg)
-    return (4 * units * gf.WARPS * gf.ROWS + 4 * units * gf.WARPS * gf.MAX_WARP_STEPS + 4 * (gf.MAX_K // gf.STEP_K)
-            + 2 * units * gf.ROWS + 2 * 2 * (group + 2) * HEAD_DIM + 256)
-
-
 def groups_for(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> int:
     """Clusters a (request, KV head) in the grid: enough for about two CTAs a SM at `rows` requests
     (counted as the next power of two, as the Triton kernel counts its splits, so an eager step and
@@ -155,36 +117,17 @@ def groups_for(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.d
 def applies(q: torch.Tensor, kv_cache: torch.Tensor, window_left: int) -> bool:
     """Whether this kernel takes the decode attention of q [T, Hq, D] over kv_cache [pages, 2, page,
     Hkv, D] for a layer of this type (device, dtypes, shapes, batch bound)."""
-    return q.is_cuda and applies_to(q, kv_cache, config_for(window_left, q.shape[0])) and available(q.device)
-
-
-def applies_to(q: torch.Tensor, kv_cache: torch.Tensor, cfg: ClusterConfig) -> bool:
-    """`applies` in the launch shape `cfg`, but for the device: q's shape and strides are what the kernels read
-    (a meta tensor stands in for the QKV build's q, which never leaves the kernel)."""
     t, hq, d = q.shape
+    cfg = config_for(window_left, t)
     _, two, page, hkv, d_kv = kv_cache.shape
-    return (q.dtype == kv_cache.dtype == torch.bfloat16 and d == d_kv == HEAD_DIM and two == 2
+    return (q.is_cuda and q.dtype == kv_cache.dtype == torch.bfloat16 and d == d_kv == HEAD_DIM and two == 2
             and hq % hkv == 0 and hq // hkv <= 8 and page & (page - 1) == 0 and 1 <= t <= cfg.max_rows
             and q.stride(-1) == 1 and q.stride(1) % 2 == 0 and q.stride(0) % 2 == 0
             and kv_cache.stride(-1) == 1 and kv_cache.stride(-2) == d and kv_cache.stride(2) % 8 == 0
             and kv_cache.stride(1) % 8 == 0 and kv_cache.stride(0) % 8 == 0 and kv_cache.data_ptr() % 16 == 0
             # the copies take a page's byte offset as a 32-bit factor and offsets inside a page in 32 bits
-            and 2 * max(kv_cache.stride(0), kv_cache.stride(1), page * kv_cache.stride(2)) < 2**31)
-
-
-def takes_qkv(x: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor, window_left: int, num_q_heads: int) -> bool:
-    """Whether `qkv_decode_attention` takes one token's QKV projection x [1, K] x w [(Hq + 2 Hkv) D, K] (FP8;
-    the caller checked that `qkv_rope_fp8` takes it) and its attention over kv_cache for a layer of this type:
-    the attention kernel applies to its q, and a CTA's shared memory holds its share of the weights."""
-    t, k = x.shape
-    hkv = kv_cache.shape[3]
-    if t != 1 or num_q_heads % hkv or w.shape[0] != (num_q_heads + 2 * hkv) * HEAD_DIM:
-        return False
-    cfg, group = qkv_config(window_left), num_q_heads // hkv
-    q = torch.empty((1, num_q_heads, HEAD_DIM), dtype=torch.bfloat16, device="meta")
-    return (kv_cache.is_cuda and applies_to(q, kv_cache, cfg)
-            and qkv_shared_bytes(cfg, group, k) + _qkv_static_bytes(group, cfg) <= gf.SHARED_PER_SM
-            and available(kv_cache.device))
+            and 2 * max(kv_cache.stride(0), kv_cache.stride(1), page * kv_cache.stride(2)) < 2**31
+            and available(q.device))
 
 
 def available(device: torch.device) -> bool:
@@ -196,13 +139,12 @@ TRACE_WORDS = 40  # u64 words a warp of the timing build writes (the .cu file's 
 
 
 def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = False,
-                    early_launch: bool = False, qkv: bool = False) -> list[str]:
+                    early_launch: bool = False) -> list[str]:
     """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too); trace: the
-    timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH);
-    qkv: the build with the QKV projection (DA_QKV, one token: the FP8 GEMV's MAX_M 1, one commit group a unit)."""
+    timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH)."""
     return [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
             f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
-            "-std=c++17"] + (["-DDA_QKV=1", "-DGF_MAX_M=1", "-DGF_GROUPS=1"] if qkv else [])
+            "-std=c++17"]
 
 
 @functools.cache
@@ -210,12 +152,6 @@ def _kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, trace:
             early_launch: bool = False):
     return load_kernels(SOURCE, ["decode_attention"], compile_options(group, page, cfg, trace, early_launch),
                         device_index, shared_bytes(cfg), cluster=cfg.cluster)["decode_attention"]
-
-
-@functools.cache
-def _qkv_kernel(device_index: int, group: int, page: int, cfg: ClusterConfig, k: int, early_launch: bool = False):
-    return load_kernels(SOURCE, ["qkv_decode_attention"], compile_options(group, page, cfg, False, early_launch, True),
-                        device_index, qkv_shared_bytes(cfg, group, k), cluster=cfg.cluster)["qkv_decode_attention"]
 
 
 def _trace_shape(rows: int, num_kv_heads: int, cfg: ClusterConfig, device: torch.device, splits: int) -> tuple:
@@ -263,35 +199,4 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                       float(sm_scale) * LOG2E, int(window_left) if window_left >= 0 else -1,
                       scratch.o, scratch.m, scratch.l, scratch.count, scratch.shape[2], scratch.o.shape[3], hkv]
                 + ([trace] if trace is not None else []))
-    return out
-
-
-def qkv_decode_attention(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                         kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         sinks: torch.Tensor, sm_scale: float, window_left: int, num_q_heads: int, scratch,
-                         out: torch.Tensor | None = None, early_launch: bool = False) -> torch.Tensor:
-    """One token's QKV projection (`qkv_rope_fp8`'s arguments x .. slots and kv_cache: k and v written into
-    the token's KV slot) and its attention (`decode_attention`'s arguments from block_tables) in one launch:
-    [1, Hq, D] bf16 (into `out` where given), equal to the two launches bit for bit. The caller checked
-    `takes_qkv`. No host synchronisation: capturable in a CUDA graph."""
-    gf.check_rope(x, w, scale, bias, positions, cos, sin, slots, kv_cache, num_q_heads, kv_cache.shape[3])
-    cfg = qkv_config(window_left)
-    page, hkv = kv_cache.shape[2], kv_cache.shape[3]
-    k = x.shape[1]
-    if out is None:
-        out = torch.empty((1, num_q_heads, HEAD_DIM), dtype=torch.bfloat16, device=x.device)
-    elif out.shape != (1, num_q_heads, HEAD_DIM) or out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(1) % 2:
-        raise ValueError(f"out must be [1, {num_q_heads}, {HEAD_DIM}] bf16 with contiguous heads")
-    if not scratch.fits(1, hkv, scratch.shape[2]) or scratch.o.shape[3] < num_q_heads // hkv:
-        raise ValueError(f"scratch {scratch.shape} does not fit 1 row x {hkv} KV heads")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _qkv_kernel(dev, num_q_heads // hkv, page, cfg, k, early_launch)
-    launch_cuda(kernel, (cfg.cluster, 1, hkv), (THREADS, 1, 1), qkv_shared_bytes(cfg, num_q_heads // hkv, k),
-                pdl=pdl_enabled(x.device), cluster=(cfg.cluster, 1, 1),
-                args=[x, x.stride(0), w, scale, bias, k, gf.w_stride(k), gf.x_stride(k), positions, cos, sin,
-                      cos.stride(0), slots, kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-                      block_tables, block_tables.stride(0), seq_lens, sinks, out, out.stride(0), out.stride(1),
-                      float(sm_scale) * LOG2E, int(window_left) if window_left >= 0 else -1,
-                      scratch.o, scratch.m, scratch.l, scratch.count, scratch.shape[2], scratch.o.shape[3], hkv])
     return out

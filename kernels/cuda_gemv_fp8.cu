@@ -46,7 +46,304 @@
 // below; bench/projection_trace.py, never in the engine).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); offsets are taken in 64 bits.
 
-#include "cuda_gemv_fp8.cuh"
+#include "cuda_common.cuh"
+
+#define ROWS 8
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define MAX_M GF_MAX_M
+#define STEP_K 64        // K of one step of a warp: 4 lanes x 16 bytes
+#define GROUPS GF_GROUPS  // commit groups of a warp's weight copies (1-4)
+#define MAX_WARP_STEPS 32  // 64-K steps of a warp's share (K <= 8192)
+#define X_BATCH 4        // 16-byte token chunks a lane loads before staging them
+#define MAX_STEPS 128    // 64-K steps of K (K <= 8192): the staged rows' powers of two
+// CTAs an SM the staged entries are compiled for (register bound 128; QKV's 640 CTAs need 5 an SM, O's 360 3):
+// without it ptxas gave the RoPE entry of the paired sums 56 registers and one spill
+#define MIN_CTAS 4
+
+#ifndef GF_TRACE
+#define GF_TRACE 0
+#endif
+#if GF_TRACE
+// A CTA's record, written by its thread 0 (%globaltimer ns unless said): its start, its weight copies
+// requested, the PDL wait passed, warp 0's token rows staged, warp 0's copies landed (not before the staging:
+// the warp waits for them there), the CTA's sums done (its barrier passed), its end; its SM.
+enum GfTrace { GT_START, GT_ISSUED, GT_PDL, GT_STAGED, GT_LANDED, GT_SUMMED, GT_END, GT_SM, GT_WORDS };
+#define GF_TRACE_PARAM , u64* __restrict__ trace
+#define GF_STAMP(rec, w) do { if (threadIdx.x == 0) (rec)[w] = (w) == GT_SM ? (u64)sm_id() : now_ns(); } while (0)
+#else
+#define GF_TRACE_PARAM
+#define GF_STAMP(rec, w) do { } while (0)
+#endif
+
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+template <int BYTES>
+__device__ __forceinline__ void copy_small(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES) : "memory");
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// this thread's copies of all but the last `pending` committed groups have landed
+__device__ __forceinline__ void wait_groups(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+  }
+}
+
+
+
+// Four f16 mmas from Hopper's e4m3 conversion: A's rows g and g + 8 from the lane's 16 e4m3 bytes lo and hi
+// (4 of each an mma), B from the lane's 16 f16 values xa, then xb, in the same K order; into two chains p and q
+// (their sum is D), or one where both name the same array. What the rows and columns hold is the caller's:
+// `Cta::pair` (row g's steps s and sb) and `gemv_fp8_stream` (rows g and g + 8 of one step).
+__device__ __forceinline__ void mma_e4m3_step(float p[4], float q[4], const U4& lo, const U4& hi, const U4& xa,
+                                              const U4& xb) {
+  u32 a[8], b[8];  // word j of rows g (a) and g + 8 (b): f16x2 of bytes 0-1 at 2j, 2-3 at 2j + 1
+  e4m3x4_f16x2(lo.x, a[0], a[1]);
+  e4m3x4_f16x2(lo.y, a[2], a[3]);
+  e4m3x4_f16x2(lo.z, a[4], a[5]);
+  e4m3x4_f16x2(lo.w, a[6], a[7]);
+  e4m3x4_f16x2(hi.x, b[0], b[1]);
+  e4m3x4_f16x2(hi.y, b[2], b[3]);
+  e4m3x4_f16x2(hi.z, b[4], b[5]);
+  e4m3x4_f16x2(hi.w, b[6], b[7]);
+  mma<true>(p, a[0], b[0], a[1], b[1], xa.x, xa.y);
+  mma<true>(q, a[2], b[2], a[3], b[3], xa.z, xa.w);
+  mma<true>(p, a[4], b[4], a[5], b[5], xb.x, xb.y);
+  mma<true>(q, a[6], b[6], a[7], b[7], xb.z, xb.w);
+}
+
+// a step input (written before this kernel, anew for every step) through L2 only, as load_early
+__device__ __forceinline__ i64 load_input(const i64* p) {
+  i64 v;
+  asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+
+// The CTA's rows: row r is base + (r & 3) + (r >> 2) * upper (upper 4: 8 consecutive rows; D / 2:
+// 4 rotation pairs of a head). All in one 128-row scale block.
+struct Rows {
+  i64 base;
+  int upper;
+  __device__ __forceinline__ i64 operator()(int r) const { return base + (r & 3) + (r >> 2) * upper; }
+};
+
+// One CTA's dot products, each warp over its share of K. Shared memory: the staged weight rows at
+// ws (row r at r * w_stride), the token rows at xs (x_stride apart) with their powers of two, the
+// warps' block scales, the raw bf16 biases, the warps' sums.
+struct Cta {
+  const unsigned char* __restrict__ w;
+  int K, w_stride, x_stride;
+  Rows rows;
+  unsigned char* ws;
+  unsigned char* xs;
+  float (*sc)[MAX_WARP_STEPS];
+  float (*xsc)[MAX_STEPS];
+  u16* bs;
+  float (*red)[MAX_M][ROWS];
+  int lane, warp, g, tig, s_lo, s_hi, per_group;
+#if GF_TRACE
+  u64* rec = nullptr;  // this CTA's trace record (the kernels set it)
+#endif
+
+  __device__ __forceinline__ Cta(const unsigned char* w_, int K_, int w_stride_, int x_stride_, Rows rows_,
+                                 unsigned char* smem, float (*sc_)[MAX_WARP_STEPS], float (*xsc_)[MAX_STEPS], u16* bs_,
+                                 float (*red_)[MAX_M][ROWS])
+      : w(w_), K(K_), w_stride(w_stride_), x_stride(x_stride_), rows(rows_), ws(smem), xs(smem + ROWS * w_stride_),
+        sc(sc_), xsc(xsc_), bs(bs_), red(red_) {
+    lane = threadIdx.x & 31;
+    warp = threadIdx.x >> 5;
+    g = lane >> 2;  // A row (token) g, B column (weight row) g
+    tig = lane & 3;
+    const int steps = K / STEP_K;
+    s_lo = warp * steps / WARPS;
+    s_hi = (warp + 1) * steps / WARPS;
+    per_group = (s_hi - s_lo + GROUPS - 1) / GROUPS;
+  }
+
+  // Before the PDL wait: the warp's share of the rows in GROUPS commit groups, the first `early` of them here
+  // (the rest after the wait, behind the token rows' loads: stage_x); with the first, the warp's block scales
+  // and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
+  __device__ __forceinline__ void request(const float* __restrict__ scale, const u16* __restrict__ bias,
+                                          bool bias_pairs, int early) {
+    const int kb_total = (K + 127) / 128;  // sc[warp][i]: the block scale of step s_lo + i
+    if (lane < s_hi - s_lo) copy_small<4>(&sc[warp][lane], scale + (rows(0) / 128) * kb_total + (s_lo + lane) / 2);
+    if (warp == 0 && bias != nullptr) {
+      if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
+      if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
+    }
+    copy(0, early);
+  }
+
+  // Commit groups q0 .. q1 - 1 of the warp's rows: row by row, consecutive lanes on consecutive 16 bytes of
+  // the row's share of the group (a row's addresses once, then a pointer increment a copy: the copies of the
+  // first layout, carried over from row to row, executed about 50 instructions each)
+  __device__ __forceinline__ void copy(int q0, int q1) {
+#pragma unroll 1
+    for (int q = q0; q < q1; q++) {
+      const int a = s_lo + q * per_group, b = min(a + per_group, s_hi), per_row = max(b - a, 0) * (STEP_K / 16);
+#pragma unroll
+      for (int r = 0; r < ROWS; r++) {
+        const unsigned char* src = w + rows(r) * K + a * STEP_K + lane * 16;
+        unsigned char* dst = ws + r * w_stride + a * STEP_K + lane * 16;
+#pragma unroll 1
+        for (int c = lane; c < per_row; c += 32, src += 512, dst += 512) copy16(dst, src);
+      }
+      commit();
+    }
+  }
+
+  // After the wait: the warp's share of the M token rows in f16, each 64-K step times its own 2^-e
+  // (xsc[m][step] = 2^e), X_BATCH 16-byte chunks a lane in flight (a lane's chunks: c over the token's
+  // share, then the next token m; no divisions). A step is 8 chunks and 8 consecutive lanes always
+  // hold one step's (a token's share is whole steps, lanes advance by 32), so its largest |x| is three
+  // shuffles away; every lane runs the same rounds for them.
+  // Commit groups late .. GROUPS - 1 (the staged entries' copies not requested ahead of the wait) are requested
+  // right after the first round's loads.
+  __device__ __forceinline__ void stage_x(const u16* __restrict__ x, int stride_x, int M, int late) {
+    const int chunks = (s_hi - s_lo) * (STEP_K / 8);  // a token's share
+    if (chunks == 0) return;                           // K < 256: some warps have no steps (nor copies)
+    const int rounds = (M * chunks + 32 * X_BATCH - 1) / (32 * X_BATCH);
+    int m = 0, c = lane;
+    while (c >= chunks) c -= chunks, m++;
+    for (int round = 0; round < rounds; round++) {
+      U4 v[X_BATCH];
+      int mb[X_BATCH], cb[X_BATCH];
+#pragma unroll
+      for (int b = 0; b < X_BATCH; b++) {
+        mb[b] = m;
+        cb[b] = c;
+        v[b] = m < M ? load_early(x + (i64)m * stride_x + s_lo * STEP_K + c * 8) : U4{0u, 0u, 0u, 0u};
+        for (c += 32; c >= chunks;) c -= chunks, m++;
+      }
+      if (round == 0 && late < GROUPS) copy(late, GROUPS);
+#pragma unroll
+      for (int b = 0; b < X_BATCH; b++) {
+        if ((round * X_BATCH + b) * 32 >= M * chunks) break;  // no lane has a chunk here (the same for all)
+        const u32 pairs[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+        float f[8], big = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          f[2 * i] = __int_as_float(pairs[i] << 16);
+          f[2 * i + 1] = __int_as_float(pairs[i] & 0xFFFF0000u);
+          big = fmaxf(big, fmaxf(fabsf(f[2 * i]), fabsf(f[2 * i + 1])));
+        }
+        big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, 1));
+        big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, 2));
+        big = fmaxf(big, __shfl_xor_sync(0xFFFFFFFFu, big, 4));
+        // big in [2^(E-127), 2^(E-126)): times 2^(141-E) in [2^14, 2^15); E >= 15 keeps both powers
+        // normal (an infinite x stays infinite)
+        const int E = max(__float_as_int(big) >> 23, 15);
+        const float up = __int_as_float((268 - E) << 23);
+        if (mb[b] < M) {
+          *reinterpret_cast<U4*>(xs + mb[b] * x_stride + s_lo * STEP_K * 2 + cb[b] * 16) =
+              U4{f16x2(f[0] * up, f[1] * up), f16x2(f[2] * up, f[3] * up), f16x2(f[4] * up, f[5] * up),
+                 f16x2(f[6] * up, f[7] * up)};
+          if ((cb[b] & 7) == 0) xsc[mb[b]][s_lo + cb[b] / 8] = __int_as_float((E - 14) << 23);
+        }
+      }
+    }
+    __syncwarp();
+    GF_STAMP(rec, GT_STAGED);
+  }
+
+  // Steps s and sb (s + 1; or s again at the end of the warp's share) of the 8 weight rows, as the mma's A:
+  // rows g are row g's 16 bytes of step s, rows g + 8 row g's of step sb (the F2FP conversions write A's
+  // registers directly); B column j is lane g = j's x at xr (its token, step s or s + 1). Four mmas in one
+  // chain from zero: d[0] = D[g][2 tig] (step s), d[3] = D[g + 8][2 tig + 1] (step sb), the other two unused.
+  __device__ __forceinline__ void pair(const unsigned char* wr, const unsigned char* xr, int s, int sb,
+                                       float d[4]) const {
+    const U4 wa = *reinterpret_cast<const U4*>(wr + s * STEP_K);
+    const U4 wb = *reinterpret_cast<const U4*>(wr + sb * STEP_K);
+    const U4 xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
+    const U4 xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
+    d[0] = d[1] = d[2] = d[3] = 0.f;
+    mma_e4m3_step(d, d, wa, wb, xa, xb);  // (steps s and sb as A's rows g and g + 8; one chain)
+  }
+
+  // The warp's steps in pairs (two pairs at a time: two independent mma chains), each group's once the warp's
+  // copies of it have landed; tokens four at a time (B's 8 columns: a token's step s and step s + 1), so lane
+  // (g, tig) sums token 4 pass + tig of row g; the warp's sums into red. Why pairs: with the tokens as A's
+  // rows (8 of 16 used, the rest zeros re-made around every mma) the loop executed about 108 instructions
+  // for each 1 KB of weights, and the sums, bound by their issue, took about 2 us of a QKV launch after its
+  // bytes had landed; this loop executes about 40.
+  __device__ __forceinline__ void sum(int M) {
+    int q = 0;                  // groups waited for
+    auto landed = [&](int s) {  // the groups holding steps up to s
+      while (q < GROUPS && s >= s_lo + q * per_group) {
+        wait_groups(GROUPS - 1 - q);
+        __syncwarp();  // the weights (and in group 0 the scales) other lanes of the warp copied
+        q++;
+        if (q == GROUPS) GF_STAMP(rec, GT_LANDED);
+      }
+    };
+    for (int t0 = 0; t0 < M; t0 += 4) {
+      const int col = t0 + (g >> 1), t = t0 + tig;  // B's token (lane g); D's token (lane tig)
+      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x (past M: token
+      // 0's, unused; odd columns one step ahead), its D token's steps' powers of two and the block scales
+      const unsigned char* wr = ws + g * w_stride + tig * 16 + s_lo * STEP_K;
+      const int odd = (g & 1) * 2 * STEP_K;
+      const unsigned char* x_col = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K + odd;
+      const float* x_pow = xsc[t < M ? t : 0] + s_lo;
+      const float* wsc = sc[warp];
+      float acc = 0.f;
+      // a pair's two sums (d[0]: step i, d[3]: step i + 1 from the pointers), in K order
+      auto add = [&](const float d[4], int i) {
+        acc = fmaf(d[0], wsc[i] * x_pow[i], acc);
+        acc = fmaf(d[3], wsc[i + 1] * x_pow[i + 1], acc);
+      };
+      auto advance = [&](int steps) { wr += steps * STEP_K, x_col += steps * 2 * STEP_K, x_pow += steps, wsc += steps; };
+      int s = s_lo;
+      for (; s + 3 < s_hi; s += 4) {
+        landed(s + 3);
+        float d[4], e[4];
+        pair(wr, x_col, 0, 1, d);
+        pair(wr, x_col, 2, 3, e);
+        add(d, 0);
+        add(e, 2);
+        advance(4);
+      }
+      if (s + 1 < s_hi) {
+        landed(s + 1);
+        float d[4];
+        pair(wr, x_col, 0, 1, d);
+        add(d, 0);
+        advance(2);
+        s += 2;
+      }
+      if (s < s_hi) {  // the share's last step alone: every column reads step s (in bounds), the odd ones unused
+        landed(s);
+        float d[4];
+        pair(wr, x_col - odd, 0, 0, d);
+        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
+      }
+      if (t < M) red[warp][t][g] = acc;
+    }
+    __syncthreads();
+  }
+
+  // token m's total for row r: the warps' sums in order, then the bias (float32)
+  __device__ __forceinline__ float total(int m, int r, bool has_bias) const {
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARPS; k++) v += red[k][m][r];
+    return has_bias ? v + from_bf16(bs[r]) : v;
+  }
+};
+
+#define CTA_SHARED                                          \
+  extern __shared__ __align__(16) unsigned char smem[];     \
+  __shared__ float red[WARPS][MAX_M][ROWS];                 \
+  __shared__ float sc[WARPS][MAX_WARP_STEPS];               \
+  __shared__ float xsc[MAX_M][MAX_STEPS];                   \
+  __shared__ __align__(16) u16 bs[ROWS];
 
 // out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
 // x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
@@ -75,6 +372,8 @@ gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restric
   GF_STAMP(cta.rec, GT_END);
   GF_STAMP(cta.rec, GT_SM);
 }
+
+__device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
 
 // gpt-oss' QKV projection with its epilogue, for M tokens. Rows of w: q heads, then k heads, then v
 // heads, D = GF_ROPE_D each; CTA p takes head h = p / (D / 8) and the 4 rotation pairs j .. j + 3
@@ -121,7 +420,14 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   if (!epilogue) return;
   const float x1 = bf16_round(cta.total(m, i, bias != nullptr)), x2 = bf16_round(cta.total(m, i + 4, bias != nullptr));
   float o1 = x1, o2 = x2;
-  if (rotate) rope_pair(o1, o2, c, s);  // q or k
+  if (rotate) {  // q or k
+    c = bf16_round(c);
+    s = bf16_round(s);
+    const float a = bf16_round(__fmul_rn(x1, c)), b = bf16_round(__fmul_rn(x2, s));
+    const float cc = bf16_round(__fmul_rn(x2, c)), dd = bf16_round(__fmul_rn(x1, s));
+    o1 = __fsub_rn(a, b);
+    o2 = __fadd_rn(cc, dd);
+  }
   u16* dst;
   if (h < HQ) {
     dst = q + ((i64)m * HQ + h) * D;

@@ -217,12 +217,18 @@ def fits_rope(m: int, k: int, num_q_heads: int, num_kv_heads: int, head_dim: int
     return head_dim == ROPE_D and BLOCK % head_dim == 0 and fits(m, (num_q_heads + 2 * num_kv_heads) * head_dim, k)
 
 
-def check_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-               layer_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> tuple[int, int, int]:
-    """(M, N, K) of `qkv_rope_fp8`'s arguments, or a ValueError saying which one it does not take."""
+def qkv_rope_fp8(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """The QKV projection of M tokens (as `gemv_fp8`) with kernels.triton_rope.rope_qkv_write's
+    epilogue in the same launch: x [M, K], w [(Hq + 2 Hkv) D, K] e4m3 with its scales, bias [N] or
+    None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
+    [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
+    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
     m, n, k = _check(x, w, scale, bias)
-    _, two, _, hkv, d = layer_cache.shape
+    blocks, two, page_size, hkv, d = layer_cache.shape
     if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"w {tuple(w.shape)} does not match cache {tuple(layer_cache.shape)} "
                          f"with {num_q_heads} q heads")
@@ -236,21 +242,6 @@ def check_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torc
             or positions.stride(0) != 1 or slots.stride(0) != 1):
         raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
                          f"int64 [{m}]")
-    return m, n, k
-
-
-def qkv_rope_fp8(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, layer_cache: torch.Tensor, num_q_heads: int,
-    num_kv_heads: int,
-) -> torch.Tensor:
-    """The QKV projection of M tokens (as `gemv_fp8`) with kernels.triton_rope.rope_qkv_write's
-    epilogue in the same launch: x [M, K], w [(Hq + 2 Hkv) D, K] e4m3 with its scales, bias [N] or
-    None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
-    [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
-    [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
-    m, n, k = check_rope(x, w, scale, bias, positions, cos, sin, slots, layer_cache, num_q_heads, num_kv_heads)
-    page_size, d = layer_cache.shape[2], layer_cache.shape[4]
     q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
     build, trace = _traced("gemv_fp8_rope", n // ROWS)
     launch_cuda(_kernels(_index(x), **build)["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1),

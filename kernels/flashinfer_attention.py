@@ -335,32 +335,6 @@ class FlashInferSinkAttention:
         self._mode = "fa"
 
     # ---------------------------------------------------------------- run
-    def takes_qkv(self, x: torch.Tensor, w: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether `run_with_qkv` serves the QKV projection x [T, K] x w (FP8) of the planned batch:
-        one token in the "triton" decode mode where kernels.cuda_decode_attention's QKV build takes it."""
-        if self._mode != "triton" or x.shape[0] != self._rows:
-            return False
-        from . import cuda_decode_attention as cda
-
-        return cda.ENABLED and cda.takes_qkv(x, w, kv_cache, self.window_left, self.num_qo_heads)
-
-    def run_with_qkv(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                     kv_cache: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor | None = None,
-                     early_launch: bool = False) -> torch.Tensor:
-        """`run` of the queries of the FP8 QKV projection of x with RoPE (kernels.cuda_gemv_fp8.qkv_rope_fp8's
-        arguments; k and v written into the tokens' KV slots), both in one launch; where `takes_qkv`."""
-        if not self.takes_qkv(x, w, kv_cache):
-            raise ValueError(f"run_with_qkv takes one planned token in the triton decode mode ({self._mode}, "
-                             f"{self._rows} rows planned, {x.shape[0]} given)")
-        if sinks.dtype != torch.float32:
-            raise TypeError(f"sinks must be float32 (cast the bf16 checkpoint values), got {sinks.dtype}")
-        from . import cuda_decode_attention as cda
-
-        return cda.qkv_decode_attention(x, w, scale, bias, positions, cos, sin, slots, kv_cache, self._block_tables,
-                                        self._seq_lens, sinks, self.sm_scale, self.window_left, self.num_qo_heads,
-                                        self._scratch, out=out, early_launch=early_launch)
-
     def run(
         self, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor | None = None,
         early_launch: bool = False,

@@ -32,8 +32,6 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
                       ("windowed", da.WINDOWED_LAYERS)):
         for trace in (False, True):
             builds[f"attention {name}{', timing' if trace else ''}"] = (da.SOURCE, da.compile_options(8, 16, cfg, trace))
-    for name, cfg in (("full", da.QKV_FULL_LAYERS), ("windowed", da.QKV_WINDOWED_LAYERS)):
-        builds[f"attention with the QKV projection, {name}"] = (da.SOURCE, da.compile_options(8, 16, cfg, qkv=True))
     flags = dict(early_down=mx.EARLY_DOWN, early_bias=mx.EARLY_BIAS)
     for which in ("gate_up", "down"):
         builds[f"mxfp4 per pair {which}"] = (mx.SOURCE, mx.compile_options(

@@ -400,31 +400,6 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
 
 
-@pytest.mark.parametrize("layers", ["full", "windowed"])
-def test_cluster_decode_attention_with_the_qkv_projection_requests_weights_and_keys_ahead_of_the_wait(layers,
-                                                                                                    tmp_path):
-    """kernels/cuda_decode_attention.cu's QKV build (DA_QKV): the projection's weight rows, block scales and
-    biases and the first blocks' keys and values are async copies ahead of the wait, beside the request's length
-    and page-table entries; after it, the token row, the position and the slot (strong L2 loads), the
-    projection's f16 mmas, the KV slot's stores, and the cluster's q, k and v read through distributed shared
-    memory before the attention's bf16 mmas. Nothing spills."""
-    from pdserve.kernels.cuda_decode_attention import QKV_FULL_LAYERS, QKV_WINDOWED_LAYERS, SOURCE, compile_options
-
-    cfg = {"full": QKV_FULL_LAYERS, "windowed": QKV_WINDOWED_LAYERS}[layers]
-    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(8, 16, cfg, qkv=True))
-    assert "qkv_decode_attention" in report and " 0 bytes spill stores" in report, report
-    ops = _sass(cubin, tmp_path, "qkv_decode_attention")
-    early = _loads_before_wait(ops)
-    copies = [op for op in early if op.startswith("LDGSTS")]
-    assert "LDGSTS.E.BYPASS.128" in copies and "LDGSTS.E" in copies, copies  # 16-byte rows and keys; scales
-    assert all(op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.STRONG.GPU")) for op in early), early
-    late = ops[ops.index("ACQBULK"):]
-    assert any(op.startswith("LDG.E.STRONG.GPU") for op in late), "x, the position and the slot after the wait"
-    projection, attention = late.index("HMMA.16816.F32"), late.index("HMMA.16816.F32.BF16")
-    assert projection < late.index("LD.E") < attention  # (ld.shared::cluster is a generic LD in SASS)
-    assert any(op.startswith("STG.E.U16") for op in late[projection:attention]), "the KV slot's stores"
-
-
 @pytest.mark.parametrize("layers", ["full, few requests", "windowed"])
 @pytest.mark.parametrize("early_launch", [False, True])
 def test_cluster_decode_attention_lets_the_next_kernel_launch_at_its_start_only_when_asked(layers, early_launch,

@@ -27,28 +27,14 @@ def _start(runner: ModelRunner, prompts: list[list[int]], steps: list[int]) -> l
     return seqs
 
 
-@pytest.mark.parametrize("attention_precision,unembedding_precision,qkv_in_attention", [
-    ("bf16", "bf16", False), ("fp8", "bf16", False), ("fp8", "fp8", False), ("fp8", "bf16", True)])
-def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembedding_precision, qkv_in_attention,
-                                    monkeypatch):
+@pytest.mark.parametrize("attention_precision,unembedding_precision", [("bf16", "bf16"), ("fp8", "bf16"),
+                                                                    ("fp8", "fp8")])
+def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembedding_precision, monkeypatch):
     """FP8 attention projections too: up to cuda_gemv_fp8.MAX_TOKENS tokens their QKV GEMV launches at
     the start of the norm before it (kernels/pdl.py's exception), in the replay as in the eager step;
-    an FP8 vocabulary projection, through the streaming FP8 GEMV up to STREAM_MAX_TOKENS tokens; and
-    (`qkv_in_attention`) one request's QKV projection in the attention's launch, in every layer."""
-    from pdserve.engine.model import GptOssModel
-    from pdserve.kernels import cuda_decode_attention, cuda_gemv_fp8
+    and an FP8 vocabulary projection, through the streaming FP8 GEMV up to STREAM_MAX_TOKENS tokens."""
+    from pdserve.kernels import cuda_gemv_fp8
 
-    in_attention = []
-    if qkv_in_attention:
-        init, fused = GptOssModel.__init__, cuda_decode_attention.qkv_decode_attention
-
-        def init_fusing(self, *a, **k):
-            init(self, *a, **k)
-            self.qkv_in_attention = ("full", "sliding")
-
-        monkeypatch.setattr(GptOssModel, "__init__", init_fusing)
-        monkeypatch.setattr(cuda_decode_attention, "qkv_decode_attention",
-                            lambda x, *a, **k: in_attention.append(x.shape[0]) or fused(x, *a, **k))
     precisions = {"attention_precision": attention_precision, "unembedding_precision": unembedding_precision}
     eager = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, **precisions)
     graphs = ModelRunner(str(narrow_ckpt), device="cuda", num_kv_blocks=512, cuda_graph_max_batch=16, **precisions)
@@ -100,7 +86,6 @@ def test_graph_decode_matches_eager(narrow_ckpt, attention_precision, unembeddin
     # measured up to 8.5e-2 per step, the size of the TP2-vs-TP1 differences at 2 layers (4e-2).
     assert median < 5e-2 and worst < 0.2
     assert graphs.cache.num_free_blocks == free_before
-    assert bool(in_attention) == qkv_in_attention  # (one request's steps: eager, and the graph of size 1's capture)
 
 
 def test_graph_decode_over_the_largest_size_runs_eagerly(narrow_ckpt):
