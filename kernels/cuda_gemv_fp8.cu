@@ -97,8 +97,6 @@ __device__ __forceinline__ void wait_groups(int pending) {
   }
 }
 
-
-
 // Four f16 mmas from Hopper's e4m3 conversion: A's rows g and g + 8 from the lane's 16 e4m3 bytes lo and hi
 // (4 of each an mma), B from the lane's 16 f16 values xa, then xb, in the same K order; into two chains p and q
 // (their sum is D), or one where both name the same array. What the rows and columns hold is the caller's:
