@@ -204,17 +204,6 @@ SETTINGS = {
                                         cuda_decode_attention.ClusterConfig(16, 3, 2)}),
     "cluster attention 16x4": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
                                         cuda_decode_attention.ClusterConfig(16, 4, 2)}),
-    "cluster attention 16x1": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
-                                        cuda_decode_attention.ClusterConfig(16, 1, 2)}),
-    # a CTA's later blocks requested into L2 ahead of their copies (at 8k keys, 4 blocks a CTA: all of
-    # them ahead of the PDL wait with 2 ahead, or with 3 at one block of shared memory a CTA)
-    "cluster attention keys into L2 1 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
-                                                        cuda_decode_attention.ClusterConfig(16, 2, 2, lookahead=3, l2_ahead=1)}),
-    "cluster attention keys into L2 2 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
-                                                        cuda_decode_attention.ClusterConfig(16, 2, 2, lookahead=4, l2_ahead=2)}),
-    "cluster attention 16x1 keys into L2 3 ahead": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
-                                                             cuda_decode_attention.ClusterConfig(16, 1, 2, lookahead=4,
-                                                                                                 l2_ahead=3)}),
     # full layers in splits of at least 256 keys (the tiling until 2026-12-04; the engine's now: splits of
     # one 128-key block, all of a split's keys read ahead of the wait), or of one block up to 64 splits
     "full 256-key splits": _setting(_full_layers(256, 32)),

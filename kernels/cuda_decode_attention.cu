@@ -34,10 +34,8 @@
 //
 // Macros set by the compiler call: DA_GROUP (query heads a KV head, <= 8), DA_PAGE (tokens a page),
 // DA_C (CTAs a cluster), DA_STAGES (blocks a CTA holds in shared memory at once), DA_LOOK (blocks
-// ahead of the copies whose page-table entries are requested), DA_L2 (blocks past the copies whose key
-// and value rows are requested into L2: those past the first STAGES ahead of the PDL wait, then block
-// j + DA_L2 as block j's copies are issued; needs DA_LOOK >= DA_STAGES + DA_L2 so that their entries are
-// in registers by then), DA_EARLY_LAUNCH (1: the next kernel launches at this one's start), DA_TRACE (1: the timing build, whose
+// ahead of the copies whose page-table entries are requested), DA_EARLY_LAUNCH (1: the next kernel
+// launches at this one's start), DA_TRACE (1: the timing build, whose
 // last argument is a u64 buffer of TRACE_WORDS words a warp: see `Trace` below; bench/attention_trace).
 // Integer arguments are 32-bit (kernels/pdl.launch_cuda passes ints so); a page's byte offset is taken
 // in 64 bits, offsets inside a page in 32.
@@ -64,9 +62,6 @@
 #ifndef DA_EARLY_LAUNCH
 #define DA_EARLY_LAUNCH 0
 #endif
-#ifndef DA_L2
-#define DA_L2 0
-#endif
 #if DA_TRACE
 // A warp's record (%globaltimer ns unless said): its start, its first blocks' copies issued, the PDL
 // wait passed, then for each of its first TRACE_BLOCKS blocks the copies landed (the wait_group
@@ -86,7 +81,6 @@ enum Trace { T_START, T_ISSUED, T_PDL, T_BLOCKS, TRACE_BLOCKS = 16, T_FOLDED = T
 
 static_assert(GROUP >= 1 && GROUP <= 8, "the heads of a KV head are the mma's rows 0-7");
 static_assert(LOOK >= 1, "a block's page-table entries are requested before its copies");
-static_assert(DA_L2 == 0 || LOOK >= STAGES + DA_L2, "a block's entries are in registers when it is requested into L2");
 static_assert(BLOCK == THREADS, "each warp copies and sums its own 32 rows of a block");
 
 // byte offset of chunk c of key row r inside a slot
@@ -181,20 +175,6 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
   int ahead[LOOK][8];
 #pragma unroll
   for (int t = 0; t < LOOK; ++t) pages_of(t, ahead[t]);
-  // request the key and value rows of the CTA's block j into L2 (one lane a row: a row is one 128-byte
-  // line) from its page-table entries, those of the rows of lane (warp, chunk 0)
-  auto to_l2 = [&](int j, const int pg[8]) {
-    if (DA_L2 == 0 || j >= my_blocks || chunk != 0) return;
-    const int key0 = start + (k + j * ctas) * BLOCK + row0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int key = key0 + 4 * i;
-      if (key >= seq_len) break;
-      const unsigned char* src = kv_bytes + (u64)(u32)pg[i] * page_bytes + ((u32)key % PAGE * tok_bytes + lane_bytes);
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(src + v_bytes));
-    }
-  };
   // copy (or zero, past the request's last key) the lane's chunks of block j into its slot, and
   // request the entries of block j + LOOK (so that a refill waits on no round trip of its own);
   // one commit group a block, empty ones included, so that group j is always the j-th committed
@@ -210,7 +190,6 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
 #pragma unroll
         for (int i = 0; i < 8; ++i) ahead[t][i] = ahead[t + 1][i];
       pages_of(j + LOOK, ahead[LOOK - 1]);
-      if (DA_L2 > 0 && j >= STAGES) to_l2(j + DA_L2, ahead[DA_L2 > 0 ? DA_L2 - 1 : 0]);  // requested LOOK - DA_L2 blocks ago
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int key = key0 + 4 * i;
@@ -227,8 +206,6 @@ decode_attention(const u16* __restrict__ q, int stride_qt, int stride_qh, const 
   };
 #pragma unroll
   for (int j = 0; j < STAGES; ++j) issue(j);
-#pragma unroll
-  for (int t = 0; t < DA_L2; ++t) to_l2(STAGES + t, ahead[t]);  // entries requested with the first blocks'
   TRACE(T_ISSUED, now_ns());
   TRACE(T_SM, sm_id());
   TRACE(T_MY_BLOCKS, my_blocks);

@@ -49,22 +49,17 @@ class ClusterConfig:
     CTAs to arrive folds the clusters' partials through global memory and an arrival counter);
     lookahead: blocks ahead of a CTA's copies whose page-table entries a lane has requested (1: the
     next block's, requested one loop iteration before its copies; a block's sums take less time than
-    a load's round trip, so larger values are for long requests, docs/kernels.md); l2_ahead: blocks past
-    the copies whose keys and values a CTA requests into L2 (those past the first `stages` ahead of
-    the PDL wait; needs lookahead >= stages + l2_ahead)."""
+    a load's round trip, so larger values are for long requests, docs/kernels.md)."""
 
     cluster: int
     stages: int
     max_rows: int
     max_groups: int = 1
     lookahead: int = 1
-    l2_ahead: int = 0
 
     def __post_init__(self):
         if not 1 <= self.cluster <= MAX_CLUSTER:
             raise ValueError(f"a cluster holds 1-{MAX_CLUSTER} CTAs, not {self.cluster}")
-        if self.l2_ahead and self.lookahead < self.stages + self.l2_ahead:
-            raise ValueError(f"l2_ahead {self.l2_ahead} needs lookahead >= stages + l2_ahead, not {self.lookahead}")
 
 
 # By layer type (H200, docs/performance.md, twenty-third round). Full layers from three requests:
@@ -148,7 +143,7 @@ def compile_options(group: int, page: int, cfg: ClusterConfig, trace: bool = Fal
     """The compiler options of a build of cuda_decode_attention.cu (nvcc takes them too); trace: the
     timing build (DA_TRACE); early_launch: the next kernel launches at this one's start (DA_EARLY_LAUNCH)."""
     return [f"-DDA_GROUP={group}", f"-DDA_PAGE={page}", f"-DDA_C={cfg.cluster}", f"-DDA_STAGES={cfg.stages}",
-            f"-DDA_LOOK={cfg.lookahead}", f"-DDA_L2={cfg.l2_ahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
+            f"-DDA_LOOK={cfg.lookahead}", f"-DDA_TRACE={int(trace)}", f"-DDA_EARLY_LAUNCH={int(early_launch)}",
             "-std=c++17"]
 
 

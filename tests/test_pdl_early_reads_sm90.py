@@ -371,7 +371,7 @@ def test_fp8_stream_requests_its_weights_and_scales_ahead_of_the_wait_and_x_afte
 
 
 @pytest.mark.parametrize("layers", ["full", "full, few requests", "windowed", "full, entries 3 blocks ahead",
-                                    "full, few requests, timing build", "full, few requests, keys into L2 2 ahead"])
+                                    "full, few requests, timing build"])
 def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(layers, tmp_path):
     """kernels/cuda_decode_attention.cu: the request's length and page-table entries (strong L2
     loads) and the async copies of its first blocks' keys and values come before the wait; q and the
@@ -386,8 +386,7 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     few = FULL_LAYERS_FEW or FULL_LAYERS
     cfg = {"full": FULL_LAYERS, "full, few requests": few, "windowed": WINDOWED_LAYERS,
            "full, entries 3 blocks ahead": dataclasses.replace(FULL_LAYERS, lookahead=3),
-           "full, few requests, timing build": few,
-           "full, few requests, keys into L2 2 ahead": dataclasses.replace(few, lookahead=4, l2_ahead=2)}[layers]
+           "full, few requests, timing build": few}[layers]
     options = compile_options(8, 16, cfg, trace=layers.endswith("timing build"))
     cubin, report = compile_cuda(SOURCE.read_text(), options)
     assert "spill" not in report or " 0 bytes spill stores" in report, report
@@ -399,11 +398,6 @@ def test_cluster_decode_attention_copies_its_first_blocks_ahead_of_the_wait(laye
     assert any(op.startswith("LDG.E.STRONG.GPU") for op in late), f"q is not read after the wait: {late}"
     assert len([op for op in ops if op.startswith(("ATOM", "RED"))]) == (cfg.cluster > 1)
     assert ("UCGABAR_ARV" in ops) == (cfg.cluster > 1)
-    # keys and values requested into L2: none without l2_ahead, else some ahead of the wait and more after it
-    prefetches = [i for i, op in enumerate(ops) if op.startswith("CCTL.E.PF2")]
-    assert bool(prefetches) == bool(cfg.l2_ahead)
-    if cfg.l2_ahead:
-        assert prefetches[0] < ops.index("ACQBULK") < prefetches[-1]
 
 
 @pytest.mark.parametrize("layers", ["full, few requests", "windowed"])

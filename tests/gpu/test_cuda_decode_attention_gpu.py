@@ -8,14 +8,11 @@ bit-identical (the arrival counter of multi-cluster requests is reset for the ne
 second launch's output stays NaN). The shapes beside the engine's (other cluster sizes, clusters of
 16 at every batch, up to 8 clusters a request, more blocks a CTA than it holds at once, a single CTA
 walking every block) run the ring and fold paths the engine's shapes reach only at long contexts,
-page-table entries requested further ahead than the engine's one block, and keys and values
-requested into L2 ahead of their copies (which must change no bit). The engine's shape is
+and page-table entries requested further ahead than the engine's one block. The engine's shape is
 clusters of 16 at one and two requests, of 8 from three.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -37,9 +34,6 @@ SHAPES = {
     "cluster 16, up to 2 clusters": cda.ClusterConfig(cluster=16, stages=2, max_rows=64, max_groups=2),
     "one CTA, 2 stages": cda.ClusterConfig(cluster=1, stages=2, max_rows=64),
     "page entries 3 blocks ahead": cda.ClusterConfig(cluster=8, stages=2, max_rows=64, lookahead=3),
-    "keys into L2 2 blocks ahead": cda.ClusterConfig(cluster=16, stages=2, max_rows=64, lookahead=4, l2_ahead=2),
-    "1 stage, keys into L2 3 blocks ahead": cda.ClusterConfig(cluster=8, stages=1, max_rows=64, lookahead=4,
-                                                               l2_ahead=3),
 }
 
 
@@ -73,20 +67,6 @@ def test_matches_reference(b, ctx, window_left, shape):
     assert rel_l2(out, reference(batch, q, kv, sinks, window_left)) < 1e-2
     # deterministic, and the scratch's arrival counters are ready for the next launch
     assert torch.equal(out, run_cuda(batch, q, kv, sinks, window_left, SHAPES[shape], scratch))
-
-
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s.startswith(("keys into L2", "1 stage, keys into L2"))])
-@pytest.mark.parametrize("ctx", [300, 8192, 33000])
-@pytest.mark.parametrize("b", [1, 3])
-def test_keys_requested_into_l2_change_no_bit(b, ctx, shape):
-    """Rows requested into L2 ahead of their copies are only a hint: the output equals, bit for bit,
-    that of the same shape without them."""
-    gen = torch.Generator().manual_seed(31 * b + ctx)
-    batch, kv, q = random_batch([1] * b, lens_for(b, ctx, gen), gen, 3)
-    sinks = sinks_for(gen)
-    cfg = SHAPES[shape]
-    plain = dataclasses.replace(cfg, l2_ahead=0)
-    assert torch.equal(run_cuda(batch, q, kv, sinks, -1, cfg), run_cuda(batch, q, kv, sinks, -1, plain))
 
 
 @pytest.mark.parametrize("window_left", [-1, 127])
