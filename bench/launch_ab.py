@@ -204,6 +204,14 @@ SETTINGS = {
                                         cuda_decode_attention.ClusterConfig(16, 3, 2)}),
     "cluster attention 16x4": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
                                         cuda_decode_attention.ClusterConfig(16, 4, 2)}),
+    # full layers at one and two requests with one block of shared memory a CTA (about 43 KB, not 76); the QKV
+    # launch in CTAs of 16 rows (cuda_gemv_fp8.QKV_ROWS: three an SM, not up to six of 8 rows), alone and with
+    # the one-block attention, which then finds room beside them on every SM
+    "cluster attention 16x1": _setting({(cuda_decode_attention, "FULL_LAYERS_FEW"):
+                                        cuda_decode_attention.ClusterConfig(16, 1, 2)}),
+    "qkv 16 rows": _setting({(cuda_gemv_fp8, "QKV_ROWS"): 16}),
+    "qkv 16 rows + attention 16x1": _setting({(cuda_gemv_fp8, "QKV_ROWS"): 16, (cuda_decode_attention, "FULL_LAYERS_FEW"):
+                                              cuda_decode_attention.ClusterConfig(16, 1, 2)}),
     # full layers in splits of at least 256 keys (the tiling until 2026-12-04; the engine's now: splits of
     # one 128-key block, all of a split's keys read ahead of the wait), or of one block up to 64 splits
     "full 256-key splits": _setting(_full_layers(256, 32)),

@@ -8,9 +8,10 @@
 // conversion turns two e4m3 weights into an f16 tensor-core operand in one instruction (a first version
 // built bf16 operands in three integer instructions a pair and was bound by them: docs/kernels.md).
 //
-// Shape: a CTA owns ROWS = 8 weight rows and its 4 warps split K in steps of 64, which they take in
-// pairs: the weights are the A of mma.sync m16n8k16 (f16 in, float32 accumulate), rows g
-// holding row g's step s and rows g + 8 its step s + 1; B's 8 columns are 4 tokens' steps s and s + 1.
+// Shape: a CTA owns ROWS = 8 or 16 weight rows (GF_ROWS) and its 4 warps split K in steps of 64, which they
+// take in pairs: the weights of 8 rows are the A of mma.sync m16n8k16 (f16 in, float32 accumulate), rows g
+// holding row g's step s and rows g + 8 its step s + 1; B's 8 columns are 4 tokens' steps s and s + 1 (with 16
+// rows, each 8-row group's mmas take the same B).
 // Lane (g, tig) reads 16 weight bytes of row g (16 K) in each step and 16 K of its column's token and
 // step, and feeds four mmas; the K order inside an mma is permuted alike for A and B. D's diagonal
 // blocks are the sums: lane (g, tig) ends with token tig's sums of row g (more tokens: passes of four).
@@ -38,7 +39,8 @@
 // bf16, rotates q and k heads by YaRN RoPE (each product and sum rounded to bf16, as the torch path
 // does) and writes q, and k and v into each token's paged KV slot.
 //
-// Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROPE_D (head dim of the RoPE entry),
+// Macros set by the compiler call: GF_MAX_M (most tokens), GF_ROWS (weight rows a CTA of the staged entries:
+// 8, or 16 for fewer, larger CTAs; the streaming entry ignores it), GF_ROPE_D (head dim of the RoPE entry),
 // GF_GROUPS (commit groups a warp's weight copies are split into; the staged entries' `early` argument says how
 // many of them are requested before the PDL wait, the rest right after it, behind the token rows' loads),
 // GF_TRACE (1: the timing build, whose
@@ -48,7 +50,8 @@
 
 #include "cuda_common.cuh"
 
-#define ROWS 8
+#define ROWS GF_ROWS
+#define ROW_GROUPS (ROWS / 8)  // the mma's 8 rows at a time
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define MAX_M GF_MAX_M
@@ -125,12 +128,14 @@ __device__ __forceinline__ i64 load_input(const i64* p) {
   return v;
 }
 
-// The CTA's rows: row r is base + (r & 3) + (r >> 2) * upper (upper 4: 8 consecutive rows; D / 2:
-// 4 rotation pairs of a head). All in one 128-row scale block.
+// The CTA's rows: row r is base + (r & 3) + ((r >> 2) & 1) * upper + (r >> 3) * next (upper 4, next 8:
+// consecutive rows; upper D / 2, next 4: ROWS / 2 rotation pairs of a head). All in one 128-row scale block.
 struct Rows {
   i64 base;
-  int upper;
-  __device__ __forceinline__ i64 operator()(int r) const { return base + (r & 3) + (r >> 2) * upper; }
+  int upper, next;
+  __device__ __forceinline__ i64 operator()(int r) const {
+    return ROWS == 8 ? base + (r & 3) + (r >> 2) * upper : base + (r & 3) + ((r >> 2) & 1) * upper + (r >> 3) * next;
+  }
 };
 
 // One CTA's dot products, each warp over its share of K. Shared memory: the staged weight rows at
@@ -168,14 +173,15 @@ struct Cta {
 
   // Before the PDL wait: the warp's share of the rows in GROUPS commit groups, the first `early` of them here
   // (the rest after the wait, behind the token rows' loads: stage_x); with the first, the warp's block scales
-  // and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8 rows)
+  // and (warp 0) the biases (bias_pairs: the rows' biases as 4-row runs, false: 8-row runs)
   __device__ __forceinline__ void request(const float* __restrict__ scale, const u16* __restrict__ bias,
                                           bool bias_pairs, int early) {
     const int kb_total = (K + 127) / 128;  // sc[warp][i]: the block scale of step s_lo + i
     if (lane < s_hi - s_lo) copy_small<4>(&sc[warp][lane], scale + (rows(0) / 128) * kb_total + (s_lo + lane) / 2);
     if (warp == 0 && bias != nullptr) {
-      if (!bias_pairs && lane == 0) copy16(bs, bias + rows(0));
-      if (bias_pairs && lane < 2) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
+      const int run = ROWS == 8 ? 0 : lane;  // lane < ROW_GROUPS: its 8-row run
+      if (!bias_pairs && lane < ROW_GROUPS) copy16(bs + 8 * run, bias + rows(8 * run));
+      if (bias_pairs && lane < ROWS / 4) copy_small<8>(bs + 4 * lane, bias + rows(4 * lane));
     }
     copy(0, early);
   }
@@ -252,26 +258,31 @@ struct Cta {
     GF_STAMP(rec, GT_STAGED);
   }
 
-  // Steps s and sb (s + 1; or s again at the end of the warp's share) of the 8 weight rows, as the mma's A:
+  // B of step s's mmas: lane g's x at xr (its token, step s or s + 1; 32 bytes)
+  struct XStep {
+    U4 a, b;
+  };
+  __device__ __forceinline__ static XStep x_at(const unsigned char* xr, int s) {
+    return {*reinterpret_cast<const U4*>(xr + s * 2 * STEP_K), *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16)};
+  }
+
+  // Steps s and sb (s + 1; or s again at the end of the warp's share) of 8 weight rows, as the mma's A:
   // rows g are row g's 16 bytes of step s, rows g + 8 row g's of step sb (the F2FP conversions write A's
-  // registers directly); B column j is lane g = j's x at xr (its token, step s or s + 1). Four mmas in one
-  // chain from zero: d[0] = D[g][2 tig] (step s), d[3] = D[g + 8][2 tig + 1] (step sb), the other two unused.
-  __device__ __forceinline__ void pair(const unsigned char* wr, const unsigned char* xr, int s, int sb,
-                                       float d[4]) const {
+  // registers directly); B column j is lane g = j's x (x_at). Four mmas in one chain from zero:
+  // d[0] = D[g][2 tig] (step s), d[3] = D[g + 8][2 tig + 1] (step sb), the other two unused.
+  __device__ __forceinline__ void pair(const unsigned char* wr, const XStep& x, int s, int sb, float d[4]) const {
     const U4 wa = *reinterpret_cast<const U4*>(wr + s * STEP_K);
     const U4 wb = *reinterpret_cast<const U4*>(wr + sb * STEP_K);
-    const U4 xa = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K);
-    const U4 xb = *reinterpret_cast<const U4*>(xr + s * 2 * STEP_K + 16);
     d[0] = d[1] = d[2] = d[3] = 0.f;
-    mma_e4m3_step(d, d, wa, wb, xa, xb);  // (steps s and sb as A's rows g and g + 8; one chain)
+    mma_e4m3_step(d, d, wa, wb, x.a, x.b);  // (steps s and sb as A's rows g and g + 8; one chain)
   }
 
   // The warp's steps in pairs (two pairs at a time: two independent mma chains), each group's once the warp's
   // copies of it have landed; tokens four at a time (B's 8 columns: a token's step s and step s + 1), so lane
-  // (g, tig) sums token 4 pass + tig of row g; the warp's sums into red. Why pairs: with the tokens as A's
-  // rows (8 of 16 used, the rest zeros re-made around every mma) the loop executed about 108 instructions
-  // for each 1 KB of weights, and the sums, bound by their issue, took about 2 us of a QKV launch after its
-  // bytes had landed; this loop executes about 40.
+  // (g, tig) sums token 4 pass + tig of row g of each 8-row group (the groups' mmas share their B); the warp's
+  // sums into red. Why pairs: with the tokens as A's rows (8 of 16 used, the rest zeros re-made around every
+  // mma) the loop executed about 108 instructions for each 1 KB of weights, and the sums, bound by their
+  // issue, took about 2 us of a QKV launch after its bytes had landed; this loop executes about 40.
   __device__ __forceinline__ void sum(int M) {
     int q = 0;                  // groups waited for
     auto landed = [&](int s) {  // the groups holding steps up to s
@@ -284,45 +295,63 @@ struct Cta {
     };
     for (int t0 = 0; t0 < M; t0 += 4) {
       const int col = t0 + (g >> 1), t = t0 + tig;  // B's token (lane g); D's token (lane tig)
-      // from step s_lo on, advancing a step at a time: the lane's weight bytes, its column's x (past M: token
-      // 0's, unused; odd columns one step ahead), its D token's steps' powers of two and the block scales
+      // from step s_lo on, advancing a step at a time: the lane's weight bytes (group 0's row g; group i's
+      // 8 i rows further), its column's x (past M: token 0's, unused; odd columns one step ahead), its D
+      // token's steps' powers of two and the block scales
       const unsigned char* wr = ws + g * w_stride + tig * 16 + s_lo * STEP_K;
-      const int odd = (g & 1) * 2 * STEP_K;
+      const int odd = (g & 1) * 2 * STEP_K, group_stride = 8 * w_stride;
       const unsigned char* x_col = xs + (col < M ? col : 0) * x_stride + tig * 32 + s_lo * 2 * STEP_K + odd;
       const float* x_pow = xsc[t < M ? t : 0] + s_lo;
       const float* wsc = sc[warp];
-      float acc = 0.f;
+      float acc[ROW_GROUPS];
+#pragma unroll
+      for (int i = 0; i < ROW_GROUPS; i++) acc[i] = 0.f;
       // a pair's two sums (d[0]: step i, d[3]: step i + 1 from the pointers), in K order
-      auto add = [&](const float d[4], int i) {
-        acc = fmaf(d[0], wsc[i] * x_pow[i], acc);
-        acc = fmaf(d[3], wsc[i + 1] * x_pow[i + 1], acc);
+      auto add = [&](float& a, const float d[4], int i) {
+        a = fmaf(d[0], wsc[i] * x_pow[i], a);
+        a = fmaf(d[3], wsc[i + 1] * x_pow[i + 1], a);
       };
       auto advance = [&](int steps) { wr += steps * STEP_K, x_col += steps * 2 * STEP_K, x_pow += steps, wsc += steps; };
       int s = s_lo;
       for (; s + 3 < s_hi; s += 4) {
         landed(s + 3);
-        float d[4], e[4];
-        pair(wr, x_col, 0, 1, d);
-        pair(wr, x_col, 2, 3, e);
-        add(d, 0);
-        add(e, 2);
+        const XStep xa = x_at(x_col, 0), xb = x_at(x_col, 2);
+#pragma unroll
+        for (int i = 0; i < ROW_GROUPS; i++) {
+          float d[4], e[4];
+          pair(wr + i * group_stride, xa, 0, 1, d);
+          pair(wr + i * group_stride, xb, 2, 3, e);
+          add(acc[i], d, 0);
+          add(acc[i], e, 2);
+        }
         advance(4);
       }
       if (s + 1 < s_hi) {
         landed(s + 1);
-        float d[4];
-        pair(wr, x_col, 0, 1, d);
-        add(d, 0);
+        const XStep xa = x_at(x_col, 0);
+#pragma unroll
+        for (int i = 0; i < ROW_GROUPS; i++) {
+          float d[4];
+          pair(wr + i * group_stride, xa, 0, 1, d);
+          add(acc[i], d, 0);
+        }
         advance(2);
         s += 2;
       }
       if (s < s_hi) {  // the share's last step alone: every column reads step s (in bounds), the odd ones unused
         landed(s);
-        float d[4];
-        pair(wr, x_col - odd, 0, 0, d);
-        acc = fmaf(d[0], wsc[0] * x_pow[0], acc);
+        const XStep xa = x_at(x_col - odd, 0);
+#pragma unroll
+        for (int i = 0; i < ROW_GROUPS; i++) {
+          float d[4];
+          pair(wr + i * group_stride, xa, 0, 0, d);
+          acc[i] = fmaf(d[0], wsc[0] * x_pow[0], acc[i]);
+        }
       }
-      if (t < M) red[warp][t][g] = acc;
+      if (t < M) {
+#pragma unroll
+        for (int i = 0; i < ROW_GROUPS; i++) red[warp][t][8 * i + g] = acc[i];
+      }
     }
     __syncthreads();
   }
@@ -343,7 +372,7 @@ struct Cta {
   __shared__ float xsc[MAX_M][MAX_STEPS];                   \
   __shared__ __align__(16) u16 bs[ROWS];
 
-// out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = 8 blockIdx.x + (0 .. 7).
+// out[m, n] = x[m, :] . (w[n, :] * scales) + bias[n] for m < M, the CTA's rows n = ROWS blockIdx.x + (0 .. ROWS - 1).
 // x [M, K] (row stride stride_x) bf16, w [N, K] e4m3 rows contiguous, scale [ceil(N/128), ceil(K/128)]
 // float32, bias [N] bf16 or null, out [M, N] bf16 (row stride stride_out); K a multiple of 64.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS)
@@ -351,7 +380,7 @@ gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restric
          const u16* __restrict__ bias, u16* __restrict__ out, int stride_out, int M, int K, int w_stride, int x_stride,
          int early GF_TRACE_PARAM) {
   CTA_SHARED
-  Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4}, smem, sc, xsc, bs, red);
+  Cta cta(w, K, w_stride, x_stride, Rows{(i64)blockIdx.x * ROWS, 4, 8}, smem, sc, xsc, bs, red);
 #if GF_TRACE
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
@@ -374,8 +403,8 @@ gemv_fp8(const u16* __restrict__ x, int stride_x, const unsigned char* __restric
 __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
 
 // gpt-oss' QKV projection with its epilogue, for M tokens. Rows of w: q heads, then k heads, then v
-// heads, D = GF_ROPE_D each; CTA p takes head h = p / (D / 8) and the 4 rotation pairs j .. j + 3
-// (j = 4 (p % (D / 8))), rows h D + j + (0..3) and h D + D/2 + j + (0..3). Sums rounded to bf16 (the
+// heads, D = GF_ROPE_D each; CTA p takes head h = p / (D / ROWS) and the P = ROWS / 2 rotation pairs j .. j + P - 1
+// (j = P (p % (D / ROWS))), rows h D + j + (0..P-1) and h D + D/2 + j + (0..P-1). Sums rounded to bf16 (the
 // projection's output), then q and k heads rotated (half-split, cos / sin [positions, D/2] float32
 // tables rounded to bf16, each product and each sum rounded to bf16): q heads to q [M, HQ, D], k and
 // v heads into the KV slot slots[m] of layer_cache [blocks, 2, page, HKV, D] (K at 0, V at 1).
@@ -386,10 +415,11 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
               int stride_cos, const i64* __restrict__ slots, u16* __restrict__ cache, int page_size, int stride_cb,
               int stride_ckv, int stride_co, int stride_ch, u16* __restrict__ q, int HQ, int HKV,
               int early GF_TRACE_PARAM) {
-  constexpr int D = GF_ROPE_D, HALF = D / 2;
+  constexpr int D = GF_ROPE_D, HALF = D / 2, P = ROWS / 2;  // P: the CTA's rotation pairs
+  static_assert(HALF % P == 0, "a CTA's rotation pairs within one head");
   CTA_SHARED
-  const int h = blockIdx.x / (HALF / 4), j = (blockIdx.x % (HALF / 4)) * 4;
-  Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF}, smem, sc, xsc, bs, red);
+  const int h = blockIdx.x / (HALF / P), j = (blockIdx.x % (HALF / P)) * P;
+  Cta cta(w, K, w_stride, x_stride, Rows{(i64)h * D + j, HALF, 4}, smem, sc, xsc, bs, red);
 #if GF_TRACE
   cta.rec = trace + (u64)blockIdx.x * GT_WORDS;
 #endif
@@ -399,8 +429,8 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   enter_pdl();  // x, positions and slots are written before this kernel
   GF_STAMP(cta.rec, GT_PDL);
   // the epilogue thread's (token m, pair i) position, table entries and slot, in flight during the sums
-  const int m = threadIdx.x / 4, i = threadIdx.x % 4;
-  const bool epilogue = threadIdx.x < M * 4, rotate = h < HQ + HKV;
+  const int m = threadIdx.x / P, i = threadIdx.x % P;
+  const bool epilogue = threadIdx.x < M * P, rotate = h < HQ + HKV;
   float c = 0.f, s = 0.f;
   i64 slot = 0;
   if (epilogue) {
@@ -416,7 +446,8 @@ gemv_fp8_rope(const u16* __restrict__ x, int stride_x, const unsigned char* __re
   GF_STAMP(cta.rec, GT_SUMMED);
   GF_STAMP(cta.rec, GT_SM);  // (thread 0 is an epilogue thread: it stamps the end too)
   if (!epilogue) return;
-  const float x1 = bf16_round(cta.total(m, i, bias != nullptr)), x2 = bf16_round(cta.total(m, i + 4, bias != nullptr));
+  const int r1 = ROWS == 8 ? i : (i & 3) + (i >> 2) * 8;  // pair i's rows (Rows: the upper half 4 rows on)
+  const float x1 = bf16_round(cta.total(m, r1, bias != nullptr)), x2 = bf16_round(cta.total(m, r1 + 4, bias != nullptr));
   float o1 = x1, o2 = x2;
   if (rotate) {  // q or k
     c = bf16_round(c);
@@ -473,7 +504,7 @@ gemv_fp8_stream(const u16* __restrict__ x, int stride_x, const unsigned char* __
                 const float* __restrict__ scale, const u16* __restrict__ bias, u16* __restrict__ out, int stride_out,
                 int M, int N, int K, int x_stride) {
   CTA_SHARED
-  Cta cta(w, K, 0, x_stride, Rows{0, 4}, smem, sc, xsc, bs, red);  // its token rows only (no weights staged)
+  Cta cta(w, K, 0, x_stride, Rows{0, 4, 8}, smem, sc, xsc, bs, red);  // its token rows only (no weights staged)
   const int steps = K / STEP_K, kb_total = (K + 127) / 128, groups = N / STREAM_ROWS,
             stride_groups = gridDim.x * WARPS;
   const int g = cta.g, tig = cta.tig;

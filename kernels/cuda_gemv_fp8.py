@@ -23,7 +23,12 @@ from .nvrtc import builds_on, load_kernels
 from .pdl import enabled as pdl_enabled, launch_cuda
 
 SOURCE = Path(__file__).with_name("cuda_gemv_fp8.cu")
-ROWS = 8  # weight rows a CTA (the mma's 8 columns)
+ROWS = 8  # weight rows a CTA of `gemv_fp8` (one group of the mma's 8 rows)
+# Weight rows a CTA of the QKV launch (`qkv_rope_fp8`; 8 or 16, half of them rotation pairs' first rows). At 8 its
+# 640 CTAs of a 120b layer sit up to six an SM (docs/performance.md, fifty-fourth round), and no CTA of the
+# attention after it finds room beside them until some end; 16 rows make 320 CTAs of about 57 KB, three an SM,
+# which leave room for a one-block attention CTA on every SM
+QKV_ROWS = 8
 WARPS = 4  # warps splitting a CTA's K
 STEP_K = 64  # K a warp's step takes (4 lanes x 16 bytes)
 MAX_M = 8  # tokens: the mma's rows 0-7
@@ -54,10 +59,16 @@ STREAM_CTAS_PER_SM = 3
 STREAM_MAX_TOKENS = 8
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for CTAs
 MAX_WARP_STEPS = 32  # 64-K steps of a warp's share of K (K <= MAX_K), each with its block scale
-# the kernels' static buffers: the warps' sums, their block scales, the staged token rows' powers of
-# two (a token and 64-K step), the bf16 biases
-STATIC_SHARED = 4 * WARPS * MAX_M * ROWS + 4 * WARPS * MAX_WARP_STEPS + 4 * MAX_M * (MAX_K // STEP_K) + 2 * ROWS
-MAX_DYNAMIC_SHARED = SHARED_PER_SM - STATIC_SHARED
+
+
+def static_shared(rows: int = ROWS) -> int:
+    """The kernels' static buffers in a build of `rows` rows a CTA: the warps' sums, their block scales, the
+    staged token rows' powers of two (a token and 64-K step), the bf16 biases."""
+    return 4 * WARPS * MAX_M * rows + 4 * WARPS * MAX_WARP_STEPS + 4 * MAX_M * (MAX_K // STEP_K) + 2 * rows
+
+
+def max_dynamic_shared(rows: int = ROWS) -> int:
+    return SHARED_PER_SM - static_shared(rows)
 
 
 def w_stride(k: int) -> int:
@@ -71,16 +82,16 @@ def x_stride(k: int) -> int:
     return 2 * k + 16
 
 
-def shared_bytes(k: int, m: int) -> int:
-    """A CTA's dynamic shared memory: its ROWS staged weight rows and the m token rows."""
-    return ROWS * w_stride(k) + m * x_stride(k)
+def shared_bytes(k: int, m: int, rows: int = ROWS) -> int:
+    """A CTA's dynamic shared memory: its `rows` staged weight rows and the m token rows."""
+    return rows * w_stride(k) + m * x_stride(k)
 
 
-def fits(m: int, n: int, k: int) -> bool:
-    """Whether the kernels take an [m, k] x [n, k]^T projection: tokens, rows in CTAs of 8 (all in one
+def fits(m: int, n: int, k: int, rows: int = ROWS) -> bool:
+    """Whether the kernels take an [m, k] x [n, k]^T projection: tokens, rows in CTAs of `rows` (all in one
     128-row scale block), K in steps of 64, and a CTA within an SM's shared memory."""
-    return (1 <= m <= MAX_M and n % ROWS == 0 and k % STEP_K == 0 and k <= MAX_K
-            and shared_bytes(k, m) <= MAX_DYNAMIC_SHARED)
+    return (1 <= m <= MAX_M and n % rows == 0 and k % STEP_K == 0 and k <= MAX_K
+            and shared_bytes(k, m, rows) <= max_dynamic_shared(rows))
 
 
 def available(device: torch.device) -> bool:
@@ -88,13 +99,17 @@ def available(device: torch.device) -> bool:
     return builds_on(device, "FP8 GEMV", _kernels)
 
 
-def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False) -> list[str]:
-    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE)."""
+def compile_options(groups: int = GROUPS, stream_depth: int = STREAM_DEPTH, trace: bool = False,
+                    rows: int = ROWS) -> list[str]:
+    """The compiler options of cuda_gemv_fp8.cu (nvcc takes them too); trace: the timing build (GF_TRACE);
+    rows: weight rows a CTA of the staged entries (8 or 16)."""
+    if rows not in (8, 16):
+        raise ValueError(f"a CTA stages 8 or 16 weight rows, got {rows}")
     if not 1 <= groups <= 4:
         raise ValueError(f"GROUPS must be 1-4, got {groups}")
     if not 1 <= stream_depth <= 32:
         raise ValueError(f"STREAM_DEPTH must be 1-32, got {stream_depth}")
-    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
+    return [f"-DGF_MAX_M={MAX_M}", f"-DGF_ROWS={rows}", f"-DGF_ROPE_D={ROPE_D}", f"-DGF_GROUPS={groups}",
             f"-DGF_STREAM_D={stream_depth}", f"-DGF_TRACE={int(trace)}", "-std=c++17"]
 
 
@@ -137,23 +152,24 @@ def _traced(entry: str, ctas: int) -> tuple[dict, list]:
     return {"trace": True}, [TRACE.take(entry, ctas)]
 
 
-def _kernels(device_index: int, trace: bool = False) -> dict:
-    return _build(device_index, GROUPS, STREAM_DEPTH, trace)
+def _kernels(device_index: int, trace: bool = False, rows: int = ROWS) -> dict:
+    return _build(device_index, GROUPS, STREAM_DEPTH, trace, rows)
 
 
 @functools.cache
-def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False) -> dict:
+def _build(device_index: int, groups: int, stream_depth: int, trace: bool = False, rows: int = ROWS) -> dict:
     return load_kernels(SOURCE, ["gemv_fp8", "gemv_fp8_rope", "gemv_fp8_stream"],
-                        compile_options(groups, stream_depth, trace), device_index, MAX_DYNAMIC_SHARED)
+                        compile_options(groups, stream_depth, trace, rows), device_index, max_dynamic_shared(rows))
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+           rows: int = ROWS) -> tuple[int, int, int]:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} are not [M, K] and [N, K]")
     m, k = x.shape
     n = w.shape[0]
-    if not fits(m, n, k):
-        raise ValueError(f"the FP8 GEMV takes 1-{MAX_M} tokens, N a multiple of {ROWS} and K a multiple of "
+    if not fits(m, n, k, rows):
+        raise ValueError(f"the FP8 GEMV takes 1-{MAX_M} tokens, N a multiple of {rows} and K a multiple of "
                          f"{STEP_K} up to {MAX_K}: got M {m}, N {n}, K {k}")
     if x.dtype != torch.bfloat16 or w.dtype != FP8 or scale.dtype != torch.float32 or (
             bias is not None and bias.dtype != torch.bfloat16):
@@ -168,14 +184,16 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     return m, n, k
 
 
-def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+             rows: int = ROWS) -> torch.Tensor:
     """x [M, K] bf16 @ (w [N, K] e4m3 x its 128x128 block scales)^T + bias [N] -> [M, N] bf16 on one
-    CUDA device (`fits(M, N, K)`): float32 sums, the bias added in float32, one rounding."""
-    m, n, k = _check(x, w, scale, bias)
+    CUDA device (`fits(M, N, K, rows)`): float32 sums, the bias added in float32, one rounding; CTAs of
+    `rows` weight rows (8 or 16: the same sums in the same order, so the same bits)."""
+    m, n, k = _check(x, w, scale, bias, rows)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    build, trace = _traced("gemv_fp8", n // ROWS)
-    launch_cuda(_kernels(_index(x), **build)["gemv_fp8"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1), shared_bytes(k, m),
-                pdl=pdl_enabled(x.device),
+    build, trace = _traced("gemv_fp8", n // rows)
+    launch_cuda(_kernels(_index(x), rows=rows, **build)["gemv_fp8"], (n // rows, 1, 1), (32 * WARPS, 1, 1),
+                shared_bytes(k, m, rows), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, out, out.stride(0), m, k, w_stride(k), x_stride(k),
                       _early(), *trace])
     return out
@@ -213,8 +231,10 @@ def gemv_fp8_stream(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
 
 
 def fits_rope(m: int, k: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether `qkv_rope_fp8` takes this QKV projection (a head's rows within one 128-row block)."""
-    return head_dim == ROPE_D and BLOCK % head_dim == 0 and fits(m, (num_q_heads + 2 * num_kv_heads) * head_dim, k)
+    """Whether `qkv_rope_fp8` takes this QKV projection (a head's rows within one 128-row block, a CTA's
+    rotation pairs within one head)."""
+    return (head_dim == ROPE_D and BLOCK % head_dim == 0 and (head_dim // 2) % (QKV_ROWS // 2) == 0
+            and fits(m, (num_q_heads + 2 * num_kv_heads) * head_dim, k, QKV_ROWS))
 
 
 def qkv_rope_fp8(
@@ -227,7 +247,7 @@ def qkv_rope_fp8(
     None, positions and flat KV slots [M] int64, cos / sin float32 [max_pos, D/2], layer_cache
     [blocks, 2, page, Hkv, D] bf16. Writes rotated k and v at each token's slot; returns rotated q
     [M, Hq, D]. Equals `gemv_fp8` then `rope_qkv_write` bit for bit."""
-    m, n, k = _check(x, w, scale, bias)
+    m, n, k = _check(x, w, scale, bias, QKV_ROWS)
     blocks, two, page_size, hkv, d = layer_cache.shape
     if two != 2 or hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"w {tuple(w.shape)} does not match cache {tuple(layer_cache.shape)} "
@@ -243,9 +263,9 @@ def qkv_rope_fp8(
         raise ValueError(f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be contiguous "
                          f"int64 [{m}]")
     q = torch.empty(m, num_q_heads, d, dtype=torch.bfloat16, device=x.device)
-    build, trace = _traced("gemv_fp8_rope", n // ROWS)
-    launch_cuda(_kernels(_index(x), **build)["gemv_fp8_rope"], (n // ROWS, 1, 1), (32 * WARPS, 1, 1),
-                shared_bytes(k, m), pdl=pdl_enabled(x.device),
+    build, trace = _traced("gemv_fp8_rope", n // QKV_ROWS)
+    launch_cuda(_kernels(_index(x), rows=QKV_ROWS, **build)["gemv_fp8_rope"], (n // QKV_ROWS, 1, 1),
+                (32 * WARPS, 1, 1), shared_bytes(k, m, QKV_ROWS), pdl=pdl_enabled(x.device),
                 args=[x, x.stride(0), w, scale, bias, m, k, w_stride(k), x_stride(k), positions, cos, sin,
                       cos.stride(0), slots, layer_cache, page_size, *layer_cache.stride()[:4], q, num_q_heads,
                       num_kv_heads, _early(), *trace])

@@ -20,6 +20,21 @@ def test_fits_gpt_oss_projections():
     assert fits_rope(8, 2880, 64, 8, 64) and not fits_rope(1, 2880, 64, 8, 128)
 
 
+def test_sixteen_row_ctas(monkeypatch):
+    """CTAs of 16 rows: N a multiple of 16; the QKV launch (cuda_gemv_fp8.QKV_ROWS) takes a head's 32 rotation
+    pairs in CTAs of 8; three CTAs of gpt-oss' QKV fit an SM's shared memory, four do not."""
+    from pdserve.kernels import cuda_gemv_fp8 as gf
+
+    assert fits(1, 5120, 2880, 16) and not fits(1, 2880 + 8, 4096, 16)
+    assert shared_bytes(2880, 1, 16) == 16 * 2880 + 2 * 2880 + 16
+    cta = shared_bytes(2880, 1, 16) + gf.static_shared(16)
+    assert 3 * cta <= gf.SHARED_PER_SM < 4 * cta
+    monkeypatch.setattr(gf, "QKV_ROWS", 16)
+    assert fits_rope(8, 2880, 64, 8, 64) and not fits_rope(1, 2880 + 32, 64, 8, 64)
+    with pytest.raises(ValueError, match="8 or 16"):
+        gf.compile_options(rows=4)
+
+
 def test_staged_rows_fall_in_distinct_banks():
     """Rows g and g + 1 of a quarter warp's 16-byte reads: 64 bytes apart modulo 128."""
     for k in (2048, 2880, 4096):
@@ -119,7 +134,7 @@ def test_every_launch_passes_each_kernel_its_parameters(monkeypatch, traced):
     for kernel, build, args in launched:
         n, has_trace = _kernel_params(kernel)
         assert has_trace
-        assert len(args) == n + traced and build == ({"trace": True} if traced else {})
+        assert len(args) == n + traced and build == {"rows": 8, **({"trace": True} if traced else {})}
 
 
 def test_the_timing_build_writes_each_captured_launch_into_its_own_part_of_the_trace(monkeypatch):

@@ -54,6 +54,7 @@ def _builds() -> dict[str, tuple[Path, list[str]]]:
     builds["fp8 gemv"] = (gf.SOURCE, gf.compile_options())
     builds["fp8 gemv, timing"] = (gf.SOURCE, gf.compile_options(trace=True))
     builds["fp8 gemv, all copies before the wait"] = (gf.SOURCE, gf.compile_options(groups=1))
+    builds["fp8 gemv, 16 rows"] = (gf.SOURCE, gf.compile_options(rows=16))
     builds["staged gemv"] = (gs.SOURCE, gs.compile_options())
     for experts in (32, 128):
         builds[f"router, {experts} experts"] = (rt.SOURCE, rt.compile_options(experts, 2880, *rt.shape(experts, 2880)))

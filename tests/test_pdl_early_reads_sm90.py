@@ -306,21 +306,22 @@ def test_staged_gemv_requests_its_weights_ahead_of_the_wait_and_reads_x_after_it
     assert any(op.startswith("LDGSTS") for op in ops[ops.index("ACQBULK"):]), "no copy of x after the wait"
 
 
+@pytest.mark.parametrize("rows", [8, 16])
 @pytest.mark.parametrize("entry", ["gemv_fp8", "gemv_fp8_rope"])
-def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_after_it(entry, tmp_path):
-    """kernels/cuda_gemv_fp8.cu: the async copies of the CTA's e4m3 rows, its block scales and its
-    biases (LDGSTS) are all it reads before the wait; x, the positions and the slots (written by the
-    step) come after it, through L2; the K loop feeds f16 mmas from Hopper's e4m3 conversion, without
-    spills."""
-    from pdserve.kernels.cuda_gemv_fp8 import SOURCE, STATIC_SHARED, compile_options
+def test_fp8_gemv_requests_its_weights_scales_and_bias_ahead_of_the_wait_and_x_after_it(entry, rows, tmp_path):
+    """kernels/cuda_gemv_fp8.cu, in CTAs of 8 and of 16 rows: the async copies of the CTA's e4m3 rows, its
+    block scales and its biases (LDGSTS) are all it reads before the wait; x, the positions and the slots
+    (written by the step) come after it, through L2; the K loop feeds f16 mmas from Hopper's e4m3
+    conversion, without spills."""
+    from pdserve.kernels.cuda_gemv_fp8 import SOURCE, compile_options, static_shared
 
-    cubin, report = compile_cuda(SOURCE.read_text(), compile_options())
+    cubin, report = compile_cuda(SOURCE.read_text(), compile_options(rows=rows))
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and set(spills) == {"0"}, report
     # the module sizes its dynamic shared memory by the staged entries' static buffers (the streaming
     # entry keeps only the token rows' powers of two of them)
     smem = {int(v) for v in re.findall(r"(\d+) bytes smem", report)}
-    assert STATIC_SHARED in smem and max(smem) == STATIC_SHARED, report
+    assert static_shared(rows) in smem and max(smem) == static_shared(rows), report
     ops = _sass(cubin, tmp_path, entry)
     early = _loads_before_wait(ops)
     assert any(op.startswith("LDGSTS") for op in early), f"no weight copy ahead of the wait: {early}"

@@ -98,6 +98,16 @@ def test_without_bias_and_with_strided_rows(m, seed):
     _check(gemv_fp8(x, wq, ws, None), x, wq, ws, None)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_sixteen_row_ctas_change_no_bit(shape, m, bias, seed):
+    """CTAs of 16 weight rows (two of the mma's 8-row groups on one B) sum each row in the order CTAs of 8 do:
+    the same bits, with and without bias."""
+    x, wq, ws, b = _problem(*SHAPES[shape], m, seed, bias=bias)
+    assert torch.equal(gemv_fp8(x, wq, ws, b, rows=16), gemv_fp8(x, wq, ws, b))
+
+
 @pytest.mark.parametrize("groups, early", [(1, 1), (2, 2), (4, 4), (4, 3)])
 def test_commit_groups_change_no_bit(groups, early, seed, monkeypatch):
     """How a warp's copies are grouped (cuda_gemv_fp8.GROUPS), and how many groups are requested before the
@@ -157,11 +167,14 @@ def _rope_case(m: int, seed: int, hq: int = 64, hkv: int = 8, d: int = 64, page:
 
 @pytest.mark.parametrize("m", [1, 2, 8])
 @pytest.mark.parametrize("heads", [(64, 8), (32, 4)])
-def test_rope_entry_equals_the_gemv_then_the_epilogue(m, heads, seed):
-    """qkv_rope_fp8 (one launch) against gemv_fp8 then kernels.triton_rope.rope_qkv_write: q and
-    the whole cache bit-identical (the KV slots written, nothing else touched); TP-2's heads too."""
+@pytest.mark.parametrize("qkv_rows", [8, 16])
+def test_rope_entry_equals_the_gemv_then_the_epilogue(m, heads, qkv_rows, seed, monkeypatch):
+    """qkv_rope_fp8 (one launch; CTAs of 4 or 8 rotation pairs, cuda_gemv_fp8.QKV_ROWS) against gemv_fp8
+    then kernels.triton_rope.rope_qkv_write: q and the whole cache bit-identical (the KV slots written,
+    nothing else touched); TP-2's heads too."""
     from pdserve.kernels.triton_rope import rope_qkv_write
 
+    monkeypatch.setattr(cuda_gemv_fp8, "QKV_ROWS", qkv_rows)
     hq, hkv = heads
     x, wq, ws, b, positions, rope, slots, cache = _rope_case(m, seed, hq, hkv)
     want_cache = cache.clone()
