@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("cuda_gemv_fp8.cu")
 ROWS = 8  # weight rows a CTA of `gemv_fp8` (one group of the mma's 8 rows)
 # Weight rows a CTA of the QKV launch (`qkv_rope_fp8`; 8 or 16, half of them rotation pairs' first rows). At 8 its
 # 640 CTAs of a 120b layer sit up to six an SM (docs/performance.md, fifty-fourth round), and no CTA of the
-# attention after it finds room beside them until some end; 16 rows make 320 CTAs of about 57 KB, three an SM,
+# attention after it finds room beside them until some end; 16 rows make 320 CTAs of 58.5 KB, three an SM,
 # which leave room for a one-block attention CTA on every SM
 QKV_ROWS = 8
 WARPS = 4  # warps splitting a CTA's K
@@ -68,6 +68,7 @@ def static_shared(rows: int = ROWS) -> int:
 
 
 def max_dynamic_shared(rows: int = ROWS) -> int:
+    """The most dynamic shared memory a CTA of that build may ask for (what its module is loaded with)."""
     return SHARED_PER_SM - static_shared(rows)
 
 
