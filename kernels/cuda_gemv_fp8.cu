@@ -35,7 +35,7 @@
 // sum. So the result is the float32 dot product with the dequantised weights, in this kernel's order.
 //
 // Two entry points: `gemv_fp8` writes out [M, N]; `gemv_fp8_rope` is gpt-oss' QKV projection with
-// its epilogue (kernels/triton_rope.py): a CTA takes 4 rotation pairs of one head, rounds its sums to
+// its epilogue (kernels/triton_rope.py): a CTA takes ROWS / 2 rotation pairs of one head, rounds its sums to
 // bf16, rotates q and k heads by YaRN RoPE (each product and sum rounded to bf16, as the torch path
 // does) and writes q, and k and v into each token's paged KV slot.
 //
