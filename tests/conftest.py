@@ -38,9 +38,20 @@ def random_seed(request) -> int:
     from one seed per test, a failing test's report names it, and PDSERVE_TEST_SEED=<seed> makes
     the same inputs again (tests that seed torch themselves keep their own seed)."""
     seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 32))
+    if "module_seed" in request.fixturenames:  # the inputs that matter are the module's: report its seed
+        request.node.user_properties.append((SEED_ENV, request.getfixturevalue("module_seed")))
     request.node.user_properties.append((SEED_ENV, seed))
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture(scope="module")
+def module_seed() -> int:
+    """The seed of a module's shared inputs (a module-scoped fixture that runs kernels once for many
+    tests). Such a fixture is set up before any test's `random_seed`, so a draw from torch's generator
+    there would depend on the tests that ran before; this draws as `random_seed` does, is named in a
+    failing test's report, and PDSERVE_TEST_SEED=<seed> replays it."""
+    return int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 31))
 
 
 @pytest.fixture

@@ -94,8 +94,8 @@ def _child(in_path: str, out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+def run(tmp_path_factory, module_seed):
+    seed = module_seed
     cases = [_case(name, seed + i) for i, name in enumerate(CASES)]
     results = run_in_interpreter(__file__, cases, tmp_path_factory.mktemp("fp8_linear_interp"), seed)
     return {c["name"]: c for c in cases}, results

@@ -13,10 +13,10 @@ Tolerances:
 - residual add: bit-exact; the normed output: rel L2 2e-6 (float32) / 1e-3 (float16): the sum of
   squares is summed in another order and the interpreter's rsqrt is 1/sqrt, not libdevice's;
 - router logits: rel L2 1e-6 / 1e-3 (summation order); ids: the top 4 of the kernel's own logits
-  (equal ones: the lower id first), and for float32 the float32 reference's top 4 (float16 rounding
-  can make logits equal that the reference tells apart); weights, against torch's softmax of the
-  kernel's own top-4 logits: 1e-6 (the interpreter's exp is numpy's, not libdevice's: the GPU test
-  is bit-exact).
+  (equal ones: the lower id first), and the reference's top 4 up to twice the largest logit error
+  (the summation order, or float16 rounding, may swap logits the reference puts that close);
+  weights, against torch's softmax of the kernel's own top-4 logits: 1e-6 (the interpreter's exp is
+  numpy's, not libdevice's: the GPU test is bit-exact).
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def _child(in_path: str, out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+def run(tmp_path_factory, module_seed):
+    seed = module_seed
     cases = _cases(seed)
     return cases, run_in_interpreter(__file__, cases, tmp_path_factory.mktemp("fused_interp"), seed)
 
@@ -197,8 +197,12 @@ def test_router(run):
         # leaves their order open): a stable descending sort
         own = torch.sort(r["logits"], dim=-1, descending=True, stable=True)
         assert torch.equal(r["ids"], own.indices[:, :4])
-        if c["dtype"] == torch.float32:  # float16 rounding can tie logits the float32 reference tells apart
-            assert torch.equal(r["ids"], torch.topk(ref_logits, 4, dim=-1, sorted=True).indices)
+        # and the reference's top 4, up to the kernel's own logit error: its summation order can swap two
+        # logits the reference puts closer than twice that error (float16 rounding can tie them outright)
+        err = (r["logits"].float() - ref_logits).abs().max().item()
+        picked = ref_logits.gather(1, r["ids"])
+        top = torch.topk(ref_logits, 4, dim=-1, sorted=True).values
+        assert (picked - top).abs().max().item() <= 2 * err, (r["ids"], picked, top, err)
         assert r["weights"].dtype == c["dtype"]
         assert torch.equal(r["again"][0], r["weights"]) and torch.equal(r["again"][1], r["ids"])
         tol = 1e-6 if c["dtype"] == torch.float32 else 1e-3  # float16: the weights' own rounding

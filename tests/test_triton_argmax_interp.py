@@ -64,8 +64,8 @@ def _child(in_path: str, out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+def run(tmp_path_factory, module_seed):
+    seed = module_seed
     cases = _cases(seed)
     return cases, run_in_interpreter(__file__, cases, tmp_path_factory.mktemp("argmax_interp"), seed)
 
