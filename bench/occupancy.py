@@ -21,6 +21,7 @@ import torch
 
 from pdserve.kernels import cuda_decode_attention as da
 from pdserve.kernels import cuda_gemv_fp8 as gf
+from pdserve.kernels.nvrtc import resident_ctas
 
 REGISTERS_PER_SM = 65536
 REGISTER_UNIT = 256  # registers are allocated to a warp in units of 256 (8 a thread)
@@ -35,16 +36,13 @@ def _attr(kernel, attribute: int) -> int:
 
 
 def per_sm(kernel, threads: int, dynamic_smem: int) -> int:
-    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
-
-    value = ctypes.c_int()
-    _check_cuda(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(value), kernel.func, threads, ctypes.c_size_t(dynamic_smem)))
-    return value.value
+    """CTAs of a build an SM holds at once (kernels.nvrtc.resident_ctas, per SM)."""
+    dev = torch.cuda.current_device()
+    return resident_ctas(kernel, threads, dynamic_smem, dev) // torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def describe(name: str, kernel, threads: int, dynamic_smem: int) -> dict:
-    """A build's resources a CTA (CU_FUNC_ATTRIBUTE 0: threads max, 1: static shared, 4: registers)."""
+    """A build's resources a CTA (CU_FUNC_ATTRIBUTE 1: static shared memory, 4: registers)."""
     regs = _attr(kernel, 4)
     return {"name": name, "threads": threads, "registers": regs, "cta_registers": cta_registers(regs, threads),
             "shared": dynamic_smem + _attr(kernel, 1), "per_sm": per_sm(kernel, threads, dynamic_smem)}
